@@ -1,0 +1,274 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DTYPE_UNSPECIFIED: _ClassVar[DType]
+    FLOAT32: _ClassVar[DType]
+    FLOAT16: _ClassVar[DType]
+    BFLOAT16: _ClassVar[DType]
+
+class Mode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    MODE_UNSPECIFIED: _ClassVar[Mode]
+    SYNC: _ClassVar[Mode]
+    ASYNC: _ClassVar[Mode]
+    SSP: _ClassVar[Mode]
+DTYPE_UNSPECIFIED: DType
+FLOAT32: DType
+FLOAT16: DType
+BFLOAT16: DType
+MODE_UNSPECIFIED: Mode
+SYNC: Mode
+ASYNC: Mode
+SSP: Mode
+
+class TensorData(_message.Message):
+    __slots__ = ("key", "offset", "data")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    offset: int
+    data: bytes
+    def __init__(self, key: _Optional[str] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class SlotSpec(_message.Message):
+    __slots__ = ("key", "param", "start", "numel")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    PARAM_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    NUMEL_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    param: str
+    start: int
+    numel: int
+    def __init__(self, key: _Optional[str] = ..., param: _Optional[str] = ..., start: _Optional[int] = ..., numel: _Optional[int] = ...) -> None: ...
+
+class OptimizerSpec(_message.Message):
+    __slots__ = ("name", "lr", "momentum", "nesterov", "weight_decay", "beta1", "beta2", "eps", "schedule", "warmup_steps", "total_steps", "min_lr_ratio")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    LR_FIELD_NUMBER: _ClassVar[int]
+    MOMENTUM_FIELD_NUMBER: _ClassVar[int]
+    NESTEROV_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_DECAY_FIELD_NUMBER: _ClassVar[int]
+    BETA1_FIELD_NUMBER: _ClassVar[int]
+    BETA2_FIELD_NUMBER: _ClassVar[int]
+    EPS_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULE_FIELD_NUMBER: _ClassVar[int]
+    WARMUP_STEPS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_STEPS_FIELD_NUMBER: _ClassVar[int]
+    MIN_LR_RATIO_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    lr: float
+    momentum: float
+    nesterov: bool
+    weight_decay: float
+    beta1: float
+    beta2: float
+    eps: float
+    schedule: str
+    warmup_steps: int
+    total_steps: int
+    min_lr_ratio: float
+    def __init__(self, name: _Optional[str] = ..., lr: _Optional[float] = ..., momentum: _Optional[float] = ..., nesterov: _Optional[bool] = ..., weight_decay: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ..., schedule: _Optional[str] = ..., warmup_steps: _Optional[int] = ..., total_steps: _Optional[int] = ..., min_lr_ratio: _Optional[float] = ...) -> None: ...
+
+class LossScaleSpec(_message.Message):
+    __slots__ = ("enabled", "init_scale", "growth_factor", "backoff_factor", "growth_interval")
+    ENABLED_FIELD_NUMBER: _ClassVar[int]
+    INIT_SCALE_FIELD_NUMBER: _ClassVar[int]
+    GROWTH_FACTOR_FIELD_NUMBER: _ClassVar[int]
+    BACKOFF_FACTOR_FIELD_NUMBER: _ClassVar[int]
+    GROWTH_INTERVAL_FIELD_NUMBER: _ClassVar[int]
+    enabled: bool
+    init_scale: float
+    growth_factor: float
+    backoff_factor: float
+    growth_interval: int
+    def __init__(self, enabled: _Optional[bool] = ..., init_scale: _Optional[float] = ..., growth_factor: _Optional[float] = ..., backoff_factor: _Optional[float] = ..., growth_interval: _Optional[int] = ...) -> None: ...
+
+class JobSpec(_message.Message):
+    __slots__ = ("mode", "staleness", "num_workers", "optimizer", "loss_scale", "shard_index", "num_shards", "slots", "job_id")
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_FIELD_NUMBER: _ClassVar[int]
+    NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    LOSS_SCALE_FIELD_NUMBER: _ClassVar[int]
+    SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    mode: Mode
+    staleness: int
+    num_workers: int
+    optimizer: OptimizerSpec
+    loss_scale: LossScaleSpec
+    shard_index: int
+    num_shards: int
+    slots: _containers.RepeatedCompositeFieldContainer[SlotSpec]
+    job_id: str
+    def __init__(self, mode: _Optional[_Union[Mode, str]] = ..., staleness: _Optional[int] = ..., num_workers: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., loss_scale: _Optional[_Union[LossScaleSpec, _Mapping]] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., slots: _Optional[_Iterable[_Union[SlotSpec, _Mapping]]] = ..., job_id: _Optional[str] = ...) -> None: ...
+
+class InitHeader(_message.Message):
+    __slots__ = ("job",)
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    job: JobSpec
+    def __init__(self, job: _Optional[_Union[JobSpec, _Mapping]] = ...) -> None: ...
+
+class InitChunk(_message.Message):
+    __slots__ = ("header", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: InitHeader
+    data: TensorData
+    def __init__(self, header: _Optional[_Union[InitHeader, _Mapping]] = ..., data: _Optional[_Union[TensorData, _Mapping]] = ...) -> None: ...
+
+class InitReply(_message.Message):
+    __slots__ = ("already_initialized", "master_bytes")
+    ALREADY_INITIALIZED_FIELD_NUMBER: _ClassVar[int]
+    MASTER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    already_initialized: bool
+    master_bytes: int
+    def __init__(self, already_initialized: _Optional[bool] = ..., master_bytes: _Optional[int] = ...) -> None: ...
+
+class GetJobRequest(_message.Message):
+    __slots__ = ("wait",)
+    WAIT_FIELD_NUMBER: _ClassVar[int]
+    wait: bool
+    def __init__(self, wait: _Optional[bool] = ...) -> None: ...
+
+class GetJobReply(_message.Message):
+    __slots__ = ("initialized", "job", "version")
+    INITIALIZED_FIELD_NUMBER: _ClassVar[int]
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    initialized: bool
+    job: JobSpec
+    version: int
+    def __init__(self, initialized: _Optional[bool] = ..., job: _Optional[_Union[JobSpec, _Mapping]] = ..., version: _Optional[int] = ...) -> None: ...
+
+class PushHeader(_message.Message):
+    __slots__ = ("worker", "clock", "base_version", "dtype", "loss_scale", "overflow", "retry")
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    CLOCK_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    LOSS_SCALE_FIELD_NUMBER: _ClassVar[int]
+    OVERFLOW_FIELD_NUMBER: _ClassVar[int]
+    RETRY_FIELD_NUMBER: _ClassVar[int]
+    worker: int
+    clock: int
+    base_version: int
+    dtype: DType
+    loss_scale: float
+    overflow: bool
+    retry: bool
+    def __init__(self, worker: _Optional[int] = ..., clock: _Optional[int] = ..., base_version: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., loss_scale: _Optional[float] = ..., overflow: _Optional[bool] = ..., retry: _Optional[bool] = ...) -> None: ...
+
+class PushChunk(_message.Message):
+    __slots__ = ("header", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: PushHeader
+    data: TensorData
+    def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., data: _Optional[_Union[TensorData, _Mapping]] = ...) -> None: ...
+
+class PushReply(_message.Message):
+    __slots__ = ("applied", "already_applied", "dropped_nonfinite", "version", "staleness")
+    APPLIED_FIELD_NUMBER: _ClassVar[int]
+    ALREADY_APPLIED_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_NONFINITE_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_FIELD_NUMBER: _ClassVar[int]
+    applied: bool
+    already_applied: bool
+    dropped_nonfinite: bool
+    version: int
+    staleness: int
+    def __init__(self, applied: _Optional[bool] = ..., already_applied: _Optional[bool] = ..., dropped_nonfinite: _Optional[bool] = ..., version: _Optional[int] = ..., staleness: _Optional[int] = ...) -> None: ...
+
+class PullRequest(_message.Message):
+    __slots__ = ("worker", "clock", "dtype")
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    CLOCK_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    worker: int
+    clock: int
+    dtype: DType
+    def __init__(self, worker: _Optional[int] = ..., clock: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
+
+class PullHeader(_message.Message):
+    __slots__ = ("version", "rounds", "loss_scale", "last_round_skipped", "skipped_rounds", "dtype", "clock_gap")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    LOSS_SCALE_FIELD_NUMBER: _ClassVar[int]
+    LAST_ROUND_SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    CLOCK_GAP_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    rounds: int
+    loss_scale: float
+    last_round_skipped: bool
+    skipped_rounds: int
+    dtype: DType
+    clock_gap: int
+    def __init__(self, version: _Optional[int] = ..., rounds: _Optional[int] = ..., loss_scale: _Optional[float] = ..., last_round_skipped: _Optional[bool] = ..., skipped_rounds: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., clock_gap: _Optional[int] = ...) -> None: ...
+
+class PullChunk(_message.Message):
+    __slots__ = ("header", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: PullHeader
+    data: TensorData
+    def __init__(self, header: _Optional[_Union[PullHeader, _Mapping]] = ..., data: _Optional[_Union[TensorData, _Mapping]] = ...) -> None: ...
+
+class LeaveRequest(_message.Message):
+    __slots__ = ("worker",)
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    worker: int
+    def __init__(self, worker: _Optional[int] = ...) -> None: ...
+
+class LeaveReply(_message.Message):
+    __slots__ = ("live_workers",)
+    LIVE_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    live_workers: int
+    def __init__(self, live_workers: _Optional[int] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatsReply(_message.Message):
+    __slots__ = ("version", "rounds", "updates_applied", "skipped_rounds", "dropped_nonfinite", "live_workers", "loss_scale", "worker_clocks", "max_clock_gap", "staleness_histogram", "master_bytes", "state_digest")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    UPDATES_APPLIED_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_NONFINITE_FIELD_NUMBER: _ClassVar[int]
+    LIVE_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    LOSS_SCALE_FIELD_NUMBER: _ClassVar[int]
+    WORKER_CLOCKS_FIELD_NUMBER: _ClassVar[int]
+    MAX_CLOCK_GAP_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_HISTOGRAM_FIELD_NUMBER: _ClassVar[int]
+    MASTER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STATE_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    rounds: int
+    updates_applied: int
+    skipped_rounds: int
+    dropped_nonfinite: int
+    live_workers: int
+    loss_scale: float
+    worker_clocks: _containers.RepeatedScalarFieldContainer[int]
+    max_clock_gap: int
+    staleness_histogram: _containers.RepeatedScalarFieldContainer[int]
+    master_bytes: int
+    state_digest: str
+    def __init__(self, version: _Optional[int] = ..., rounds: _Optional[int] = ..., updates_applied: _Optional[int] = ..., skipped_rounds: _Optional[int] = ..., dropped_nonfinite: _Optional[int] = ..., live_workers: _Optional[int] = ..., loss_scale: _Optional[float] = ..., worker_clocks: _Optional[_Iterable[int]] = ..., max_clock_gap: _Optional[int] = ..., staleness_histogram: _Optional[_Iterable[int]] = ..., master_bytes: _Optional[int] = ..., state_digest: _Optional[str] = ...) -> None: ...
