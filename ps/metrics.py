@@ -1,0 +1,336 @@
+"""Prometheus metrics of a parameter-server shard, and the helpers workers share.
+
+Every :class:`ShardMetrics` owns its own :class:`~prometheus_client.CollectorRegistry`
+(never the global default one): tests and benchmarks run several shards and workers in
+one process, and a process-wide registry would mix their counters or refuse the second
+registration outright.
+
+All label values are fixed when the object is built: each child (every ``reason``,
+``method``...) is created up front, so that
+
+* a scrape taken before the first event already lists every series (dashboards and
+  ``rate()`` see a 0 rather than a missing series), and
+* the hot-path methods, called by the shard under its lock, are a dict lookup plus a
+  lock-free-ish increment, with no label formatting.
+
+Metric names are a contract (dashboards, alerts and ``docs/metrics.md`` refer to them);
+``tests/test_metrics_unit.py`` pins them.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import threading
+from collections.abc import Iterable, Mapping
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import start_http_server as _start_http_server
+
+__all__ = [
+    "DURATION_BUCKETS",
+    "OTHER",
+    "RPC_METHODS",
+    "SHARD_MODES",
+    "SKIP_REASONS",
+    "REJECT_REASONS",
+    "STALENESS_BUCKETS",
+    "ShardMetrics",
+    "build_info",
+    "psar_version",
+    "serve_metrics",
+    "stop_metrics",
+]
+
+#: Staleness is counted in versions (update rounds), so small integers dominate;
+#: the tail doubles to still tell "a few behind" from "a straggler far behind".
+STALENESS_BUCKETS: tuple[float, ...] = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
+
+#: Durations from a 100 µs local RPC up to a 60 s barrier stalled on a straggler,
+#: roughly 1-2.5-5 per decade so quantiles stay within ~2.5x anywhere in the range.
+DURATION_BUCKETS: tuple[float, ...] = (
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+)
+
+#: Catch-all label value: an unexpected reason/method string from a caller is counted
+#: here instead of raising inside an RPC handler or creating an unbounded new series.
+OTHER = "other"
+
+REJECT_REASONS: tuple[str, ...] = (
+    "bad_shape",
+    "bad_dtype",
+    "unknown_key",
+    "duplicate",
+    "out_of_order",
+    "too_stale",
+    "nonfinite",
+    "not_initialized",
+    "unauthenticated",
+    "too_large",
+    "malformed",
+    OTHER,
+)
+
+#: Why a whole update round was skipped (no optimizer step applied).
+SKIP_REASONS: tuple[str, ...] = ("overflow", "nonfinite", "empty", OTHER)
+
+RPC_METHODS: tuple[str, ...] = ("Init", "GetJob", "Push", "Pull", "Leave", "Stats", OTHER)
+
+SHARD_MODES: tuple[str, ...] = ("sync", "async", "ssp")
+
+
+def psar_version() -> str:
+    """Installed version of the ``psar`` distribution, or ``0+unknown`` from a bare checkout."""
+    try:
+        return importlib.metadata.version("psar")
+    except importlib.metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
+def build_info(registry: CollectorRegistry, arch: str) -> Gauge:
+    """Register ``psar_build_info{version,arch} 1`` in ``registry``.
+
+    The usual "info gauge" idiom: joining on it (``* on(instance) group_left(version)``)
+    labels any series with the code version that produced it.  A registry holds one
+    metrics object, so this is registered once per registry.
+    """
+    gauge = Gauge(
+        "psar_build_info",
+        "Build information; always 1, the labels carry the data.",
+        ["version", "arch"],
+        registry=registry,
+    )
+    gauge.labels(version=psar_version(), arch=arch).set(1)
+    return gauge
+
+
+def children(metric, label: str, values: Iterable[str], **fixed: str) -> dict[str, object]:
+    """Pre-create one child of a labelled ``metric`` per value of ``label``.
+
+    ``fixed`` binds the other labels (e.g. ``shard``/``mode``); the returned dict maps
+    each ``label`` value to its child, so hot paths skip ``labels()`` entirely.
+    """
+    return {v: metric.labels(**fixed, **{label: v}) for v in values}
+
+
+def _pick(table: Mapping[str, object], key: str):
+    """Child for ``key``, or the ``other`` child: never raise on the hot path."""
+    child = table.get(key)
+    return child if child is not None else table[OTHER]
+
+
+def serve_metrics(
+    registry: CollectorRegistry, port: int, addr: str = "127.0.0.1"
+) -> tuple[WSGIServer, threading.Thread]:
+    """Serve ``registry`` on ``http://addr:port/metrics`` from a daemon thread.
+
+    Port 0 picks a free port; read the real one from ``server.server_port``.  The
+    default address is loopback on purpose: binding every interface is an explicit
+    choice (``addr="0.0.0.0"`` in a pod).  Stop with :func:`stop_metrics`.
+    """
+    server, thread = _start_http_server(port, addr=addr, registry=registry)
+    return server, thread
+
+
+def stop_metrics(server: WSGIServer, thread: threading.Thread | None = None) -> None:
+    """Stop a server from :func:`serve_metrics` and free its port."""
+    server.shutdown()
+    server.server_close()
+    if thread is not None:
+        thread.join(timeout=5)
+
+
+class ShardMetrics:
+    """Metrics of one PS shard; the shard calls the methods below under its own lock.
+
+    Every series carries ``shard`` and ``mode`` labels (bounded: one value each per
+    instance) so that several shards scraped into one Prometheus stay apart even when
+    they share an ``instance``.
+    """
+
+    def __init__(
+        self, registry: CollectorRegistry | None = None, *, shard: int = 0, mode: str = "sync"
+    ) -> None:
+        if mode not in SHARD_MODES:
+            raise ValueError(f"mode must be one of {SHARD_MODES}, got {mode!r}")
+        if int(shard) < 0:
+            raise ValueError(f"shard must be >= 0, got {shard}")
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.shard = int(shard)
+        self.mode = mode
+        reg = self.registry
+        base = ["shard", "mode"]
+        fixed = {"shard": str(self.shard), "mode": mode}
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, base, registry=reg).labels(**fixed)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, base, registry=reg).labels(**fixed)
+
+        def histogram(name: str, doc: str, buckets: Iterable[float]) -> Histogram:
+            return Histogram(name, doc, base, buckets=tuple(buckets), registry=reg).labels(**fixed)
+
+        self._updates = counter(
+            "psar_ps_updates_applied_total", "Optimizer steps applied to this shard."
+        )
+        self._skipped = children(
+            Counter(
+                "psar_ps_rounds_skipped_total",
+                "Update rounds that ended without an optimizer step, by reason.",
+                [*base, "reason"],
+                registry=reg,
+            ),
+            "reason",
+            SKIP_REASONS,
+            **fixed,
+        )
+        self._staleness = histogram(
+            "psar_ps_gradient_staleness",
+            "Versions between the one a gradient was computed from and the one it was applied to.",
+            STALENESS_BUCKETS,
+        )
+        self._rejected = children(
+            Counter(
+                "psar_ps_pushes_rejected_total",
+                "Pushes refused before touching the parameters, by reason.",
+                [*base, "reason"],
+                registry=reg,
+            ),
+            "reason",
+            REJECT_REASONS,
+            **fixed,
+        )
+        self._accepted = counter(
+            "psar_ps_pushes_accepted_total", "Pushes accepted into an update round."
+        )
+        self._nonfinite = counter(
+            "psar_ps_nonfinite_dropped_total",
+            "Gradients dropped because they held NaN or Inf values.",
+        )
+        self._rx = counter(
+            "psar_ps_bytes_received_total", "Payload bytes received from workers (pushes)."
+        )
+        self._tx = counter("psar_ps_bytes_sent_total", "Payload bytes sent to workers (pulls).")
+        self._rpc = children(
+            Histogram(
+                "psar_ps_rpc_duration_seconds",
+                "Server-side handling time of each RPC, by method.",
+                [*base, "method"],
+                buckets=DURATION_BUCKETS,
+                registry=reg,
+            ),
+            "method",
+            RPC_METHODS,
+            **fixed,
+        )
+        self._barrier = histogram(
+            "psar_ps_barrier_wait_seconds",
+            "Time sync-mode pulls waited for their round to close.",
+            DURATION_BUCKETS,
+        )
+        self._ssp = histogram(
+            "psar_ps_ssp_wait_seconds",
+            "Time SSP-mode pulls waited for the slowest worker to come within the bound.",
+            DURATION_BUCKETS,
+        )
+        self._live = gauge(
+            "psar_ps_live_workers", "Workers currently registered and not timed out."
+        )
+        self._version = gauge("psar_ps_version", "Update rounds applied so far (shard version).")
+        self._loss_scale = gauge(
+            "psar_ps_loss_scale", "Current dynamic loss scale of mixed-precision training."
+        )
+        self._master_bytes = gauge(
+            "psar_ps_master_bytes", "Bytes held by the master parameters and optimizer state."
+        )
+        build_info(reg, "ps")
+
+    # -- counters ---------------------------------------------------------------------
+
+    def optimizer_step(self) -> None:
+        """One optimizer step was applied to the shard's parameters."""
+        self._updates.inc()
+
+    def gradient_applied(self, staleness: int) -> None:
+        """A gradient computed at version ``v`` was applied at version ``v + staleness``."""
+        self._staleness.observe(staleness)
+
+    def push_accepted(self) -> None:
+        """A push passed validation and joined an update round."""
+        self._accepted.inc()
+
+    def round_skipped(self, reason: str) -> None:
+        """A round ended without a step (``overflow``, ``nonfinite``, ``empty``; else ``other``)."""
+        _pick(self._skipped, reason).inc()
+
+    def push_rejected(self, reason: str) -> None:
+        """A push was refused; an unknown ``reason`` is counted as ``other``."""
+        _pick(self._rejected, reason).inc()
+
+    def nonfinite_dropped(self) -> None:
+        """A gradient with NaN/Inf values was dropped."""
+        self._nonfinite.inc()
+
+    def bytes_received(self, n: int) -> None:
+        """``n`` payload bytes arrived from a worker."""
+        self._rx.inc(n)
+
+    def bytes_sent(self, n: int) -> None:
+        """``n`` payload bytes went out to a worker."""
+        self._tx.inc(n)
+
+    # -- durations --------------------------------------------------------------------
+
+    def rpc_observed(self, method: str, seconds: float) -> None:
+        """An RPC ``method`` took ``seconds`` to handle; unknown methods count as ``other``."""
+        _pick(self._rpc, method).observe(seconds)
+
+    def barrier_wait(self, seconds: float) -> None:
+        """A sync pull waited ``seconds`` for its round to close."""
+        self._barrier.observe(seconds)
+
+    def ssp_wait(self, seconds: float) -> None:
+        """An SSP pull waited ``seconds`` for the slowest worker."""
+        self._ssp.observe(seconds)
+
+    # -- gauges -----------------------------------------------------------------------
+
+    def set_live_workers(self, n: int) -> None:
+        self._live.set(n)
+
+    def set_version(self, v: int) -> None:
+        self._version.set(v)
+
+    def set_loss_scale(self, s: float) -> None:
+        self._loss_scale.set(s)
+
+    def set_master_bytes(self, b: int) -> None:
+        self._master_bytes.set(b)
+
+    # -- exposition -------------------------------------------------------------------
+
+    def exposition(self) -> bytes:
+        """The registry in Prometheus text format (what a scrape returns)."""
+        return generate_latest(self.registry)
+
+    def serve(self, port: int, addr: str = "127.0.0.1") -> tuple[WSGIServer, threading.Thread]:
+        """Shortcut for :func:`serve_metrics` on this instance's registry."""
+        return serve_metrics(self.registry, port, addr)

@@ -1,0 +1,76 @@
+"""Deterministic placement of parameters onto shards.
+
+Tensors larger than `chunk_bytes` are cut into chunks; chunks and small tensors are
+then placed greedily, largest first, onto the shard holding the fewest bytes so far
+(ties: lowest shard index). Every worker computes the same plan from the model's
+parameter list, so the plan never travels except as a check (round-robin placement
+by variable unbalances shards badly when sizes differ: tensorflow#45291).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+DEFAULT_CHUNK_BYTES = 4 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class Slot:
+    """One piece of one parameter held by one shard."""
+
+    key: str
+    """Unique slot name: '<param>#<chunk index>'."""
+    param: str
+    """Name of the parameter (as in model.named_parameters())."""
+    start: int
+    """First element of the parameter's flat view that this slot holds."""
+    numel: int
+    """Number of elements."""
+    shard: int
+    """Index of the shard that holds it."""
+
+
+def plan_slots(
+    params: Sequence[tuple[str, int]],
+    num_shards: int,
+    *,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    itemsize: int = 4,
+) -> list[Slot]:
+    """Cut and place parameters (name, numel) onto `num_shards` shards.
+
+    Returns slots in parameter order (then chunk order), which is also the order in
+    which workers push and pull them.
+    """
+    if num_shards < 1:
+        raise ValueError(f"num_shards must be >= 1, got {num_shards}")
+    if chunk_bytes < itemsize:
+        raise ValueError(f"chunk_bytes must be >= {itemsize}, got {chunk_bytes}")
+    names = [n for n, _ in params]
+    if len(set(names)) != len(names):
+        raise ValueError("parameter names must be unique")
+    per_chunk = chunk_bytes // itemsize
+    pieces: list[tuple[str, str, int, int]] = []  # key, param, start, numel
+    for name, numel in params:
+        if numel <= 0:
+            raise ValueError(f"parameter {name!r} has no elements")
+        for i, start in enumerate(range(0, numel, per_chunk)):
+            pieces.append((f"{name}#{i}", name, start, min(per_chunk, numel - start)))
+    load = [0] * num_shards
+    placed: dict[str, int] = {}
+    # Largest first, ties broken by position, so the plan depends only on the list.
+    order = sorted(range(len(pieces)), key=lambda i: (-pieces[i][3], i))
+    for i in order:
+        shard = min(range(num_shards), key=lambda s: (load[s], s))
+        load[shard] += pieces[i][3] * itemsize
+        placed[pieces[i][0]] = shard
+    return [Slot(k, p, s, n, placed[k]) for k, p, s, n in pieces]
+
+
+def bytes_per_shard(slots: Sequence[Slot], num_shards: int, itemsize: int = 4) -> list[int]:
+    """fp32 master bytes each shard holds under this plan."""
+    out = [0] * num_shards
+    for s in slots:
+        out[s.shard] += s.numel * itemsize
+    return out

@@ -1,0 +1,156 @@
+"""proto <-> Python conversion, in one place (Flower's serde module).
+
+Everything else in ps/ works on plain dataclasses; tests/test_serde.py round-trips each.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ps import wire
+from ps._gen.psar.v1 import ps_pb2 as pb
+from ps.errors import InvalidArgument
+from ps.job import Job
+from ps.partition import Slot
+from ps.shard import PullHeader, PushHeader
+from worker.optim import LossScaleConfig, OptimizerConfig
+
+_MODE_TO_PB = {"sync": pb.SYNC, "async": pb.ASYNC, "ssp": pb.SSP}
+_MODE_FROM_PB = {v: k for k, v in _MODE_TO_PB.items()}
+
+
+def dtype_to_pb(dtype: torch.dtype) -> int:
+    return wire.WIRE_FROM_DTYPE[dtype]
+
+
+def dtype_from_pb(value: int) -> torch.dtype:
+    try:
+        return wire.DTYPE_FROM_WIRE[value]
+    except KeyError:
+        raise InvalidArgument(
+            f"unknown dtype enum {value}; send FLOAT32, FLOAT16 or BFLOAT16", reason="bad_dtype"
+        ) from None
+
+
+def job_to_pb(job: Job) -> pb.JobSpec:
+    o, ls = job.optimizer, job.loss_scale
+    return pb.JobSpec(
+        mode=_MODE_TO_PB[job.mode],
+        staleness=job.staleness,
+        num_workers=job.num_workers,
+        optimizer=pb.OptimizerSpec(
+            name=o.name,
+            lr=o.lr,
+            momentum=o.momentum,
+            nesterov=o.nesterov,
+            weight_decay=o.weight_decay,
+            beta1=o.beta1,
+            beta2=o.beta2,
+            eps=o.eps,
+            schedule=o.schedule,
+            warmup_steps=o.warmup_steps,
+            total_steps=o.total_steps,
+            min_lr_ratio=o.min_lr_ratio,
+        ),
+        loss_scale=pb.LossScaleSpec(
+            enabled=ls.enabled,
+            init_scale=ls.init_scale,
+            growth_factor=ls.growth_factor,
+            backoff_factor=ls.backoff_factor,
+            growth_interval=ls.growth_interval,
+        ),
+        shard_index=job.shard_index,
+        num_shards=job.num_shards,
+        slots=[
+            pb.SlotSpec(key=s.key, param=s.param, start=s.start, numel=s.numel) for s in job.slots
+        ],
+        job_id=job.job_id,
+    )
+
+
+def job_from_pb(spec: pb.JobSpec) -> Job:
+    """A validated Job; a malformed spec raises InvalidArgument naming the problem."""
+    if spec.mode not in _MODE_FROM_PB:
+        raise InvalidArgument(f"job mode enum {spec.mode} unknown; use SYNC, ASYNC or SSP")
+    o, ls = spec.optimizer, spec.loss_scale
+    try:
+        return Job(
+            mode=_MODE_FROM_PB[spec.mode],
+            staleness=spec.staleness,
+            num_workers=spec.num_workers,
+            optimizer=OptimizerConfig(
+                name=o.name,
+                lr=o.lr,
+                momentum=o.momentum,
+                nesterov=o.nesterov,
+                weight_decay=o.weight_decay,
+                beta1=o.beta1,
+                beta2=o.beta2,
+                eps=o.eps,
+                schedule=o.schedule,
+                warmup_steps=o.warmup_steps,
+                total_steps=o.total_steps,
+                min_lr_ratio=o.min_lr_ratio,
+            ),
+            loss_scale=LossScaleConfig(
+                enabled=ls.enabled,
+                init_scale=ls.init_scale,
+                growth_factor=ls.growth_factor,
+                backoff_factor=ls.backoff_factor,
+                growth_interval=ls.growth_interval,
+            ),
+            shard_index=spec.shard_index,
+            num_shards=spec.num_shards,
+            slots=[Slot(s.key, s.param, s.start, s.numel, spec.shard_index) for s in spec.slots],
+            job_id=spec.job_id,
+        )
+    except ValueError as e:
+        raise InvalidArgument(f"invalid job spec: {e}", reason="malformed") from None
+
+
+def push_header_to_pb(h: PushHeader) -> pb.PushHeader:
+    return pb.PushHeader(
+        worker=h.worker,
+        clock=h.clock,
+        base_version=h.base_version,
+        dtype=dtype_to_pb(h.dtype),
+        loss_scale=h.loss_scale,
+        overflow=h.overflow,
+        retry=h.retry,
+    )
+
+
+def push_header_from_pb(m: pb.PushHeader) -> PushHeader:
+    return PushHeader(
+        worker=m.worker,
+        clock=m.clock,
+        base_version=m.base_version,
+        dtype=dtype_from_pb(m.dtype),
+        loss_scale=m.loss_scale,
+        overflow=m.overflow,
+        retry=m.retry,
+    )
+
+
+def pull_header_to_pb(h: PullHeader) -> pb.PullHeader:
+    return pb.PullHeader(
+        version=h.version,
+        rounds=h.rounds,
+        loss_scale=h.loss_scale,
+        last_round_skipped=h.last_round_skipped,
+        skipped_rounds=h.skipped_rounds,
+        dtype=dtype_to_pb(h.dtype),
+        clock_gap=h.clock_gap,
+    )
+
+
+def pull_header_from_pb(m: pb.PullHeader) -> PullHeader:
+    return PullHeader(
+        version=m.version,
+        rounds=m.rounds,
+        loss_scale=m.loss_scale,
+        last_round_skipped=m.last_round_skipped,
+        skipped_rounds=m.skipped_rounds,
+        dtype=dtype_from_pb(m.dtype),
+        clock_gap=m.clock_gap,
+    )

@@ -1,0 +1,134 @@
+"""The gRPC servicer: proto in, ShardState call, proto out; PSError -> status code.
+
+No logic lives here (thin servicers, serde at the edge): every decision is made by
+ps/shard.py and ps/policies.py, which tests drive without a socket.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import torch
+
+from ps import serde
+from ps._gen.psar.v1 import ps_pb2 as pb
+from ps._gen.psar.v1 import ps_pb2_grpc as pb_grpc
+from ps.errors import InvalidArgument, PSError
+from ps.shard import ShardState
+
+
+class ParameterServerServicer(pb_grpc.ParameterServerServicer):
+    def __init__(self, state: ShardState) -> None:
+        self.state = state
+        self.metrics = state.metrics
+
+    def _fail(self, context: grpc.ServicerContext, method: str, e: PSError) -> None:
+        if method == "Push":
+            self.metrics.push_rejected(e.reason)
+        context.abort(e.code, e.args[0])
+
+    def Init(self, request_iterator: Iterator[pb.InitChunk], context: grpc.ServicerContext) -> Any:
+        t0 = time.monotonic()
+        try:
+            first = next(request_iterator, None)
+            if first is None or first.WhichOneof("kind") != "header":
+                raise InvalidArgument("Init stream must start with a header", reason="malformed")
+            job = serde.job_from_pb(first.header.job)
+            numel = {s.key: s.numel for s in job.slots}
+            values = {k: torch.empty(n) for k, n in numel.items()}
+            filled = dict.fromkeys(numel, 0)
+            for msg in request_iterator:
+                if msg.WhichOneof("kind") != "data":
+                    raise InvalidArgument("Init: only one header allowed", reason="malformed")
+                d = msg.data
+                if d.key not in numel:
+                    raise InvalidArgument(f"Init: data for slot {d.key!r} not in the job's slots")
+                n = len(d.data) // 4
+                if len(d.data) % 4 or d.offset != filled[d.key] or d.offset + n > numel[d.key]:
+                    raise InvalidArgument(
+                        f"Init: slot {d.key!r} piece at {d.offset} of {n} fp32 elements does not "
+                        f"continue the {filled[d.key]} received of {numel[d.key]}"
+                    )
+                values[d.key][d.offset : d.offset + n].copy_(
+                    serde.wire.decode(d.data, torch.float32)
+                )
+                filled[d.key] += n
+            short = [k for k, n in numel.items() if filled[k] != n]
+            if short:
+                raise InvalidArgument(f"Init: slot {short[0]!r} incomplete ({len(short)} short)")
+            already = self.state.init(job, values)
+            return pb.InitReply(already_initialized=already, master_bytes=self.state.master_bytes)
+        except PSError as e:
+            self._fail(context, "Init", e)
+        finally:
+            self.metrics.rpc_observed("Init", time.monotonic() - t0)
+
+    def GetJob(self, request: pb.GetJobRequest, context: grpc.ServicerContext) -> Any:
+        t0 = time.monotonic()
+        try:
+            if request.wait:
+                self.state.wait_initialized(context.time_remaining())
+            job = self.state.job
+            if job is None:
+                return pb.GetJobReply(initialized=False)
+            return pb.GetJobReply(
+                initialized=True, job=serde.job_to_pb(job), version=self.state.version
+            )
+        finally:
+            self.metrics.rpc_observed("GetJob", time.monotonic() - t0)
+
+    def Push(self, request_iterator: Iterator[pb.PushChunk], context: grpc.ServicerContext) -> Any:
+        t0 = time.monotonic()
+        ticket = None
+        try:
+            first = next(request_iterator, None)
+            if first is None or first.WhichOneof("kind") != "header":
+                raise InvalidArgument("Push stream must start with a header", reason="malformed")
+            ticket = self.state.begin_push(serde.push_header_from_pb(first.header))
+            for msg in request_iterator:
+                if msg.WhichOneof("kind") != "data":
+                    raise InvalidArgument("Push: only one header allowed", reason="malformed")
+                self.state.add_data(ticket, msg.data.key, msg.data.offset, msg.data.data)
+            outcome, version, already = self.state.finish_push(ticket)
+            ticket = None
+            return pb.PushReply(
+                applied=outcome.applied,
+                already_applied=already,
+                dropped_nonfinite=outcome.dropped_nonfinite,
+                version=version,
+                staleness=outcome.staleness,
+            )
+        except PSError as e:
+            self._fail(context, "Push", e)
+        finally:
+            if ticket is not None:
+                ticket.release()
+            self.metrics.rpc_observed("Push", time.monotonic() - t0)
+
+    def Pull(self, request: pb.PullRequest, context: grpc.ServicerContext) -> Iterator[Any]:
+        t0 = time.monotonic()
+        try:
+            dtype = serde.dtype_from_pb(request.dtype)
+            header, pieces = self.state.pull(
+                request.worker, request.clock, dtype, context.time_remaining()
+            )
+        except PSError as e:
+            self.metrics.rpc_observed("Pull", time.monotonic() - t0)
+            self._fail(context, "Pull", e)
+            return
+        yield pb.PullChunk(header=serde.pull_header_to_pb(header))
+        for key, offset, data in pieces:
+            yield pb.PullChunk(data=pb.TensorData(key=key, offset=offset, data=data))
+        self.metrics.rpc_observed("Pull", time.monotonic() - t0)
+
+    def Leave(self, request: pb.LeaveRequest, context: grpc.ServicerContext) -> Any:
+        try:
+            return pb.LeaveReply(live_workers=self.state.leave(request.worker))
+        except PSError as e:
+            self._fail(context, "Leave", e)
+
+    def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> Any:
+        return pb.StatsReply(**self.state.stats())

@@ -1,0 +1,65 @@
+"""Raw tensor bytes on the wire: dtype names, chunking into ~1 MiB messages, decoding.
+
+Tensors travel as raw little-endian bytes of a declared dtype. A stream of ~1 MiB
+messages moves 2-10x more bytes per second through Python gRPC than one big unary
+message (measured here: 1.7-2.1 GB/s vs 0.1-0.9 GB/s), so every tensor is cut up.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+
+import torch
+
+DEFAULT_MESSAGE_BYTES = 1 << 20
+
+# Proto enum values (psar.v1.DType) <-> torch dtypes. Kept as ints so this module has
+# no dependency on the generated stubs.
+DTYPE_FROM_WIRE: dict[int, torch.dtype] = {1: torch.float32, 2: torch.float16, 3: torch.bfloat16}
+WIRE_FROM_DTYPE: dict[torch.dtype, int] = {v: k for k, v in DTYPE_FROM_WIRE.items()}
+DTYPE_BY_NAME: dict[str, torch.dtype] = {
+    "fp32": torch.float32,
+    "fp16": torch.float16,
+    "bf16": torch.bfloat16,
+}
+NAME_BY_DTYPE: dict[torch.dtype, str] = {v: k for k, v in DTYPE_BY_NAME.items()}
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """'fp32' | 'fp16' | 'bf16' -> torch dtype, with an error naming the accepted values."""
+    try:
+        return DTYPE_BY_NAME[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; accepted: fp32, fp16, bf16") from None
+
+
+def as_bytes_view(flat: torch.Tensor) -> memoryview:
+    """A byte view of a contiguous CPU tensor, without copying (bf16 has no numpy dtype)."""
+    if flat.dtype in (torch.float16, torch.bfloat16):
+        flat = flat.view(torch.int16)
+    return memoryview(flat.detach().numpy()).cast("B")
+
+
+def iter_pieces(
+    flat: torch.Tensor, message_bytes: int = DEFAULT_MESSAGE_BYTES
+) -> Iterator[tuple[int, bytes]]:
+    """Yield (element offset, bytes) pieces of a contiguous 1-D tensor, each <= message_bytes."""
+    itemsize = flat.element_size()
+    per = max(1, message_bytes // itemsize)
+    view = as_bytes_view(flat)
+    n = flat.numel()
+    for start in range(0, n, per):
+        stop = min(n, start + per)
+        yield start, bytes(view[start * itemsize : stop * itemsize])
+
+
+def decode(data: bytes, dtype: torch.dtype) -> torch.Tensor:
+    """A read-only 1-D tensor view of received bytes (no copy). Never write into it."""
+    with warnings.catch_warnings():
+        # torch warns that `bytes` is not writable; we only ever read from this view.
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(data, dtype=dtype)
+
+
+DTYPE_ITEMSIZE: dict[torch.dtype, int] = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2}

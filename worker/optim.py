@@ -1,0 +1,158 @@
+"""Optimizers, learning-rate schedules and dynamic loss scaling shared by both architectures.
+
+The parameter-server shards and the DDP backend build their optimizer from the same
+`OptimizerConfig` with the same functions, so an update is the same torch code
+whichever architecture runs it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+OPTIMIZERS = ("sgd", "adamw")
+SCHEDULES = ("constant", "warmup_cosine")
+
+
+@dataclass(kw_only=True)
+class OptimizerConfig:
+    """The optimizer that updates the fp32 master weights."""
+
+    name: str = "sgd"
+    """Optimizer: sgd | adamw."""
+    lr: float = 0.05
+    """Peak learning rate."""
+    momentum: float = 0.9
+    """SGD momentum (0 disables it)."""
+    nesterov: bool = False
+    """SGD: use Nesterov momentum (needs momentum > 0)."""
+    weight_decay: float = 0.0
+    """Weight decay (decoupled for adamw, L2 for sgd, as torch does)."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.999
+    """AdamW beta2."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    schedule: str = "constant"
+    """Learning-rate schedule: constant | warmup_cosine (linear warm-up, then cosine decay)."""
+    warmup_steps: int = 0
+    """warmup_cosine: number of updates of linear warm-up."""
+    total_steps: int = 0
+    """warmup_cosine: number of updates over which the cosine decays (0: use the run's steps)."""
+    min_lr_ratio: float = 0.0
+    """warmup_cosine: final learning rate as a fraction of lr."""
+
+    def __post_init__(self) -> None:
+        if self.name not in OPTIMIZERS:
+            raise ValueError(
+                f"--optimizer: unknown {self.name!r}; accepted: {', '.join(OPTIMIZERS)}"
+            )
+        if self.schedule not in SCHEDULES:
+            raise ValueError(
+                f"--schedule: unknown {self.schedule!r}; accepted: {', '.join(SCHEDULES)}"
+            )
+        if not self.lr > 0:
+            raise ValueError(f"--lr must be > 0, got {self.lr}")
+        if self.momentum < 0 or self.weight_decay < 0:
+            raise ValueError("--momentum and --weight-decay must be >= 0")
+        if self.nesterov and self.momentum <= 0:
+            raise ValueError("--nesterov needs --momentum > 0")
+        if self.warmup_steps < 0 or self.total_steps < 0:
+            raise ValueError("--warmup-steps and --total-steps must be >= 0")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
+
+
+def build_optimizer(params: Iterable[torch.Tensor], cfg: OptimizerConfig) -> torch.optim.Optimizer:
+    """The torch optimizer for `cfg` (torch's own implementation, never a re-implementation)."""
+    params = list(params)
+    if cfg.name == "sgd":
+        return torch.optim.SGD(
+            params,
+            lr=cfg.lr,
+            momentum=cfg.momentum,
+            nesterov=cfg.nesterov,
+            weight_decay=cfg.weight_decay,
+            foreach=False,
+        )
+    return torch.optim.AdamW(
+        params,
+        lr=cfg.lr,
+        betas=(cfg.beta1, cfg.beta2),
+        eps=cfg.eps,
+        weight_decay=cfg.weight_decay,
+        foreach=False,
+    )
+
+
+def lr_factor(cfg: OptimizerConfig, updates: int) -> float:
+    """Multiplier of cfg.lr after `updates` applied updates (a LambdaLR lambda)."""
+    if cfg.schedule == "constant":
+        return 1.0
+    if cfg.warmup_steps and updates < cfg.warmup_steps:
+        return (updates + 1) / cfg.warmup_steps
+    total = max(cfg.total_steps, cfg.warmup_steps + 1)
+    progress = min(1.0, (updates - cfg.warmup_steps) / max(1, total - cfg.warmup_steps))
+    cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * cosine
+
+
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, cfg: OptimizerConfig
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """LambdaLR driven by the number of applied updates (call .step() after each one)."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda n: lr_factor(cfg, n))
+
+
+@dataclass(kw_only=True)
+class LossScaleConfig:
+    """Dynamic loss scaling with torch.amp.GradScaler's semantics and defaults."""
+
+    enabled: bool = False
+    """Scale the loss (needed for fp16 gradients; bf16 and fp32 need none)."""
+    init_scale: float = 2.0**16
+    """Starting scale."""
+    growth_factor: float = 2.0
+    """Multiply the scale by this after growth_interval clean steps."""
+    backoff_factor: float = 0.5
+    """Multiply the scale by this after a step with inf/nan gradients (that step is skipped)."""
+    growth_interval: int = 2000
+    """Clean steps between growths."""
+
+    def __post_init__(self) -> None:
+        if not self.init_scale > 0:
+            raise ValueError(f"init_scale must be > 0, got {self.init_scale}")
+        if not self.growth_factor > 1.0 or not 0.0 < self.backoff_factor < 1.0:
+            raise ValueError("need growth_factor > 1 and 0 < backoff_factor < 1")
+        if self.growth_interval < 1:
+            raise ValueError("growth_interval must be >= 1")
+
+
+class DynamicLossScale:
+    """The loss-scale state machine of torch.amp.GradScaler, as a plain object.
+
+    In PS sync mode every shard runs one of these on the same sequence of rounds,
+    so all shards (and through their pull replies, all workers) agree on the scale.
+    """
+
+    def __init__(self, cfg: LossScaleConfig) -> None:
+        self.cfg = cfg
+        self.scale = cfg.init_scale if cfg.enabled else 1.0
+        self.clean_steps = 0
+
+    def update(self, overflow: bool) -> None:
+        """Record one step: back off after an overflow, grow after enough clean steps."""
+        if not self.cfg.enabled:
+            return
+        if overflow:
+            self.scale *= self.cfg.backoff_factor
+            self.clean_steps = 0
+            return
+        self.clean_steps += 1
+        if self.clean_steps >= self.cfg.growth_interval:
+            self.scale *= self.cfg.growth_factor
+            self.clean_steps = 0
