@@ -64,7 +64,7 @@ class UpdatePolicy(ABC):
     def pull_ready(self, st: ShardState, worker: int, clock: int) -> bool:
         """May a pull from `worker` at `clock` be answered now?"""
 
-    def on_leave(self, st: ShardState, worker: int) -> None:
+    def on_leave(self, st: ShardState, worker: int) -> None:  # noqa: B027 - optional hook
         """A worker left the live set (finished, or its lease expired)."""
 
 
