@@ -1,0 +1,399 @@
+"""Tests for ``psar plan``: formulas, unit parsing, winner logic, JSON and CLI."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from worker.plan import build_parser, main
+from worker.plan_model import DTYPE_BYTES, OPTIMIZER_STATES, PlanInputs, plan
+from worker.plan_units import (
+    human_bytes,
+    human_seconds,
+    parse_bandwidth,
+    parse_latency,
+    parse_params,
+    parse_size,
+)
+
+GB = 1e9
+
+
+def run_json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict:
+    assert main([*argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+# --- the textbook example -------------------------------------------------------------
+
+
+def test_textbook_500m_fp32_on_32_workers() -> None:
+    """500M fp32 params: M = 2 GB; the ring sends 2*31/32*2 GB = 3.875 GB per worker."""
+    r = plan(PlanInputs(params=500_000_000, workers=32, wire_dtype="fp32"))
+    assert r.inputs.wire_bytes == 2 * GB
+    ar = r.allreduce
+    assert ar.bytes_sent_per_worker_per_step == ar.bytes_received_per_worker_per_step
+    assert ar.bytes_sent_per_worker_per_step == pytest.approx(3.875 * GB, rel=1e-12)
+    # "About twice M through each ring link": each worker's link to its right neighbour.
+    assert ar.bytes_sent_per_worker_per_step / r.inputs.wire_bytes == pytest.approx(1.9375)
+
+
+def test_textbook_example_on_the_command_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--params", "500M", "--workers", "32"]) == 0
+    out = capsys.readouterr().out
+    assert "M = 2 GB" in out and "3.875 GB" in out
+    assert "8 GB" in out  # DDP memory: 4 + 4 + 2*4 bytes per parameter
+
+
+# --- formulas ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 8, 32, 1000])
+@pytest.mark.parametrize("s", [1, 4, 7])
+@pytest.mark.parametrize("dtype", sorted(DTYPE_BYTES))
+def test_traffic_formulas(n: int, s: int, dtype: str) -> None:
+    p, beta, alpha = 125_000_000, 12.5e9, 5e-6
+    r = plan(
+        PlanInputs(
+            p, n, s, bandwidth_bytes_per_second=beta, latency_seconds=alpha, wire_dtype=dtype
+        )
+    )
+    m = p * DTYPE_BYTES[dtype]
+    ar, ps = r.allreduce, r.ps
+    assert ar.bytes_sent_per_worker_per_step == pytest.approx(2 * (n - 1) / n * m)
+    assert ar.bytes_received_per_worker_per_step == pytest.approx(2 * (n - 1) / n * m)
+    assert ar.comm_seconds_per_step == pytest.approx(2 * (n - 1) * (alpha + m / n / beta))
+    assert ps.bytes_sent_per_worker_per_step == m
+    assert ps.bytes_received_per_worker_per_step == m
+    assert ps.bytes_received_per_shard_per_step == pytest.approx(n * m / s)
+    assert ps.bytes_sent_per_shard_per_step == pytest.approx(n * m / s)
+    worker = 2 * alpha + 2 * m / beta
+    shard = 2 * alpha + 2 * n * m / s / beta
+    assert ps.comm_seconds_per_step == pytest.approx(max(worker, shard))
+    assert ps.bottleneck == ("shard_nic" if n > s else "worker_nic")
+
+
+def test_one_worker_allreduce_moves_nothing() -> None:
+    r = plan(PlanInputs(params=10**6, workers=1, compute_seconds=0.05))
+    assert r.allreduce.bytes_sent_per_worker_per_step == 0
+    assert r.allreduce.comm_seconds_per_step == 0
+    assert r.allreduce.bottleneck == "none"
+    assert r.allreduce.step_seconds_overlap == pytest.approx(0.05)
+    assert r.ps.comm_seconds_per_step > 0  # the PS round trip still happens
+    assert r.winner == "allreduce"
+
+
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZER_STATES))
+@pytest.mark.parametrize("worker_weights", sorted(DTYPE_BYTES))
+@pytest.mark.parametrize("s", [1, 3, 4])
+def test_memory(optimizer: str, worker_weights: str, s: int) -> None:
+    p = 1_000_000
+    k = {"sgd": 0, "sgd-momentum": 1, "adamw": 2}[optimizer]
+    r = plan(PlanInputs(p, 8, s, optimizer=optimizer, worker_weights=worker_weights))
+    assert r.allreduce.memory_per_worker.total == (4 + 4 + 4 * k) * p
+    w = DTYPE_BYTES[worker_weights]
+    assert r.ps.memory_per_worker.total == 2 * w * p  # working weights + gradients
+    assert r.ps.memory_per_shard is not None
+    # fp32 masters + optimizer state, split over S (rounded up: the largest shard).
+    assert r.ps.memory_per_shard.total == pytest.approx((4 + 4 * k) * p / s, abs=2)
+
+
+def test_step_times_with_compute() -> None:
+    r = plan(PlanInputs(params=10**8, workers=16, servers=2, compute_seconds=0.1))
+    for arch in (r.allreduce, r.ps):
+        comm, tail = arch.comm_seconds_per_step, arch.tail_seconds
+        assert arch.step_seconds_no_overlap == pytest.approx(0.1 + comm)
+        assert arch.step_seconds_overlap == pytest.approx(max(0.1, comm) + min(tail, 0.1))
+
+
+@given(
+    p=st.integers(1, 10**11),
+    n=st.integers(1, 4096),
+    s=st.integers(1, 256),
+    alpha=st.floats(0, 1),
+    beta=st.floats(1e3, 1e13),
+    compute=st.floats(0, 10),
+    bucket=st.integers(1, 2**30),
+)
+def test_model_invariants(
+    p: int, n: int, s: int, alpha: float, beta: float, compute: float, bucket: int
+) -> None:
+    r = plan(PlanInputs(p, n, s, beta, alpha, compute_seconds=compute, bucket_bytes=bucket))
+    for arch in (r.allreduce, r.ps):
+        no, yes = arch.step_seconds_no_overlap, arch.step_seconds_overlap
+        assert no is not None and yes is not None
+        assert max(compute, arch.comm_seconds_per_step) <= yes <= no * (1 + 1e-12)
+        assert arch.tail_seconds <= arch.comm_seconds_per_step * (1 + 1e-12)
+    # The ring always uses less bandwidth time than PS, so PS can only win on latency.
+    assert r.allreduce.worker_comm.bandwidth_seconds < r.ps.comm_seconds_per_step or n == 1
+    assert r.winner in ("allreduce", "ps")
+
+
+# --- winner logic -------------------------------------------------------------------------
+
+
+def test_many_workers_one_shard_allreduce_wins() -> None:
+    r = plan(PlanInputs(params=10**9, workers=1024, servers=1))
+    assert r.winner == "allreduce" and r.ps.bottleneck == "shard_nic"
+    assert "N*M/S" in r.reason and "1024 workers per shard" in r.reason
+
+
+# 1M fp16 params = 2 MB on 4 workers, 8 shards, 10 Gbit/s links with 1 ms latency.
+LATENCY_BOUND = dict(params=10**6, workers=4, servers=8, wire_dtype="fp16")
+LATENCY_BOUND.update(bandwidth_bytes_per_second=1.25e9, latency_seconds=1e-3)
+
+
+def test_few_workers_many_shards_high_latency_ps_wins() -> None:
+    # Ring: 6 * (1 ms + 0.5 MB / 1.25 GB/s) = 8.4 ms.
+    # PS: 2 * 1 ms + 2 * 2 MB / 1.25 GB/s = 5.2 ms (workers, not shards, bound).
+    r = plan(PlanInputs(**LATENCY_BOUND))  # type: ignore[arg-type]
+    assert r.allreduce.comm_seconds_per_step == pytest.approx(8.4e-3)
+    assert r.ps.comm_seconds_per_step == pytest.approx(5.2e-3)
+    assert r.winner == "ps" and "latency" in r.reason
+
+
+def test_same_setup_low_latency_allreduce_wins() -> None:
+    r = plan(PlanInputs(params=10**6, workers=4, servers=8, latency_seconds=1e-6))
+    assert r.winner == "allreduce"
+    assert "one after the other" in r.reason
+
+
+@given(n=st.integers(3, 64), extra=st.integers(0, 8), p=st.integers(1, 10**9), a=st.floats(0, 0.1))
+def test_ps_wins_exactly_past_the_documented_latency_threshold(
+    n: int, extra: int, p: int, a: float
+) -> None:
+    # docs/cost-model.md: with S >= N, PS wins iff (N-2)*alpha > M/(N*beta).
+    r = plan(PlanInputs(p, n, n + extra, bandwidth_bytes_per_second=1e9, latency_seconds=a))
+    lhs, rhs = (n - 2) * a, 4 * p / (n * 1e9)
+    if not math.isclose(lhs, rhs, rel_tol=1e-9, abs_tol=1e-15):
+        assert r.winner == ("ps" if lhs > rhs else "allreduce")
+
+
+def test_winner_uses_overlapped_step_when_compute_given() -> None:
+    # Both comm times hide under 10 s of compute; the ring's smaller tail decides.
+    r = plan(PlanInputs(params=10**7, workers=8, servers=8, compute_seconds=10.0))
+    assert r.winner == "allreduce"
+    assert r.allreduce.step_seconds_overlap < r.ps.step_seconds_overlap  # type: ignore[operator]
+    assert "hide their communication" in r.reason
+
+
+def test_winner_uses_step_time_and_ps_can_win_it() -> None:
+    r = plan(PlanInputs(**LATENCY_BOUND, compute_seconds=0.001))  # type: ignore[arg-type]
+    assert r.winner == "ps"
+    assert r.ps.step_seconds_overlap < r.allreduce.step_seconds_overlap  # type: ignore[operator]
+
+
+def test_step_winner_can_differ_from_comm_winner() -> None:
+    # N=4, S=8, 1 ms latency, M/beta = 10 ms: ring comm 6 + 15 = 21 ms beats PS's
+    # 2 + 20 = 22 ms, but with 20 ms of compute and tiny buckets the exposed tails are
+    # the latency rounds (6 ms vs 2 ms), so PS's step is shorter: 24 ms vs 27 ms.
+    inp = PlanInputs(3_125_000, 4, 8, 1.25e9, 1e-3, compute_seconds=0.02, bucket_bytes=1)
+    r = plan(inp)
+    assert r.allreduce.comm_seconds_per_step == pytest.approx(0.021)
+    assert r.ps.comm_seconds_per_step == pytest.approx(0.022)
+    assert r.allreduce.step_seconds_overlap == pytest.approx(0.027, rel=1e-5)
+    assert r.ps.step_seconds_overlap == pytest.approx(0.024, rel=1e-5)
+    assert r.winner == "ps" and "despite" in r.reason
+
+
+# --- unit parsing -------------------------------------------------------------------------
+
+
+# fmt: off
+PARAMS_OK = {
+    "500M": 500_000_000, "1.5B": 1_500_000_000, "7e9": 7_000_000_000, "125k": 125_000,
+    "125K": 125_000, "350000": 350_000, "2G": 2 * 10**9, "1T": 10**12, " 3M ": 3 * 10**6,
+    "0.5k": 500,
+}
+BANDWIDTH_OK = {  # bytes per second
+    "100Gbit/s": 12.5e9, "25GB/s": 25e9, "10Gbps": 1.25e9, "1.25GiB/s": 1.25 * 2**30,
+    "800Mbit/s": 100e6, "10Gb/s": 1.25e9, "10GBps": 10e9, "1Gibit/s": 2**30 / 8,
+    "100MiB/s": 100 * 2**20, "8bit/s": 1.0, "1kB/s": 1e3, "40 Gbit/s": 5e9,
+}
+LATENCY_OK = {
+    "5us": 5e-6, "0.5ms": 5e-4, "2s": 2.0, "100ns": 1e-7, "5\u00b5s": 5e-6, "0": 0.0,
+    "0us": 0.0,
+}
+# fmt: on
+
+
+@pytest.mark.parametrize(("text", "expected"), PARAMS_OK.items())
+def test_parse_params(text: str, expected: int) -> None:
+    assert parse_params(text) == expected
+
+
+@pytest.mark.parametrize("text", ["bad", "", "1.5", "0", "-5M", "5MB", "1e-3", "inf", "nan", "5 m"])
+def test_parse_params_rejects(text: str) -> None:
+    with pytest.raises(ValueError, match="500M"):
+        parse_params(text)
+
+
+@pytest.mark.parametrize(("text", "bytes_per_s"), BANDWIDTH_OK.items())
+def test_parse_bandwidth(text: str, bytes_per_s: float) -> None:
+    assert parse_bandwidth(text) == pytest.approx(bytes_per_s, rel=1e-15)
+
+
+@pytest.mark.parametrize(
+    "text", ["10 parsecs", "100G", "100", "10gbps", "0Gbit/s", "5mB/s", "Gbit/s"]
+)
+def test_parse_bandwidth_rejects(text: str) -> None:
+    with pytest.raises(ValueError, match="100Gbit/s"):
+        parse_bandwidth(text)
+
+
+@pytest.mark.parametrize(("text", "seconds"), LATENCY_OK.items())
+def test_parse_latency(text: str, seconds: float) -> None:
+    assert parse_latency(text) == pytest.approx(seconds, rel=1e-15)
+
+
+@pytest.mark.parametrize("text", ["5", "5 parsecs", "-1ms", "ms", "5min", "1h"])
+def test_parse_latency_rejects(text: str) -> None:
+    with pytest.raises(ValueError, match="5us"):
+        parse_latency(text)
+
+
+@pytest.mark.parametrize(("text", "n"), [("25MiB", 25 * 2**20), ("4MB", 4_000_000), ("1B", 1)])
+def test_parse_size(text: str, n: int) -> None:
+    assert parse_size(text) == n
+
+
+def test_human_units() -> None:
+    assert human_bytes(3.875e9) == "3.875 GB"
+    assert human_bytes(512) == "512 B"
+    assert human_seconds(0.1553) == "155.3 ms"
+    assert human_seconds(5e-6) == "5 us"
+    assert human_seconds(0) == "0 s"
+
+
+# --- JSON ---------------------------------------------------------------------------------
+
+EXAMPLE = [
+    "--params", "500M", "--workers", "32", "--servers", "4", "--bandwidth", "100Gbit/s",
+    "--latency", "5us", "--wire-dtype", "fp16", "--optimizer", "adamw",
+]  # fmt: skip
+
+
+def test_json_keys_and_values(capsys: pytest.CaptureFixture[str]) -> None:
+    d = run_json(capsys, *EXAMPLE, "--compute-ms", "120")
+    assert set(d) == {"allreduce", "ps", "winner", "reason", "inputs"}
+    common = {
+        "bytes_sent_per_worker_per_step",
+        "bytes_received_per_worker_per_step",
+        "comm_seconds_per_step",
+        "memory_per_worker_bytes",
+        "step_seconds_no_overlap",
+        "step_seconds_overlap",
+    }
+    assert common <= set(d["allreduce"])
+    assert common | {
+        "bytes_received_per_shard_per_step",
+        "bytes_sent_per_shard_per_step",
+        "memory_per_shard_bytes",
+    } <= set(d["ps"])
+    assert d["inputs"]["params"] == 500_000_000
+    assert d["inputs"]["bandwidth_bytes_per_second"] == 12.5e9
+    assert d["inputs"]["compute_seconds"] == pytest.approx(0.12)
+    m = 1e9  # fp16
+    assert d["allreduce"]["bytes_sent_per_worker_per_step"] == pytest.approx(2 * 31 / 32 * m)
+    assert d["ps"]["bytes_received_per_shard_per_step"] == pytest.approx(32 * m / 4)
+    assert d["ps"]["memory_per_shard_bytes"] == 12 * 500_000_000 // 4
+    assert d["ps"]["memory_per_worker_bytes"] == 8 * 500_000_000
+    assert d["allreduce"]["memory_per_worker_bytes"] == 16 * 500_000_000
+    assert d["winner"] == "allreduce"
+    best = min(("allreduce", "ps"), key=lambda a: d[a]["step_seconds_overlap"])
+    assert d["winner"] == best
+
+
+def test_json_without_compute_has_no_step_keys(capsys: pytest.CaptureFixture[str]) -> None:
+    d = run_json(capsys, *EXAMPLE)
+    assert "step_seconds_overlap" not in d["allreduce"]
+    assert "memory_per_shard_bytes" not in d["allreduce"]
+    assert d["inputs"]["compute_seconds"] is None
+    best = min(("allreduce", "ps"), key=lambda a: d[a]["comm_seconds_per_step"])
+    assert d["winner"] == best
+
+
+def test_table_matches_json(capsys: pytest.CaptureFixture[str]) -> None:
+    d = run_json(capsys, *EXAMPLE, "--compute-ms", "120")
+    assert main([*EXAMPLE, "--compute-ms", "120"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split("  ")[1].strip(): line for line in out.splitlines() if line.startswith("  ")}
+    for label, key, fmt in [
+        ("sent per worker per step", "bytes_sent_per_worker_per_step", human_bytes),
+        ("comm time per step", "comm_seconds_per_step", human_seconds),
+        ("memory per worker", "memory_per_worker_bytes", human_bytes),
+        ("step time, with overlap", "step_seconds_overlap", human_seconds),
+    ]:
+        cells = rows[label].split()[-4:]
+        assert " ".join(cells) == f"{fmt(d['allreduce'][key])} {fmt(d['ps'][key])}"
+    assert human_bytes(d["ps"]["memory_per_shard_bytes"]) in rows["memory per shard"]
+    assert out.rstrip().splitlines()[-1] == d["reason"]
+    assert d["reason"].startswith(f"{d['winner']} wins")
+
+
+# --- CLI ----------------------------------------------------------------------------------
+
+
+BASE = ["--params", "1M", "--workers", "4"]
+
+
+# fmt: off
+@pytest.mark.parametrize(
+    ("argv", "flag", "hint"),
+    [
+        (["--params", "bad", "--workers", "4"], "--params", "500M"),
+        (["--params", "1M", "--workers", "0"], "--workers", ">= 1"),
+        (["--params", "1M", "--workers", "x"], "--workers", ">= 1"),
+        ([*BASE, "--servers", "0"], "--servers", ">= 1"),
+        ([*BASE, "--bandwidth", "10 parsecs"], "--bandwidth", "10Gbps"),
+        ([*BASE, "--latency", "soon"], "--latency", "0.5ms"),
+        ([*BASE, "--compute-ms", "-3"], "--compute-ms", "120"),
+        ([*BASE, "--wire-dtype", "fp64"], "--wire-dtype", "fp16"),
+        ([*BASE, "--optimizer", "lion"], "--optimizer", "sgd-momentum"),
+        ([*BASE, "--bucket", "25"], "--bucket", "25MiB"),
+        (["--workers", "4"], "--params", "required"),
+    ],
+)
+# fmt: on
+def test_cli_errors_exit_2_naming_the_flag(
+    capsys: pytest.CaptureFixture[str], argv: list[str], flag: str, hint: str
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert flag in err and hint in err
+
+
+def test_bandwidth_error_message_reads_well(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["--params", "1M", "--workers", "4", "--bandwidth", "10 parsecs"])
+    err = capsys.readouterr().err
+    assert "--bandwidth: cannot read '10 parsecs'; use forms like 100Gbit/s, 25GB/s, 10Gbps" in err
+
+
+def test_build_parser_for_dry_run() -> None:
+    p = build_parser()
+    assert p.prog == "psar plan"
+    args = p.parse_args([*EXAMPLE, "--compute-ms", "120", "--json"])
+    assert args.params == 500_000_000 and args.workers == 32 and args.servers == 4
+    assert args.bandwidth == 12.5e9 and args.latency == pytest.approx(5e-6)
+    assert args.compute_ms == pytest.approx(0.12) and args.json is True
+    defaults = p.parse_args(["--params", "1M", "--workers", "2"])
+    assert defaults.servers == 1 and defaults.wire_dtype == "fp32"
+    assert defaults.bucket == 25 * 2**20 and defaults.compute_ms is None
+    with pytest.raises(SystemExit) as exc:
+        main(["--help"])
+    assert exc.value.code == 0
+
+
+def test_table_is_aligned(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([*EXAMPLE, "--compute-ms", "120"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    start = next(i for i, line in enumerate(lines) if "allreduce (ring)" in line)
+    body = lines[start : lines.index("", start)]
+    assert len({len(line) for line in body}) == 1  # right-aligned columns end together

@@ -1,0 +1,251 @@
+"""``psar plan``: predict per-step communication and memory for allreduce and PS.
+
+The project CLI dispatches ``psar plan ...`` to :func:`main`; :func:`build_parser` is
+exposed so ``--dry-run`` tooling can parse a command line without running it. The
+model itself is pure and lives in :mod:`worker.plan_model`; see docs/cost-model.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+
+from worker.plan_model import (
+    DEFAULT_BUCKET_BYTES,
+    DTYPE_BYTES,
+    OPTIMIZER_STATES,
+    ArchPlan,
+    PlanInputs,
+    PlanResult,
+    plan,
+)
+from worker.plan_units import (
+    human_bytes,
+    human_count,
+    human_seconds,
+    parse_bandwidth,
+    parse_latency,
+    parse_params,
+    parse_size,
+)
+
+__all__ = ["build_parser", "inputs_from_args", "main", "render_table"]
+
+
+def _flag_type(parse: Callable[[str], object], name: str) -> Callable[[str], object]:
+    """Turn a model parser's ValueError into an argparse error that keeps our message.
+
+    argparse replaces a plain ValueError with a generic "invalid value"; raising
+    ArgumentTypeError makes it print "argument --flag: <our message>" instead, so the
+    user sees the accepted forms.
+    """
+
+    def convert(text: str) -> object:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from exc
+
+    convert.__name__ = name
+    return convert
+
+
+def _int_at_least_one(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}")
+    return value
+
+
+def _milliseconds(text: str) -> float:
+    """--compute-ms: a plain non-negative number of milliseconds, stored in seconds."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0 or value == float("inf"):  # also rejects nan
+        raise argparse.ArgumentTypeError(
+            f"cannot read {text!r}; give milliseconds as a number >= 0, like 120 or 7.5"
+        )
+    return value / 1e3
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``psar plan`` argument parser (prog="psar plan")."""
+    p = argparse.ArgumentParser(
+        prog="psar plan",
+        description=(
+            "Predict per-step communication, step time and memory of ring allreduce (DDP) "
+            "and a sharded parameter server for one model, and say which wins. "
+            "Alpha-beta model on full-duplex links; see docs/cost-model.md."
+        ),
+    )
+    p.add_argument(
+        "--params",
+        required=True,
+        type=_flag_type(parse_params, "params"),
+        help="parameter count: 500M, 1.5B, 7e9, 125k (B = billion here)",
+    )
+    p.add_argument("--workers", required=True, type=_int_at_least_one, help="N workers (>= 1)")
+    p.add_argument(
+        "--servers", default=1, type=_int_at_least_one, help="S PS shards (>= 1; default 1)"
+    )
+    p.add_argument(
+        "--bandwidth",
+        default="100Gbit/s",
+        type=_flag_type(parse_bandwidth, "bandwidth"),
+        help="per-NIC bandwidth each way: 100Gbit/s, 25GB/s, 10Gbps, 1.25GiB/s (default 100Gbit/s)",
+    )
+    p.add_argument(
+        "--latency",
+        default="5us",
+        type=_flag_type(parse_latency, "latency"),
+        help="per-message latency: 5us, 0.5ms, 2s, 100ns (default 5us)",
+    )
+    p.add_argument(
+        "--wire-dtype",
+        default="fp32",
+        choices=sorted(DTYPE_BYTES),
+        help="dtype gradients and weights travel in (default fp32)",
+    )
+    p.add_argument(
+        "--optimizer",
+        default="adamw",
+        choices=sorted(OPTIMIZER_STATES),
+        help="sets the fp32 optimizer state: adamw 2/param, sgd-momentum 1, sgd 0 (default adamw)",
+    )
+    p.add_argument(
+        "--worker-weights",
+        default="fp32",
+        choices=sorted(DTYPE_BYTES),
+        help="dtype of the working weights and gradients on PS workers (default fp32)",
+    )
+    p.add_argument(
+        "--compute-ms",
+        type=_milliseconds,
+        default=None,
+        help="forward+backward time per step in ms; enables step-time predictions",
+    )
+    p.add_argument(
+        "--bucket",
+        default=f"{DEFAULT_BUCKET_BYTES // 2**20}MiB",
+        type=_flag_type(parse_size, "bucket"),
+        help="gradient bucket whose comm cannot overlap compute (default 25MiB, DDP's bucket_cap_mb)",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    return p
+
+
+def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
+    """Map parsed flags onto the model's inputs."""
+    return PlanInputs(
+        params=args.params,
+        workers=args.workers,
+        servers=args.servers,
+        bandwidth_bytes_per_second=args.bandwidth,
+        latency_seconds=args.latency,
+        wire_dtype=args.wire_dtype,
+        optimizer=args.optimizer,
+        worker_weights=args.worker_weights,
+        compute_seconds=args.compute_ms,
+        bucket_bytes=args.bucket,
+    )
+
+
+def _rate(bytes_per_second: float) -> str:
+    """Show a bandwidth both in bits (how links are sold) and bytes (how M is counted)."""
+    bits = bytes_per_second * 8
+    for unit, scale in (("Tbit/s", 1e12), ("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3)):
+        if bits >= scale:
+            return f"{bits / scale:.4g} {unit} ({human_bytes(bytes_per_second)}/s)"
+    return f"{bits:.4g} bit/s ({human_bytes(bytes_per_second)}/s)"
+
+
+def _size(n: int) -> str:
+    return f"{n // 2**20} MiB" if n % 2**20 == 0 else human_bytes(n)
+
+
+_NA = "-"
+_BOTTLENECK = {"none": "none", "worker_nic": "worker NIC", "shard_nic": "shard NIC"}
+
+
+def _rows(ar: ArchPlan, ps: ArchPlan) -> list[tuple[str, str, str]]:
+    """The table body: (label, allreduce cell, ps cell)."""
+
+    def both(
+        label: str,
+        get: Callable[[ArchPlan], float | None],
+        fmt: Callable[[float], str] = human_bytes,
+    ) -> tuple[str, str, str]:
+        vals = [get(a) for a in (ar, ps)]
+        a, p = (_NA if v is None else fmt(v) for v in vals)
+        return label, a, p
+
+    assert ps.shard_comm is not None and ps.memory_per_shard is not None
+    rows = [
+        both("sent per worker per step", lambda a: a.bytes_sent_per_worker_per_step),
+        both("received per worker per step", lambda a: a.bytes_received_per_worker_per_step),
+        both("received per shard per step", lambda a: a.bytes_received_per_shard_per_step),
+        both("sent per shard per step", lambda a: a.bytes_sent_per_shard_per_step),
+        both("worker NIC time per step", lambda a: a.worker_comm.seconds, human_seconds),
+        ("shard NIC time per step", _NA, human_seconds(ps.shard_comm.seconds)),
+        both("comm time per step", lambda a: a.comm_seconds_per_step, human_seconds),
+        ("bottleneck", _BOTTLENECK[ar.bottleneck], _BOTTLENECK[ps.bottleneck]),
+        both("memory per worker", lambda a: a.memory_per_worker.total),
+        ("memory per shard", _NA, human_bytes(ps.memory_per_shard.total)),
+    ]
+    if ar.compute_seconds is not None:
+        rows += [
+            both("exposed tail (last bucket)", lambda a: a.tail_seconds, human_seconds),
+            both("step time, no overlap", lambda a: a.step_seconds_no_overlap, human_seconds),
+            both("step time, with overlap", lambda a: a.step_seconds_overlap, human_seconds),
+        ]
+    return rows
+
+
+def render_table(result: PlanResult) -> str:
+    """Human-readable report: a header of the inputs, an aligned table, the verdict."""
+    inp = result.inputs
+    lines = [
+        f"psar plan: {human_count(inp.params)} parameters, {inp.workers} workers, "
+        f"{inp.servers} PS shard{'s' if inp.servers != 1 else ''}",
+        f"  wire {inp.wire_dtype}: M = {human_bytes(inp.wire_bytes)} per worker per step; "
+        f"each NIC {_rate(inp.bandwidth_bytes_per_second)} each way (full duplex), "
+        f"latency {human_seconds(inp.latency_seconds)}",
+        f"  optimizer {inp.optimizer}; PS worker weights {inp.worker_weights}; "
+        + (
+            f"compute {human_seconds(inp.compute_seconds)} per step; bucket {_size(inp.bucket_bytes)}"
+            if inp.compute_seconds is not None
+            else "no --compute-ms, so the winner is judged on comm time"
+        ),
+        "",
+    ]
+    header = ("", "allreduce (ring)", f"ps ({inp.servers} shard{'s' if inp.servers != 1 else ''})")
+    rows = [header, *_rows(result.allreduce, result.ps)]
+    w0 = max(len(r[0]) for r in rows)
+    w1 = max(len(r[1]) for r in rows)
+    w2 = max(len(r[2]) for r in rows)
+    for label, a, p in rows:
+        lines.append(f"  {label:<{w0}}  {a:>{w1}}  {p:>{w2}}".rstrip())
+    lines += ["", result.reason]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``psar plan``; bad flags exit 2 through argparse's SystemExit."""
+    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    result = plan(inputs_from_args(args))
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2))
+    else:
+        print(render_table(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,362 @@
+"""Pure cost model behind ``psar plan``: per-step communication and memory.
+
+Nothing here does I/O. ``worker.plan`` wraps it in a command line. The model and its
+assumptions are written up in ``docs/cost-model.md``; in short it is the alpha-beta
+model (a message of ``n`` bytes costs ``alpha + n / beta``) on full-duplex links with
+no congestion, where every PS shard has a NIC of its own.
+
+Symbols used in comments and docstrings: P parameters, N workers, S PS shards,
+M = P x bytes of the wire dtype (one worker's gradient on the wire), alpha the
+latency, beta the bandwidth in bytes per second.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from worker.plan_units import human_bytes, human_seconds
+
+#: Bytes per element of the dtypes gradients/weights may travel or live in.
+DTYPE_BYTES: dict[str, int] = {"fp32": 4, "fp16": 2, "bf16": 2}
+
+#: fp32 optimizer-state tensors per parameter: AdamW keeps two moments, SGD with
+#: momentum one velocity buffer, plain SGD nothing.
+OPTIMIZER_STATES: dict[str, int] = {"sgd": 0, "sgd-momentum": 1, "adamw": 2}
+
+#: torch DDP's default bucket_cap_mb=25 is in MiB; used for the overlap tail.
+DEFAULT_BUCKET_BYTES = 25 * 2**20
+
+FP32 = 4
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """Everything the model needs; units are SI base units (bytes, seconds)."""
+
+    params: int
+    workers: int
+    servers: int = 1
+    bandwidth_bytes_per_second: float = 12.5e9  # 100 Gbit/s
+    latency_seconds: float = 5e-6
+    wire_dtype: str = "fp32"
+    optimizer: str = "adamw"
+    worker_weights: str = "fp32"
+    compute_seconds: float | None = None
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+
+    def __post_init__(self) -> None:
+        # Validate here as well as in the CLI so library callers get the same checks.
+        if self.params < 1 or self.workers < 1 or self.servers < 1:
+            raise ValueError("params, workers and servers must all be >= 1")
+        if self.bandwidth_bytes_per_second <= 0 or self.latency_seconds < 0:
+            raise ValueError("bandwidth must be > 0 and latency >= 0")
+        if self.wire_dtype not in DTYPE_BYTES or self.worker_weights not in DTYPE_BYTES:
+            raise ValueError(f"dtypes must be one of {sorted(DTYPE_BYTES)}")
+        if self.optimizer not in OPTIMIZER_STATES:
+            raise ValueError(f"optimizer must be one of {sorted(OPTIMIZER_STATES)}")
+        if self.compute_seconds is not None and self.compute_seconds < 0:
+            raise ValueError("compute time must be >= 0")
+        if self.bucket_bytes < 1:
+            raise ValueError("bucket size must be >= 1 byte")
+
+    @property
+    def wire_bytes(self) -> int:
+        """M: one worker's full gradient (or weights) on the wire."""
+        return self.params * DTYPE_BYTES[self.wire_dtype]
+
+
+@dataclass(frozen=True)
+class Comm:
+    """One alpha-beta cost, kept split so the report can say which term dominates."""
+
+    latency_seconds: float
+    bandwidth_seconds: float
+
+    @property
+    def seconds(self) -> float:
+        return self.latency_seconds + self.bandwidth_seconds
+
+
+def ring_allreduce_comm(m: float, n: int, alpha: float, beta: float) -> Comm:
+    """Ring allreduce of ``m`` bytes over ``n`` workers.
+
+    Reduce-scatter then all-gather: 2(N-1) steps, each sending one M/N chunk to the
+    right neighbour while receiving one from the left. Full-duplex links let the send
+    and the receive of a step share its time, and each step pays the latency once.
+    """
+    steps = 2 * (n - 1)
+    return Comm(steps * alpha, steps * (m / n) / beta)
+
+
+def ps_worker_comm(m: float, alpha: float, beta: float) -> Comm:
+    """A PS worker pushes M then pulls M through its own NIC.
+
+    Sync PS cannot pull the new weights before the round closes, so push and pull are
+    sequential: full duplex does not help. Messages to the S shards leave back to
+    back, so their latencies overlap and each phase pays alpha once.
+    """
+    return Comm(2 * alpha, 2 * m / beta)
+
+
+def ps_shard_comm(m: float, n: int, s: int, alpha: float, beta: float) -> Comm:
+    """A PS shard takes N*M/S in (the pushes), then sends N*M/S out (the pulls)."""
+    return Comm(2 * alpha, 2 * (n * m / s) / beta)
+
+
+def overlapped_step(compute: float, comm: float, tail: float) -> float:
+    """Step time when communication overlaps compute.
+
+    ``max(compute, comm) + tail``: comm runs under the backward pass bucket by bucket,
+    but the last bucket is ready only when backward ends, so its communication is
+    exposed. The tail is capped at ``compute`` so overlap can never predict a slower
+    step than ``compute + comm`` (tail <= comm holds because a bucket is <= M).
+    """
+    return max(compute, comm) + min(tail, compute)
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Model-state bytes in one process; activations are equal across both designs."""
+
+    weights: int
+    gradients: int
+    optimizer_state: int
+    fp32_masters: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.gradients + self.optimizer_state + self.fp32_masters
+
+
+@dataclass(frozen=True)
+class ArchPlan:
+    """Prediction for one architecture; the ``shard_*`` fields are PS-only."""
+
+    name: str
+    bytes_sent_per_worker_per_step: float
+    bytes_received_per_worker_per_step: float
+    worker_comm: Comm
+    memory_per_worker: Memory
+    tail_comm: Comm  # the last bucket, exposed after backward when overlapping
+    shard_comm: Comm | None = None
+    bytes_received_per_shard_per_step: float | None = None
+    bytes_sent_per_shard_per_step: float | None = None
+    memory_per_shard: Memory | None = None
+    compute_seconds: float | None = None
+
+    @property
+    def comm_seconds_per_step(self) -> float:
+        """The step waits for the slower of the worker NIC and the shard NIC."""
+        shard = self.shard_comm.seconds if self.shard_comm else 0.0
+        return max(self.worker_comm.seconds, shard)
+
+    @property
+    def bottleneck(self) -> str:
+        if self.comm_seconds_per_step == 0:
+            return "none"
+        if self.shard_comm and self.shard_comm.seconds > self.worker_comm.seconds:
+            return "shard_nic"
+        return "worker_nic"
+
+    @property
+    def step_seconds_no_overlap(self) -> float | None:
+        if self.compute_seconds is None:
+            return None
+        return self.compute_seconds + self.comm_seconds_per_step
+
+    @property
+    def step_seconds_overlap(self) -> float | None:
+        if self.compute_seconds is None:
+            return None
+        return overlapped_step(self.compute_seconds, self.comm_seconds_per_step, self.tail_seconds)
+
+    @property
+    def tail_seconds(self) -> float:
+        return self.tail_comm.seconds
+
+    def to_dict(self) -> dict[str, object]:
+        """JSON-ready dict; PS-only and compute-only keys appear only when they apply."""
+        out: dict[str, object] = {
+            "bytes_sent_per_worker_per_step": self.bytes_sent_per_worker_per_step,
+            "bytes_received_per_worker_per_step": self.bytes_received_per_worker_per_step,
+            "comm_seconds_per_step": self.comm_seconds_per_step,
+            "comm_latency_seconds_per_step": self.worker_comm.latency_seconds,
+            "comm_bandwidth_seconds_per_step": self.worker_comm.bandwidth_seconds,
+            "worker_comm_seconds_per_step": self.worker_comm.seconds,
+            "bottleneck": self.bottleneck,
+            "memory_per_worker_bytes": self.memory_per_worker.total,
+            "memory_per_worker_breakdown": asdict(self.memory_per_worker),
+            "overlap_tail_seconds": self.tail_seconds,
+        }
+        if self.shard_comm is not None and self.memory_per_shard is not None:
+            # For PS the step's latency/bandwidth split is that of the slower side.
+            slow = max(self.worker_comm, self.shard_comm, key=lambda c: c.seconds)
+            out["comm_latency_seconds_per_step"] = slow.latency_seconds
+            out["comm_bandwidth_seconds_per_step"] = slow.bandwidth_seconds
+            out["shard_comm_seconds_per_step"] = self.shard_comm.seconds
+            out["bytes_received_per_shard_per_step"] = self.bytes_received_per_shard_per_step
+            out["bytes_sent_per_shard_per_step"] = self.bytes_sent_per_shard_per_step
+            out["memory_per_shard_bytes"] = self.memory_per_shard.total
+            out["memory_per_shard_breakdown"] = asdict(self.memory_per_shard)
+        if self.compute_seconds is not None:
+            out["step_seconds_no_overlap"] = self.step_seconds_no_overlap
+            out["step_seconds_overlap"] = self.step_seconds_overlap
+        return out
+
+
+def plan_allreduce(inp: PlanInputs) -> ArchPlan:
+    """DDP with ring allreduce: every worker holds the whole fp32 training state."""
+    n, m = inp.workers, inp.wire_bytes
+    alpha, beta = inp.latency_seconds, inp.bandwidth_bytes_per_second
+    moved = 2 * (n - 1) / n * m  # 0 when N == 1: a ring of one has nobody to talk to
+    states = OPTIMIZER_STATES[inp.optimizer]
+    return ArchPlan(
+        name="allreduce",
+        bytes_sent_per_worker_per_step=moved,
+        bytes_received_per_worker_per_step=moved,
+        worker_comm=ring_allreduce_comm(m, n, alpha, beta),
+        memory_per_worker=Memory(
+            weights=FP32 * inp.params,
+            gradients=FP32 * inp.params,
+            optimizer_state=states * FP32 * inp.params,
+        ),
+        tail_comm=ring_allreduce_comm(min(inp.bucket_bytes, m), n, alpha, beta),
+        compute_seconds=inp.compute_seconds,
+    )
+
+
+def _ceil_div(a: int, b: int) -> int:
+    # Shards split unevenly when S does not divide P; the largest one must still fit.
+    return -(-a // b)
+
+
+def plan_ps(inp: PlanInputs) -> ArchPlan:
+    """Sync PS: shards own fp32 masters + optimizer state, workers only compute."""
+    n, s, m = inp.workers, inp.servers, inp.wire_bytes
+    alpha, beta = inp.latency_seconds, inp.bandwidth_bytes_per_second
+    bucket = min(inp.bucket_bytes, m)
+    states = OPTIMIZER_STATES[inp.optimizer]
+    ww = DTYPE_BYTES[inp.worker_weights]
+    # The tail applies the same worker/shard formulas to one bucket spread over S shards.
+    tail_w, tail_s = ps_worker_comm(bucket, alpha, beta), ps_shard_comm(bucket, n, s, alpha, beta)
+    return ArchPlan(
+        name="ps",
+        bytes_sent_per_worker_per_step=float(m),
+        bytes_received_per_worker_per_step=float(m),
+        worker_comm=ps_worker_comm(m, alpha, beta),
+        shard_comm=ps_shard_comm(m, n, s, alpha, beta),
+        bytes_received_per_shard_per_step=n * m / s,
+        bytes_sent_per_shard_per_step=n * m / s,
+        # Autograd makes gradients in the dtype of the weights they belong to.
+        memory_per_worker=Memory(
+            weights=ww * inp.params, gradients=ww * inp.params, optimizer_state=0
+        ),
+        memory_per_shard=Memory(
+            weights=0,
+            gradients=0,
+            optimizer_state=_ceil_div(states * FP32 * inp.params, s),
+            fp32_masters=_ceil_div(FP32 * inp.params, s),
+        ),
+        tail_comm=max(tail_w, tail_s, key=lambda c: c.seconds),
+        compute_seconds=inp.compute_seconds,
+    )
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    """Both predictions, the winner and a one-sentence reason."""
+
+    inputs: PlanInputs
+    allreduce: ArchPlan
+    ps: ArchPlan
+    winner: str
+    reason: str
+
+    def to_dict(self) -> dict[str, object]:
+        inputs = asdict(self.inputs)
+        inputs["wire_bytes_per_param"] = DTYPE_BYTES[self.inputs.wire_dtype]
+        inputs["model_bytes_on_wire"] = self.inputs.wire_bytes
+        inputs["optimizer_states_per_param"] = OPTIMIZER_STATES[self.inputs.optimizer]
+        return {
+            "allreduce": self.allreduce.to_dict(),
+            "ps": self.ps.to_dict(),
+            "winner": self.winner,
+            "reason": self.reason,
+            "inputs": inputs,
+        }
+
+
+def _score(arch: ArchPlan) -> float:
+    """What the winner is judged on: overlapped step time if known, else comm time."""
+    step = arch.step_seconds_overlap
+    return arch.comm_seconds_per_step if step is None else step
+
+
+def _ratio(n: int, s: int) -> str:
+    """N/S as a count when whole (1024, not 1.02e+03), else to one decimal."""
+    return str(n // s) if n % s == 0 else f"{n / s:.1f}"
+
+
+def _comm_reason(inp: PlanInputs, ar: ArchPlan, ps: ArchPlan) -> str:
+    """Why one design moves gradients faster; PS can only win on latency (see docs)."""
+    n, s, m = inp.workers, inp.servers, inp.wire_bytes
+    if n == 1:
+        return f"with one worker the ring has nothing to exchange, while PS still pushes and pulls M = {human_bytes(m)}"
+    if ar.comm_seconds_per_step > ps.comm_seconds_per_step:
+        return (
+            f"the ring pays the latency on 2(N-1) = {2 * (n - 1)} sequential steps "
+            f"({human_seconds(ar.worker_comm.latency_seconds)}) against PS's 2, which outweighs "
+            f"the ring's bandwidth saving at this message size"
+        )
+    if ps.bottleneck == "shard_nic":
+        return (
+            f"each PS shard's NIC must carry N*M/S = {human_bytes(n * m / s)} in and again out "
+            f"per step ({_ratio(n, s)} workers per shard), while the ring spreads the load so each "
+            f"worker sends only 2(N-1)/N*M = {human_bytes(ar.bytes_sent_per_worker_per_step)}"
+        )
+    return (
+        f"PS workers push M then pull M one after the other "
+        f"({human_seconds(ps.worker_comm.bandwidth_seconds)} on the wire), while the ring's "
+        f"sends and receives share the full-duplex links "
+        f"({human_seconds(ar.worker_comm.bandwidth_seconds)}) and its {2 * (n - 1)} latency "
+        f"rounds cost only {human_seconds(ar.worker_comm.latency_seconds)}"
+    )
+
+
+def choose_winner(inp: PlanInputs, ar: ArchPlan, ps: ArchPlan) -> tuple[str, str]:
+    """Pick the lower predicted step (overlapped) or comm time and say why."""
+    a, p = _score(ar), _score(ps)
+    if abs(a - p) <= 1e-12 * max(a, p):
+        what = "step" if inp.compute_seconds is not None else "communication"
+        return "allreduce", (
+            f"tie at {human_seconds(a)} of {what} per step; allreduce is preferred because it "
+            f"needs no server machines"
+        )
+    winner, loser = (ar, ps) if a < p else (ps, ar)
+    comm_winner = ar if ar.comm_seconds_per_step < ps.comm_seconds_per_step else ps
+    if inp.compute_seconds is None:
+        return winner.name, f"{winner.name} wins: {_comm_reason(inp, ar, ps)}."
+    compute = inp.compute_seconds
+    steps = (
+        f"{human_seconds(_score(winner))} vs {human_seconds(_score(loser))} per step with overlap"
+    )
+    tails = f"{human_seconds(winner.tail_seconds)} vs {human_seconds(loser.tail_seconds)}"
+    if max(ar.comm_seconds_per_step, ps.comm_seconds_per_step) <= compute:
+        return winner.name, (
+            f"{winner.name} wins ({steps}): both hide their communication behind "
+            f"{human_seconds(compute)} of compute, and its non-overlappable last bucket is "
+            f"shorter ({tails})."
+        )
+    if winner is comm_winner and winner.comm_seconds_per_step < loser.comm_seconds_per_step:
+        return winner.name, f"{winner.name} wins ({steps}): {_comm_reason(inp, ar, ps)}."
+    return winner.name, (
+        f"{winner.name} wins ({steps}) despite communicating no faster, because its "
+        f"non-overlappable last bucket is shorter ({tails})."
+    )
+
+
+def plan(inp: PlanInputs) -> PlanResult:
+    """Predict both architectures for ``inp`` and pick the winner."""
+    ar, ps = plan_allreduce(inp), plan_ps(inp)
+    winner, reason = choose_winner(inp, ar, ps)
+    return PlanResult(inputs=inp, allreduce=ar, ps=ps, winner=winner, reason=reason)
