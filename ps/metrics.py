@@ -26,6 +26,8 @@ from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import start_http_server as _start_http_server
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
 
 __all__ = [
     "DURATION_BUCKETS",
@@ -85,6 +87,9 @@ REJECT_REASONS: tuple[str, ...] = (
     "unauthenticated",
     "too_large",
     "malformed",
+    # Raised by ps.errors too: a push that hit a deadline or a draining shard.
+    "deadline",
+    "draining",
     OTHER,
 )
 
@@ -157,12 +162,38 @@ def stop_metrics(server: WSGIServer, thread: threading.Thread | None = None) -> 
         thread.join(timeout=5)
 
 
+class _StampMode(Collector):
+    """Expose an inner registry with the owner's current ``mode`` label added.
+
+    A shard learns its mode only when the job arrives (Init), after its metrics endpoint
+    is up and may already have counted RPCs or rejections.  Stamping the label at scrape
+    time lets :meth:`ShardMetrics.set_mode` relabel everything without losing counts,
+    and costs nothing on the hot path.
+    """
+
+    def __init__(self, inner: CollectorRegistry, owner: ShardMetrics) -> None:
+        self._inner = inner
+        self._owner = owner
+
+    def collect(self) -> Iterable[Metric]:
+        mode = self._owner.mode
+        for fam in self._inner.collect():
+            # collect() builds fresh Metric objects per call: safe to rewrite in place.
+            fam.samples = [s._replace(labels={**s.labels, "mode": mode}) for s in fam.samples]
+            yield fam
+
+    def describe(self) -> Iterable[Metric]:
+        # Lets the outer registry detect name clashes at registration.
+        return list(self._inner.collect())
+
+
 class ShardMetrics:
     """Metrics of one PS shard; the shard calls the methods below under its own lock.
 
     Every series carries ``shard`` and ``mode`` labels (bounded: one value each per
     instance) so that several shards scraped into one Prometheus stay apart even when
-    they share an ``instance``.
+    they share an ``instance``.  ``mode`` may be corrected once the job is known, with
+    :meth:`set_mode`.
     """
 
     def __init__(
@@ -175,9 +206,11 @@ class ShardMetrics:
         self.registry = registry if registry is not None else CollectorRegistry()
         self.shard = int(shard)
         self.mode = mode
-        reg = self.registry
-        base = ["shard", "mode"]
-        fixed = {"shard": str(self.shard), "mode": mode}
+        # Metrics live in a private registry labelled by shard only; _StampMode adds
+        # ``mode`` when the public registry is scraped.
+        reg = CollectorRegistry()
+        base = ["shard"]
+        fixed = {"shard": str(self.shard)}
 
         def counter(name: str, doc: str) -> Counter:
             return Counter(name, doc, base, registry=reg).labels(**fixed)
@@ -261,7 +294,17 @@ class ShardMetrics:
         self._master_bytes = gauge(
             "psar_ps_master_bytes", "Bytes held by the master parameters and optimizer state."
         )
-        build_info(reg, "ps")
+        self.registry.register(_StampMode(reg, self))
+        build_info(self.registry, "ps")
+
+    def set_mode(self, mode: str) -> None:
+        """Set the ``mode`` label (``sync``/``async``/``ssp``), e.g. when Init brings the job.
+
+        Counts recorded so far are kept and shown under the new mode.
+        """
+        if mode not in SHARD_MODES:
+            raise ValueError(f"mode must be one of {SHARD_MODES}, got {mode!r}")
+        self.mode = mode
 
     # -- counters ---------------------------------------------------------------------
 

@@ -1,0 +1,131 @@
+"""``psar report``: report.md table, PNG plots, and the error paths."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from worker import report
+
+HAVE_MPL = importlib.util.find_spec("matplotlib") is not None
+
+
+def write_steps(path: Path, arch: str, mode: str, rank: int, n: int, staleness) -> None:
+    """A synthetic step file: 8 samples/step, one step per 0.1 s after a 1 s start-up."""
+    with path.open("w") as fh:
+        for i in range(1, n + 1):
+            rec = {
+                "step": i,
+                "time": 1.0 + 0.1 * i,
+                "loss": 2.0 / i,
+                "samples": 8 * i,
+                "loss_scale": 65536.0,
+                "bytes": 1000 * i,
+                "staleness": staleness(i),
+                "skipped": i == 3,
+                "rank": rank,
+                "arch": arch,
+                "mode": mode,
+            }
+            fh.write(json.dumps(rec) + "\n")
+
+
+@pytest.fixture
+def run_dir(tmp_path: Path) -> Path:
+    write_steps(tmp_path / "steps-ps-rank0.jsonl", "ps", "async", 0, 20, lambda i: i % 5)
+    write_steps(tmp_path / "steps-allreduce-rank0.jsonl", "allreduce", "ddp", 0, 10, lambda i: None)
+    summary = {
+        "arch": "ps",
+        "mode": "async",
+        "world_size": 2,
+        "samples_per_sec": 160.0,
+        "final_train_loss": 0.1,
+        "val_loss": 0.125,
+        "skipped_steps": 1,
+        "staleness": {"p50": 2, "p99": 4, "max": 4, "histogram": {"0": 4}},
+    }
+    (tmp_path / "report-ps-async.json").write_text(json.dumps(summary))
+    return tmp_path
+
+
+def table_rows(md: str) -> list[list[str]]:
+    return [
+        [c.strip() for c in line.strip("|").split("|")]
+        for line in md.splitlines()
+        if line.startswith("| ") and not line.startswith("| arch")
+    ]
+
+
+def test_report_table_and_plots(run_dir: Path, capsys):
+    assert report.main([str(run_dir)]) == 0
+    md = (run_dir / "report.md").read_text()
+    assert "## ps / async" in md and "## allreduce / ddp" in md
+    rows = {(r[0], r[1], r[2]): r for r in table_rows(md)}
+    ps = rows[("ps", "async", "0")]
+    # steps, samples/s (8 samples per 0.1 s), final loss, val loss, skipped, staleness.
+    assert ps[3] == "20"
+    assert math.isclose(float(ps[4]), 80.0)
+    assert math.isclose(float(ps[5]), 0.1)
+    assert ps[6] == "0.125"
+    assert ps[7] == "1"
+    assert ps[8:] == ["2", "4", "4"]
+    ar = rows[("allreduce", "ddp", "0")]
+    assert ar[3] == "10" and ar[6] == "-" and ar[8:] == ["-", "-", "-"]
+    summary = rows[("ps", "async", "all (n=2)")]
+    assert summary[4] == "160" and summary[6] == "0.125"
+
+    out = capsys.readouterr().out
+    assert "| ps | async | 0 |" in out and "report.md" in out
+    if HAVE_MPL:
+        for name in ("loss_vs_time", "loss_vs_samples", "samples_per_sec", "staleness"):
+            png = run_dir / f"{name}.png"
+            assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+            assert str(png) in out
+    else:
+        assert "pip install 'psar[plots]'" in out
+
+
+def test_no_plots_flag(run_dir: Path):
+    assert report.main([str(run_dir), "--no-plots"]) == 0
+    assert (run_dir / "report.md").exists()
+    assert not list(run_dir.glob("*.png"))
+
+
+def test_truncated_line_is_tolerated(run_dir: Path):
+    with (run_dir / "steps-ps-rank0.jsonl").open("a") as fh:
+        fh.write('{"step": 21, "time": 3.')  # a writer killed mid-line
+    assert report.main([str(run_dir), "--no-plots"]) == 0
+    md = (run_dir / "report.md").read_text()
+    assert "1 unparseable line" in md
+
+
+def test_missing_matplotlib_still_writes_table(run_dir: Path, monkeypatch, capsys):
+    def no_mpl(*a, **k):
+        raise ImportError("No module named 'matplotlib'")
+
+    monkeypatch.setattr(report, "write_plots", no_mpl)
+    assert report.main([str(run_dir)]) == 0
+    assert (run_dir / "report.md").exists()
+    assert "pip install 'psar[plots]'" in capsys.readouterr().out
+
+
+def test_empty_dir_exits_2(tmp_path: Path, capsys):
+    assert report.main([str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"no steps-*.jsonl in {tmp_path}; run psar train --run-dir {tmp_path} first" in err
+    assert not (tmp_path / "report.md").exists()
+
+
+def test_missing_dir_exits_2(tmp_path: Path, capsys):
+    assert report.main([str(tmp_path / "nope")]) == 2
+    assert "not a directory" in capsys.readouterr().err
+
+
+def test_parser():
+    p = report.build_parser()
+    assert p.prog == "psar report"
+    assert p.parse_args(["d"]).run_dir == Path("d")
