@@ -69,6 +69,8 @@ class PSClient:
         self._stubs = [pb_grpc.ParameterServerStub(c) for c in self._channels]
         self._pool = ThreadPoolExecutor(len(self.addresses), thread_name_prefix="psar-client")
         self.slots_by_shard: list[list[Slot]] = [[] for _ in self.addresses]
+        self.last_pull_wait_s = 0.0
+        """Seconds the last pull waited for its first reply (sync barrier, SSP bound)."""
 
     @property
     def num_shards(self) -> int:
@@ -193,8 +195,11 @@ class PSClient:
         """Pull every shard's weights into `out` (flat tensors keyed by slot; any float
         dtype, converted on copy). Waits as the consistency mode requires."""
 
+        waits = [0.0] * self.num_shards
+
         def one(i: int) -> PullHeader:
             def call(_retry: bool) -> PullHeader:
+                t0 = time.perf_counter()
                 req = pb.PullRequest(
                     worker=self.worker, clock=clock, dtype=serde.dtype_to_pb(dtype)
                 )
@@ -202,6 +207,7 @@ class PSClient:
                 header: PullHeader | None = None
                 for msg in stream:
                     if header is None:
+                        waits[i] = time.perf_counter() - t0
                         header = serde.pull_header_from_pb(msg.header)
                         continue
                     d = msg.data
@@ -213,7 +219,9 @@ class PSClient:
 
             return self._retrying(i, call)
 
-        return self._each(one)
+        headers = self._each(one)
+        self.last_pull_wait_s = max(waits)
+        return headers
 
     def leave(self) -> None:
         """Tell every shard this worker is done, so nobody waits for it."""

@@ -28,16 +28,10 @@ from ps.errors import (
 )
 from ps.job import Job
 from ps.policies import PushOutcome, StagedPush, make_policy
+from worker.nullmetrics import NullMetrics
 from worker.optim import DynamicLossScale, build_optimizer, build_scheduler
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
-
-
-class _NullMetrics:
-    """Accepts every metrics call and does nothing (for tests and embedded use)."""
-
-    def __getattr__(self, name: str) -> Any:
-        return lambda *args, **kwargs: None
 
 
 @dataclass(slots=True)
@@ -85,7 +79,7 @@ class ShardState:
     def __init__(
         self, *, metrics: Any = None, message_bytes: int = wire.DEFAULT_MESSAGE_BYTES
     ) -> None:
-        self.metrics = metrics if metrics is not None else _NullMetrics()
+        self.metrics = metrics if metrics is not None else NullMetrics()
         self.message_bytes = message_bytes
         self._cond = threading.Condition()
         self.job: Job | None = None
@@ -150,6 +144,7 @@ class ShardState:
             self.live = set(range(job.num_workers))
             self.clocks = [0] * job.num_workers
             self.job = job
+            self.metrics.set_mode(job.mode)
             self.metrics.set_master_bytes(self.master_bytes)
             self.metrics.set_live_workers(len(self.live))
             self.metrics.set_loss_scale(self.loss_scale.scale)

@@ -1,0 +1,235 @@
+"""PSBackend: the training loop's backend for the parameter-server architecture.
+
+Each step: the gradients (fp16/bf16/fp32 as --wire-dtype says) are pushed to every
+shard, then the new weights are pulled back. Pulls wait as the consistency mode
+requires (the sync round closes; the slowest SSP worker catches up). In sync mode the
+loss scale comes from the shards with every pull, so workers never drift apart.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from typing import Any
+
+import torch
+
+from ps.client import ClientConfig, PSClient
+from ps.job import Job
+from ps.partition import Slot, bytes_per_shard, plan_slots
+from worker.backend import StepOutcome
+from worker.config import TrainConfig
+from worker.nullmetrics import NullMetrics
+from worker.optim import DynamicLossScale, LossScaleConfig
+from worker.precision import PrecisionPolicy
+
+log = logging.getLogger("psar.ps")
+
+
+class PSBackend:
+    arch = "ps"
+
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        precision: PrecisionPolicy,
+        *,
+        rank: int,
+        world_size: int,
+        total_steps: int,
+        metrics: Any = None,
+    ) -> None:
+        self.cfg = cfg
+        self.precision = precision
+        self.mode = cfg.ps.mode
+        self.rank, self.world_size = rank, world_size
+        self.device = precision.device
+        self.total_steps = total_steps
+        self.metrics = metrics if metrics is not None else NullMetrics()
+        self.addresses = cfg.ps.server_list()
+        self.clock = 0
+        self.bytes_pushed = 0
+        self.bytes_pulled = 0
+        ls = LossScaleConfig(**{**vars(cfg.loss_scale), "enabled": precision.loss_scaling})
+        self._ls_cfg = ls
+        # sync: the shards own the scale; async/ssp: each worker keeps its own.
+        self._local_scale = DynamicLossScale(ls)
+        self.loss_scale = self._local_scale.scale
+        self._skipped_seen = 0
+
+    # ---- setup ----------------------------------------------------------------------
+
+    def setup(self, model: torch.nn.Module) -> torch.nn.Module:
+        model.to(self.device)
+        if self.precision.weights != torch.float32:
+            model.to(self.precision.weights)
+        self.model = model
+        params = [
+            (n, p) for n, p in model.named_parameters() if p.requires_grad and p.is_floating_point()
+        ]
+        self.params = dict(params)
+        chunk = int(self.cfg.ps.chunk_mib * (1 << 20))
+        self.slots: list[Slot] = plan_slots(
+            [(n, p.numel()) for n, p in params], len(self.addresses), chunk_bytes=chunk
+        )
+        jobs = self._jobs()
+        self.client = PSClient(
+            self.addresses,
+            worker=self.rank,
+            cfg=ClientConfig(
+                timeout_s=self.cfg.ps.timeout_s, pull_timeout_s=self.cfg.ps.pull_timeout_s
+            ),
+        )
+        self.client.set_slots(self.slots)
+        if self.rank == 0:
+            values = {s.key: self._view(s).detach().float() for s in self.slots}
+            self.client.init(jobs, values)
+            per = bytes_per_shard(self.slots, len(self.addresses))
+            log.info(
+                "bytes per shard: %s",
+                ", ".join(f"{i}: {b / 2**20:.2f} MiB" for i, b in enumerate(per)),
+            )
+        got = self.client.get_jobs(wait=True, timeout_s=self.cfg.ps.pull_timeout_s)
+        for i, (want, have) in enumerate(zip(jobs, got, strict=True)):
+            if have is None:
+                raise RuntimeError(
+                    f"shard {i} ({self.addresses[i]}) was not initialised within "
+                    f"{self.cfg.ps.pull_timeout_s}s; is the worker of rank 0 running?"
+                )
+            if have != want:
+                raise RuntimeError(
+                    f"shard {i} ({self.addresses[i]}) serves a different job (mode {have.mode}, "
+                    f"{have.num_workers} workers, {len(have.slots)} slots, id {have.job_id!r}); "
+                    "check --servers order, --mode, --world-size and the model on every worker"
+                )
+        wire = self.precision.wire
+        pinned = self.device.type == "cuda"
+        self._send = {
+            s.key: torch.empty(s.numel, dtype=wire, pin_memory=pinned) for s in self.slots
+        }
+        # On CPU, pulled bytes land straight in the parameters; on CUDA they land in
+        # pinned host buffers and are copied to the device in one go.
+        if pinned:
+            self._recv = {
+                s.key: torch.empty(s.numel, dtype=self.precision.weights, pin_memory=True)
+                for s in self.slots
+            }
+        else:
+            self._recv = {s.key: self._view(s) for s in self.slots}
+        self._pull()
+        return model
+
+    def _jobs(self) -> list[Job]:
+        opt = self.cfg.optimizer
+        if opt.schedule != "constant" and opt.total_steps == 0:
+            opt = type(opt)(**{**vars(opt), "total_steps": self.total_steps})
+        return [
+            Job(
+                mode=self.mode,
+                staleness=self.cfg.ps.staleness,
+                num_workers=self.world_size,
+                optimizer=opt,
+                loss_scale=self._ls_cfg if self.mode == "sync" else LossScaleConfig(),
+                shard_index=i,
+                num_shards=len(self.addresses),
+                slots=[s for s in self.slots if s.shard == i],
+                job_id=self.cfg.ps.job_id,
+            )
+            for i in range(len(self.addresses))
+        ]
+
+    def _view(self, s: Slot) -> torch.Tensor:
+        p = self.params[s.param]
+        if not p.is_contiguous():
+            raise ValueError(f"parameter {s.param} is not contiguous; call .contiguous() on it")
+        return p.data.view(-1)[s.start : s.start + s.numel]
+
+    # ---- the step -------------------------------------------------------------------
+
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()  # nothing travels until step()
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.loss_scale if self.loss_scale != 1.0 else loss
+
+    def step(self) -> StepOutcome:
+        t0 = time.perf_counter()
+        finite = True
+        for s in self.slots:
+            g = self.params[s.param].grad
+            buf = self._send[s.key]
+            if g is None:
+                buf.zero_()  # no gradient this step: contributes zero (see docs/architectures.md)
+            else:
+                buf.copy_(g.reshape(-1)[s.start : s.start + s.numel], non_blocking=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        for buf in self._send.values():
+            finite = finite and bool(torch.isfinite(buf).all())
+        replies = self.client.push(
+            clock=self.clock + 1,
+            base_versions=self.versions,
+            dtype=self.precision.wire,
+            grads=self._send,
+            loss_scale=self.loss_scale,
+            overflow=not finite,
+        )
+        self.clock += 1
+        if finite:
+            self.bytes_pushed += sum(b.numel() * b.element_size() for b in self._send.values())
+        t1 = time.perf_counter()
+        wait = self._pull()
+        t2 = time.perf_counter()
+        staleness = max(int(r.staleness) for r in replies)
+        if self.mode == "sync":
+            skipped = self._headers[0].skipped_rounds > self._skipped_seen
+            self._skipped_seen = self._headers[0].skipped_rounds
+            self.loss_scale = self._headers[0].loss_scale
+        else:
+            skipped = not finite
+            self._local_scale.update(overflow=skipped)
+            self.loss_scale = self._local_scale.scale
+        return StepOutcome(
+            skipped=skipped,
+            loss_scale=self.loss_scale,
+            staleness=staleness,
+            phases={"push": t1 - t0, "wait": wait, "pull": max(0.0, t2 - t1 - wait)},
+        )
+
+    def _pull(self) -> float:
+        """Pull the newest weights this worker may see; returns seconds spent waiting."""
+        dtype = self.precision.weights
+        self._headers = self.client.pull(clock=self.clock, dtype=dtype, out=self._recv)
+        self.versions = [h.version for h in self._headers]
+        if self.device.type == "cuda":
+            for s in self.slots:
+                self._view(s).copy_(self._recv[s.key], non_blocking=True)
+        self.bytes_pulled += sum(s.numel for s in self.slots) * dtype.itemsize
+        if self.mode == "sync":
+            self.loss_scale = self._headers[0].loss_scale
+        # The shards answer only once the round/bound allows: time to the first reply
+        # message is the wait; the rest of the pull is the transfer.
+        return self.client.last_pull_wait_s
+
+    def comm_bytes(self) -> dict[str, int]:
+        return {"bytes_pushed": self.bytes_pushed, "bytes_pulled": self.bytes_pulled}
+
+    def state_dict(self) -> dict[str, Any]:
+        state = self.model.state_dict()
+        if self.precision.weights == torch.float32:
+            return state
+        # Low-precision worker weights: fetch the fp32 masters for the saved copy.
+        full = {s.key: torch.empty(s.numel) for s in self.slots}
+        self.client.pull(clock=self.clock, dtype=torch.float32, out=full)
+        out = {k: (v.float() if v.is_floating_point() else v) for k, v in state.items()}
+        for s in self.slots:
+            out[s.param].view(-1)[s.start : s.start + s.numel].copy_(full[s.key])
+        return out
+
+    def shard_stats(self) -> list[dict[str, Any]]:
+        return self.client.stats()
+
+    def finish(self) -> None:
+        self.client.leave()
+        self.client.close()

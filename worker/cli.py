@@ -1,0 +1,153 @@
+"""`psar`: one console script, several subcommands.
+
+psar server   one parameter-server shard (gRPC)
+psar train    one worker of a training job (--arch ps | allreduce)
+psar plan     predict communication and memory of both architectures
+psar report   plots and a table from a run folder
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import sys
+from collections.abc import Callable, Sequence
+
+from ps.server import ServerConfig
+from worker import cli_gen
+from worker.config import TrainConfig
+
+EPILOG_TRAIN = """\
+examples:
+  # two shards and two workers by hand (four terminals):
+  psar server --bind 127.0.0.1:50051
+  psar server --bind 127.0.0.1:50052
+  psar train --arch ps --servers 127.0.0.1:50051,127.0.0.1:50052 --rank 0 --world-size 2
+  psar train --arch ps --servers 127.0.0.1:50051,127.0.0.1:50052 --rank 1 --world-size 2
+
+  # the same job under DDP (torchrun sets RANK, WORLD_SIZE, MASTER_ADDR, ...):
+  torchrun --nproc-per-node 2 $(which psar) train --arch allreduce
+"""
+
+
+def _train_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "train",
+        help="run one worker of a training job",
+        description="Train a workload under a parameter server (--arch ps) or DDP "
+        "(--arch allreduce). Every flag can also be set in a TOML file given with "
+        "--config; flags on the command line win.",
+        epilog=EPILOG_TRAIN,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--config", metavar="FILE", help="TOML file with the same keys as the flags")
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="validate flags and environment, print the resolved config as JSON, start nothing",
+    )
+    cli_gen.add_flags(p, TrainConfig)
+    return p
+
+
+def _server_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "server",
+        help="run one parameter-server shard",
+        description="A parameter-server shard. It is model-agnostic: the worker of rank 0 "
+        "tells it its tensors, optimizer, consistency mode and number of workers.",
+    )
+    p.add_argument("--config", metavar="FILE", help="TOML file with the same keys as the flags")
+    p.add_argument("--dry-run", action="store_true", help="validate flags, start nothing")
+    cli_gen.add_flags(p, ServerConfig)
+    return p
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="psar",
+        description="Train the same PyTorch model under a parameter server or ring-allreduce.",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    _server_parser(sub)
+    _train_parser(sub)
+    sub.add_parser("plan", help="predict per-step communication and memory", add_help=False)
+    sub.add_parser("report", help="plots and a markdown table from a --run-dir", add_help=False)
+    return parser
+
+
+def _run_server(args: argparse.Namespace) -> int:
+    from ps.server import serve
+
+    cfg = cli_gen.build(ServerConfig, args, args.config)
+    if args.dry_run:
+        print(json.dumps(dataclasses.asdict(cfg), indent=2))
+        return 0
+    return serve(cfg)
+
+
+def _run_train(args: argparse.Namespace) -> int:
+    cfg = cli_gen.build(TrainConfig, args, args.config)
+    if args.dry_run:
+        import os
+
+        from worker.loop import resolve_ranks
+
+        resolve_ranks(cfg, dict(os.environ))
+        if cfg.arch == "ps":
+            cfg.ps.server_list()
+        print(json.dumps(dataclasses.asdict(cfg), indent=2))
+        return 0
+    from worker.loop import train
+
+    summary = train(cfg)
+    if summary.get("rank", 0) == 0:
+        keys = (
+            "arch",
+            "mode",
+            "steps",
+            "samples_per_sec",
+            "final_train_loss",
+            "val_loss",
+            "skipped_steps",
+        )
+        print(json.dumps({k: summary.get(k) for k in keys}))
+    return 0
+
+
+def _delegated(name: str) -> Callable[[list[str]], int]:
+    if name == "plan":
+        from worker.plan import main
+    elif name == "report":
+        from worker.report import main
+    else:  # pragma: no cover - guarded by the caller
+        raise KeyError(name)
+    return main
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("plan", "report"):
+        return _delegated(argv[0])(argv[1:])
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
+    try:
+        if args.command == "server":
+            return _run_server(args)
+        return _run_train(args)
+    except ValueError as e:
+        # User errors (bad flag values, bad config files): one clear line, exit 2.
+        parser.exit(2, f"psar {args.command}: error: {e}\n")
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,168 @@
+"""The training configuration: one tree of dataclasses, validated in __post_init__.
+
+`psar train`'s flags are generated from this tree (worker/cli_gen.py): each field is a
+flag, its docstring is the flag's help, and a TOML file given with --config fills the
+same fields (flags win). Sections [optimizer], [loss_scale], [ps], [ddp] in the file
+map to the nested dataclasses.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from worker.optim import LossScaleConfig, OptimizerConfig
+
+ARCHS = ("ps", "allreduce")
+
+
+@dataclass(kw_only=True)
+class PSConfig:
+    """Parameter-server architecture (--arch ps)."""
+
+    servers: str = ""
+    """Comma-separated HOST:PORT of every shard, in shard order (or env PSAR_SERVERS)."""
+    rank: int = -1
+    """This worker's rank, 0..world_size-1 (default: env RANK, else 0)."""
+    world_size: int = 0
+    """Number of workers (default: env WORLD_SIZE, else 1)."""
+    mode: str = "sync"
+    """Consistency mode: sync | async | ssp."""
+    staleness: int = 1
+    """ssp: no worker runs more than this many clocks ahead of the slowest live worker."""
+    chunk_mib: float = 4.0
+    """Tensors larger than this (MiB of fp32) are cut into chunks spread over shards."""
+    timeout_s: float = 60.0
+    """Deadline of calls that never wait on other workers (init, push)."""
+    pull_timeout_s: float = 300.0
+    """Deadline of a pull, which may wait for a sync round or the slowest SSP worker."""
+    job_id: str = "psar"
+    """Job name sent to the shards; a shard refuses a second job with another name."""
+
+    def __post_init__(self) -> None:
+        from ps.job import MODES
+
+        if self.mode not in MODES:
+            raise ValueError(f"--mode: unknown {self.mode!r}; accepted: {', '.join(MODES)}")
+        if self.staleness < 0:
+            raise ValueError(f"--staleness must be >= 0, got {self.staleness}")
+        if not self.chunk_mib > 0:
+            raise ValueError(f"--chunk-mib must be > 0, got {self.chunk_mib}")
+        if not (self.timeout_s > 0 and self.pull_timeout_s > 0):
+            raise ValueError("--timeout-s and --pull-timeout-s must be > 0")
+
+    def server_list(self) -> list[str]:
+        raw = self.servers or os.environ.get("PSAR_SERVERS", "")
+        addrs = [a.strip() for a in raw.split(",") if a.strip()]
+        if not addrs:
+            raise ValueError(
+                "--servers: give the shards as HOST:PORT,HOST:PORT (or set PSAR_SERVERS); "
+                "start them with `psar server --bind HOST:PORT`"
+            )
+        for a in addrs:
+            host, sep, port = a.rpartition(":")
+            if not sep or not host or not port.isdigit():
+                raise ValueError(f"--servers: {a!r} is not HOST:PORT")
+        return addrs
+
+
+@dataclass(kw_only=True)
+class DDPConfig:
+    """AllReduce architecture (--arch allreduce), launched by torchrun."""
+
+    backend: str = "auto"
+    """Process-group backend: auto (nccl on CUDA, gloo on CPU) | nccl | gloo."""
+    pg_timeout_s: float = 600.0
+    """Process-group timeout: a hung collective fails after this many seconds."""
+    bucket_cap_mb: float = 25.0
+    """DDP gradient bucket size in MB."""
+    find_unused_parameters: bool = False
+    """Let DDP handle parameters that get no gradient (the workload may also ask for it)."""
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("auto", "nccl", "gloo"):
+            raise ValueError(f"--backend: unknown {self.backend!r}; accepted: auto, nccl, gloo")
+        if not self.pg_timeout_s > 0 or not self.bucket_cap_mb > 0:
+            raise ValueError("--pg-timeout-s and --bucket-cap-mb must be > 0")
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """One worker of a training job (`psar train`)."""
+
+    arch: str = "ps"
+    """Architecture: ps (parameter server) | allreduce (DDP under torchrun)."""
+    workload: str = "mlp"
+    """Built-in workload (mlp, lm) or your own factory as package.module:function."""
+    workload_option: list[str] = field(default_factory=list)
+    """key=value passed to the workload factory (repeatable)."""
+    steps: int = 100
+    """Optimizer steps to run (ignored when --epochs is given)."""
+    epochs: float = 0.0
+    """Run this many passes over the training data instead of --steps."""
+    batch_size: int = 32
+    """Per-worker micro-batch size."""
+    grad_accum: int = 1
+    """Accumulate gradients over K micro-batches per step (one push / one allreduce per step)."""
+    seed: int = 0
+    """Seed for the model's initial weights and the data order (same in both architectures)."""
+    precision: str = "auto"
+    """Compute precision: auto (fp16 on CUDA, bf16 on CPU) | fp32 | fp16 | bf16."""
+    wire_dtype: str = "auto"
+    """dtype of gradients on the wire: auto (as --precision) | fp32 | fp16 | bf16."""
+    worker_weights: str = "fp32"
+    """PS: dtype of the weights a worker keeps (fp16/bf16 halve memory and pull bytes)."""
+    device: str = "auto"
+    """auto (cuda:LOCAL_RANK if CUDA is present, else cpu) | cpu | cuda."""
+    threads: int = 0
+    """torch compute threads per process (0: torch's default)."""
+    save: str = ""
+    """Write the final weights (a state_dict) here (rank 0)."""
+    report: str = ""
+    """Write the summary JSON here; '{rank}' in the path is replaced by the worker's rank."""
+    run_dir: str = ""
+    """Write a per-step JSONL log of this process into this folder."""
+    eval_batches: int = 20
+    """Validation batches evaluated at the end (0: skip validation)."""
+    log_every: int = 10
+    """Rank 0 prints progress every this many steps (0: never)."""
+    metrics_port: int = 0
+    """Serve Prometheus /metrics on this port (+ LOCAL_RANK under torchrun; 0: off)."""
+    metrics_addr: str = "127.0.0.1"
+    """Address the /metrics endpoint binds to."""
+    slowdown: float = 1.0
+    """Emulate a straggler: after each step's compute, sleep (slowdown - 1) x its measured
+    compute time, so this worker runs that many times slower (1: off)."""
+    inject_overflow_step: int = 0
+    """Testing aid: rank 0 makes its gradient non-finite at this step (0: never)."""
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    """The optimizer (applied on the shards for ps, on every rank for allreduce)."""
+    loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
+    """Dynamic loss scaling for fp16 (enabled automatically when fp16 is used)."""
+    ps: PSConfig = field(default_factory=PSConfig)
+    """Parameter-server settings."""
+    ddp: DDPConfig = field(default_factory=DDPConfig)
+    """AllReduce settings."""
+
+    def __post_init__(self) -> None:
+        if self.arch not in ARCHS:
+            raise ValueError(f"--arch: unknown {self.arch!r}; accepted: {', '.join(ARCHS)}")
+        for name in ("batch_size", "grad_accum"):
+            if getattr(self, name) < 1:
+                raise ValueError(
+                    f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}"
+                )
+        if self.steps < 1 and self.epochs <= 0:
+            raise ValueError("--steps must be >= 1 (or give --epochs)")
+        if self.epochs < 0 or self.eval_batches < 0 or self.log_every < 0 or self.threads < 0:
+            raise ValueError("--epochs, --eval-batches, --log-every and --threads must be >= 0")
+        if self.slowdown < 1.0:
+            raise ValueError(f"--slowdown must be >= 1 (1 means no slowdown), got {self.slowdown}")
+        if not 0 <= self.metrics_port < 65536:
+            raise ValueError(f"--metrics-port must be in [0, 65535], got {self.metrics_port}")
+        for opt in self.workload_option:
+            if "=" not in opt:
+                raise ValueError(f"--workload-option: expected key=value, got {opt!r}")
+
+    def workload_options(self) -> dict[str, str]:
+        return dict(opt.split("=", 1) for opt in self.workload_option)
