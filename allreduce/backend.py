@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from allreduce.hooks import register_wire_dtype
 from worker.backend import StepOutcome
 from worker.config import TrainConfig
 from worker.optim import build_optimizer, build_scheduler
@@ -69,10 +69,7 @@ class DDPBackend:
             find_unused_parameters=self.find_unused,
         )
         wire = self.precision.wire
-        if wire == torch.float16:
-            self.ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
-        elif wire == torch.bfloat16:
-            self.ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
+        register_wire_dtype(self.ddp, wire)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self._step_bytes = sum(p.numel() for p in self.params) * wire.itemsize
         opt_cfg = self.cfg.optimizer
