@@ -117,3 +117,11 @@ def run_torchrun(world: int, tmp: Path, common: Sequence[str], timeout: float = 
             f"torchrun exited {p.returncode}:\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}"
         )
     return json.loads((tmp / "report-ddp.json").read_text())
+
+
+def shard_stats(addrs: Sequence[str]) -> list[dict]:
+    """Each live shard's counters and state digest (the Stats RPC)."""
+    from ps.client import PSClient
+
+    with PSClient(addrs, worker=0) as client:
+        return client.stats()
