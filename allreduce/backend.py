@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from allreduce.hooks import register_wire_dtype
 from worker.backend import StepOutcome
 from worker.config import TrainConfig
-from worker.optim import build_optimizer, build_scheduler
+from worker.optim import build_optimizer, build_scheduler, effective_loss_scale
 from worker.precision import PrecisionPolicy
 
 
@@ -77,14 +77,14 @@ class DDPBackend:
             opt_cfg = type(opt_cfg)(**{**vars(opt_cfg), "total_steps": self.total_steps})
         self.optimizer = build_optimizer(self.params, opt_cfg)
         self.scheduler = build_scheduler(self.optimizer, opt_cfg)
-        ls = self.cfg.loss_scale
+        ls = effective_loss_scale(self.cfg.loss_scale, self.precision.loss_scaling)
         self.scaler = torch.amp.GradScaler(
             self.device.type,
             init_scale=ls.init_scale,
             growth_factor=ls.growth_factor,
             backoff_factor=ls.backoff_factor,
             growth_interval=ls.growth_interval,
-            enabled=self.precision.loss_scaling,
+            enabled=ls.enabled,
         )
         self.loss_scale = self.scaler.get_scale() if self.scaler.is_enabled() else 1.0
         return self.ddp

@@ -21,7 +21,7 @@ from ps.partition import Slot, bytes_per_shard, plan_slots
 from worker.backend import StepOutcome
 from worker.config import TrainConfig
 from worker.nullmetrics import NullMetrics
-from worker.optim import DynamicLossScale, LossScaleConfig
+from worker.optim import DynamicLossScale, LossScaleConfig, effective_loss_scale
 from worker.precision import PrecisionPolicy
 
 log = logging.getLogger("psar.ps")
@@ -51,7 +51,7 @@ class PSBackend:
         self.clock = 0
         self.bytes_pushed = 0
         self.bytes_pulled = 0
-        ls = LossScaleConfig(**{**vars(cfg.loss_scale), "enabled": precision.loss_scaling})
+        ls = effective_loss_scale(cfg.loss_scale, precision.loss_scaling)
         self._ls_cfg = ls
         # sync: the shards own the scale; async/ssp: each worker keeps its own.
         self._local_scale = DynamicLossScale(ls)

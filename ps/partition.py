@@ -45,6 +45,8 @@ def plan_slots(
     """
     if num_shards < 1:
         raise ValueError(f"num_shards must be >= 1, got {num_shards}")
+    if itemsize < 1:
+        raise ValueError(f"itemsize must be >= 1 byte, got {itemsize}")
     if chunk_bytes < itemsize:
         raise ValueError(f"chunk_bytes must be >= {itemsize}, got {chunk_bytes}")
     names = [n for n, _ in params]

@@ -20,7 +20,12 @@ _MODE_FROM_PB = {v: k for k, v in _MODE_TO_PB.items()}
 
 
 def dtype_to_pb(dtype: torch.dtype) -> int:
-    return wire.WIRE_FROM_DTYPE[dtype]
+    try:
+        return wire.WIRE_FROM_DTYPE[dtype]
+    except KeyError:
+        raise InvalidArgument(
+            f"dtype {dtype} cannot travel; use float32, float16 or bfloat16", reason="bad_dtype"
+        ) from None
 
 
 def dtype_from_pb(value: int) -> torch.dtype:

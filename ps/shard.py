@@ -24,7 +24,6 @@ from ps.errors import (
     FailedPrecondition,
     InvalidArgument,
     NotFound,
-    ResourceExhausted,
 )
 from ps.job import Job
 from ps.policies import PushOutcome, StagedPush, make_policy
@@ -211,6 +210,11 @@ class ShardState:
 
     def _check_clock(self, h: PushHeader) -> bool:
         """Clocks advance by one per push. Returns True for an acknowledged retry."""
+        if h.clock < 1:
+            raise InvalidArgument(
+                f"push clock must be >= 1 (the worker's clock after this push), got {h.clock}",
+                reason="malformed",
+            )
         last = self.clocks[h.worker]
         if h.clock <= last:
             if h.retry:
@@ -254,8 +258,8 @@ class ShardState:
                 f"slot's pieces once, in order)",
             )
         if offset + n > numel:
-            raise ResourceExhausted(
-                f"slot {key!r}: {offset + n} elements sent but it holds {numel}",
+            raise InvalidArgument(
+                f"slot {key!r}: {offset + n} elements sent but it holds {numel} (wrong shape)",
             )
         ticket.received[key] = offset + n
         ticket.bytes_in += len(data)

@@ -4,6 +4,8 @@ psar server   one parameter-server shard (gRPC)
 psar train    one worker of a training job (--arch ps | allreduce)
 psar plan     predict communication and memory of both architectures
 psar report   plots and a table from a run folder
+psar launch   start a whole job (shards + workers, or torchrun) on this machine
+psar compare  the same workload under allreduce, ps-sync, ps-async and ps-ssp
 """
 
 from __future__ import annotations
@@ -76,6 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     _train_parser(sub)
     sub.add_parser("plan", help="predict per-step communication and memory", add_help=False)
     sub.add_parser("report", help="plots and a markdown table from a --run-dir", add_help=False)
+    sub.add_parser("launch", help="start shards and workers on this machine", add_help=False)
+    sub.add_parser("compare", help="one workload under every architecture", add_help=False)
     return parser
 
 
@@ -123,6 +127,10 @@ def _delegated(name: str) -> Callable[[list[str]], int]:
         from worker.plan import main
     elif name == "report":
         from worker.report import main
+    elif name == "launch":
+        from worker.launch import main
+    elif name == "compare":
+        from worker.compare import main
     else:  # pragma: no cover - guarded by the caller
         raise KeyError(name)
     return main
@@ -130,7 +138,7 @@ def _delegated(name: str) -> Callable[[list[str]], int]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in ("plan", "report"):
+    if argv and argv[0] in ("plan", "report", "launch", "compare"):
         return _delegated(argv[0])(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)

@@ -160,6 +160,18 @@ class TrainConfig:
             raise ValueError(f"--slowdown must be >= 1 (1 means no slowdown), got {self.slowdown}")
         if not 0 <= self.metrics_port < 65536:
             raise ValueError(f"--metrics-port must be in [0, 65535], got {self.metrics_port}")
+        choices = {
+            "precision": ("auto", "fp32", "fp16", "bf16"),
+            "wire_dtype": ("auto", "fp32", "fp16", "bf16"),
+            "worker_weights": ("fp32", "fp16", "bf16"),
+            "device": ("auto", "cpu", "cuda"),
+        }
+        for name, accepted in choices.items():
+            if getattr(self, name) not in accepted:
+                flag = "--" + name.replace("_", "-")
+                raise ValueError(
+                    f"{flag}: unknown {getattr(self, name)!r}; accepted: {', '.join(accepted)}"
+                )
         for opt in self.workload_option:
             if "=" not in opt:
                 raise ValueError(f"--workload-option: expected key=value, got {opt!r}")

@@ -7,6 +7,7 @@ whichever architecture runs it.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -130,6 +131,11 @@ class LossScaleConfig:
             raise ValueError("need growth_factor > 1 and 0 < backoff_factor < 1")
         if self.growth_interval < 1:
             raise ValueError("growth_interval must be >= 1")
+
+
+def effective_loss_scale(cfg: LossScaleConfig, needed: bool) -> LossScaleConfig:
+    """cfg with scaling switched on where the precision needs it (fp16), or where asked."""
+    return dataclasses.replace(cfg, enabled=cfg.enabled or needed)
 
 
 class DynamicLossScale:

@@ -1,0 +1,336 @@
+"""PS data path: push + pull of an fp32 payload through 1..N real shards on loopback.
+
+Each shard is a real `psar server` process; the client is ps.client.PSClient used as a
+worker uses it (init with ps.job.Job objects from ps.partition.plan_slots, then
+push/pull in a loop, mode async, one worker, so nothing ever waits on a barrier).
+The same run measures raw loopback TCP (bench/baselines.py) for each payload size, so
+the ratio compares like with like on a noisy machine.
+
+GB/s = (push bytes + pull bytes) / median push+pull cycle time, 1e9 bytes per GB.
+ratio_to_tcp = gbps / tcp_gbps, tcp_gbps being one-way raw TCP for the same payload.
+
+    python -m bench.ps_datapath                       # 16,64,256 MiB x 1,2,4 shards
+    python -m bench.ps_datapath --json --repeats 7
+    python -m bench.ps_datapath --quick --json        # CI smoke: 1 MiB, tiny
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a file: make `bench` and `ps` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+
+from bench.baselines import MIB, TcpSink, _readline_with_timeout, measure_tcp, stop_process
+from ps import wire
+from ps.client import ClientConfig, PSClient
+from ps.job import Job
+from ps.partition import plan_slots
+from worker.optim import OptimizerConfig
+
+_HELLO = "psar server listening on "
+SCHEMA_KEYS = ("payload_mib", "shards", "gbps", "ratio_to_tcp")
+
+
+@dataclass
+class Result:
+    payload_mib: float
+    shards: int
+    gbps: float
+    """(push + pull bytes) / median cycle time, GB/s."""
+    ratio_to_tcp: float
+    """gbps / tcp_gbps."""
+    push_gbps: float
+    """payload / median push time."""
+    pull_gbps: float
+    """payload / median pull time."""
+    tcp_gbps: float
+    """Raw loopback TCP, one way, same payload, same run (median)."""
+    cycle_ms: float
+    """Median push+pull cycle."""
+    cycle_ms_min: float
+    cycle_ms_max: float
+    repeats: int
+    warmup: int
+    tensors: int
+    chunk_mib: float
+    message_mib: float
+
+
+# ---- shard processes -------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def shard_processes(
+    n: int, *, message_bytes: int, max_message_bytes: int, start_timeout_s: float = 60.0
+) -> Iterator[list[str]]:
+    """Start n `psar server` processes on 127.0.0.1:0; yield their addresses; stop them."""
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        for i in range(n):
+            procs.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "worker.cli",
+                        "server",
+                        "--bind",
+                        "127.0.0.1:0",
+                        "--shard",
+                        str(i),
+                        "--message-bytes",
+                        str(message_bytes),
+                        "--max-message-bytes",
+                        str(max_message_bytes),
+                    ],
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.DEVNULL,
+                    stdin=subprocess.DEVNULL,
+                    text=True,
+                )
+            )
+        addresses = []
+        for p in procs:  # started together, so their start-ups overlap
+            line = _readline_with_timeout(p, start_timeout_s)
+            if not line.startswith(_HELLO):
+                raise RuntimeError(f"psar server did not start: {line!r}")
+            addresses.append(line[len(_HELLO) :])
+        yield addresses
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in procs:
+            stop_process(p)
+
+
+# ---- one configuration -----------------------------------------------------------------
+
+
+def tensor_sizes(payload_bytes: int, tensors: int) -> list[int]:
+    """fp32 element counts of `tensors` tensors adding up to payload_bytes (equal split)."""
+    total = payload_bytes // 4
+    if total < tensors:
+        raise ValueError(f"payload of {payload_bytes} bytes is too small for {tensors} tensors")
+    base, extra = divmod(total, tensors)
+    return [base + (1 if i < extra else 0) for i in range(tensors)]
+
+
+def run_config(
+    addresses: Sequence[str],
+    *,
+    payload_bytes: int,
+    tensors: int,
+    chunk_bytes: int,
+    message_bytes: int,
+    max_message_bytes: int,
+    repeats: int,
+    warmup: int,
+) -> tuple[list[float], list[float]]:
+    """Push+pull `payload_bytes` through the shards; (push seconds, pull seconds) per repeat."""
+    sizes = tensor_sizes(payload_bytes, tensors)
+    params = [(f"t{i}", n) for i, n in enumerate(sizes)]
+    slots = plan_slots(params, len(addresses), chunk_bytes=chunk_bytes)
+    gen = torch.Generator().manual_seed(0)
+    weights = {name: torch.randn(n, generator=gen) for name, n in params}
+    # Tiny finite gradients: the shard's SGD step changes the weights a little each push.
+    grads_full = {name: torch.randn(n, generator=gen).mul_(1e-6) for name, n in params}
+    pulled = {name: torch.empty(n) for name, n in params}
+
+    def views(src: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {s.key: src[s.param][s.start : s.start + s.numel] for s in slots}
+
+    jobs = [
+        Job(
+            mode="async",
+            num_workers=1,
+            optimizer=OptimizerConfig(name="sgd", lr=1e-3, momentum=0.0),
+            shard_index=i,
+            num_shards=len(addresses),
+            slots=[s for s in slots if s.shard == i],
+            job_id="bench-ps-datapath",
+        )
+        for i in range(len(addresses))
+    ]
+    cfg = ClientConfig(message_bytes=message_bytes, max_message_bytes=max_message_bytes)
+    with PSClient(addresses, worker=0, cfg=cfg) as client:
+        client.set_slots(slots)
+        client.init(jobs, views(weights))
+        grads, out = views(grads_full), views(pulled)
+        headers = client.pull(clock=0, dtype=torch.float32, out=out)
+        versions = [h.version for h in headers]
+        push_s, pull_s = [], []
+        for clock in range(1, warmup + repeats + 1):
+            t0 = time.perf_counter()
+            client.push(clock=clock, base_versions=versions, dtype=torch.float32, grads=grads)
+            t1 = time.perf_counter()
+            headers = client.pull(clock=clock, dtype=torch.float32, out=out)
+            t2 = time.perf_counter()
+            versions = [h.version for h in headers]
+            if clock > warmup:
+                push_s.append(t1 - t0)
+                pull_s.append(t2 - t1)
+        if versions != [warmup + repeats + 0] * len(addresses):
+            raise RuntimeError(f"shards applied {versions} updates, expected {warmup + repeats}")
+    return push_s, pull_s
+
+
+# ---- the sweep -------------------------------------------------------------------------
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x.strip()]
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m bench.ps_datapath",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="\n\n".join(__doc__.split("\n\n")[1:]),
+    )
+    p.add_argument("--sizes", type=_floats, help="payload sizes in MiB (default 16,64,256)")
+    p.add_argument("--shards", type=_ints, help="shard counts (default 1,2,4)")
+    p.add_argument("--repeats", type=int, help="timed push+pull cycles per config (default 5)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed cycles first (default 1)")
+    p.add_argument("--tensors", type=int, default=4, help="tensors the payload is split over")
+    p.add_argument(
+        "--chunk-mib",
+        type=float,
+        default=64.0,
+        help="plan_slots chunk size: tensors bigger than this are cut into slots (default 64)",
+    )
+    p.add_argument(
+        "--message-mib",
+        type=float,
+        default=wire.DEFAULT_MESSAGE_BYTES / MIB,
+        help="bytes per streamed gRPC message, client and server (default: ps.wire's, 1)",
+    )
+    p.add_argument(
+        "--quick", action="store_true", help="CI smoke: 1 MiB, 1 and 2 shards, 2 repeats"
+    )
+    p.add_argument("--json", action="store_true", help="print a JSON list of results only")
+    args = p.parse_args(argv)
+    quick = args.quick
+    args.sizes = args.sizes or ([1.0] if quick else [16.0, 64.0, 256.0])
+    args.shards = args.shards or ([1, 2] if quick else [1, 2, 4])
+    args.repeats = args.repeats if args.repeats is not None else (2 if quick else 5)
+    if args.repeats < 1 or args.warmup < 0 or args.tensors < 1:
+        p.error("--repeats and --tensors must be >= 1, --warmup >= 0")
+    if any(s <= 0 for s in args.sizes) or any(n < 1 for n in args.shards):
+        p.error("--sizes must be > 0 and --shards >= 1")
+    if args.chunk_mib <= 0 or args.message_mib <= 0:
+        p.error("--chunk-mib and --message-mib must be > 0")
+    return args
+
+
+def run(args: argparse.Namespace, log=print) -> list[Result]:  # noqa: ANN001
+    message_bytes = int(args.message_mib * MIB)
+    # The shard refuses message_bytes > max/2; leave room for the piece header.
+    max_message_bytes = max(16 << 20, 2 * message_bytes + (1 << 20))
+    chunk_bytes = int(args.chunk_mib * MIB)
+    results = []
+    with TcpSink() as sink:
+        for size in args.sizes:
+            payload = int(size * MIB) // 4 * 4
+            tcp = measure_tcp(sink, size, args.repeats, warmup=args.warmup)
+            log(f"  tcp {size:g} MiB: {tcp.tcp_gbps:.2f} GB/s")
+            for shards in args.shards:
+                with shard_processes(
+                    shards, message_bytes=message_bytes, max_message_bytes=max_message_bytes
+                ) as addresses:
+                    push_s, pull_s = run_config(
+                        addresses,
+                        payload_bytes=payload,
+                        tensors=args.tensors,
+                        chunk_bytes=chunk_bytes,
+                        message_bytes=message_bytes,
+                        max_message_bytes=max_message_bytes,
+                        repeats=args.repeats,
+                        warmup=args.warmup,
+                    )
+                cycles = [a + b for a, b in zip(push_s, pull_s, strict=True)]
+                cycle = statistics.median(cycles)
+                gbps = 2 * payload / cycle / 1e9
+                r = Result(
+                    payload_mib=size,
+                    shards=shards,
+                    gbps=round(gbps, 4),
+                    ratio_to_tcp=round(gbps / tcp.tcp_gbps, 4),
+                    push_gbps=round(payload / statistics.median(push_s) / 1e9, 4),
+                    pull_gbps=round(payload / statistics.median(pull_s) / 1e9, 4),
+                    tcp_gbps=round(tcp.tcp_gbps, 4),
+                    cycle_ms=round(cycle * 1e3, 3),
+                    cycle_ms_min=round(min(cycles) * 1e3, 3),
+                    cycle_ms_max=round(max(cycles) * 1e3, 3),
+                    repeats=args.repeats,
+                    warmup=args.warmup,
+                    tensors=args.tensors,
+                    chunk_mib=args.chunk_mib,
+                    message_mib=args.message_mib,
+                )
+                log(
+                    f"  ps  {size:g} MiB x {shards} shards: {r.gbps:.2f} GB/s "
+                    f"({r.ratio_to_tcp:.2f}x tcp)"
+                )
+                results.append(r)
+    return results
+
+
+def format_table(results: Sequence[Result]) -> str:
+    head = (
+        f"{'MiB':>6} {'shards':>6} {'GB/s':>7} {'x TCP':>6} {'push':>7} {'pull':>7} "
+        f"{'TCP':>7} {'cycle ms':>9}"
+    )
+    lines = [head]
+    for r in results:
+        lines.append(
+            f"{r.payload_mib:>6g} {r.shards:>6} {r.gbps:>7.2f} {r.ratio_to_tcp:>6.2f} "
+            f"{r.push_gbps:>7.2f} {r.pull_gbps:>7.2f} {r.tcp_gbps:>7.2f} {r.cycle_ms:>9.1f}"
+        )
+    return "\n".join(lines)
+
+
+def _raise_on_sigterm(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)  # unwinds through the finally blocks: no orphans
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    signal.signal(signal.SIGTERM, _raise_on_sigterm)
+
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    results = run(args, log=log)
+    if args.json:
+        print(json.dumps([asdict(r) for r in results], indent=2))
+    else:
+        print(
+            f"PS data path, fp32, {args.tensors} tensors, chunk {args.chunk_mib:g} MiB, "
+            f"message {args.message_mib:g} MiB, median of {args.repeats} after "
+            f"{args.warmup} warm-up; GB/s = (push + pull bytes) / cycle"
+        )
+        print(format_table(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,106 @@
+"""The CLI: flags are generated from the config tree, validated, and frozen."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from ps.server import ServerConfig
+from worker import cli
+from worker.cli_gen import field_docs, flag_names
+from worker.config import DDPConfig, PSConfig, TrainConfig
+from worker.optim import LossScaleConfig, OptimizerConfig
+
+# Users' scripts depend on these names: add freely, never rename or remove.
+TRAIN_FLAGS = [
+    "--arch", "--workload", "--workload-option", "--steps", "--epochs", "--batch-size",
+    "--grad-accum", "--seed", "--precision", "--wire-dtype", "--worker-weights", "--device",
+    "--threads", "--save", "--report", "--run-dir", "--eval-batches", "--log-every",
+    "--metrics-port", "--metrics-addr", "--slowdown", "--inject-overflow-step", "--optimizer",
+    "--lr", "--momentum", "--nesterov", "--weight-decay", "--beta1", "--beta2", "--eps",
+    "--schedule", "--warmup-steps", "--total-steps", "--min-lr-ratio", "--loss-scale-enabled",
+    "--loss-scale-init-scale", "--loss-scale-growth-factor", "--loss-scale-backoff-factor",
+    "--loss-scale-growth-interval", "--servers", "--rank", "--world-size", "--mode",
+    "--staleness", "--chunk-mib", "--timeout-s", "--pull-timeout-s", "--job-id", "--backend",
+    "--pg-timeout-s", "--bucket-cap-mb", "--find-unused-parameters",
+]  # fmt: skip
+SERVER_FLAGS = ["--bind", "--threads", "--message-bytes", "--max-message-bytes",
+                "--metrics-port", "--metrics-addr", "--shard"]  # fmt: skip
+
+
+def test_flag_lists_are_frozen() -> None:
+    have = flag_names(TrainConfig)
+    assert have[: len(TRAIN_FLAGS)] == TRAIN_FLAGS, "a train flag was renamed or removed"
+    assert flag_names(ServerConfig)[: len(SERVER_FLAGS)] == SERVER_FLAGS
+
+
+@pytest.mark.parametrize(
+    "cls", [TrainConfig, PSConfig, DDPConfig, OptimizerConfig, LossScaleConfig, ServerConfig]
+)
+def test_every_config_field_has_a_docstring(cls: type) -> None:
+    import dataclasses
+
+    docs = field_docs(cls)
+    assert {f.name for f in dataclasses.fields(cls)} <= set(docs)
+
+
+def _dry(capsys, *argv: str) -> dict:
+    assert cli.main(["train", "--dry-run", *argv]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_dry_run_resolves_flags_and_config_file(tmp_path, capsys) -> None:
+    cfg_file = tmp_path / "job.toml"
+    cfg_file.write_text('steps = 7\nworkload = "lm"\n[optimizer]\nname = "adamw"\nlr = 0.001\n'
+                        '[ps]\nmode = "ssp"\nstaleness = 3\nservers = "h:1,h:2"\n')  # fmt: skip
+    out = _dry(capsys, "--config", str(cfg_file), "--lr", "0.01", "--workload-option", "seq_len=32")
+    assert out["steps"] == 7 and out["workload"] == "lm"
+    assert out["optimizer"] == {**out["optimizer"], "name": "adamw", "lr": 0.01}  # flag wins
+    assert out["ps"]["mode"] == "ssp" and out["ps"]["staleness"] == 3
+    assert out["workload_option"] == ["seq_len=32"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--arch", "horovod"], "--arch: unknown 'horovod'; accepted: ps, allreduce"),
+        (["--mode", "eventual"], "--mode: unknown 'eventual'; accepted: sync, async, ssp"),
+        (["--optimizer", "lamb"], "--optimizer: unknown 'lamb'; accepted: sgd, adamw"),
+        (["--precision", "fp8"], "--precision: unknown 'fp8'"),
+        (["--batch-size", "0"], "--batch-size must be >= 1"),
+        (["--slowdown", "0.5"], "--slowdown must be >= 1"),
+        (["--servers", "nohost"], "--servers: 'nohost' is not HOST:PORT"),
+        (["--servers", ""], "--servers: give the shards"),
+        (["--rank", "3", "--world-size", "2", "--servers", "h:1"], "--rank 3 must be in [0, --world-size 2)"),
+    ],
+)
+def test_bad_flags_name_the_flag_and_accepted_values(capsys, monkeypatch, argv, needle) -> None:
+    monkeypatch.delenv("PSAR_SERVERS", raising=False)
+    with pytest.raises(SystemExit) as e:
+        cli.main(["train", "--dry-run", *argv])
+    assert e.value.code == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_bad_server_bind(capsys) -> None:
+    with pytest.raises(SystemExit):
+        cli.main(["server", "--dry-run", "--bind", "nowhere"])
+    assert "--bind: expected HOST:PORT" in capsys.readouterr().err
+
+
+def test_unknown_config_key_is_refused(tmp_path, capsys) -> None:
+    f = tmp_path / "c.toml"
+    f.write_text("stpes = 3\n")
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--dry-run", "--config", str(f), "--servers", "h:1"])
+    assert "unknown key(s) ['stpes']" in capsys.readouterr().err
+
+
+def test_console_script_help_lists_subcommands() -> None:
+    out = subprocess.run([sys.executable, "-m", "worker.cli", "--help"], capture_output=True, text=True)
+    assert out.returncode == 0
+    for sub in ("server", "train", "plan", "report"):
+        assert sub in out.stdout
