@@ -36,13 +36,14 @@ def _kill(proc: subprocess.Popen) -> None:
 
 
 @contextlib.contextmanager
-def shards(n: int, *extra: str) -> Iterator[list[str]]:
+def shards(n: int, *extra: str, metrics_ports: Sequence[int] | None = None) -> Iterator[list[str]]:
     """Start n `psar server` processes on free loopback ports; yields their addresses."""
     procs, addrs = [], []
     try:
         for i in range(n):
+            metrics = ["--metrics-port", str(metrics_ports[i])] if metrics_ports else []
             p = subprocess.Popen(
-                [*PSAR, "server", "--bind", "127.0.0.1:0", "--shard", str(i), *extra],
+                [*PSAR, "server", "--bind", "127.0.0.1:0", "--shard", str(i), *metrics, *extra],
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 text=True,

@@ -130,6 +130,8 @@ class TrainConfig:
     """Serve Prometheus /metrics on this port (+ LOCAL_RANK under torchrun; 0: off)."""
     metrics_addr: str = "127.0.0.1"
     """Address the /metrics endpoint binds to."""
+    metrics_linger_s: float = 0.0
+    """Keep /metrics up this many seconds after training, so a last scrape sees final counts."""
     slowdown: float = 1.0
     """Emulate a straggler: after each step's compute, sleep (slowdown - 1) x its measured
     compute time, so this worker runs that many times slower (1: off)."""

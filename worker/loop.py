@@ -159,6 +159,8 @@ def train(cfg: TrainConfig, env: dict[str, str] | None = None) -> dict[str, Any]
         path = cfg.report.replace("{rank}", str(rank))
         with open(path, "w") as fh:
             json.dump(summary, fh, indent=2)
+    if cfg.metrics_port and cfg.metrics_linger_s:
+        time.sleep(cfg.metrics_linger_s)
     return summary
 
 
