@@ -1,0 +1,44 @@
+"""A user's own workload with every awkward part a real model has (used by
+tests/test_user_model.py through `--workload tests.user_workloads:make_tricky`)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from worker.workloads.base import Workload, seeded
+
+
+class Tricky(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, 16, bias=False)
+        self.norm = nn.BatchNorm1d(16)  # buffers: running mean/var, num_batches_tracked
+        self.hidden = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 8, bias=False)
+        self.tied = nn.Linear(16, 16, bias=False)
+        self.tied_again = self.tied  # a shared module: one parameter, used twice
+        self.unused = nn.Linear(16, 16)  # never gets a gradient
+        self.steps = nn.Parameter(torch.zeros(1, dtype=torch.long), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.norm(self.embed(x)))
+        h = F.relu(self.hidden(self.tied_again(self.tied(h))))
+        return self.head(h)
+
+
+def make_tricky(seed: int) -> Workload:
+    with seeded(seed):
+        model = Tricky()
+    g = torch.Generator().manual_seed(1234)
+    x = torch.randn(512, 8, generator=g)
+    y = (x @ torch.randn(8, 8, generator=g)).argmax(dim=1)
+    return Workload(
+        model=model,
+        train_dataset=TensorDataset(x[:448], y[:448]),
+        val_dataset=TensorDataset(x[448:], y[448:]),
+        loss_fn=F.cross_entropy,
+        find_unused_parameters=True,
+    )
