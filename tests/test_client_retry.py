@@ -10,7 +10,14 @@ from typing import Any
 import grpc
 import pytest
 import torch
-from ps_fixtures import (
+
+from ps._gen.psar.v1 import ps_pb2 as pb
+from ps.client import ClientConfig, PSClient, PSClientError
+from ps.job import Job
+from ps.partition import plan_slots
+from ps.server import ServerConfig, start_server
+from ps.shard import ShardState
+from tests.ps_fixtures import (
     PARAMS,
     free_port,
     grad_for,
@@ -22,13 +29,6 @@ from ps_fixtures import (
     serving,
     stats_digest,
 )
-
-from ps._gen.psar.v1 import ps_pb2 as pb
-from ps.client import ClientConfig, PSClient, PSClientError
-from ps.job import Job
-from ps.partition import plan_slots
-from ps.server import ServerConfig, start_server
-from ps.shard import ShardState
 
 FAST = ClientConfig(timeout_s=10.0, pull_timeout_s=10.0, retry_timeout_s=10.0)
 

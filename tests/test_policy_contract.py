@@ -13,7 +13,11 @@ from concurrent.futures import TimeoutError as FutureTimeout
 
 import pytest
 import torch
-from ps_fixtures import (
+
+from ps.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument
+from ps.job import Job
+from ps.shard import ShardState
+from tests.ps_fixtures import (
     OPTIMIZERS,
     assert_weights_equal,
     grad_for,
@@ -28,10 +32,6 @@ from ps_fixtures import (
     reference_weights,
     weights_digest,
 )
-
-from ps.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument
-from ps.job import Job
-from ps.shard import ShardState
 from worker.optim import LossScaleConfig
 
 Grads = dict[str, torch.Tensor]

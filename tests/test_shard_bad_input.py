@@ -13,7 +13,13 @@ from dataclasses import dataclass
 import grpc
 import pytest
 import torch
-from ps_fixtures import (
+
+from ps import serde
+from ps._gen.psar.v1 import ps_pb2 as pb
+from ps._gen.psar.v1 import ps_pb2_grpc as pb_grpc
+from ps.job import Job
+from ps.server import ServerConfig
+from tests.ps_fixtures import (
     grad_for,
     init_chunks,
     init_values,
@@ -22,12 +28,6 @@ from ps_fixtures import (
     raw_stub,
     serving,
 )
-
-from ps import serde
-from ps._gen.psar.v1 import ps_pb2 as pb
-from ps._gen.psar.v1 import ps_pb2_grpc as pb_grpc
-from ps.job import Job
-from ps.server import ServerConfig
 
 MAX_MESSAGE = 64 << 10
 TIMEOUT = 10.0
