@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 from concurrent import futures
@@ -14,6 +15,7 @@ from ps import wire
 from ps._gen.psar.v1 import ps_pb2_grpc as pb_grpc
 from ps.servicer import ParameterServerServicer
 from ps.shard import ShardState
+from worker.roles import resolve_shard
 
 log = logging.getLogger("psar.server")
 
@@ -38,8 +40,9 @@ class ServerConfig:
     """Serve Prometheus /metrics on this port (0: no metrics endpoint)."""
     metrics_addr: str = "127.0.0.1"
     """Address the /metrics endpoint binds to."""
-    shard: int = 0
-    """Shard index, used as a metrics label before the job arrives."""
+    shard: int = -1
+    """Shard index for logs and metrics (default: env PSAR_SHARD, a StatefulSet pod
+    ordinal, SLURM_PROCID, else 0)."""
 
     def __post_init__(self) -> None:
         host, sep, port = self.bind.rpartition(":")
@@ -87,6 +90,7 @@ def start_server(
 
 def serve(cfg: ServerConfig) -> int:
     """Run a shard until SIGTERM/SIGINT; returns the process exit code."""
+    cfg.shard = resolve_shard(cfg.shard, os.environ)
     metrics = _make_metrics(cfg)
     state = ShardState(metrics=metrics, message_bytes=cfg.message_bytes)
     server, port, _ = start_server(cfg, state)

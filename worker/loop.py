@@ -23,6 +23,7 @@ from worker.data import ShardedBatches, evaluate
 from worker.nullmetrics import NullMetrics
 from worker.precision import pick_device, resolve
 from worker.progress import Progress
+from worker.roles import resolve_local_rank, resolve_rank, resolve_world_size
 from worker.workloads import load_workload
 
 
@@ -40,17 +41,14 @@ def make_backend(cfg: TrainConfig, **kwargs: Any) -> Backend:
 
 
 def resolve_ranks(cfg: TrainConfig, env: dict[str, str]) -> tuple[int, int, int]:
-    """(rank, world_size, local_rank) from flags, else torchrun/Slurm-style environment."""
-    rank = cfg.ps.rank if cfg.arch == "ps" and cfg.ps.rank >= 0 else int(env.get("RANK", "0"))
-    world = (
-        cfg.ps.world_size
-        if cfg.arch == "ps" and cfg.ps.world_size
-        else int(env.get("WORLD_SIZE", "1"))
-    )
-    local = int(env.get("LOCAL_RANK", "0"))
+    """(rank, world_size, local_rank): flags first, then the launcher's environment
+    (torchrun, Slurm, Kubernetes; see worker/roles.py)."""
+    ps = cfg.arch == "ps"
+    rank = resolve_rank(cfg.ps.rank if ps else -1, env)
+    world = resolve_world_size(cfg.ps.world_size if ps else 0, env)
     if not 0 <= rank < world:
         raise ValueError(f"--rank {rank} must be in [0, --world-size {world})")
-    return rank, world, local
+    return rank, world, resolve_local_rank(env)
 
 
 def train(cfg: TrainConfig, env: dict[str, str] | None = None) -> dict[str, Any]:
