@@ -1,19 +1,18 @@
 """`psar launch`: a whole job (shards and workers) on this machine, as real processes.
 
---arch ps starts `psar server` shards on free ports (each binds port 0 and prints the
-port it got), then `psar train` workers with --servers/--rank/--world-size (and RANK,
-WORLD_SIZE, LOCAL_RANK in their environment). --arch allreduce runs PyTorch's own
-launcher (`python -m torch.distributed.run`, i.e. torchrun) on a free MASTER_PORT; with
---straggler it starts the ranks itself with torchrun's environment instead, because
-torchrun gives every rank the same argv. Every child runs in its own session; on Ctrl-C,
-SIGTERM, --timeout or any process failing, launch stops every process group (SIGTERM,
-then SIGKILL after a grace period) and says why in its last line. See docs/launch.md.
+--arch ps starts `psar server` shards on free ports, then `psar train` workers given
+--servers/--rank/--world-size (and RANK, WORLD_SIZE, LOCAL_RANK). --arch allreduce runs
+torchrun (`python -m torch.distributed.run`) on a free MASTER_PORT, or, with --straggler,
+starts the ranks itself with torchrun's environment (torchrun gives all ranks one argv).
+On Ctrl-C, SIGTERM, --timeout or any process failing, launch stops every process group
+(SIGTERM, SIGKILL after --grace) and says why in its last line. See docs/launch.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import os
 import re
 import shutil
@@ -24,7 +23,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TextIO
 
@@ -51,39 +50,26 @@ class LaunchSpec:
     straggler: dict[int, float] = field(default_factory=dict)
     timeout: float = 0.0
     train_args: list[str] = field(default_factory=list)
-    launcher: str = "auto"
-    """allreduce: auto (torchrun, or direct with a straggler) | torchrun | direct."""
+    launcher: str = "auto"  # allreduce: auto (torchrun; direct if straggler) | torchrun | direct
     grace: float = 10.0
-    env: dict[str, str] = field(default_factory=dict)
-    out: TextIO | None = None
-    """Children's prefixed lines go here (default: stdout)."""
-    err: TextIO | None = None
-    """launch's own lines go here (default: stderr)."""
-    pids: list[int] = field(default_factory=list)
-    """Filled in: the pid of every process launch started, and of their children."""
-
-
-class LaunchError(ValueError):
-    """A bad launch configuration, found before anything starts."""
+    env: dict[str, str] = field(default_factory=dict)  # added to every child's environment
+    out: TextIO | None = None  # children's prefixed lines (default: stdout)
+    err: TextIO | None = None  # launch's own lines (default: stderr)
+    pids: list[int] = field(default_factory=list)  # filled in: every process launch saw
 
 
 def _straggler(text: str) -> tuple[int, float]:
-    rank, sep, factor = text.partition(":")
-    try:
-        r, f = int(rank), float(factor)
-    except ValueError:
-        r, f = -1, 0.0
-    if not sep or r < 0 or not f >= 1.0:
-        raise argparse.ArgumentTypeError(f"expected RANK:FACTOR with FACTOR >= 1, got {text!r}")
-    return r, f
+    rank, _, factor = text.partition(":")
+    with contextlib.suppress(ValueError):
+        if int(rank) >= 0 and float(factor) >= 1.0:
+            return int(rank), float(factor)
+    raise argparse.ArgumentTypeError(f"expected RANK:FACTOR with FACTOR >= 1, got {text!r}")
 
 
 def _count(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(
-            f"expected a count >= 1, got {text!r} (launch starts the shards and picks the ports)"
-        )
-    return int(text)
+    if text.isdigit() and int(text) >= 1:
+        return int(text)
+    raise argparse.ArgumentTypeError(f"expected a count >= 1, got {text!r} (launch picks ports)")
 
 
 def add_launch_flags(p: argparse.ArgumentParser, *, job: bool = True) -> None:
@@ -130,26 +116,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse(argv: Sequence[str]) -> LaunchSpec:
     args, rest = build_parser().parse_known_args(list(argv))
-    return LaunchSpec(
-        **{k: v for k, v in vars(args).items() if k != "straggler"},
-        straggler=dict(args.straggler),
-        train_args=rest,
-    )
+    args.straggler = dict(args.straggler)
+    return LaunchSpec(**vars(args), train_args=rest)
 
 
 def validate(spec: LaunchSpec) -> None:
     """Refuse bad flags before starting anything (train flags are parsed like `psar train`)."""
     if spec.arch == "allreduce" and spec.launcher == "torchrun" and spec.straggler:
-        raise LaunchError("--straggler needs the direct launcher (torchrun: same argv for all)")
-    for r in spec.straggler:
-        if r >= spec.workers:
-            raise LaunchError(f"--straggler {r}:...: rank must be < --workers {spec.workers}")
-    for tok in spec.train_args:
-        if tok.split("=", 1)[0] in _RESERVED:
-            raise LaunchError(
-                f"{tok.split('=', 1)[0]} is set by launch (use --servers N, --workers N, "
-                "--metrics-base-port P)"
-            )
+        raise ValueError("--straggler needs the direct launcher (torchrun: same argv for all)")
+    if bad := [r for r in spec.straggler if r >= spec.workers]:
+        raise ValueError(f"--straggler {bad[0]}:...: rank must be < --workers {spec.workers}")
+    if bad := [t.split("=")[0] for t in spec.train_args if t.split("=")[0] in _RESERVED]:
+        raise ValueError(
+            f"{bad[0]} is set by launch (--servers N, --workers N, --metrics-base-port)"
+        )
     from worker import cli, cli_gen
     from worker.config import TrainConfig
 
@@ -157,7 +137,7 @@ def validate(spec: LaunchSpec) -> None:
     try:
         args = cli.build_parser().parse_args(argv)
     except SystemExit:
-        raise LaunchError("unknown or bad train flag (see `psar train --help`)") from None
+        raise ValueError("unknown or bad train flag (see `psar train --help`)") from None
     cli_gen.build(TrainConfig, args, args.config)
 
 
@@ -177,11 +157,10 @@ def free_port(host: str = "127.0.0.1") -> int:
 def launch(args: LaunchSpec | Sequence[str]) -> int:
     """Run a job to completion; returns launch's exit code (see the module docstring)."""
     spec = args if isinstance(args, LaunchSpec) else parse(args)
-    err = spec.err or sys.stderr
     try:
         validate(spec)
     except ValueError as e:
-        print(f"psar launch: error: {e}", file=err, flush=True)
+        print(f"psar launch: error: {e}", file=spec.err or sys.stderr, flush=True)
         return EXIT_USAGE
     return _Job(spec).run()
 
@@ -197,7 +176,7 @@ class _Proc:
     index: int
     popen: subprocess.Popen
     tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=400))
-    thread: threading.Thread | None = None
+    thread: threading.Thread = field(init=False)
 
 
 class _Job:
@@ -205,12 +184,14 @@ class _Job:
         self.spec, self.procs, self.addrs = spec, [], {}
         self.out, self.err = spec.out or sys.stdout, spec.err or sys.stderr
         self.lock, self.signal, self.tmp = threading.Lock(), 0, None
+        self.seen: dict[int, str] = {}  # {pid: start time} of our children's children
+        self.scanned, self.deadline = 0.0, time.monotonic() + (spec.timeout or float("inf"))
         self.host = "127.0.0.1" if spec.bind_host in ("0.0.0.0", "::", "") else spec.bind_host
-        ar = spec.arch == "allreduce"
-        self.direct = ar and (spec.launcher == "direct" or (spec.launcher == "auto" and spec.straggler))
+        auto = spec.launcher == "auto" and spec.straggler
+        self.direct = spec.arch == "allreduce" and (spec.launcher == "direct" or bool(auto))
 
     def say(self, msg: str) -> None:
-        with self.lock:
+        with self.lock:  # one line, never torn by a child's line
             print(f"psar launch: {msg}", file=self.err, flush=True)
 
     def run(self) -> int:
@@ -228,20 +209,18 @@ class _Job:
         return code
 
     def _on_signal(self, signum: int, _frame: object) -> None:
-        self.signal = self.signal or signum
+        self.signal = self.signal or signum  # acted on by the watch loop
 
-    # -- starting ---------------------------------------------------------------------
     def _spawn(self, name: str, kind: str, index: int, cmd: list[str], env: dict) -> None:
         full = {**os.environ, "PYTHONUNBUFFERED": "1", **self.spec.env, **env}
         if self.spec.workers > 1:
             full.setdefault("OMP_NUM_THREADS", "1")  # as torchrun does
         popen = subprocess.Popen(cmd, env=full, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                  stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
-        proc = _Proc(name, kind, index, popen)
+        self.procs.append(proc := _Proc(name, kind, index, popen))
+        self.spec.pids.append(popen.pid)
         proc.thread = threading.Thread(target=self._pump, args=(proc,), daemon=True)
         proc.thread.start()
-        self.procs.append(proc)
-        self.spec.pids.append(popen.pid)
 
     def _pump(self, proc: _Proc) -> None:
         assert proc.popen.stdout is not None
@@ -258,9 +237,8 @@ class _Job:
                 self.out.flush()
 
     def _metrics(self, port: int) -> list[str]:
-        if not self.spec.metrics_base_port:
-            return []
-        return ["--metrics-port", str(port), "--metrics-addr", self.spec.bind_host]
+        flags = ["--metrics-port", str(port), "--metrics-addr", self.spec.bind_host]
+        return flags if self.spec.metrics_base_port else []
 
     def _start_shards(self) -> None:
         s, p = self.spec, self.spec.metrics_base_port
@@ -289,10 +267,7 @@ class _Job:
             env = {"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(s.workers),
                    "LOCAL_WORLD_SIZE": str(s.workers), "GROUP_RANK": "0", "ROLE_RANK": str(r),
                    "ROLE_WORLD_SIZE": str(s.workers)}  # fmt: skip
-            if s.arch == "ps":
-                env["PSAR_SERVERS"] = servers
-            else:
-                env.update(master)
+            env.update({"PSAR_SERVERS": servers} if s.arch == "ps" else master)
             slow = ["--slowdown", str(s.straggler[r])] if r in s.straggler else []
             cmd = [sys.executable, "-m", "worker.cli", "train", "--arch", s.arch, *train,
                    *_ps_flags(s, servers, r), *slow]  # fmt: skip
@@ -301,17 +276,12 @@ class _Job:
 
     def _print_metrics(self) -> None:
         s, p = self.spec, self.spec.metrics_base_port
-        if not p:
-            return
         names = [f"shard{i}" for i in range(s.servers if s.arch == "ps" else 0)]
-        names += [f"worker{r}" for r in range(s.workers)]
-        for i, n in enumerate(names):
+        for i, n in enumerate([*names, *(f"worker{r}" for r in range(s.workers))] * bool(p)):
             self.say(f"metrics {n}: http://{self.host}:{p + i}/metrics")
 
-    # -- watching ---------------------------------------------------------------------
     def _watch(self) -> tuple[int, str]:
         s = self.spec
-        self.deadline = time.monotonic() + s.timeout if s.timeout > 0 else float("inf")
         self._print_metrics()
         if s.arch == "ps":
             self._start_shards()
@@ -325,11 +295,14 @@ class _Job:
             if r := self._check():
                 return r
             if all(p.popen.poll() == 0 for p in self.procs if p.kind != "shard"):
-                n = s.workers
-                return 0, f"all {n} workers finished" + ("; stopped the shards" * (s.arch == "ps"))
+                tail = "; stopped the shards" * (s.arch == "ps")
+                return 0, f"all {s.workers} workers finished{tail}"
             time.sleep(0.05)
 
     def _check(self) -> tuple[int, str] | None:
+        if time.monotonic() - self.scanned > 0.5:  # remember torchrun's workers, if any
+            self.scanned = time.monotonic()
+            self._scan([p.popen.pid for p in self.procs])
         if self.signal:
             name = signal.Signals(self.signal).name
             return 128 + self.signal, f"received {name}; stopped everything"
@@ -339,101 +312,86 @@ class _Job:
             rc = p.popen.poll()
             if rc is None or (rc == 0 and p.kind != "shard"):
                 continue
-            code = 128 - rc if rc < 0 else rc or 1
             who = f"{p.kind} {p.index}"
             if p.kind == "torchrun":
-                who, code = self._torchrun_failure(p, code)
+                who, rc = self._torchrun_failure(p, rc)
             how = f"was killed by signal {-rc}" if rc < 0 else f"exited with code {rc}"
-            if p.kind == "torchrun" and who.startswith("worker"):
-                how = f"exited with code {code}"
-            return code, f"{who} {how}; stopped the rest"
+            return (128 - rc if rc < 0 else rc or 1), f"{who} {how}; stopped the rest"
         return None
 
-    def _torchrun_failure(self, p: _Proc, code: int) -> tuple[str, int]:
-        """torchrun's summary names the first failed rank ('Root Cause' section)."""
-        if p.thread:
-            p.thread.join(timeout=2.0)
-        text = "\n".join(p.tail)
-        root = text.split("Root Cause", 1)[-1]
-        rank, rc = _ROOT_RANK.search(root), _ROOT_CODE.search(root)
-        if rank and rc and "Root Cause" in text:
-            c = int(rc.group(1))
-            return f"worker {rank.group(1)}", (128 - c if c < 0 else c) or code
-        return "torchrun", code
+    def _torchrun_failure(self, p: _Proc, rc: int) -> tuple[str, int]:
+        """The rank and exit code in the 'Root Cause' section of torchrun's summary."""
+        p.thread.join(timeout=2.0)
+        _, found, root = "\n".join(p.tail).partition("Root Cause")
+        rank, code = _ROOT_RANK.search(root), _ROOT_CODE.search(root)
+        if found and rank and code:
+            return f"worker {rank.group(1)}", int(code.group(1))
+        return "torchrun", rc
 
-    # -- stopping ---------------------------------------------------------------------
+    def _scan(self, roots: list[int]) -> dict[int, str]:
+        new = _descendants(roots)
+        self.spec.pids.extend(pid for pid in new if pid not in self.seen)
+        self.seen.update(new)
+        return self.seen
+
     def _stop_all(self) -> None:
         live = [p for p in self.procs if p.popen.poll() is None]
-        seen = _descendants([p.popen.pid for p in self.procs])
-        self.spec.pids.extend(pid for pid in seen if pid not in self.spec.pids)
+        seen = self._scan([p.popen.pid for p in self.procs])
         for p in live:
-            _killpg(p.popen.pid, signal.SIGTERM)
+            _send(os.killpg, p.popen.pid, signal.SIGTERM)
         end = time.monotonic() + self.spec.grace
         while any(p.popen.poll() is None for p in live) and time.monotonic() < end:
             time.sleep(0.05)
-        seen.update(_descendants([p.popen.pid for p in live if p.popen.poll() is None]))
+        self._scan([p.popen.pid for p in live if p.popen.poll() is None])
         for p in live:
             if p.popen.poll() is None:
                 self.say(f"{p.name} ignored SIGTERM for {self.spec.grace:g}s; SIGKILL")
-            _killpg(p.popen.pid, signal.SIGKILL)
+            _send(os.killpg, p.popen.pid, signal.SIGKILL)
         for pid, start in seen.items():
-            if _start_time(pid) == start:
-                _kill(pid, signal.SIGKILL)
+            if _alive(pid, start):
+                _send(os.kill, pid, signal.SIGKILL)
         for p in self.procs:
             p.popen.wait()
-            if p.thread:
-                p.thread.join(timeout=2.0)
+            p.thread.join(timeout=2.0)
         end = time.monotonic() + 5.0
-        while any(_start_time(pid) == st for pid, st in seen.items()) and time.monotonic() < end:
+        while any(_alive(p, st) for p, st in seen.items()) and time.monotonic() < end:
             time.sleep(0.05)
 
 
-def _killpg(pgid: int, sig: int) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _kill(pid: int, sig: int) -> None:
-    try:
-        os.kill(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _stat(pid: int | str) -> list[str] | None:
-    """Fields of /proc/PID/stat after the command name (state is [0], ppid [1])."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            return fh.read().decode(errors="replace").rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
+def _send(kill: Callable[[int, int], None], target: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        kill(target, sig)
 
 
 def _start_time(pid: int) -> str | None:
-    """The process's start time (tells a reused pid apart); None once gone or a zombie."""
-    f = _stat(pid)
-    return None if f is None or f[0] in ("Z", "X") else f[19]
+    """The start time of a live process (tells a reused pid apart); None: gone or zombie."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            f = fh.read().decode(errors="replace").rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return None if f[0] in ("Z", "X") else f"{f[1]} {f[19]}"  # "ppid start"
+
+
+def _alive(pid: int, start: str) -> bool:  # the same process, still running
+    return (_start_time(pid) or " ").split()[1:] == [start]
 
 
 def _descendants(roots: list[int]) -> dict[int, str]:
     """{pid: start time} of the live descendants of `roots` (Linux /proc; {} elsewhere)."""
-    children: dict[int, list[int]] = collections.defaultdict(list)
     try:
-        pids = [int(d) for d in os.listdir("/proc") if d.isdigit()]
+        procs = {int(d): _start_time(int(d)) for d in os.listdir("/proc") if d.isdigit()}
     except OSError:
         return {}
-    for pid in pids:
-        if (f := _stat(pid)) is not None:
-            children[int(f[1])].append(pid)
-    out: dict[int, str] = {}
-    todo = list(roots)
+    children: dict[int, list[int]] = collections.defaultdict(list)
+    for pid, st in procs.items():
+        if st is not None:
+            children[int(st.split()[0])].append(pid)
+    out, todo = {}, list(roots)
     while todo:
         for c in children.get(todo.pop(), []):
-            if c not in out and (st := _start_time(c)) is not None:
-                out[c] = st
-                todo.append(c)
+            out[c] = procs[c].split()[1]
+            todo.append(c)
     return out
 
 

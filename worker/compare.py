@@ -1,0 +1,274 @@
+"""`psar compare`: one workload, seed, global batch and precision under allreduce, ps-sync,
+ps-async and ps-ssp, optionally with one emulated straggler; a side-by-side table.
+
+Each run is a `psar launch` job (worker.launch.run_job) writing into OUT/<run>/: the
+summaries (report-<rank>.json), the per-step logs (steps-<arch>-rank<R>.jsonl), the
+launch log, and `psar report`'s report.md and plots. OUT/compare.json holds the table.
+A straggler is emulated with `psar train --slowdown FACTOR` (that worker sleeps FACTOR-1
+times its measured compute after each step); see docs/launch.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import sys
+import time
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from worker import report
+from worker.launch import LaunchSpec, add_launch_flags, launch
+
+RUNS: dict[str, tuple[str, str]] = {
+    "allreduce": ("allreduce", "sync"),
+    "ps-sync": ("ps", "sync"),
+    "ps-async": ("ps", "async"),
+    "ps-ssp": ("ps", "ssp"),
+}
+TABLE_KEYS = (
+    "samples_per_sec",
+    "time_to_target_s",
+    "final_train_loss",
+    "val_loss",
+    "staleness_p50",
+    "staleness_p99",
+    "staleness_max",
+    "bytes_per_step",
+    "skipped_steps",
+)
+_OWN = ("--arch", "--mode", "--report", "--run-dir", "--metrics-port")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="psar compare",
+        allow_abbrev=False,
+        description=__doc__.split("\n\n", 1)[0],
+        epilog="Any other flag is passed to every `psar train`. Exit code: 0 when every run "
+        "finished, 1 when one failed (its row says so), 2 on bad flags, 128+N on signal N.",
+    )
+    add_launch_flags(p, job=False)
+    p.add_argument("--steps", type=int, default=300, help="steps per worker (default: 300)")
+    p.add_argument("--workload", default="mlp", help="(default: mlp)")
+    p.add_argument("--precision", default="fp32", help="(default: fp32)")
+    p.add_argument("--batch-size", type=int, default=32, help="per worker (default: 32)")
+    p.add_argument("--seed", type=int, default=0, help="(default: 0)")
+    p.add_argument("--runs", default=",".join(RUNS), help="subset of %(default)s")
+    p.add_argument("--target-loss", type=float, default=None, metavar="LOSS",
+                   help="time-to-target threshold (default: 1.05 x the worst final "
+                   "smoothed loss among the runs, so every run reaches it)")  # fmt: skip
+    p.add_argument("--smooth", type=int, default=10, metavar="STEPS",
+                   help="window of the trailing mean of rank 0's loss (default: 10)")  # fmt: skip
+    p.add_argument("--out", type=Path, default=None, metavar="DIR",
+                   help="run folder (default: runs/compare-<timestamp>)")  # fmt: skip
+    p.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS",
+                   help="stop a run after this long (default: 600)")  # fmt: skip
+    p.add_argument("--json", action="store_true", help="print compare.json instead of the table")
+    return p
+
+
+def run_job(spec: LaunchSpec, run_dir: Path) -> dict[str, Any]:
+    """Launch `spec` with its reports and step logs in `run_dir`; returns what it wrote."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    spec.train_args = [*spec.train_args, "--report", str(run_dir / "report-{rank}.json"),
+                       "--run-dir", str(run_dir)]  # fmt: skip
+    t0 = time.perf_counter()
+    with open(run_dir / "launch.log", "w", buffering=1) as log:
+        spec.out = spec.err = log
+        code = launch(spec)
+    series, summaries = report.load_run(run_dir)
+    return {"exit_code": code, "launch_seconds": time.perf_counter() - t0,
+            "series": series, "summaries": summaries}  # fmt: skip
+
+
+def smoothed(losses: list[float], window: int) -> list[float]:
+    """Trailing mean over `window` steps (fewer at the start); non-finite losses skipped."""
+    out, buf = [], []
+    for v in losses:
+        if math.isfinite(v):
+            buf = (buf + [v])[-window:]
+        out.append(sum(buf) / len(buf) if buf else math.nan)
+    return out
+
+
+def _quantile(ordered: list[int], q: float) -> int:
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
+
+
+def metrics(result: dict[str, Any], window: int) -> dict[str, Any]:
+    """One row of the table from a run's step logs and summaries (target filled later)."""
+    series = result["series"]
+    rank0 = next((s for s in series if s.rank == 0), None)
+    row: dict[str, Any] = {k: None for k in TABLE_KEYS}
+    row.update(exit_code=result["exit_code"], launch_seconds=result["launch_seconds"])
+    if rank0 is None:
+        return row
+    total = sum(s.samples[-1] for s in series if s.samples)
+    job_s = max(s.time[-1] for s in series if s.time)
+    smooth = smoothed(rank0.loss, window)
+    summary0 = next((d for d in result["summaries"] if d.get("rank") == 0), {})
+    hist: Counter[int] = Counter()
+    for d in result["summaries"]:
+        for k, n in ((d.get("staleness") or {}).get("histogram") or {}).items():
+            hist[int(k)] += n
+    stale = sorted(hist.elements())
+    row.update(
+        samples_per_sec=total / job_s if job_s > 0 else None,
+        final_train_loss=smooth[-1] if smooth and math.isfinite(smooth[-1]) else None,
+        val_loss=summary0.get("val_loss"),
+        staleness_p50=_quantile(stale, 0.5) if stale else None,
+        staleness_p99=_quantile(stale, 0.99) if stale else None,
+        staleness_max=stale[-1] if stale else None,
+        bytes_per_step=sum(s.bytes[-1] / len(s.step) for s in series) / len(series),
+        skipped_steps=rank0.skipped,
+        job_seconds=job_s,
+        steps_rank0=len(rank0.step),
+        _time=rank0.time,
+        _smooth=smooth,
+    )
+    return row
+
+
+def time_to(row: dict[str, Any], target: float) -> float | None:
+    """First step time at which the smoothed rank-0 loss is below `target`."""
+    for t, v in zip(row.get("_time") or [], row.get("_smooth") or [], strict=True):
+        if v < target:
+            return t
+    return None
+
+
+def _fmt(v: Any, digits: int = 4) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.{digits}g}"
+    return str(v)
+
+
+def table(doc: dict[str, Any]) -> str:
+    """The markdown table of compare.json."""
+    tgt = doc["target_loss"]
+    head = ["run", "samples/s", f"time to loss<{tgt:.4g} (s)", "final train loss",
+            "val loss", "staleness p50/p99/max", "bytes/step/worker", "skipped", "exit"]  # fmt: skip
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, r in doc["runs"].items():
+        stale = "/".join(_fmt(r[k]) for k in ("staleness_p50", "staleness_p99", "staleness_max"))
+        cells = [name, _fmt(r["samples_per_sec"]), _fmt(r["time_to_target_s"], 3),
+                 _fmt(r["final_train_loss"]), _fmt(r["val_loss"]), stale,
+                 _fmt(r["bytes_per_step"]), _fmt(r["skipped_steps"]), str(r["exit_code"])]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    c = doc["config"]
+    strag = ", ".join(f"rank {k} x{v:g}" for k, v in c["straggler"].items()) or "none"
+    lines.append(
+        f"\n{c['workload']}, {c['workers']} workers x batch {c['batch_size']} "
+        f"(global {c['workers'] * c['batch_size']}), {c['steps']} steps/worker, "
+        f"{c['precision']}, seed {c['seed']}, ps shards {c['servers']}, ssp bound "
+        f"{c['staleness']}, straggler: {strag}. Target loss {tgt:.4g} "
+        f"({'given' if doc['target_given'] else '1.05 x worst final smoothed loss'}); losses "
+        f"are rank 0's, mean of the last {doc['smooth_window']} steps. samples/s: all "
+        "workers' samples / job time. bytes/step: ps pushed+pulled, allreduce: gradient "
+        "payload allreduced."
+    )
+    return "\n".join(lines)
+
+
+def compare(args: argparse.Namespace, extra: list[str]) -> tuple[int, dict[str, Any]]:
+    names = [n.strip() for n in args.runs.split(",") if n.strip()]
+    bad = [n for n in names if n not in RUNS]
+    if bad or not names:
+        raise ValueError(f"--runs: unknown {bad or args.runs!r}; accepted: {', '.join(RUNS)}")
+    if own := [t for t in extra if t.split("=", 1)[0] in _OWN]:
+        raise ValueError(f"{own[0]} is set by compare for each run")
+    out = args.out or Path("runs") / time.strftime("compare-%Y%m%d-%H%M%S")
+    train = ["--workload", args.workload, "--steps", str(args.steps), "--precision",
+             args.precision, "--batch-size", str(args.batch_size), "--seed", str(args.seed),
+             *extra]  # fmt: skip
+    rows: dict[str, dict[str, Any]] = {}
+    rank0_series = []
+    t0 = time.perf_counter()
+    code = 0
+    for i, name in enumerate(names, 1):
+        arch, mode = RUNS[name]
+        spec = LaunchSpec(arch=arch, mode=mode, servers=args.servers, workers=args.workers,
+                          staleness=args.staleness, straggler=dict(args.straggler),
+                          timeout=args.timeout, train_args=list(train))  # fmt: skip
+        print(f"psar compare: [{i}/{len(names)}] {name} (log: {out / name / 'launch.log'})",
+              file=sys.stderr, flush=True)  # fmt: skip
+        result = run_job(spec, out / name)
+        rows[name] = metrics(result, args.smooth)
+        _plots(out / name, result)
+        rank0_series += [s for s in result["series"] if s.rank == 0]
+        c = result["exit_code"]
+        print(f"psar compare: {name}: exit {c}, {result['launch_seconds']:.1f} s",
+              file=sys.stderr, flush=True)  # fmt: skip
+        if c:
+            tail = (out / name / "launch.log").read_text(errors="replace").splitlines()[-8:]
+            print("\n".join(f"  | {line}" for line in tail), file=sys.stderr, flush=True)
+        if c == 2 or c >= 128:  # bad flags (same for every run) or interrupted: stop here
+            return c, {"runs": rows}
+        code = code or (1 if c else 0)
+    finals = [r["final_train_loss"] for r in rows.values() if r["final_train_loss"] is not None]
+    target = args.target_loss
+    if target is None:
+        target = max(finals) + 0.05 * abs(max(finals)) if finals else math.nan
+    for r in rows.values():
+        r["time_to_target_s"] = time_to(r, target)
+        r.pop("_time", None)
+        r.pop("_smooth", None)
+    config = {k: getattr(args, k) for k in ("workload", "steps", "precision", "batch_size",
+              "seed", "workers", "servers", "staleness")}  # fmt: skip
+    config.update(straggler={str(k): v for k, v in args.straggler}, train_args=extra)
+    doc = {"config": config, "target_loss": target, "target_given": args.target_loss is not None,
+           "smooth_window": args.smooth, "table_keys": list(TABLE_KEYS), "runs": rows,
+           "machine": f"{platform.machine()}, {_cpus()} CPUs, {platform.platform()}",
+           "seconds": time.perf_counter() - t0, "out": str(out)}  # fmt: skip
+    (out / "compare.json").write_text(json.dumps(doc, indent=2) + "\n")
+    (out / "compare.md").write_text(f"# psar compare\n\n{table(doc)}\n")
+    if rank0_series:
+        _plots(out, {"series": rank0_series, "summaries": []})
+    return code, doc
+
+
+def _cpus() -> int:
+    import os
+
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+def _plots(run_dir: Path, result: dict[str, Any]) -> None:
+    """`psar report`'s report.md and plots for one run (or all runs' rank 0 together)."""
+    if not result["series"]:
+        return
+    text = report.summarize(result["series"], result["summaries"])
+    (run_dir / "report.md").write_text(f"# psar report: {run_dir.name}\n\n{text}")
+    try:
+        report.write_plots(result["series"], run_dir)
+    except ImportError:
+        pass  # matplotlib is optional (psar[plots])
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args, extra = parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
+    try:
+        code, doc = compare(args, extra)
+    except ValueError as e:
+        parser.exit(2, f"psar compare: error: {e}\n")
+    if "config" not in doc:
+        return code
+    if args.json:
+        print(json.dumps(doc, indent=2))
+    else:
+        print(table(doc))
+        print(f"\nwrote {doc['out']}/compare.json, compare.md, plots; per run: report-*.json, "
+              f"steps-*.jsonl, launch.log ({doc['seconds']:.0f} s)")  # fmt: skip
+    return code
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
