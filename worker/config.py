@@ -135,6 +135,9 @@ class TrainConfig:
     slowdown: float = 1.0
     """Emulate a straggler: after each step's compute, sleep (slowdown - 1) x its measured
     compute time, so this worker runs that many times slower (1: off)."""
+    emulate_compute_ms: float = 0.0
+    """Emulate compute for benchmarks: pad each step's forward+backward with sleep to this
+    many ms (times --slowdown), so many workers share few cores honestly (0: off)."""
     inject_overflow_step: int = 0
     """Testing aid: rank 0 makes its gradient non-finite at this step (0: never)."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
@@ -158,6 +161,8 @@ class TrainConfig:
             raise ValueError("--steps must be >= 1 (or give --epochs)")
         if self.epochs < 0 or self.eval_batches < 0 or self.log_every < 0 or self.threads < 0:
             raise ValueError("--epochs, --eval-batches, --log-every and --threads must be >= 0")
+        if self.emulate_compute_ms < 0:
+            raise ValueError(f"--emulate-compute-ms must be >= 0, got {self.emulate_compute_ms}")
         if self.slowdown < 1.0:
             raise ValueError(f"--slowdown must be >= 1 (1 means no slowdown), got {self.slowdown}")
         if not 0 <= self.metrics_port < 65536:

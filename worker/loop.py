@@ -51,6 +51,18 @@ def resolve_ranks(cfg: TrainConfig, env: dict[str, str]) -> tuple[int, int, int]
     return rank, world, resolve_local_rank(env)
 
 
+def _compute_padding(cfg: TrainConfig, compute: float) -> float:
+    """Seconds to sleep after this step's real compute.
+
+    --slowdown F makes a straggler honestly: its compute takes F times as long as it
+    measured. --emulate-compute-ms T fixes each step's compute at T ms (times F), so a
+    benchmark can host many workers on few cores with a known compute time.
+    """
+    if cfg.emulate_compute_ms:
+        return max(0.0, cfg.emulate_compute_ms / 1000.0 * cfg.slowdown - compute)
+    return (cfg.slowdown - 1.0) * compute
+
+
 def train(cfg: TrainConfig, env: dict[str, str] | None = None) -> dict[str, Any]:
     """Run one worker's part of a job; returns the summary (also written to --report)."""
     env = dict(os.environ if env is None else env)
@@ -110,11 +122,10 @@ def train(cfg: TrainConfig, env: dict[str, str] | None = None) -> dict[str, Any]
             t3 = time.perf_counter()
             phases.update({"data": t1 - t0, "forward": t2 - t1, "backward": t3 - t2})
             samples += len(x)
-        if cfg.slowdown > 1.0:
-            # Straggler emulation, honestly proportional to this step's real compute.
-            compute = phases["forward"] + phases["backward"]
-            time.sleep((cfg.slowdown - 1.0) * compute)
-            phases["straggle"] = (cfg.slowdown - 1.0) * compute
+        pad = _compute_padding(cfg, phases["forward"] + phases["backward"])
+        if pad > 0:
+            time.sleep(pad)
+            phases["straggle"] = pad
         outcome = backend.step()
         phases.update(outcome.phases)
         losses.append(step_loss)
