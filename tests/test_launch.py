@@ -133,7 +133,7 @@ def test_one_crashing_worker_stops_everything(tmp_path: Path, arch: str) -> None
 
 def test_sigterm_to_launch_tears_everything_down(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "worker.launch", "--workers", "2", "--steps", "1000000",
-           "--log-every", "0", "--run-dir", str(tmp_path)]  # fmt: skip
+           "--log-every", "0", "--run-dir", str(tmp_path), "--grace", "1"]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     seen: set[int] = set()
     deadline = time.monotonic() + 60
@@ -153,6 +153,7 @@ def test_sigterm_to_launch_tears_everything_down(tmp_path: Path) -> None:
             proc.kill()
     assert proc.returncode == 128 + signal.SIGTERM
     assert err.splitlines()[-1] == "psar launch: received SIGTERM; stopped everything"
+    # --grace 1: whatever still drains a second after SIGTERM is SIGKILLed, and no later.
     assert_all_gone(sorted(seen))
 
 

@@ -119,6 +119,7 @@ def metrics(result: dict[str, Any], window: int) -> dict[str, Any]:
     stale = sorted(hist.elements())
     row.update(
         samples_per_sec=total / job_s if job_s > 0 else None,
+        samples_per_sec_sum_of_workers=sum(s.samples[-1] / max(s.time[-1], 1e-9) for s in series),
         final_train_loss=smooth[-1] if smooth and math.isfinite(smooth[-1]) else None,
         val_loss=summary0.get("val_loss"),
         staleness_p50=_quantile(stale, 0.5) if stale else None,

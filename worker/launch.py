@@ -345,7 +345,7 @@ class _Job:
         self._scan([p.popen.pid for p in live if p.popen.poll() is None])
         for p in live:
             if p.popen.poll() is None:
-                self.say(f"{p.name} ignored SIGTERM for {self.spec.grace:g}s; SIGKILL")
+                self.say(f"{p.name} still running {self.spec.grace:g}s after SIGTERM; SIGKILL")
             _send(os.killpg, p.popen.pid, signal.SIGKILL)
         for pid, start in seen.items():
             if _alive(pid, start):
