@@ -90,13 +90,29 @@ REJECT_REASONS: tuple[str, ...] = (
     # Raised by ps.errors too: a push that hit a deadline or a draining shard.
     "deadline",
     "draining",
+    # Fault tolerance (docs/reliability.md): a request against an older incarnation of a
+    # restored shard, a worker whose lease expired, a join at a round already closed.
+    "restored",
+    "expired",
+    "too_late",
     OTHER,
 )
 
 #: Why a whole update round was skipped (no optimizer step applied).
 SKIP_REASONS: tuple[str, ...] = ("overflow", "nonfinite", "empty", OTHER)
 
-RPC_METHODS: tuple[str, ...] = ("Init", "GetJob", "Push", "Pull", "Leave", "Stats", OTHER)
+RPC_METHODS: tuple[str, ...] = (
+    "Init",
+    "GetJob",
+    "Push",
+    "Pull",
+    "Leave",
+    "Stats",
+    "Heartbeat",
+    "Register",
+    "Rollback",
+    OTHER,
+)
 
 SHARD_MODES: tuple[str, ...] = ("sync", "async", "ssp")
 
@@ -294,6 +310,32 @@ class ShardMetrics:
         self._master_bytes = gauge(
             "psar_ps_master_bytes", "Bytes held by the master parameters and optimizer state."
         )
+        # Fault tolerance (docs/reliability.md).
+        self._lease_expirations = counter(
+            "psar_ps_lease_expirations_total",
+            "Workers dropped from the live set because their lease ran out.",
+        )
+        self._rejoins = counter(
+            "psar_ps_worker_rejoins_total",
+            "Workers that registered again after their lease expired, after leaving, or as "
+            "a restarted process.",
+        )
+        self._restores = counter(
+            "psar_ps_restores_total",
+            "Times this shard's state was replaced by a checkpoint (--restore, sync rollback).",
+        )
+        self._checkpoints = counter(
+            "psar_ps_checkpoints_written_total", "Checkpoints written (atomically) to disk."
+        )
+        self._checkpoint_failures = counter(
+            "psar_ps_checkpoint_failures_total",
+            "Checkpoint writes that failed (the previous checkpoint stays the newest).",
+        )
+        self._checkpoint_seconds = histogram(
+            "psar_ps_checkpoint_write_seconds",
+            "Time to write one checkpoint (serialise, fsync, rename).",
+            DURATION_BUCKETS,
+        )
         self.registry.register(_StampMode(reg, self))
         build_info(self.registry, "ps")
 
@@ -339,6 +381,26 @@ class ShardMetrics:
     def bytes_sent(self, n: int) -> None:
         """``n`` payload bytes went out to a worker."""
         self._tx.inc(n)
+
+    def lease_expired(self) -> None:
+        """A worker's lease ran out and it left the live set."""
+        self._lease_expirations.inc()
+
+    def worker_rejoined(self) -> None:
+        """A worker registered again (after expiry, after leaving, or restarted)."""
+        self._rejoins.inc()
+
+    def shard_restored(self) -> None:
+        """The shard took its state from a checkpoint (restore or rollback)."""
+        self._restores.inc()
+
+    def checkpoint_written(self, seconds: float) -> None:
+        """A checkpoint reached disk after ``seconds``."""
+        self._checkpoints.inc()
+        self._checkpoint_seconds.observe(seconds)
+
+    def checkpoint_failed(self) -> None:
+        self._checkpoint_failures.inc()
 
     # -- durations --------------------------------------------------------------------
 

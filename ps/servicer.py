@@ -6,6 +6,7 @@ ps/shard.py and ps/policies.py, which tests drive without a socket.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -16,8 +17,16 @@ import torch
 from ps import serde
 from ps._gen.psar.v1 import ps_pb2 as pb
 from ps._gen.psar.v1 import ps_pb2_grpc as pb_grpc
-from ps.errors import InvalidArgument, PSError
+from ps.errors import InvalidArgument, PSError, ResourceExhausted
 from ps.shard import ShardState
+
+
+def physical_memory_bytes() -> int:
+    """RAM of this machine (a generous bound for what one Init may ask to allocate)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
+        return 1 << 40
 
 
 class ParameterServerServicer(pb_grpc.ParameterServerServicer):
@@ -37,7 +46,16 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             if first is None or first.WhichOneof("kind") != "header":
                 raise InvalidArgument("Init stream must start with a header", reason="malformed")
             job = serde.job_from_pb(first.header.job)
+            # A conflicting job is refused before a byte is allocated for it; an identical
+            # one (a retried init) is read and checked as before.
+            known = self.state.check_job(job)
             numel = {s.key: s.numel for s in job.slots}
+            need = 4 * sum(numel.values())
+            if not known and need > physical_memory_bytes():
+                raise ResourceExhausted(
+                    f"Init: the job declares {need} bytes of fp32 masters, more than this "
+                    f"machine's {physical_memory_bytes()} bytes of memory"
+                )
             values = {k: torch.empty(n) for k, n in numel.items()}
             filled = dict.fromkeys(numel, 0)
             for msg in request_iterator:
@@ -73,9 +91,14 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
                 self.state.wait_initialized(context.time_remaining())
             job = self.state.job
             if job is None:
-                return pb.GetJobReply(initialized=False)
+                return pb.GetJobReply(initialized=False, lease_s=self.state.leases.lease_s)
             return pb.GetJobReply(
-                initialized=True, job=serde.job_to_pb(job), version=self.state.version
+                initialized=True,
+                job=serde.job_to_pb(job),
+                version=self.state.version,
+                incarnation=self.state.incarnation,
+                rounds=self.state.rounds,
+                lease_s=self.state.leases.lease_s,
             )
         finally:
             self.metrics.rpc_observed("GetJob", time.monotonic() - t0)
@@ -87,11 +110,14 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             first = next(request_iterator, None)
             if first is None or first.WhichOneof("kind") != "header":
                 raise InvalidArgument("Push stream must start with a header", reason="malformed")
-            ticket = self.state.begin_push(serde.push_header_from_pb(first.header))
+            ticket = self.state.begin_push(
+                serde.push_header_from_pb(first.header), incarnation=first.header.incarnation
+            )
             for msg in request_iterator:
                 if msg.WhichOneof("kind") != "data":
                     raise InvalidArgument("Push: only one header allowed", reason="malformed")
                 self.state.add_data(ticket, msg.data.key, msg.data.offset, msg.data.data)
+            ticket_incarnation = ticket.incarnation
             outcome, version, already = self.state.finish_push(ticket)
             ticket = None
             return pb.PushReply(
@@ -100,6 +126,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
                 dropped_nonfinite=outcome.dropped_nonfinite,
                 version=version,
                 staleness=outcome.staleness,
+                incarnation=ticket_incarnation,
             )
         except PSError as e:
             self._fail(context, "Push", e)
@@ -113,13 +140,20 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         try:
             dtype = serde.dtype_from_pb(request.dtype)
             header, pieces = self.state.pull(
-                request.worker, request.clock, dtype, context.time_remaining()
+                request.worker,
+                request.clock,
+                dtype,
+                context.time_remaining(),
+                incarnation=request.incarnation,
             )
+            incarnation = self.state.incarnation
         except PSError as e:
             self.metrics.rpc_observed("Pull", time.monotonic() - t0)
             self._fail(context, "Pull", e)
             return
-        yield pb.PullChunk(header=serde.pull_header_to_pb(header))
+        head = serde.pull_header_to_pb(header)
+        head.incarnation = incarnation
+        yield pb.PullChunk(header=head)
         for key, offset, data in pieces:
             yield pb.PullChunk(data=pb.TensorData(key=key, offset=offset, data=data))
         self.metrics.rpc_observed("Pull", time.monotonic() - t0)
@@ -132,3 +166,31 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
 
     def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> Any:
         return pb.StatsReply(**self.state.stats())
+
+    def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> Any:
+        try:
+            live, incarnation, lease_s = self.state.heartbeat(request.worker)
+            return pb.HeartbeatReply(live=live, incarnation=incarnation, lease_s=lease_s)
+        except PSError as e:
+            self._fail(context, "Heartbeat", e)
+
+    def Register(self, request: pb.RegisterRequest, context: grpc.ServicerContext) -> Any:
+        t0 = time.monotonic()
+        try:
+            reply = self.state.register(
+                request.worker, request.clock, query=request.query, instance=request.instance
+            )
+            return pb.RegisterReply(**reply)
+        except PSError as e:
+            self._fail(context, "Register", e)
+        finally:
+            self.metrics.rpc_observed("Register", time.monotonic() - t0)
+
+    def Rollback(self, request: pb.RollbackRequest, context: grpc.ServicerContext) -> Any:
+        t0 = time.monotonic()
+        try:
+            return pb.RollbackReply(**self.state.rollback(request.max_round))
+        except PSError as e:
+            self._fail(context, "Rollback", e)
+        finally:
+            self.metrics.rpc_observed("Rollback", time.monotonic() - t0)

@@ -5,78 +5,52 @@ No gRPC here: ps/servicer.py feeds requests in and maps the errors raised here
 
 Every request is validated completely before anything is mutated: a refused push,
 pull or init leaves the master weights and optimizer state byte-for-byte unchanged.
+Leases and the live set live in ps/membership.py, checkpoints in ps/checkpoint.py,
+push validation in ps/pushdata.py.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from ps import wire
-from ps.errors import (
-    DeadlineExceeded,
-    FailedPrecondition,
-    InvalidArgument,
-    NotFound,
-)
+from ps import checkpoint, wire
+from ps.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
 from ps.job import Job
+from ps.lease import DEFAULT_JOIN_GRACE_S, DEFAULT_LEASE_S, LeaseTable
+from ps.membership import Membership, Restored, new_incarnation
 from ps.policies import PushOutcome, StagedPush, make_policy
+from ps.pushdata import PullHeader, PushHeader, PushTicket, add_piece, check_complete, unscale
+from ps.pushdata import check_header as _check_header
+from ps.recovery import Recovery
 from worker.nullmetrics import NullMetrics
 from worker.optim import DynamicLossScale, build_optimizer, build_scheduler
 
+__all__ = ["PullHeader", "PushHeader", "PushTicket", "ShardState"]
+
+log = logging.getLogger("psar.shard")
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
-@dataclass(slots=True)
-class PushHeader:
-    worker: int
-    clock: int
-    base_version: int
-    dtype: torch.dtype
-    loss_scale: float = 1.0
-    overflow: bool = False
-    retry: bool = False
-
-
-@dataclass(slots=True)
-class PullHeader:
-    version: int
-    rounds: int
-    loss_scale: float
-    last_round_skipped: bool
-    skipped_rounds: int
-    dtype: torch.dtype
-    clock_gap: int
-
-
-@dataclass
-class PushTicket:
-    """An in-flight push: its header, where its bytes go, and how much has arrived."""
-
-    header: PushHeader
-    staging: dict[str, torch.Tensor]
-    received: dict[str, int] = field(default_factory=dict)
-    bytes_in: int = 0
-    duplicate: bool = False
-    lock: threading.Lock | None = None
-
-    def release(self) -> None:
-        if self.lock is not None:
-            self.lock.release()
-            self.lock = None
-
-
-class ShardState:
+class ShardState(Membership, Recovery):
     """One shard. Thread-safe: gRPC handler threads call it concurrently."""
 
     def __init__(
-        self, *, metrics: Any = None, message_bytes: int = wire.DEFAULT_MESSAGE_BYTES
+        self,
+        *,
+        metrics: Any = None,
+        message_bytes: int = wire.DEFAULT_MESSAGE_BYTES,
+        lease_s: float = DEFAULT_LEASE_S,
+        join_grace_s: float = DEFAULT_JOIN_GRACE_S,
+        clock: Callable[[], float] = time.monotonic,
+        checkpoints: checkpoint.CheckpointManager | None = None,
     ) -> None:
         self.metrics = metrics if metrics is not None else NullMetrics()
         self.message_bytes = message_bytes
@@ -91,9 +65,22 @@ class ShardState:
         self.updates_applied = 0
         self.dropped_nonfinite = 0
         self.live: set[int] = set()
+        self.left: set[int] = set()
+        self.expired: set[int] = set()
+        self.joining: dict[int, int] = {}
+        self.instances: dict[int, str] = {}
         self.clocks: list[int] = []
         self.max_clock_gap = 0
         self.staleness_counts: Counter[int] = Counter()
+        self.leases = LeaseTable(lease_s, join_grace_s, clock)
+        self.lease_expirations = 0
+        self.rejoins = 0
+        self.incarnation = 0
+        self.restores = 0
+        self.restored_step = 0
+        self.restored_pending = False
+        self.draining = False
+        self.checkpoints = checkpoints
         self._staging: dict[int, dict[str, torch.Tensor]] = {}
         self._worker_locks: dict[int, threading.Lock] = {}
         self._snapshots: dict[torch.dtype, tuple[int, list[tuple[str, int, bytes]]]] = {}
@@ -108,15 +95,8 @@ class ShardState:
         """Install the job and the initial fp32 values. Returns True if an identical job
         was already installed (a retried init), raises if a different one was."""
         with self._cond:
-            if self.job is not None:
-                if _same_job(self.job, job):
-                    return True
-                raise FailedPrecondition(
-                    f"shard already initialised for a different job (mode {self.job.mode}, "
-                    f"{self.job.num_workers} workers, {len(self.job.slots)} slots, id "
-                    f"{self.job.job_id!r}); restart the shard to start a new job",
-                    reason="conflicting_init",
-                )
+            if self.check_job(job):
+                return True
             numel = {s.key: s.numel for s in job.slots}
             missing = sorted(set(numel) - set(values))
             extra = sorted(set(values) - set(numel))
@@ -143,12 +123,34 @@ class ShardState:
             self.live = set(range(job.num_workers))
             self.clocks = [0] * job.num_workers
             self.job = job
-            self.metrics.set_mode(job.mode)
-            self.metrics.set_master_bytes(self.master_bytes)
-            self.metrics.set_live_workers(len(self.live))
-            self.metrics.set_loss_scale(self.loss_scale.scale)
-            self._cond.notify_all()
+            self._started(job)
+            self._maybe_checkpoint(force=True)
             return False
+
+    def check_job(self, job: Job) -> bool:
+        """True if `job` is the one installed, False if none is; raises on a conflict."""
+        if self.job is None:
+            return False
+        if self.job == job:
+            return True
+        raise FailedPrecondition(
+            f"shard already initialised for a different job (mode {self.job.mode}, "
+            f"{self.job.num_workers} workers, {len(self.job.slots)} slots, id "
+            f"{self.job.job_id!r}); restart the shard to start a new job",
+            reason="conflicting_init",
+        )
+
+    def _started(self, job: Job) -> None:
+        self.incarnation = new_incarnation()
+        if self.checkpoints is not None:
+            self.checkpoints.shard = job.shard_index
+        self.leases.grant(self.live, grace=True)
+        self.metrics.set_mode(job.mode)
+        self.metrics.set_master_bytes(self.master_bytes)
+        self.metrics.set_live_workers(len(self.live))
+        self.metrics.set_loss_scale(self.loss_scale.scale)
+        self.metrics.set_version(self.version)
+        self._cond.notify_all()
 
     def wait_initialized(self, timeout: float | None) -> bool:
         """Block until initialised (or the timeout passes); returns whether it is."""
@@ -170,25 +172,15 @@ class ShardState:
 
     # ---- push -----------------------------------------------------------------------
 
-    def begin_push(self, header: PushHeader, *, lock_timeout: float = 60.0) -> PushTicket:
+    def begin_push(
+        self, header: PushHeader, *, incarnation: int = 0, lock_timeout: float = 60.0
+    ) -> PushTicket:
         """Validate a push header; returns the ticket that its data goes into."""
         with self._cond:
             job = self._require_job()
-            if not 0 <= header.worker < job.num_workers:
-                raise InvalidArgument(
-                    f"worker {header.worker} is not in this job (workers 0..{job.num_workers - 1})",
-                    reason="bad_worker",
-                )
-            if header.dtype not in wire.WIRE_FROM_DTYPE:
-                raise InvalidArgument(
-                    f"unsupported gradient dtype {header.dtype}; send fp32, fp16 or bf16",
-                    reason="bad_dtype",
-                )
-            if not (header.loss_scale > 0 and header.loss_scale < float("inf")):
-                raise InvalidArgument(
-                    f"loss_scale must be a finite number > 0, got {header.loss_scale}",
-                    reason="malformed",
-                )
+            _check_header(header, job.num_workers)
+            self.check_incarnation(incarnation)
+            self._check_draining(header.clock)
             lock = self._worker_locks.setdefault(header.worker, threading.Lock())
         # One push per worker at a time: a retry racing its original waits here, then
         # finds the original applied and is acknowledged as a duplicate.
@@ -196,75 +188,26 @@ class ShardState:
             raise DeadlineExceeded(f"worker {header.worker}: another push is still in flight")
         try:
             with self._cond:
+                self.check_incarnation(incarnation)
                 duplicate = self._check_clock(header)
                 if not duplicate:
                     self.policy.check_push(self, header.worker, header.clock, header.base_version)
+                self.touch(header.worker)
                 staging = self._staging.get(header.worker)
                 if staging is None:
                     staging = {k: torch.empty(n) for k, n in self.numel.items()}
                     self._staging[header.worker] = staging
+                inc = self.incarnation
         except BaseException:
             lock.release()
             raise
-        return PushTicket(header=header, staging=staging, duplicate=duplicate, lock=lock)
-
-    def _check_clock(self, h: PushHeader) -> bool:
-        """Clocks advance by one per push. Returns True for an acknowledged retry."""
-        if h.clock < 1:
-            raise InvalidArgument(
-                f"push clock must be >= 1 (the worker's clock after this push), got {h.clock}",
-                reason="malformed",
-            )
-        last = self.clocks[h.worker]
-        if h.clock <= last:
-            if h.retry:
-                return True
-            raise FailedPrecondition(
-                f"duplicate push: worker {h.worker} clock {h.clock} was already taken "
-                f"(worker clock is {last}); never counted twice. Set retry=true when "
-                f"re-sending a push whose reply was lost",
-                reason="duplicate",
-            )
-        if h.worker not in self.live:
-            raise FailedPrecondition(
-                f"worker {h.worker} has left the job; it cannot push any more",
-                reason="left",
-            )
-        if h.clock != last + 1:
-            raise FailedPrecondition(
-                f"out-of-order push: worker {h.worker} sent clock {h.clock}, expected {last + 1}",
-                reason="out_of_order",
-            )
-        return False
+        return PushTicket(
+            header=header, staging=staging, duplicate=duplicate, lock=lock, incarnation=inc
+        )
 
     def add_data(self, ticket: PushTicket, key: str, offset: int, data: bytes) -> None:
         """Copy one piece of a push into the staging buffers (validated first)."""
-        numel = self.numel.get(key)
-        if numel is None:
-            raise NotFound(f"unknown slot key {key!r}: this shard holds {_some(self.numel)}")
-        if ticket.header.overflow:
-            raise InvalidArgument("a push flagged overflow must carry no data", reason="malformed")
-        itemsize = wire.DTYPE_ITEMSIZE[ticket.header.dtype]
-        if len(data) % itemsize:
-            raise InvalidArgument(
-                f"slot {key!r}: {len(data)} bytes is not a whole number of "
-                f"{itemsize}-byte elements",
-            )
-        n = len(data) // itemsize
-        expected = ticket.received.get(key, 0)
-        if offset != expected:
-            raise InvalidArgument(
-                f"slot {key!r}: piece at offset {offset}, expected {expected} (send each "
-                f"slot's pieces once, in order)",
-            )
-        if offset + n > numel:
-            raise InvalidArgument(
-                f"slot {key!r}: {offset + n} elements sent but it holds {numel} (wrong shape)",
-            )
-        ticket.received[key] = offset + n
-        ticket.bytes_in += len(data)
-        if not ticket.duplicate and n:
-            ticket.staging[key][offset : offset + n].copy_(wire.decode(data, ticket.header.dtype))
+        add_piece(self.numel, ticket, key, offset, data)
 
     def finish_push(self, ticket: PushTicket) -> tuple[PushOutcome, int, bool]:
         """Validate completeness and finiteness, then hand the push to the policy.
@@ -278,41 +221,31 @@ class ShardState:
                 with self._cond:
                     return PushOutcome(False, False, 0), self.version, True
             if not h.overflow:
-                short = [k for k, n in self.numel.items() if ticket.received.get(k, 0) != n]
-                if short:
-                    k = short[0]
-                    raise InvalidArgument(
-                        f"incomplete push: slot {k!r} got {ticket.received.get(k, 0)} of "
-                        f"{self.numel[k]} elements ({len(short)} slots short)",
-                    )
+                check_complete(self.numel, ticket)
             grads = ticket.staging
-            if not h.overflow:
-                inv = 1.0 / h.loss_scale
-                finite = True
-                for t in grads.values():
-                    if inv != 1.0:
-                        t.mul_(inv)
-                    finite = finite and bool(torch.isfinite(t).all())
-                if not finite:
-                    with self._cond:
-                        sync = self.job is not None and self.job.mode == "sync"
-                    if sync:
-                        raise InvalidArgument(
-                            "non-finite gradient without the overflow flag: in sync mode a "
-                            "worker that sees inf/nan must push overflow=true (no data) so "
-                            "every shard skips the round",
-                            reason="nonfinite",
-                        )
-                    h.overflow = True  # async/ssp: dropped and counted below
+            if not h.overflow and not unscale(grads, h.loss_scale):
+                with self._cond:
+                    sync = self.job is not None and self.job.mode == "sync"
+                if sync:
+                    raise InvalidArgument(
+                        "non-finite gradient without the overflow flag: in sync mode a "
+                        "worker that sees inf/nan must push overflow=true (no data) so "
+                        "every shard skips the round",
+                        reason="nonfinite",
+                    )
+                h.overflow = True  # async/ssp: dropped and counted below
             with self._cond:
-                # Re-check under the lock: another thread may have moved the round on.
+                # Re-check under the lock: another thread may have moved the round on,
+                # or a rollback may have replaced the state the push was checked against.
+                if ticket.incarnation != self.incarnation:
+                    raise Restored("restored: the shard was rolled back during this push")
                 self._check_clock(h)
                 self.policy.check_push(self, h.worker, h.clock, h.base_version)
                 staged = StagedPush(h.worker, h.clock, h.base_version, h.overflow, grads)
                 if h.overflow and not self.policy.holds_gradients:
                     staged.grads = {}
-                outcome = self.policy.accept(self, staged)
                 self.clocks[h.worker] = h.clock
+                outcome = self.policy.accept(self, staged)
                 self.metrics.push_accepted()
                 self._cond.notify_all()
                 return outcome, self.version, False
@@ -338,6 +271,8 @@ class ShardState:
             self.metrics.gradient_applied(s)
         if self.job is not None and self.job.mode == "sync":
             self._close_round(skipped=False)
+        else:
+            self._maybe_checkpoint()
 
     def skip_round(self, reason: str) -> None:
         """Close a sync round without an update (weights and optimizer state untouched)."""
@@ -350,6 +285,9 @@ class ShardState:
         self.last_round_skipped = skipped
         self.loss_scale.update(overflow=skipped)
         self.metrics.set_loss_scale(self.loss_scale.scale)
+        self.restored_pending = False
+        self.promote_joiners()
+        self._maybe_checkpoint()
 
     def drop_nonfinite(self) -> None:
         self.dropped_nonfinite += 1
@@ -362,27 +300,44 @@ class ShardState:
     # ---- pull -----------------------------------------------------------------------
 
     def pull(
-        self, worker: int, clock: int, dtype: torch.dtype, timeout: float | None
+        self,
+        worker: int,
+        clock: int,
+        dtype: torch.dtype,
+        timeout: float | None,
+        *,
+        incarnation: int = 0,
     ) -> tuple[PullHeader, list[tuple[str, int, bytes]]]:
         """Wait until the policy lets `worker` at `clock` read, then snapshot the weights."""
         started = time.monotonic()
         with self._cond:
             job = self._require_job()
-            if not 0 <= worker < job.num_workers:
-                raise InvalidArgument(
-                    f"worker {worker} is not in this job (workers 0..{job.num_workers - 1})"
-                )
+            self.check_worker(worker)
             if dtype not in wire.WIRE_FROM_DTYPE:
                 raise InvalidArgument(f"unsupported pull dtype {dtype}; ask for fp32, fp16 or bf16")
+            self.check_incarnation(incarnation)
             if clock > self.clocks[worker]:
                 raise FailedPrecondition(
                     f"worker {worker} pulls at clock {clock} but has pushed only "
                     f"{self.clocks[worker]} gradients here",
                     reason="out_of_order",
                 )
-            ok = self._cond.wait_for(lambda: self.policy.pull_ready(self, worker, clock), timeout)
+            self.touch(worker)
+            inc = self.incarnation
+
+            def ready() -> bool:
+                return (
+                    self.policy.pull_ready(self, worker, clock)
+                    or self.incarnation != inc
+                    or (self.draining and not self.round_in_flight)
+                )
+
+            ok = self._cond.wait_for(ready, timeout)
             waited = time.monotonic() - started
-            if not ok:
+            self.check_incarnation(inc)
+            if not self.policy.pull_ready(self, worker, clock):
+                if ok:
+                    raise Unavailable("draining: this shard is shutting down; retry later")
                 raise DeadlineExceeded(
                     f"pull by worker {worker} at clock {clock} waited {waited:.1f}s ({job.mode}): "
                     f"round {self.rounds}, worker clocks {self.clocks}, live {sorted(self.live)}. "
@@ -410,34 +365,22 @@ class ShardState:
     def _snapshot(self, dtype: torch.dtype) -> list[tuple[str, int, bytes]]:
         """Wire pieces of the current weights in `dtype`, shared by every pull of a version."""
         cached = self._snapshots.get(dtype)
-        if cached is not None and cached[0] == self.version:
+        if cached is not None and cached[0] == (self.incarnation, self.version):
             return cached[1]
         pieces = []
         for key, p in self.masters.items():
             flat = p.detach() if dtype == torch.float32 else p.detach().to(dtype)
             for off, data in wire.iter_pieces(flat, self.message_bytes):
                 pieces.append((key, off, data))
-        self._snapshots[dtype] = (self.version, pieces)
+        self._snapshots[dtype] = ((self.incarnation, self.version), pieces)
         return pieces
 
-    # ---- membership and inspection --------------------------------------------------
-
-    def leave(self, worker: int) -> int:
-        """`worker` is done: nobody waits for it any more. Returns live workers left."""
-        with self._cond:
-            job = self._require_job()
-            if not 0 <= worker < job.num_workers:
-                raise InvalidArgument(f"worker {worker} is not in this job")
-            if worker in self.live:
-                self.live.discard(worker)
-                self.policy.on_leave(self, worker)
-                self.metrics.set_live_workers(len(self.live))
-                self._cond.notify_all()
-            return len(self.live)
+    # ---- inspection -----------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
         with self._cond:
             hist_len = max(self.staleness_counts, default=-1) + 1
+            m = self.checkpoints
             return {
                 "version": self.version,
                 "rounds": self.rounds,
@@ -451,6 +394,15 @@ class ShardState:
                 "staleness_histogram": [self.staleness_counts[i] for i in range(hist_len)],
                 "master_bytes": self.master_bytes,
                 "state_digest": self.state_digest(),
+                "incarnation": self.incarnation,
+                "restores": self.restores,
+                "restored_step": self.restored_step,
+                "lease_expirations": self.lease_expirations,
+                "rejoins": self.rejoins,
+                "checkpoints_written": m.written if m is not None else 0,
+                "last_checkpoint_step": (m.last_step or 0) if m is not None else 0,
+                "live_worker_ids": sorted(self.live),
+                "draining": self.draining,
             }
 
     def state_digest(self) -> str:
@@ -471,15 +423,3 @@ class ShardState:
                             h.update(repr(value).encode())
                 h.update(repr(self.loss_scale.scale).encode())
         return h.hexdigest()
-
-
-def _same_job(a: Job, b: Job) -> bool:
-    # shard_index/num_shards are part of the job, so a worker talking to the wrong
-    # address (another job's shard 1 as its shard 0) is refused too.
-    return a == b
-
-
-def _some(keys: dict[str, int]) -> str:
-    names = list(keys)
-    more = f" and {len(names) - 3} more" if len(names) > 3 else ""
-    return ", ".join(repr(k) for k in names[:3]) + more

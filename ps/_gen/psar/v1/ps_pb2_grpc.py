@@ -64,6 +64,21 @@ class ParameterServerStub:
                 request_serializer=psar_dot_v1_dot_ps__pb2.StatsRequest.SerializeToString,
                 response_deserializer=psar_dot_v1_dot_ps__pb2.StatsReply.FromString,
                 _registered_method=True)
+        self.Heartbeat = channel.unary_unary(
+                '/psar.v1.ParameterServer/Heartbeat',
+                request_serializer=psar_dot_v1_dot_ps__pb2.HeartbeatRequest.SerializeToString,
+                response_deserializer=psar_dot_v1_dot_ps__pb2.HeartbeatReply.FromString,
+                _registered_method=True)
+        self.Register = channel.unary_unary(
+                '/psar.v1.ParameterServer/Register',
+                request_serializer=psar_dot_v1_dot_ps__pb2.RegisterRequest.SerializeToString,
+                response_deserializer=psar_dot_v1_dot_ps__pb2.RegisterReply.FromString,
+                _registered_method=True)
+        self.Rollback = channel.unary_unary(
+                '/psar.v1.ParameterServer/Rollback',
+                request_serializer=psar_dot_v1_dot_ps__pb2.RollbackRequest.SerializeToString,
+                response_deserializer=psar_dot_v1_dot_ps__pb2.RollbackReply.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -105,6 +120,24 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Heartbeat(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Register(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Rollback(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -137,6 +170,21 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=psar_dot_v1_dot_ps__pb2.StatsRequest.FromString,
                     response_serializer=psar_dot_v1_dot_ps__pb2.StatsReply.SerializeToString,
+            ),
+            'Heartbeat': grpc.unary_unary_rpc_method_handler(
+                    servicer.Heartbeat,
+                    request_deserializer=psar_dot_v1_dot_ps__pb2.HeartbeatRequest.FromString,
+                    response_serializer=psar_dot_v1_dot_ps__pb2.HeartbeatReply.SerializeToString,
+            ),
+            'Register': grpc.unary_unary_rpc_method_handler(
+                    servicer.Register,
+                    request_deserializer=psar_dot_v1_dot_ps__pb2.RegisterRequest.FromString,
+                    response_serializer=psar_dot_v1_dot_ps__pb2.RegisterReply.SerializeToString,
+            ),
+            'Rollback': grpc.unary_unary_rpc_method_handler(
+                    servicer.Rollback,
+                    request_deserializer=psar_dot_v1_dot_ps__pb2.RollbackRequest.FromString,
+                    response_serializer=psar_dot_v1_dot_ps__pb2.RollbackReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -301,6 +349,87 @@ class ParameterServer:
             '/psar.v1.ParameterServer/Stats',
             psar_dot_v1_dot_ps__pb2.StatsRequest.SerializeToString,
             psar_dot_v1_dot_ps__pb2.StatsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Heartbeat(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/psar.v1.ParameterServer/Heartbeat',
+            psar_dot_v1_dot_ps__pb2.HeartbeatRequest.SerializeToString,
+            psar_dot_v1_dot_ps__pb2.HeartbeatReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Register(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/psar.v1.ParameterServer/Register',
+            psar_dot_v1_dot_ps__pb2.RegisterRequest.SerializeToString,
+            psar_dot_v1_dot_ps__pb2.RegisterReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Rollback(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/psar.v1.ParameterServer/Rollback',
+            psar_dot_v1_dot_ps__pb2.RollbackRequest.SerializeToString,
+            psar_dot_v1_dot_ps__pb2.RollbackReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,133 @@
+"""Push and pull headers, and the validation of a push's header and data pieces.
+
+Split out of ps/shard.py: these checks need no shard lock (only the slot sizes), and
+each raises a ps.errors exception before any byte lands in the master weights.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from ps import wire
+from ps.errors import InvalidArgument, NotFound
+
+
+@dataclass(slots=True)
+class PushHeader:
+    worker: int
+    clock: int
+    base_version: int
+    dtype: torch.dtype
+    loss_scale: float = 1.0
+    overflow: bool = False
+    retry: bool = False
+
+
+@dataclass(slots=True)
+class PullHeader:
+    version: int
+    rounds: int
+    loss_scale: float
+    last_round_skipped: bool
+    skipped_rounds: int
+    dtype: torch.dtype
+    clock_gap: int
+
+
+@dataclass
+class PushTicket:
+    """An in-flight push: its header, where its bytes go, and how much has arrived."""
+
+    header: PushHeader
+    staging: dict[str, torch.Tensor]
+    received: dict[str, int] = field(default_factory=dict)
+    bytes_in: int = 0
+    duplicate: bool = False
+    lock: threading.Lock | None = None
+    incarnation: int = 0
+    """The shard's incarnation when the push began (a rollback in between refuses it)."""
+
+    def release(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+
+
+def check_header(header: PushHeader, num_workers: int) -> None:
+    """Refuse a header that no shard state could accept."""
+    if not 0 <= header.worker < num_workers:
+        raise InvalidArgument(
+            f"worker {header.worker} is not in this job (workers 0..{num_workers - 1})",
+            reason="bad_worker",
+        )
+    if header.dtype not in wire.WIRE_FROM_DTYPE:
+        raise InvalidArgument(
+            f"unsupported gradient dtype {header.dtype}; send fp32, fp16 or bf16",
+            reason="bad_dtype",
+        )
+    if not (header.loss_scale > 0 and header.loss_scale < float("inf")):
+        raise InvalidArgument(
+            f"loss_scale must be a finite number > 0, got {header.loss_scale}",
+            reason="malformed",
+        )
+
+
+def add_piece(
+    numel: dict[str, int], ticket: PushTicket, key: str, offset: int, data: bytes
+) -> None:
+    """Validate one piece of a push and copy it into the ticket's staging buffers."""
+    n_slot = numel.get(key)
+    if n_slot is None:
+        raise NotFound(f"unknown slot key {key!r}: this shard holds {_some(numel)}")
+    if ticket.header.overflow:
+        raise InvalidArgument("a push flagged overflow must carry no data", reason="malformed")
+    itemsize = wire.DTYPE_ITEMSIZE[ticket.header.dtype]
+    if len(data) % itemsize:
+        raise InvalidArgument(
+            f"slot {key!r}: {len(data)} bytes is not a whole number of {itemsize}-byte elements",
+        )
+    n = len(data) // itemsize
+    expected = ticket.received.get(key, 0)
+    if offset != expected:
+        raise InvalidArgument(
+            f"slot {key!r}: piece at offset {offset}, expected {expected} (send each "
+            f"slot's pieces once, in order)",
+        )
+    if offset + n > n_slot:
+        raise InvalidArgument(
+            f"slot {key!r}: {offset + n} elements sent but it holds {n_slot} (wrong shape)",
+        )
+    ticket.received[key] = offset + n
+    ticket.bytes_in += len(data)
+    if not ticket.duplicate and n:
+        ticket.staging[key][offset : offset + n].copy_(wire.decode(data, ticket.header.dtype))
+
+
+def check_complete(numel: dict[str, int], ticket: PushTicket) -> None:
+    short = [k for k, n in numel.items() if ticket.received.get(k, 0) != n]
+    if short:
+        k = short[0]
+        raise InvalidArgument(
+            f"incomplete push: slot {k!r} got {ticket.received.get(k, 0)} of "
+            f"{numel[k]} elements ({len(short)} slots short)",
+        )
+
+
+def unscale(grads: dict[str, torch.Tensor], loss_scale: float) -> bool:
+    """Divide the loss scale out in place; returns whether every value is finite."""
+    inv = 1.0 / loss_scale
+    finite = True
+    for t in grads.values():
+        if inv != 1.0:
+            t.mul_(inv)
+        finite = finite and bool(torch.isfinite(t).all())
+    return finite
+
+
+def _some(keys: dict[str, int]) -> str:
+    names = list(keys)
+    more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+    return ", ".join(repr(k) for k in names[:3]) + more
