@@ -4,18 +4,26 @@ Each step: the gradients (fp16/bf16/fp32 as --wire-dtype says) are pushed to eve
 shard, then the new weights are pulled back. Pulls wait as the consistency mode
 requires (the sync round closes; the slowest SSP worker catches up). In sync mode the
 loss scale comes from the shards with every pull, so workers never drift apart.
+
+Faults (docs/reliability.md): the worker registers on every shard at start (a restarted
+worker continues from the shards' record of its clock), heartbeats to keep its lease,
+and when a shard says it was restored or rolled back, or that the worker's lease
+expired, it re-registers (`_resync`); in sync mode it first rolls every shard back to
+the same checkpointed round, so the job stays consistent.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import secrets
 import time
 from typing import Any
 
 import torch
 
-from ps.client import ClientConfig, PSClient
+from ps import auth
+from ps.client import ClientConfig, NeedsResync, PSClient
 from ps.job import Job
 from ps.partition import Slot, bytes_per_shard, plan_slots
 from worker.backend import StepOutcome
@@ -25,6 +33,7 @@ from worker.optim import DynamicLossScale, LossScaleConfig, effective_loss_scale
 from worker.precision import PrecisionPolicy
 
 log = logging.getLogger("psar.ps")
+_MAX_RESYNCS = 50
 
 
 class PSBackend:
@@ -57,6 +66,13 @@ class PSBackend:
         self._local_scale = DynamicLossScale(ls)
         self.loss_scale = self._local_scale.scale
         self._skipped_seen = 0
+        self.instance = secrets.token_hex(8)
+        self.start_step = 0
+        """Steps already done by an earlier process of this worker (the loop resumes)."""
+        self.restores = 0
+        self.rolled_back_updates = 0
+        self.resyncs = 0
+        self.rejoined = False
 
     # ---- setup ----------------------------------------------------------------------
 
@@ -74,11 +90,19 @@ class PSBackend:
             [(n, p.numel()) for n, p in params], len(self.addresses), chunk_bytes=chunk
         )
         jobs = self._jobs()
+        ps = self.cfg.ps
         self.client = PSClient(
             self.addresses,
             worker=self.rank,
             cfg=ClientConfig(
-                timeout_s=self.cfg.ps.timeout_s, pull_timeout_s=self.cfg.ps.pull_timeout_s
+                timeout_s=ps.timeout_s,
+                pull_timeout_s=ps.pull_timeout_s,
+                retry_timeout_s=ps.reconnect_timeout_s,
+                tls_ca=ps.tls_ca,
+                tls_cert=ps.tls_cert,
+                tls_key=ps.tls_key,
+                tls_server_name=ps.tls_server_name,
+                auth_token=auth.read_token(ps.auth_token_file) if ps.auth_token_file else "",
             ),
         )
         self.client.set_slots(self.slots)
@@ -117,7 +141,13 @@ class PSBackend:
             }
         else:
             self._recv = {s.key: self._view(s) for s in self.slots}
-        self._pull()
+        self.versions = [0] * len(self.addresses)
+        self._seen_versions = [0] * len(self.addresses)
+        self._known_restores: list[int] | None = None
+        self._resync(fresh=True)
+        self.start_step = self.clock
+        self.client.start_heartbeats()
+        self._pull_resyncing()
         return model
 
     def _jobs(self) -> list[Job]:
@@ -167,25 +197,42 @@ class PSBackend:
             torch.cuda.synchronize(self.device)
         for buf in self._send.values():
             finite = finite and bool(torch.isfinite(buf).all())
-        replies = self.client.push(
-            clock=self.clock + 1,
-            base_versions=self.versions,
-            dtype=self.precision.wire,
-            grads=self._send,
-            loss_scale=self.loss_scale,
-            overflow=not finite,
-        )
+        replies = None
+        for attempt in range(_MAX_RESYNCS):
+            try:
+                replies = self.client.push(
+                    clock=self.clock + 1,
+                    base_versions=self.versions,
+                    dtype=self.precision.wire,
+                    grads=self._send,
+                    loss_scale=self.loss_scale,
+                    overflow=not finite,
+                    retry=attempt > 0,
+                )
+                break
+            except NeedsResync as e:
+                before = self.clock
+                self._resync(fresh=False, cause=e)
+                if self.mode == "sync" and self.clock != before:
+                    # The round this gradient was for is gone (rollback, or the others
+                    # moved on without us): drop it and continue from the new weights.
+                    self._pull_resyncing()
+                    self._sync_scale()
+                    return StepOutcome(skipped=True, loss_scale=self.loss_scale, staleness=0)
+        if replies is None:
+            raise RuntimeError(f"worker {self.rank}: could not resync with the shards")
         self.clock += 1
+        for i, r in enumerate(replies):
+            self._seen_versions[i] = max(self._seen_versions[i], r.version)
         if finite:
             self.bytes_pushed += sum(b.numel() * b.element_size() for b in self._send.values())
         t1 = time.perf_counter()
-        wait = self._pull()
+        wait = self._pull_resyncing()
         t2 = time.perf_counter()
         staleness = max(int(r.staleness) for r in replies)
         if self.mode == "sync":
             skipped = self._headers[0].skipped_rounds > self._skipped_seen
-            self._skipped_seen = self._headers[0].skipped_rounds
-            self.loss_scale = self._headers[0].loss_scale
+            self._sync_scale()
         else:
             skipped = not finite
             self._local_scale.update(overflow=skipped)
@@ -197,11 +244,27 @@ class PSBackend:
             phases={"push": t1 - t0, "wait": wait, "pull": max(0.0, t2 - t1 - wait)},
         )
 
+    def _sync_scale(self) -> None:
+        self._skipped_seen = self._headers[0].skipped_rounds
+        self.loss_scale = self._headers[0].loss_scale
+
+    def _pull_resyncing(self) -> float:
+        """_pull, re-registering first whenever a shard asks for it."""
+        for _ in range(_MAX_RESYNCS):
+            try:
+                return self._pull()
+            except NeedsResync as e:
+                self._resync(fresh=False, cause=e)
+        raise RuntimeError(f"worker {self.rank}: could not resync with the shards")
+
     def _pull(self) -> float:
         """Pull the newest weights this worker may see; returns seconds spent waiting."""
         dtype = self.precision.weights
         self._headers = self.client.pull(clock=self.clock, dtype=dtype, out=self._recv)
         self.versions = [h.version for h in self._headers]
+        self._seen_versions = [
+            max(a, b) for a, b in zip(self._seen_versions, self.versions, strict=True)
+        ]
         if self.device.type == "cuda":
             for s in self.slots:
                 self._view(s).copy_(self._recv[s.key], non_blocking=True)
@@ -211,6 +274,75 @@ class PSBackend:
         # The shards answer only once the round/bound allows: time to the first reply
         # message is the wait; the rest of the pull is the transfer.
         return self.client.last_pull_wait_s
+
+    # ---- faults ---------------------------------------------------------------------
+
+    def _resync(self, *, fresh: bool, cause: Exception | None = None) -> None:
+        """(Re-)register on every shard and agree on this worker's clock.
+
+        sync: if a shard was restored (or rolled back) to an earlier round, every shard
+        further on is rolled back to a checkpoint at or before it, until all agree;
+        then the worker joins at the next round boundary. async/ssp: the worker keeps
+        its clock (a fresh process takes the shards' record of it).
+        """
+        if cause is not None:
+            log.warning("worker %d: %s; re-registering", self.rank, cause)
+            self.resyncs += 1
+        old_inc = list(self.client.incarnations)
+        for _ in range(_MAX_RESYNCS):
+            q = self.client.register(query=True)
+            if self.mode == "sync":
+                flagged = [r["rounds"] for r in q if r["restored"]]
+                ahead = [r["shard"] for r in q if flagged and r["rounds"] > min(flagged)]
+                if ahead:
+                    for i in ahead:
+                        self.client.rollback(i, min(flagged))
+                    continue
+                clock = max([r["rounds"] for r in q] + [r["clock"] for r in q])
+            else:
+                clock = max(r["clock"] for r in q) if fresh else self.clock
+            try:
+                regs = self.client.register(clock=clock, instance=self.instance)
+            except NeedsResync as e:  # too late (the round closed meanwhile) or restored
+                log.info("worker %d: register: %s; again", self.rank, e)
+                continue
+            break
+        else:
+            raise RuntimeError(f"worker {self.rank}: could not register with the shards")
+        self.clock = clock
+        self.rejoined = self.rejoined or any(r["rejoined"] for r in regs)
+        self._count_restores(regs, old_inc, fresh)
+        self.versions = [min(v, r["version"]) for v, r in zip(self.versions, regs, strict=True)]
+
+    def _count_restores(self, regs: list[dict[str, Any]], old_inc: list[int], fresh: bool) -> None:
+        known = self._known_restores
+        self._known_restores = [r["restores"] for r in regs]
+        if fresh or known is None:
+            return
+        lost = [
+            max(0, seen - r["version"])
+            for seen, r, inc in zip(self._seen_versions, regs, old_inc, strict=True)
+            if r["incarnation"] != inc
+        ]
+        if any(r["restores"] > k for r, k in zip(regs, known, strict=True)):
+            self.restores += 1
+            self.rolled_back_updates += max(lost, default=0)
+            log.warning(
+                "worker %d: shards restored; %d updates rolled back",
+                self.rank,
+                max(lost, default=0),
+            )
+        self._seen_versions = [r["version"] for r in regs]
+
+    def fault_report(self) -> dict[str, Any]:
+        """Fault-tolerance figures for the run's report."""
+        return {
+            "start_step": self.start_step,
+            "restores": self.restores,
+            "rolled_back_updates": self.rolled_back_updates,
+            "resyncs": self.resyncs,
+            "rejoined": self.rejoined,
+        }
 
     def comm_bytes(self) -> dict[str, int]:
         return {"bytes_pushed": self.bytes_pushed, "bytes_pulled": self.bytes_pulled}

@@ -4,11 +4,18 @@ Pushes and pulls go to all shards in parallel (one thread each); tensors are cut
 ~1 MiB pieces and reassembled straight into the caller's buffers. Every call has a
 deadline; UNAVAILABLE is retried with backoff; a retried push carries retry=true and
 the shard's (worker, clock) key makes sure it is never applied twice.
+
+Every push and pull carries the shard incarnation the worker last synchronised with;
+a shard that was restored or rolled back since refuses it with ABORTED, which surfaces
+here as `NeedsResync` (so does a worker whose lease expired). ps/backend.py then
+re-registers and carries on (docs/reliability.md). A heartbeat thread keeps the
+worker's lease on every shard while it computes or waits.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -18,7 +25,7 @@ from typing import Any, TypeVar
 import grpc
 import torch
 
-from ps import serde, wire
+from ps import auth, serde, wire
 from ps._gen.psar.v1 import ps_pb2 as pb
 from ps._gen.psar.v1 import ps_pb2_grpc as pb_grpc
 from ps.job import Job
@@ -39,6 +46,18 @@ class PSClientError(RuntimeError):
         self.shard, self.address, self.code, self.details = shard, address, code, details
 
 
+class NeedsResync(PSClientError):
+    """The shard was restored or rolled back (reason "restored"), the worker's lease
+    expired ("expired"), or a join came too late ("too_late"): register again."""
+
+    @property
+    def reason(self) -> str:
+        return self.details.split(":", 1)[0].replace(" ", "_")
+
+
+_RESYNC_PREFIXES = ("restored:", "expired:", "too late:")
+
+
 @dataclass(kw_only=True)
 class ClientConfig:
     """How a worker talks to the shards."""
@@ -53,6 +72,16 @@ class ClientConfig:
     """Bytes of tensor data per streamed message."""
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     """Largest message sent or accepted."""
+    tls_ca: str = ""
+    """PEM CA that signed the shards' certificates (TLS on when any tls_* is set)."""
+    tls_cert: str = ""
+    """Mutual TLS: this worker's PEM certificate."""
+    tls_key: str = ""
+    """Mutual TLS: this worker's PEM private key."""
+    tls_server_name: str = ""
+    """Expect this name in the shards' certificates instead of the address's host."""
+    auth_token: str = ""
+    """Bearer token sent with every call (empty: none)."""
 
 
 class PSClient:
@@ -65,12 +94,29 @@ class PSClient:
         self.worker = worker
         self.cfg = cfg or ClientConfig()
         opts = grpc_options(self.cfg.max_message_bytes)
-        self._channels = [grpc.insecure_channel(a, options=opts) for a in self.addresses]
+        c = self.cfg
+        self._channels = [
+            auth.make_channel(
+                a,
+                opts,
+                tls_ca=c.tls_ca,
+                tls_cert=c.tls_cert,
+                tls_key=c.tls_key,
+                tls_server_name=c.tls_server_name,
+                token=c.auth_token,
+            )
+            for a in self.addresses
+        ]
         self._stubs = [pb_grpc.ParameterServerStub(c) for c in self._channels]
         self._pool = ThreadPoolExecutor(len(self.addresses), thread_name_prefix="psar-client")
         self.slots_by_shard: list[list[Slot]] = [[] for _ in self.addresses]
         self.last_pull_wait_s = 0.0
         """Seconds the last pull waited for its first reply (sync barrier, SSP bound)."""
+        self.incarnations = [0] * len(self.addresses)
+        """Per shard, the incarnation this worker synchronised with (0: do not check)."""
+        self.lease_s = 0.0
+        self._beat_stop = threading.Event()
+        self._beat: threading.Thread | None = None
 
     @property
     def num_shards(self) -> int:
@@ -86,9 +132,16 @@ class PSClient:
 
     # ---- plumbing -------------------------------------------------------------------
 
-    def _each(self, fn: Callable[[int], T]) -> list[T]:
-        """Run fn(shard) for every shard concurrently; raise the first error."""
-        futs = [self._pool.submit(fn, i) for i in range(self.num_shards)]
+    def _each(self, fn: Callable[[int], T], shards: Sequence[int] | None = None) -> list[T]:
+        """Run fn(shard) for every shard (or those given) concurrently; raise the first
+        error, but only once every call has ended (so none is still in flight)."""
+        idx = range(self.num_shards) if shards is None else shards
+        futs = [self._pool.submit(fn, i) for i in idx]
+        errors = [f.exception() for f in futs]
+        resync = [e for e in errors if isinstance(e, NeedsResync)]
+        other = [e for e in errors if e is not None and not isinstance(e, NeedsResync)]
+        if other or resync:
+            raise (other or resync)[0]
         return [f.result() for f in futs]
 
     def _retrying(self, shard: int, call: Callable[[bool], T]) -> T:
@@ -105,8 +158,11 @@ class PSClient:
                     time.sleep(delay)
                     delay, attempt = min(2.0, delay * 2), attempt + 1
                     continue
-                details = e.details() if hasattr(e, "details") else str(e)
-                raise PSClientError(shard, self.addresses[shard], code, details) from None
+                details = (e.details() if hasattr(e, "details") else None) or str(e)
+                cls = PSClientError
+                if code == grpc.StatusCode.ABORTED and details.startswith(_RESYNC_PREFIXES):
+                    cls = NeedsResync
+                raise cls(shard, self.addresses[shard], code, details) from None
 
     # ---- job setup ------------------------------------------------------------------
 
@@ -121,6 +177,7 @@ class PSClient:
                     pb.GetJobRequest(wait=wait), timeout=timeout, wait_for_ready=True
                 ),
             )
+            self.lease_s = max(self.lease_s, reply.lease_s)
             return serde.job_from_pb(reply.job) if reply.initialized else None
 
         return self._each(one)
@@ -158,15 +215,19 @@ class PSClient:
         grads: dict[str, torch.Tensor],
         loss_scale: float = 1.0,
         overflow: bool = False,
+        retry: bool = False,
+        shards: Sequence[int] | None = None,
     ) -> list[pb.PushReply]:
-        """Push one gradient (flat tensors in `dtype`, keyed by slot) to every shard.
+        """Push one gradient (flat tensors in `dtype`, keyed by slot) to every shard
+        (or to `shards`; replies then come in that order).
 
         With overflow=True no data is sent: the shards skip the round (sync) or count
-        the push as dropped (async/ssp), and the worker's clock still advances.
+        the push as dropped (async/ssp), and the worker's clock still advances. With
+        retry=True the push is flagged as a re-send from the start (after a resync).
         """
 
         def one(i: int) -> pb.PushReply:
-            def chunks(retry: bool) -> Iterator[pb.PushChunk]:
+            def chunks(again: bool) -> Iterator[pb.PushChunk]:
                 header = PushHeader(
                     worker=self.worker,
                     clock=clock,
@@ -174,9 +235,11 @@ class PSClient:
                     dtype=dtype,
                     loss_scale=loss_scale,
                     overflow=overflow,
-                    retry=retry,
+                    retry=retry or again,
                 )
-                yield pb.PushChunk(header=serde.push_header_to_pb(header))
+                head = serde.push_header_to_pb(header)
+                head.incarnation = self.incarnations[i]
+                yield pb.PushChunk(header=head)
                 if overflow:
                     return
                 for s in self.slots_by_shard[i]:
@@ -184,16 +247,21 @@ class PSClient:
                         yield pb.PushChunk(data=pb.TensorData(key=s.key, offset=off, data=data))
 
             return self._retrying(
-                i, lambda retry: self._stubs[i].Push(chunks(retry), timeout=self.cfg.timeout_s)
+                i, lambda again: self._stubs[i].Push(chunks(again), timeout=self.cfg.timeout_s)
             )
 
-        return self._each(one)
+        return self._each(one, shards)
 
     def pull(
-        self, *, clock: int, dtype: torch.dtype, out: dict[str, torch.Tensor]
+        self,
+        *,
+        clock: int,
+        dtype: torch.dtype,
+        out: dict[str, torch.Tensor],
+        shards: Sequence[int] | None = None,
     ) -> list[PullHeader]:
-        """Pull every shard's weights into `out` (flat tensors keyed by slot; any float
-        dtype, converted on copy). Waits as the consistency mode requires."""
+        """Pull every shard's (or `shards`') weights into `out` (flat tensors keyed by
+        slot; any float dtype, converted on copy). Waits as the consistency mode requires."""
 
         waits = [0.0] * self.num_shards
 
@@ -201,7 +269,10 @@ class PSClient:
             def call(_retry: bool) -> PullHeader:
                 t0 = time.perf_counter()
                 req = pb.PullRequest(
-                    worker=self.worker, clock=clock, dtype=serde.dtype_to_pb(dtype)
+                    worker=self.worker,
+                    clock=clock,
+                    dtype=serde.dtype_to_pb(dtype),
+                    incarnation=self.incarnations[i],
                 )
                 stream = self._stubs[i].Pull(req, timeout=self.cfg.pull_timeout_s)
                 header: PullHeader | None = None
@@ -219,9 +290,88 @@ class PSClient:
 
             return self._retrying(i, call)
 
-        headers = self._each(one)
+        headers = self._each(one, shards)
         self.last_pull_wait_s = max(waits)
         return headers
+
+    # ---- membership -----------------------------------------------------------------
+
+    def register(
+        self,
+        *,
+        clock: int = 0,
+        query: bool = False,
+        instance: str = "",
+        shards: Sequence[int] | None = None,
+    ) -> list[dict[str, Any]]:
+        """Register (or with query, only read the record) on every shard or `shards`.
+        Each reply's incarnation becomes the one this client's requests carry."""
+
+        def one(i: int) -> dict[str, Any]:
+            req = pb.RegisterRequest(
+                worker=self.worker, clock=clock, query=query, instance=instance
+            )
+            r = self._retrying(
+                i, lambda _r: self._stubs[i].Register(req, timeout=self.cfg.timeout_s)
+            )
+            self.incarnations[i] = r.incarnation
+            self.lease_s = max(self.lease_s, r.lease_s)
+            return {
+                "shard": i,
+                "incarnation": r.incarnation,
+                "clock": r.clock,
+                "version": r.version,
+                "rounds": r.rounds,
+                "live": r.live,
+                "rejoined": r.rejoined,
+                "lease_s": r.lease_s,
+                "restored": r.restored,
+                "restores": r.restores,
+            }
+
+        return self._each(one, shards)
+
+    def rollback(self, shard: int, max_round: int) -> dict[str, Any]:
+        """sync: roll `shard` back to its newest checkpoint at a round <= max_round."""
+        r = self._retrying(
+            shard,
+            lambda _r: self._stubs[shard].Rollback(
+                pb.RollbackRequest(max_round=max_round), timeout=self.cfg.timeout_s
+            ),
+        )
+        return {
+            "rounds": r.rounds,
+            "version": r.version,
+            "incarnation": r.incarnation,
+            "rolled_back": r.rolled_back,
+        }
+
+    def heartbeat(self) -> list[bool | None]:
+        """One heartbeat to every shard: live or not (None where it failed)."""
+        out: list[bool | None] = []
+        for i, stub in enumerate(self._stubs):
+            try:
+                timeout = max(0.5, self.lease_s / 3) if self.lease_s else 5.0
+                r = stub.Heartbeat(pb.HeartbeatRequest(worker=self.worker), timeout=timeout)
+                out.append(r.live)
+            except grpc.RpcError as e:
+                log.debug("heartbeat to shard %d failed: %s", i, e)
+                out.append(None)
+        return out
+
+    def start_heartbeats(self, lease_s: float | None = None) -> None:
+        """Heartbeat every lease_s / 3 from a daemon thread until close()."""
+        lease = lease_s or self.lease_s
+        if self._beat is not None or not lease:
+            return
+        period = lease / 3
+
+        def run() -> None:
+            while not self._beat_stop.wait(period):
+                self.heartbeat()
+
+        self._beat = threading.Thread(target=run, name="psar-heartbeat", daemon=True)
+        self._beat.start()
 
     def leave(self) -> None:
         """Tell every shard this worker is done, so nobody waits for it."""
@@ -256,11 +406,21 @@ class PSClient:
                 "staleness_histogram": list(r.staleness_histogram),
                 "master_bytes": r.master_bytes,
                 "state_digest": r.state_digest,
+                "incarnation": r.incarnation,
+                "restores": r.restores,
+                "restored_step": r.restored_step,
+                "lease_expirations": r.lease_expirations,
+                "rejoins": r.rejoins,
+                "checkpoints_written": r.checkpoints_written,
+                "last_checkpoint_step": r.last_checkpoint_step,
+                "live_worker_ids": list(r.live_worker_ids),
+                "draining": r.draining,
             }
 
         return self._each(one)
 
     def close(self) -> None:
+        self._beat_stop.set()
         self._pool.shutdown(wait=False)
         for c in self._channels:
             c.close()

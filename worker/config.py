@@ -38,6 +38,19 @@ class PSConfig:
     """Deadline of a pull, which may wait for a sync round or the slowest SSP worker."""
     job_id: str = "psar"
     """Job name sent to the shards; a shard refuses a second job with another name."""
+    # -- faults and security (docs/reliability.md) --
+    reconnect_timeout_s: float = 120.0
+    """Keep retrying an unreachable shard (restarting, --restore) for this long."""
+    tls_ca: str = ""
+    """TLS to the shards: PEM CA that signed their certificates."""
+    tls_cert: str = ""
+    """Mutual TLS: this worker's PEM certificate."""
+    tls_key: str = ""
+    """Mutual TLS: this worker's PEM private key."""
+    tls_server_name: str = ""
+    """Expect this name in the shards' certificates instead of the --servers host."""
+    auth_token_file: str = ""
+    """Send `authorization: Bearer <the token in this file>` with every call."""
 
     def __post_init__(self) -> None:
         from ps.job import MODES
@@ -78,8 +91,15 @@ class DDPConfig:
     """DDP gradient bucket size in MB."""
     find_unused_parameters: bool = False
     """Let DDP handle parameters that get no gradient (the workload may also ask for it)."""
+    checkpoint_dir: str = ""
+    """Rank 0 checkpoints model, optimizer, scaler, schedule and step here; every rank
+    resumes from the newest one at start (relaunches under torchrun --max-restarts)."""
+    checkpoint_every: int = 100
+    """With --checkpoint-dir: checkpoint every this many steps (and at the end)."""
 
     def __post_init__(self) -> None:
+        if self.checkpoint_every < 1:
+            raise ValueError(f"--checkpoint-every must be >= 1, got {self.checkpoint_every}")
         if self.backend not in ("auto", "nccl", "gloo"):
             raise ValueError(f"--backend: unknown {self.backend!r}; accepted: auto, nccl, gloo")
         if not self.pg_timeout_s > 0 or not self.bucket_cap_mb > 0:

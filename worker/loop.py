@@ -101,7 +101,8 @@ def train(cfg: TrainConfig, env: dict[str, str] | None = None) -> dict[str, Any]
     outcomes: list[StepOutcome] = []
     samples = 0
     start = time.perf_counter()
-    for step in range(1, total + 1):
+    # A relaunched worker resumes where its checkpoint/shards say (docs/reliability.md).
+    for step in range(getattr(backend, "start_step", 0) + 1, total + 1):
         model.zero_grad(set_to_none=True)
         phases: Counter[str] = Counter()
         step_loss = 0.0
@@ -160,6 +161,7 @@ def train(cfg: TrainConfig, env: dict[str, str] | None = None) -> dict[str, Any]
     summary["val_loss_unit"] = workload.val_metric if workload.val_metric != "loss" else "nats"
     summary["rank"] = rank
     summary["shards"] = backend.shard_stats() if rank == 0 else []
+    summary.update(backend.fault_report() if hasattr(backend, "fault_report") else {})
     if cfg.save and rank == 0:
         torch.save(backend.state_dict(), cfg.save)
     backend.finish()
