@@ -4,12 +4,20 @@ Launched the way PyTorch users launch DDP: torchrun sets RANK, WORLD_SIZE,
 MASTER_ADDR, MASTER_PORT and LOCAL_RANK; the process group is NCCL on CUDA and gloo
 on CPU unless --backend says otherwise. With a low-precision wire dtype DDP registers
 the matching compression hook, so both architectures move the same bytes.
+
+With --checkpoint-dir, rank 0 writes model, optimizer, GradScaler, LR schedule and step
+every --checkpoint-every steps (atomically, ps/checkpoint.py) and at the end; at start
+every rank loads the newest one and the loop resumes after its step, so a job that
+torchrun relaunches (--max-restarts) continues instead of starting over.
 """
 
 from __future__ import annotations
 
 import datetime
+import logging
+import re
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -17,10 +25,23 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from allreduce.hooks import register_wire_dtype
+from ps.checkpoint import atomic_save
 from worker.backend import StepOutcome
 from worker.config import TrainConfig
 from worker.optim import build_optimizer, build_scheduler, effective_loss_scale
 from worker.precision import PrecisionPolicy
+
+log = logging.getLogger("psar.allreduce")
+_NAME = re.compile(r"^ddp-(\d{12})\.pt$")
+_KEEP = 3
+
+
+def list_checkpoints(folder: str) -> list[tuple[int, Path]]:
+    """(step, path) of the DDP checkpoints in `folder`, oldest first."""
+    if not folder or not Path(folder).is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in Path(folder).iterdir() if (m := _NAME.match(p.name))]
+    return sorted(found)
 
 
 def init_process_group(cfg: TrainConfig, device: torch.device) -> None:
@@ -57,11 +78,19 @@ class DDPBackend:
         self.find_unused = find_unused_parameters or cfg.ddp.find_unused_parameters
         self.bytes_allreduced = 0
         self.loss_scale = 1.0
+        self.start_step = 0
+        """Step of the checkpoint this run resumed from (the loop continues after it)."""
+        self.steps_done = 0
+        self.checkpoints_written = 0
+        self._saved_step = -1
 
     def setup(self, model: torch.nn.Module) -> torch.nn.Module:
         init_process_group(self.cfg, self.device)
         model.to(self.device)
         self.model = model
+        resume = self._load_newest()
+        if resume is not None:
+            model.load_state_dict(resume["model"])
         self.ddp = DDP(
             model,
             device_ids=[self.device.index] if self.device.type == "cuda" else None,
@@ -86,8 +115,59 @@ class DDPBackend:
             growth_interval=ls.growth_interval,
             enabled=ls.enabled,
         )
+        if resume is not None:
+            self.optimizer.load_state_dict(resume["optimizer"])
+            self.scheduler.load_state_dict(resume["scheduler"])
+            self.scaler.load_state_dict(resume["scaler"])
+            self.start_step = self.steps_done = self._saved_step = int(resume["step"])
+            log.info("rank %d resumed from step %d", self.rank, self.start_step)
         self.loss_scale = self.scaler.get_scale() if self.scaler.is_enabled() else 1.0
         return self.ddp
+
+    # ---- checkpoints ----------------------------------------------------------------
+
+    def _load_newest(self) -> dict[str, Any] | None:
+        """Every rank loads the newest checkpoint; all must agree on its step."""
+        folder = self.cfg.ddp.checkpoint_dir
+        if not folder:
+            return None
+        found = list_checkpoints(folder)
+        snap = None
+        if found:
+            snap = torch.load(found[-1][1], map_location=self.device, weights_only=True)
+        step = int(snap["step"]) if snap is not None else 0
+        steps = [step]
+        if dist.is_initialized() and self.world_size > 1:
+            steps = [None] * self.world_size
+            dist.all_gather_object(steps, step)
+        if len(set(steps)) != 1:
+            raise RuntimeError(
+                f"--checkpoint-dir {folder}: ranks see different newest checkpoints (steps "
+                f"{steps}); every rank must see the same folder (a shared file system)"
+            )
+        return snap
+
+    def _save(self) -> None:
+        if self.rank != 0 or self.steps_done == self._saved_step:
+            return
+        folder = Path(self.cfg.ddp.checkpoint_dir)
+        folder.mkdir(parents=True, exist_ok=True)
+        snap = {
+            "format": 1,
+            "step": self.steps_done,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict(),
+        }
+        atomic_save(snap, folder / f"ddp-{self.steps_done:012d}.pt")
+        self._saved_step = self.steps_done
+        self.checkpoints_written += 1
+        for _, old in list_checkpoints(str(folder))[:-_KEEP]:
+            old.unlink(missing_ok=True)
+
+    def fault_report(self) -> dict[str, Any]:
+        return {"start_step": self.start_step, "checkpoints_written": self.checkpoints_written}
 
     def no_sync(self):  # noqa: ANN201 - DDP's own context manager
         return self.ddp.no_sync()
@@ -114,6 +194,10 @@ class DDPBackend:
                 self.optimizer.step()
         if not skipped:
             self.scheduler.step()
+        self.steps_done += 1
+        ckpt = self.cfg.ddp
+        if ckpt.checkpoint_dir and self.steps_done % ckpt.checkpoint_every == 0:
+            self._save()
         return StepOutcome(
             skipped=skipped,
             loss_scale=self.loss_scale,
@@ -130,6 +214,8 @@ class DDPBackend:
         return []
 
     def finish(self) -> None:
+        if self.cfg.ddp.checkpoint_dir:
+            self._save()
         if dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()

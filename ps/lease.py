@@ -45,9 +45,10 @@ class LeaseTable:
             self._deadline[w] = now + term
 
     def renew(self, worker: int) -> None:
-        """The worker was heard from: its lease runs lease_s from now (never shortened)."""
+        """The worker was heard from: its lease runs lease_s from now (this also ends the
+        longer first term: the worker has clearly started)."""
         if worker in self._deadline:
-            self._deadline[worker] = max(self._deadline[worker], self.clock() + self.lease_s)
+            self._deadline[worker] = self.clock() + self.lease_s
 
     def drop(self, worker: int) -> None:
         self._deadline.pop(worker, None)

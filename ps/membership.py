@@ -174,6 +174,7 @@ class Membership:
             if not query:
                 was_live = worker in self.live
                 old = self.instances.get(worker, "")
+                lapsed = not was_live and (worker in self.expired or worker in self.left)
                 if job.mode == "sync":
                     self._register_sync(worker, clock)
                 else:
@@ -183,7 +184,6 @@ class Membership:
                         self._add_live(worker)
                     self.touch(worker)
                 changed = bool(old) and bool(instance) and instance != old
-                lapsed = not was_live and (worker in self.expired or worker in self.left)
                 if changed or lapsed:
                     rejoined = True
                     self.rejoins += 1

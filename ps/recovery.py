@@ -109,6 +109,7 @@ class Recovery:
                     reason="no_checkpoint",
                 )
             step, snap = found
+            log.warning("rolling back from round %d to round %d", self.rounds, step)
             checkpoint.load_tensors(self, snap)
             self.clocks = [self.rounds] * job.num_workers
             self.joining.clear()

@@ -1,0 +1,46 @@
+"""A restarted worker re-registers, pulls the newest weights and continues from the
+shards' record of its clock (sync: at the next round boundary). Counted in metrics
+(psar_ps_worker_rejoins_total) and in Stats."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.fault_procs import Workers, shard_set, stats, wait_until
+
+LEASE = ["--lease-s", "2", "--join-grace-s", "30"]
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_restarted_worker_rejoins_and_continues(tmp_path, mode: str) -> None:
+    steps = 60
+    args = ["--steps", str(steps), "--mode", mode, "--emulate-compute-ms", "50"]
+    with shard_set(1, tmp_path, *LEASE) as (shard,):
+        addr = [shard.address]
+        workers = Workers(addr, 2, tmp_path, args)
+        try:
+            wait_until(lambda: stats(addr)[0]["worker_clocks"][1] >= 4, 120, "clock")
+            workers.kill9(1)
+            wait_until(lambda: stats(addr)[0]["lease_expirations"] == 1, 60, "expiry")
+            killed_at = stats(addr)[0]["worker_clocks"][1]
+            workers.restart(addr, 1, args)
+            reports = workers.wait()
+            final = stats(addr)[0]
+        finally:
+            workers.close()
+    again = reports[1]
+    assert again["rejoined"] and final["rejoins"] == 1
+    assert len(reports[0]["losses"]) == steps
+    assert final["worker_clocks"] == [steps, steps]
+    if mode == "async":
+        # It continued from the clock the shard had recorded for it.
+        assert again["start_step"] == killed_at
+    else:
+        # It joined at a round boundary after the rounds that closed without it.
+        assert again["start_step"] >= killed_at
+        assert final["rounds"] == steps
+    assert len(again["losses"]) == steps - again["start_step"]
+    # It trained on from the shared weights, not from its own fresh initialisation:
+    # its first losses are those of a model some way into training.
+    first = sum(again["losses"][:5]) / 5
+    assert first < sum(reports[0]["losses"][:5]) / 5 - 0.03
