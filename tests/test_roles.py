@@ -40,7 +40,8 @@ def test_local_rank() -> None:
 @pytest.mark.parametrize(
     ("flag", "env", "want"),
     [(1, {"PSAR_SHARD": "3"}, 1), (-1, {"PSAR_SHARD": "3"}, 3),
-     (-1, {"HOSTNAME": "psar-shard-2"}, 2), (-1, {"SLURM_PROCID": "5"}, 5), (-1, {}, 0)],
+     (-1, {"HOSTNAME": "psar-shard-2"}, 2), (-1, {"SLURM_PROCID": "5"}, 5),
+     (-1, {"SLURM_PROCID": "1", "HOSTNAME": "gpu-12"}, 1), (-1, {}, 0)],
 )  # fmt: skip
 def test_shard(flag: int, env: dict, want: int) -> None:
     assert resolve_shard(flag, env) == want

@@ -14,6 +14,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import signal
 import sys
 from collections.abc import Callable, Sequence
 
@@ -93,6 +94,14 @@ def _run_server(args: argparse.Namespace) -> int:
     return serve(cfg)
 
 
+class Terminated(Exception):
+    """SIGTERM arrived while training."""
+
+
+def _raise_terminated(signum: int, _frame: object) -> None:
+    raise Terminated(f"signal {signum}")
+
+
 def _run_train(args: argparse.Namespace) -> int:
     cfg = cli_gen.build(TrainConfig, args, args.config)
     if args.dry_run:
@@ -100,13 +109,16 @@ def _run_train(args: argparse.Namespace) -> int:
 
         from worker.loop import resolve_ranks
 
-        resolve_ranks(cfg, dict(os.environ))
-        if cfg.arch == "ps":
-            cfg.ps.server_list()
-        print(json.dumps(dataclasses.asdict(cfg), indent=2))
+        rank, world, local_rank = resolve_ranks(cfg, dict(os.environ))
+        servers = cfg.ps.server_list() if cfg.arch == "ps" else []
+        resolved = {"rank": rank, "world_size": world, "local_rank": local_rank, "servers": servers}
+        print(json.dumps({**dataclasses.asdict(cfg), "resolved": resolved}, indent=2))
         return 0
     from worker.loop import train
 
+    # torchrun, Kubernetes and Slurm stop workers with SIGTERM: leave like Ctrl-C does,
+    # through the normal exception path, so connections close and the exit code says so.
+    signal.signal(signal.SIGTERM, _raise_terminated)
     summary = train(cfg)
     if summary.get("rank", 0) == 0:
         keys = (
@@ -155,6 +167,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.exit(2, f"psar {args.command}: error: {e}\n")
     except KeyboardInterrupt:
         return 130
+    except Terminated:
+        print(f"psar {args.command}: terminated (SIGTERM)", file=sys.stderr)
+        return 143
 
 
 if __name__ == "__main__":

@@ -6,8 +6,9 @@ Order (the first one set wins):
               (Kubernetes Indexed Job), else 0
 - world size: --world-size, WORLD_SIZE (torchrun), PSAR_WORLD_SIZE, SLURM_NTASKS, else 1
 - local rank: LOCAL_RANK (torchrun), SLURM_LOCALID, else 0
-- shard:      --shard, PSAR_SHARD, the ordinal of a StatefulSet pod name (HOSTNAME
-              "psar-shard-3" -> 3), SLURM_PROCID, else 0
+- shard:      --shard, PSAR_SHARD, SLURM_PROCID, the ordinal of a StatefulSet pod name
+              (HOSTNAME "psar-shard-3" -> 3), else 0. SLURM_PROCID comes first because
+              Slurm nodes are often named like "gpu-12", which is no shard index.
 - servers:    --servers, PSAR_SERVERS
 """
 
@@ -47,9 +48,8 @@ def resolve_local_rank(env: Mapping[str, str]) -> int:
 def resolve_shard(flag: int, env: Mapping[str, str]) -> int:
     if flag >= 0:
         return flag
-    if env.get("PSAR_SHARD", "").strip():
-        return _first_int(env, ("PSAR_SHARD",), 0)
+    for name in ("PSAR_SHARD", "SLURM_PROCID"):
+        if env.get(name, "").strip():
+            return _first_int(env, (name,), 0)
     m = re.search(r"-(\d+)$", env.get("HOSTNAME", ""))
-    if m:
-        return int(m.group(1))
-    return _first_int(env, ("SLURM_PROCID",), 0)
+    return int(m.group(1)) if m else 0
