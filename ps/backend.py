@@ -81,8 +81,13 @@ class PSBackend:
         if self.precision.weights != torch.float32:
             model.to(self.precision.weights)
         self.model = model
+        from ps.sparse_worker import SparseSide  # sparse tables: docs/sparse.md
+
+        self.sparse = SparseSide(self, model)
         params = [
-            (n, p) for n, p in model.named_parameters() if p.requires_grad and p.is_floating_point()
+            (n, p)
+            for n, p in model.named_parameters()
+            if p.requires_grad and p.is_floating_point() and n not in self.sparse.names
         ]
         self.params = dict(params)
         chunk = int(self.cfg.ps.chunk_mib * (1 << 20))
@@ -106,6 +111,8 @@ class PSBackend:
             ),
         )
         self.client.set_slots(self.slots)
+        if self.sparse:
+            self.sparse.setup()  # before the dense init: a served job implies its tables
         if self.rank == 0:
             values = {s.key: self._view(s).detach().float() for s in self.slots}
             self.client.init(jobs, values)
@@ -197,6 +204,8 @@ class PSBackend:
             torch.cuda.synchronize(self.device)
         for buf in self._send.values():
             finite = finite and bool(torch.isfinite(buf).all())
+        if self.sparse:  # row gradients go first, for the same clock
+            finite = self.sparse.push(self.clock + 1, finite, self.loss_scale)
         replies = None
         for attempt in range(_MAX_RESYNCS):
             try:
@@ -342,6 +351,7 @@ class PSBackend:
             "rolled_back_updates": self.rolled_back_updates,
             "resyncs": self.resyncs,
             "rejoined": self.rejoined,
+            **(self.sparse.report() if self.sparse else {}),
         }
 
     def comm_bytes(self) -> dict[str, int]:

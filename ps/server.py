@@ -23,8 +23,8 @@ from ps import auth, checkpoint, wire
 from ps._gen.psar.v1 import ps_pb2_grpc as pb_grpc
 from ps.health import ShardHealth
 from ps.lease import DEFAULT_JOIN_GRACE_S, DEFAULT_LEASE_S, Reaper
-from ps.servicer import ParameterServerServicer
 from ps.shard import ShardState
+from ps.sparse_servicer import SparseServicer
 from worker.roles import resolve_shard
 
 log = logging.getLogger("psar.server")
@@ -190,7 +190,7 @@ def start_server(
         options=grpc_options(cfg.max_message_bytes),
         interceptors=interceptors,
     )
-    pb_grpc.add_ParameterServerServicer_to_server(ParameterServerServicer(state), server)
+    pb_grpc.add_ParameterServerServicer_to_server(SparseServicer(state), server)
     health = ShardHealth(server)
     if cfg.tls_cert:
         creds = auth.server_credentials(cfg.tls_cert, cfg.tls_key, cfg.tls_ca)

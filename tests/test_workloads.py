@@ -16,6 +16,7 @@ from worker.workloads.lm import ByteWindows, nats_to_bits
 SMALL = {
     "mlp": {"samples": "256", "val_samples": "64"},
     "lm": {"max_bytes": "60000", "seq_len": "32", "d_model": "32"},
+    "recsys": {"rows": "1000,100", "dim": "8", "samples": "256", "val_samples": "64"},
 }
 
 

@@ -51,6 +51,15 @@ class PSConfig:
     """Expect this name in the shards' certificates instead of the --servers host."""
     auth_token_file: str = ""
     """Send `authorization: Bearer <the token in this file>` with every call."""
+    # -- sparse embedding tables (docs/sparse.md) --
+    sparse_optimizer: str = "sgd"
+    """Optimizer the shards apply to sparse tables: sgd | adagrad (row-wise) | lazy_adam."""
+    sparse_lr: float = 0.0
+    """Learning rate of the sparse tables (0: --lr)."""
+    sparse_eps: float = 1e-8
+    """eps of the sparse adagrad / lazy_adam update."""
+    sparse_wire_dtype: str = "fp16"
+    """dtype of sparse row gradients on the wire: fp16 | bf16 | fp32."""
 
     def __post_init__(self) -> None:
         from ps.job import MODES
@@ -63,6 +72,15 @@ class PSConfig:
             raise ValueError(f"--chunk-mib must be > 0, got {self.chunk_mib}")
         if not (self.timeout_s > 0 and self.pull_timeout_s > 0):
             raise ValueError("--timeout-s and --pull-timeout-s must be > 0")
+        from ps.sparse_table import OPTIMIZERS
+
+        if self.sparse_optimizer not in OPTIMIZERS:
+            raise ValueError(
+                f"--sparse-optimizer: unknown {self.sparse_optimizer!r}; "
+                f"accepted: {', '.join(OPTIMIZERS)}"
+            )
+        if self.sparse_wire_dtype not in ("fp16", "bf16", "fp32"):
+            raise ValueError("--sparse-wire-dtype: accepted: fp16, bf16, fp32")
 
     def server_list(self) -> list[str]:
         raw = self.servers or os.environ.get("PSAR_SERVERS", "")

@@ -19,6 +19,7 @@ __all__ = ["BUILTINS", "load_workload", "resolve_factory"]
 BUILTINS: dict[str, str] = {
     "mlp": "worker.workloads.mlp:make",
     "lm": "worker.workloads.lm:make",
+    "recsys": "worker.workloads.recsys:make",
 }
 """Built-in workload names and the ``module:function`` factory each one stands for."""
 

@@ -372,3 +372,109 @@ class RollbackReply(_message.Message):
     incarnation: int
     rolled_back: bool
     def __init__(self, rounds: _Optional[int] = ..., version: _Optional[int] = ..., incarnation: _Optional[int] = ..., rolled_back: _Optional[bool] = ...) -> None: ...
+
+class TableSpec(_message.Message):
+    __slots__ = ("name", "rows", "dim", "optimizer", "lr", "eps", "beta1", "beta2", "init_std", "init_seed", "shard_index", "num_shards")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    DIM_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    LR_FIELD_NUMBER: _ClassVar[int]
+    EPS_FIELD_NUMBER: _ClassVar[int]
+    BETA1_FIELD_NUMBER: _ClassVar[int]
+    BETA2_FIELD_NUMBER: _ClassVar[int]
+    INIT_STD_FIELD_NUMBER: _ClassVar[int]
+    INIT_SEED_FIELD_NUMBER: _ClassVar[int]
+    SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    rows: int
+    dim: int
+    optimizer: str
+    lr: float
+    eps: float
+    beta1: float
+    beta2: float
+    init_std: float
+    init_seed: int
+    shard_index: int
+    num_shards: int
+    def __init__(self, name: _Optional[str] = ..., rows: _Optional[int] = ..., dim: _Optional[int] = ..., optimizer: _Optional[str] = ..., lr: _Optional[float] = ..., eps: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., init_std: _Optional[float] = ..., init_seed: _Optional[int] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ...) -> None: ...
+
+class CreateTablesRequest(_message.Message):
+    __slots__ = ("tables",)
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    tables: _containers.RepeatedCompositeFieldContainer[TableSpec]
+    def __init__(self, tables: _Optional[_Iterable[_Union[TableSpec, _Mapping]]] = ...) -> None: ...
+
+class CreateTablesReply(_message.Message):
+    __slots__ = ("already_created", "table_bytes")
+    ALREADY_CREATED_FIELD_NUMBER: _ClassVar[int]
+    TABLE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    already_created: bool
+    table_bytes: int
+    def __init__(self, already_created: _Optional[bool] = ..., table_bytes: _Optional[int] = ...) -> None: ...
+
+class PullRowsRequest(_message.Message):
+    __slots__ = ("worker", "table", "ids", "dtype")
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    worker: int
+    table: str
+    ids: bytes
+    dtype: DType
+    def __init__(self, worker: _Optional[int] = ..., table: _Optional[str] = ..., ids: _Optional[bytes] = ..., dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
+
+class PullRowsChunk(_message.Message):
+    __slots__ = ("version", "offset", "data")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    offset: int
+    data: bytes
+    def __init__(self, version: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class PushRowsHeader(_message.Message):
+    __slots__ = ("worker", "clock", "table", "base_version", "dtype", "loss_scale", "overflow", "num_ids")
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    CLOCK_FIELD_NUMBER: _ClassVar[int]
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    LOSS_SCALE_FIELD_NUMBER: _ClassVar[int]
+    OVERFLOW_FIELD_NUMBER: _ClassVar[int]
+    NUM_IDS_FIELD_NUMBER: _ClassVar[int]
+    worker: int
+    clock: int
+    table: str
+    base_version: int
+    dtype: DType
+    loss_scale: float
+    overflow: bool
+    num_ids: int
+    def __init__(self, worker: _Optional[int] = ..., clock: _Optional[int] = ..., table: _Optional[str] = ..., base_version: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., loss_scale: _Optional[float] = ..., overflow: _Optional[bool] = ..., num_ids: _Optional[int] = ...) -> None: ...
+
+class PushRowsChunk(_message.Message):
+    __slots__ = ("header", "ids", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: PushRowsHeader
+    ids: bytes
+    data: bytes
+    def __init__(self, header: _Optional[_Union[PushRowsHeader, _Mapping]] = ..., ids: _Optional[bytes] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class PushRowsReply(_message.Message):
+    __slots__ = ("applied", "already_applied", "version", "staleness")
+    APPLIED_FIELD_NUMBER: _ClassVar[int]
+    ALREADY_APPLIED_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_FIELD_NUMBER: _ClassVar[int]
+    applied: bool
+    already_applied: bool
+    version: int
+    staleness: int
+    def __init__(self, applied: _Optional[bool] = ..., already_applied: _Optional[bool] = ..., version: _Optional[int] = ..., staleness: _Optional[int] = ...) -> None: ...

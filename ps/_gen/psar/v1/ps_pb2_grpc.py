@@ -79,6 +79,21 @@ class ParameterServerStub:
                 request_serializer=psar_dot_v1_dot_ps__pb2.RollbackRequest.SerializeToString,
                 response_deserializer=psar_dot_v1_dot_ps__pb2.RollbackReply.FromString,
                 _registered_method=True)
+        self.CreateTables = channel.unary_unary(
+                '/psar.v1.ParameterServer/CreateTables',
+                request_serializer=psar_dot_v1_dot_ps__pb2.CreateTablesRequest.SerializeToString,
+                response_deserializer=psar_dot_v1_dot_ps__pb2.CreateTablesReply.FromString,
+                _registered_method=True)
+        self.PullRows = channel.unary_stream(
+                '/psar.v1.ParameterServer/PullRows',
+                request_serializer=psar_dot_v1_dot_ps__pb2.PullRowsRequest.SerializeToString,
+                response_deserializer=psar_dot_v1_dot_ps__pb2.PullRowsChunk.FromString,
+                _registered_method=True)
+        self.PushRows = channel.stream_unary(
+                '/psar.v1.ParameterServer/PushRows',
+                request_serializer=psar_dot_v1_dot_ps__pb2.PushRowsChunk.SerializeToString,
+                response_deserializer=psar_dot_v1_dot_ps__pb2.PushRowsReply.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -138,6 +153,24 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CreateTables(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PullRows(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PushRows(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -185,6 +218,21 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Rollback,
                     request_deserializer=psar_dot_v1_dot_ps__pb2.RollbackRequest.FromString,
                     response_serializer=psar_dot_v1_dot_ps__pb2.RollbackReply.SerializeToString,
+            ),
+            'CreateTables': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateTables,
+                    request_deserializer=psar_dot_v1_dot_ps__pb2.CreateTablesRequest.FromString,
+                    response_serializer=psar_dot_v1_dot_ps__pb2.CreateTablesReply.SerializeToString,
+            ),
+            'PullRows': grpc.unary_stream_rpc_method_handler(
+                    servicer.PullRows,
+                    request_deserializer=psar_dot_v1_dot_ps__pb2.PullRowsRequest.FromString,
+                    response_serializer=psar_dot_v1_dot_ps__pb2.PullRowsChunk.SerializeToString,
+            ),
+            'PushRows': grpc.stream_unary_rpc_method_handler(
+                    servicer.PushRows,
+                    request_deserializer=psar_dot_v1_dot_ps__pb2.PushRowsChunk.FromString,
+                    response_serializer=psar_dot_v1_dot_ps__pb2.PushRowsReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -430,6 +478,87 @@ class ParameterServer:
             '/psar.v1.ParameterServer/Rollback',
             psar_dot_v1_dot_ps__pb2.RollbackRequest.SerializeToString,
             psar_dot_v1_dot_ps__pb2.RollbackReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateTables(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/psar.v1.ParameterServer/CreateTables',
+            psar_dot_v1_dot_ps__pb2.CreateTablesRequest.SerializeToString,
+            psar_dot_v1_dot_ps__pb2.CreateTablesReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PullRows(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/psar.v1.ParameterServer/PullRows',
+            psar_dot_v1_dot_ps__pb2.PullRowsRequest.SerializeToString,
+            psar_dot_v1_dot_ps__pb2.PullRowsChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushRows(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/psar.v1.ParameterServer/PushRows',
+            psar_dot_v1_dot_ps__pb2.PushRowsChunk.SerializeToString,
+            psar_dot_v1_dot_ps__pb2.PushRowsReply.FromString,
             options,
             channel_credentials,
             insecure,
