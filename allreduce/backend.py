@@ -188,7 +188,9 @@ class DDPBackend:
             skipped = self.loss_scale < before
         else:
             skipped = not all(
-                bool(torch.isfinite(p.grad).all()) for p in self.params if p.grad is not None
+                bool(torch.isfinite(_values(p.grad)).all())
+                for p in self.params
+                if p.grad is not None
             )
             if not skipped:
                 self.optimizer.step()
@@ -219,3 +221,8 @@ class DDPBackend:
         if dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
+
+
+def _values(grad: torch.Tensor) -> torch.Tensor:
+    """The stored values of a gradient (sparse ones: nn.Embedding(sparse=True))."""
+    return grad.coalesce().values() if grad.is_sparse else grad
