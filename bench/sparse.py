@@ -1,0 +1,230 @@
+"""Sparse embedding tables: PS-sparse vs allreduce-dense vs allreduce-sparse (docs/sparse.md).
+
+Runs the `recsys` workload (a `rows` x 64 table plus a 100k x 64 one, Zipf ids) with
+2 workers on this machine, three ways, and reports per step and per worker: bytes on
+the wire, samples/s (all workers), touched rows, and memory of the model per worker.
+
+- ps-sparse: 2 `psar server` shards + 2 `psar train --arch ps --mode sync` workers;
+  only the batch's rows are pulled and pushed (fp16 row gradients, fp16 dense wire).
+- allreduce-dense: DDP (gloo) as users run it today: the whole table's gradient is
+  allreduced every step (fp16 compression hook, same bytes per value as the PS).
+- allreduce-sparse: DDP with nn.EmbeddingBag(sparse=True): gloo allreduces sparse
+  gradients (index + value allgather). psar counts no bytes for those, so the figure
+  is an estimate: per rank, the rows of every rank's batch x (dim x 4 + 8) bytes.
+
+    python bench/sparse.py --quick          # 100k rows, seconds
+    python bench/sparse.py --out sparse.json  # 1M and 10M rows
+
+Ratios are vs allreduce-dense measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+PSAR = [sys.executable, "-m", "worker.cli"]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+WORLD = 2
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def _shards(n: int):  # noqa: ANN202
+    procs, addrs = [], []
+    try:
+        for i in range(n):
+            procs.append(
+                subprocess.Popen(
+                    [*PSAR, "server", "--bind", "127.0.0.1:0", "--shard", str(i)],
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                    env=ENV,
+                )  # fmt: skip
+            )
+        for p in procs:
+            while True:
+                line = p.stdout.readline()
+                m = re.search(r"listening on (\S+:\d+)", line)
+                if m:
+                    addrs.append(m.group(1))
+                    break
+                if not line and p.poll() is not None:
+                    raise RuntimeError("shard did not start")
+        yield addrs
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+def _run(cmds: list[list[str]], timeout: float) -> None:
+    procs = [
+        subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
+        for c in cmds
+    ]
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=timeout)
+            if p.returncode != 0:
+                raise RuntimeError(f"exited {p.returncode}: {out[-2000:]}")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+
+
+def _touched(rows: list[int], opts: list[str], batch: int, steps: int) -> list[float]:
+    """Mean fraction of each table's rows the 2 workers touch per step (same batches)."""
+    import torch
+
+    from worker.data import ShardedBatches
+    from worker.workloads import load_workload
+
+    kv = dict(o.split("=", 1) for o in opts[1::2])
+    w = load_workload("recsys", 0, kv)
+    bag = int(kv["bag"])
+    got = [0.0] * len(rows)
+    for r in range(WORLD):
+        b = ShardedBatches(w.train_dataset, batch_size=batch, rank=r, world_size=WORLD, seed=0)
+        for s in range(steps):
+            x, _ = b.batch(s)
+            for t, n in enumerate(rows):
+                got[t] += len(torch.unique(x[:, t * bag : (t + 1) * bag])) / n / steps
+    return got
+
+
+def bench(rows: int, steps: int, batch: int, bag: int, timeout: float, dense_max_rows: int) -> dict:
+    table_rows = [rows, 100_000 if rows >= 1_000_000 else 10_000]
+    dim = 64
+    opts = ["--workload-option", f"rows={table_rows[0]},{table_rows[1]}",
+            "--workload-option", f"dim={dim}", "--workload-option", f"bag={bag}",
+            "--workload-option", f"samples={batch * WORLD * (steps + 1)}",
+            "--workload-option", "val_samples=0"]  # fmt: skip
+    common = ["train", "--workload", "recsys", *opts, "--steps", str(steps),
+              "--batch-size", str(batch), "--precision", "fp32", "--lr", "0.05",
+              "--momentum", "0", "--eval-batches", "0", "--log-every", "0",
+              "--threads", "1"]  # fmt: skip
+    out: dict = {"rows": table_rows, "dim": dim, "bag": bag, "batch_per_worker": batch,
+                 "workers": WORLD, "steps": steps}  # fmt: skip
+    table_bytes = sum(table_rows) * dim * 4
+    with tempfile.TemporaryDirectory() as tmp:
+        t = Path(tmp)
+        with _shards(2) as addrs:
+            cmds = [
+                [
+                    *PSAR,
+                    *common,
+                    "--arch",
+                    "ps",
+                    "--servers",
+                    ",".join(addrs),
+                    "--rank",
+                    str(r),
+                    "--world-size",
+                    str(WORLD),
+                    "--wire-dtype",
+                    "fp16",
+                    "--report",
+                    str(t / f"ps{r}.json"),
+                ]  # fmt: skip
+                for r in range(WORLD)
+            ]
+            _run(cmds, timeout)
+        ps = json.loads((t / "ps0.json").read_text())
+        out["ps_sparse"] = {
+            "bytes_per_step": (ps["bytes_pushed"] + ps["bytes_pulled"]) / steps,
+            "samples_per_sec": ps["global_samples_per_sec"],
+            "worker_model_bytes": ps["worker_param_bytes"],
+            "final_loss": ps["final_train_loss"],
+        }
+        for name, sparse, wire in (("allreduce_dense", "false", "fp16"),
+                                   ("allreduce_sparse", "true", "fp32")):  # fmt: skip
+            if sparse == "false" and rows > dense_max_rows:
+                out[name] = {"skipped": f"rows > --dense-max-rows {dense_max_rows} (memory)"}
+                continue
+            tr = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD),
+                  "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+                  "-m", "worker.cli", *common, "--arch", "allreduce", "--wire-dtype", wire,
+                  "--workload-option", f"sparse={sparse}", "--report", str(t / f"{name}.json")]  # fmt: skip
+            for attempt in range(2):
+                try:
+                    _run([tr], timeout)
+                    break
+                except (RuntimeError, subprocess.TimeoutExpired) as e:
+                    out[name] = {"error": str(e)[:3000], "attempts": attempt + 1}
+            if "error" in out.get(name, {}):
+                continue
+            rep = json.loads((t / f"{name}.json").read_text())
+            out[name] = {
+                "bytes_per_step": rep["bytes_allreduced"] / steps,
+                "samples_per_sec": rep["global_samples_per_sec"],
+                # weights + dense gradient of every table (DDP keeps both on every rank)
+                "worker_model_bytes": 2 * table_bytes if sparse == "false" else table_bytes,
+                "final_loss": rep["final_train_loss"],
+            }
+    touched = _touched(table_rows, opts, batch, min(steps, 5))
+    out["touched_fraction_per_step"] = touched
+    sparse_est = sum(
+        f * n * (dim * 4 + 8) for f, n in zip(touched, table_rows, strict=True)
+    )  # every rank receives every rank's rows
+    if "bytes_per_step" in out.get("allreduce_sparse", {}):
+        dense_mlp = out["allreduce_sparse"]["bytes_per_step"] - table_bytes
+        out["allreduce_sparse"]["bytes_per_step"] = sparse_est + max(0.0, dense_mlp)
+        out["allreduce_sparse"]["bytes_is_estimate"] = True
+    d = out.get("allreduce_dense", {})
+    if "bytes_per_step" in d:
+        out["ps_vs_allreduce_dense"] = {
+            "bytes_ratio": d["bytes_per_step"] / out["ps_sparse"]["bytes_per_step"],
+            "speedup": out["ps_sparse"]["samples_per_sec"] / d["samples_per_sec"],
+        }
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="100k rows, 3 steps (smoke test)")
+    ap.add_argument("--rows", default="1000000,10000000", help="table sizes to run")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--batch", type=int, default=4096)
+    ap.add_argument("--bag", type=int, default=4)
+    ap.add_argument("--timeout", type=float, default=900)
+    ap.add_argument(
+        "--dense-max-rows",
+        type=int,
+        default=2_000_000,
+        help="skip allreduce-dense above this (2 ranks x weights+grads in RAM)",
+    )
+    ap.add_argument("--out", default="", help="write the JSON here too")
+    a = ap.parse_args()
+    sizes = [100_000] if a.quick else [int(r) for r in a.rows.split(",")]
+    steps, batch = (3, 512) if a.quick else (a.steps, a.batch)
+    t0 = time.time()
+    results = [bench(n, steps, batch, a.bag, a.timeout, a.dense_max_rows) for n in sizes]
+    doc = {"benchmark": "sparse", "quick": a.quick, "seconds": time.time() - t0,
+           "results": results}  # fmt: skip
+    text = json.dumps(doc, indent=2)
+    print(text)
+    if a.out:
+        Path(a.out).write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
