@@ -45,3 +45,29 @@ def test_ps_async_ssp_sparse_train(tmp_path, mode: str, extra: list[str]) -> Non
         hist = rep["sparse_tables"]["tables.0.weight"]["staleness_histogram"]
         assert sum(hist.values()) == 2 * 12  # one applied push per shard per step
         assert rep["sparse_bytes_pushed"] > 0
+
+
+def test_recsys_loss_falls_towards_its_floor() -> None:
+    import re
+
+    import torch
+
+    from worker.workloads import load_workload
+
+    w = load_workload(
+        "recsys", 0, {"rows": "2000,200", "dim": "8", "samples": "65536", "scale": "4"}
+    )
+    floor = float(re.search(r"loss floor ([0-9.]+)", w.description).group(1))
+    opt = torch.optim.Adagrad(w.model.parameters(), lr=0.1)
+    x, y = w.train_dataset.tensors
+    g = torch.Generator().manual_seed(0)
+    for _ in range(300):
+        i = torch.randint(0, len(x), (256,), generator=g)
+        loss = w.loss_fn(w.model(x[i]), y[i])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    xv, yv = w.val_dataset.tensors
+    with torch.no_grad():
+        val = float(w.loss_fn(w.model(xv), yv))
+    assert floor < 0.45 and val < floor + 0.05 < 0.69  # from ~0.69 to near the floor
