@@ -359,6 +359,8 @@ class PSBackend:
 
     def state_dict(self) -> dict[str, Any]:
         state = self.model.state_dict()
+        if self.sparse:  # the worker holds no tables: fetch them from the shards
+            state = self.sparse.fill_state(state)
         if self.precision.weights == torch.float32:
             return state
         # Low-precision worker weights: fetch the fp32 masters for the saved copy.

@@ -165,6 +165,20 @@ class SparseSide:
             st["acc"], st["ids"] = [], None
         return finite
 
+    def fill_state(self, state: dict[str, Any], block: int = 200_000) -> dict[str, Any]:
+        """Replace the tables' (empty) entries of a state_dict with the shards' fp32 rows."""
+        out = dict(state)
+        for name, spec in self.specs.items():
+            full = torch.empty(spec.rows, spec.dim)
+            for lo in range(0, spec.rows, block):
+                ids = torch.arange(lo, min(spec.rows, lo + block))
+                rows, _, _ = sparse_client.pull_rows(
+                    self.b.client, name, ids, spec.dim, torch.float32
+                )
+                full[lo : lo + len(ids)] = rows
+            out[name] = full
+        return out
+
     def report(self) -> dict[str, Any]:
         dense = sum(p.numel() * p.element_size() for p in self.b.params.values())
         cache = sum(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from tests.procs import run_ps_workers, run_torchrun, shards
 
@@ -16,13 +17,18 @@ COMMON = ["--workload", "recsys", "--workload-option", "rows=10000,1000",
 
 
 def test_ps_sync_sparse_matches_ddp_dense_fp32(tmp_path) -> None:  # noqa: ANN001
+    sp, sd = ["--save", str(tmp_path / "ps.pt")], ["--save", str(tmp_path / "ddp.pt")]
     with shards(2) as addrs:
-        ps = run_ps_workers(addrs, 2, tmp_path, [*COMMON, "--sparse-wire-dtype", "fp32"])
-    ddp = run_torchrun(2, tmp_path, COMMON)
+        ps = run_ps_workers(addrs, 2, tmp_path, [*COMMON, "--sparse-wire-dtype", "fp32", *sp])
+    ddp = run_torchrun(2, tmp_path, [*COMMON, *sd])
     a, b = np.asarray(ps[0]["losses"]), np.asarray(ddp["losses"])
     assert len(a) == len(b) == 12
     assert np.max(np.abs(a - b) / np.abs(b)) <= 1e-5
     assert ps[0]["val_loss"] == pytest.approx(ddp["val_loss"], rel=1e-4)
+    a, b = torch.load(tmp_path / "ps.pt"), torch.load(tmp_path / "ddp.pt")
+    assert a.keys() == b.keys() and a["tables.0.weight"].shape == (10000, 8)
+    for k in a:  # the tables come back from the shards
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-6)
     # Only touched rows travel: far fewer bytes than the dense allreduce.
     assert ps[0]["bytes_pushed"] * 10 < ddp["bytes_allreduced"]
     tables = ps[0]["sparse_tables"]
@@ -49,8 +55,6 @@ def test_ps_async_ssp_sparse_train(tmp_path, mode: str, extra: list[str]) -> Non
 
 def test_recsys_loss_falls_towards_its_floor() -> None:
     import re
-
-    import torch
 
     from worker.workloads import load_workload
 
