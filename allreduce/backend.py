@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
 import re
 import time
 from pathlib import Path
@@ -51,9 +52,22 @@ def init_process_group(cfg: TrainConfig, device: torch.device) -> None:
     backend = cfg.ddp.backend
     if backend == "auto":
         backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(
-        backend=backend, timeout=datetime.timedelta(seconds=cfg.ddp.pg_timeout_s)
-    )
+    timeout = datetime.timedelta(seconds=cfg.ddp.pg_timeout_s)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if attempt != "0" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # A relaunch (torchrun --max-restarts) reuses the agent's store: keep this
+        # attempt's keys apart, or a rank may read a dead rank's address and fail to
+        # connect ("Gloo connectFullMesh failed ... Connection refused").
+        store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+        dist.init_process_group(
+            backend=backend,
+            store=dist.PrefixStore(f"/psar/attempt_{attempt}", store),
+            rank=rank,
+            world_size=world,
+            timeout=timeout,
+        )
+        return
+    dist.init_process_group(backend=backend, timeout=timeout)
 
 
 class DDPBackend:

@@ -151,6 +151,8 @@ class PSBackend:
         self.versions = [0] * len(self.addresses)
         self._seen_versions = [0] * len(self.addresses)
         self._known_restores: list[int] | None = None
+        self._pushed: int | None = None
+        self._push_args: dict[str, Any] = {}
         self._resync(fresh=True)
         self.start_step = self.clock
         self.client.start_heartbeats()
@@ -207,6 +209,12 @@ class PSBackend:
         if self.sparse:  # row gradients go first, for the same clock
             finite = self.sparse.push(self.clock + 1, finite, self.loss_scale)
         replies = None
+        self._push_args = {
+            "dtype": self.precision.wire,
+            "loss_scale": self.loss_scale,
+            "overflow": not finite,
+        }
+        self._pushed = None
         for attempt in range(_MAX_RESYNCS):
             try:
                 replies = self.client.push(
@@ -231,6 +239,7 @@ class PSBackend:
         if replies is None:
             raise RuntimeError(f"worker {self.rank}: could not resync with the shards")
         self.clock += 1
+        self._pushed = self.clock
         for i, r in enumerate(replies):
             self._seen_versions[i] = max(self._seen_versions[i], r.version)
         if finite:
@@ -263,7 +272,7 @@ class PSBackend:
             try:
                 return self._pull()
             except NeedsResync as e:
-                self._resync(fresh=False, cause=e)
+                self._resync(fresh=False, cause=e, pushed=self._pushed)
         raise RuntimeError(f"worker {self.rank}: could not resync with the shards")
 
     def _pull(self) -> float:
@@ -286,18 +295,24 @@ class PSBackend:
 
     # ---- faults ---------------------------------------------------------------------
 
-    def _resync(self, *, fresh: bool, cause: Exception | None = None) -> None:
+    def _resync(
+        self, *, fresh: bool, cause: Exception | None = None, pushed: int | None = None
+    ) -> None:
         """(Re-)register on every shard and agree on this worker's clock.
 
         sync: if a shard was restored (or rolled back) to an earlier round, every shard
         further on is rolled back to a checkpoint at or before it, until all agree;
         then the worker joins at the next round boundary. async/ssp: the worker keeps
         its clock (a fresh process takes the shards' record of it).
+
+        `pushed` (sync): the clock of the gradient still in the send buffers, pushed
+        but not yet pulled back. A restored shard whose open round is that one lost the
+        push with its crash: the worker joins that open round and pushes it again.
         """
         if cause is not None:
             log.warning("worker %d: %s; re-registering", self.rank, cause)
             self.resyncs += 1
-        old_inc = list(self.client.incarnations)
+        old_inc, old_clock = list(self.client.incarnations), self.clock
         for _ in range(_MAX_RESYNCS):
             q = self.client.register(query=True)
             if self.mode == "sync":
@@ -310,8 +325,20 @@ class PSBackend:
                 clock = max([r["rounds"] for r in q] + [r["clock"] for r in q])
             else:
                 clock = max(r["clock"] for r in q) if fresh else self.clock
+            lost = []
+            if self.mode == "sync" and pushed is not None and pushed == clock:
+                lost = [r["shard"] for r in q if r["clock"] < clock and r["rounds"] == clock - 1]
             try:
-                regs = self.client.register(clock=clock, instance=self.instance)
+                regs = self._register(clock, lost)
+                if lost:
+                    self.client.push(
+                        clock=clock,
+                        base_versions=[r["version"] for r in q],
+                        grads=self._send,
+                        retry=True,
+                        shards=lost,
+                        **self._push_args,
+                    )
             except NeedsResync as e:  # too late (the round closed meanwhile) or restored
                 log.info("worker %d: register: %s; again", self.rank, e)
                 continue
@@ -320,27 +347,53 @@ class PSBackend:
             raise RuntimeError(f"worker {self.rank}: could not register with the shards")
         self.clock = clock
         self.rejoined = self.rejoined or any(r["rejoined"] for r in regs)
-        self._count_restores(regs, old_inc, fresh)
+        self._count_restores(regs, old_inc, old_clock, fresh)
         self.versions = [min(v, r["version"]) for v, r in zip(self.versions, regs, strict=True)]
 
-    def _count_restores(self, regs: list[dict[str, Any]], old_inc: list[int], fresh: bool) -> None:
+    def _register(self, clock: int, rejoin_open: list[int]) -> list[dict[str, Any]]:
+        """Register at `clock` everywhere, except on the shards in `rejoin_open`, where
+        the worker joins the open round (clock - 1) to push it again."""
+        if not rejoin_open:
+            return self.client.register(clock=clock, instance=self.instance)
+        rest = [i for i in range(len(self.addresses)) if i not in rejoin_open]
+        got = dict(
+            zip(
+                rejoin_open,
+                self.client.register(clock=clock - 1, instance=self.instance, shards=rejoin_open),
+                strict=True,
+            )
+        )
+        if rest:
+            regs = self.client.register(clock=clock, instance=self.instance, shards=rest)
+            got.update(zip(rest, regs, strict=True))
+        log.warning("worker %d: re-pushing round %d to shards %s", self.rank, clock, rejoin_open)
+        return [got[i] for i in range(len(self.addresses))]
+
+    def _count_restores(
+        self, regs: list[dict[str, Any]], old_inc: list[int], old_clock: int, fresh: bool
+    ) -> None:
+        """Count a restore/rollback and the updates it undid, as this worker saw them:
+        sync: the rounds of this worker's clock that were undone (its pushed round
+        included); async/ssp: the newest version it had seen minus the restored one."""
         known = self._known_restores
         self._known_restores = [r["restores"] for r in regs]
         if fresh or known is None:
             return
-        lost = [
-            max(0, seen - r["version"])
-            for seen, r, inc in zip(self._seen_versions, regs, old_inc, strict=True)
-            if r["incarnation"] != inc
-        ]
         if any(r["restores"] > k for r, k in zip(regs, known, strict=True)):
+            if self.mode == "sync":
+                lost = max(0, old_clock - self.clock)
+            else:
+                lost = max(
+                    (
+                        max(0, seen - r["version"])
+                        for seen, r, inc in zip(self._seen_versions, regs, old_inc, strict=True)
+                        if r["incarnation"] != inc
+                    ),
+                    default=0,
+                )
             self.restores += 1
-            self.rolled_back_updates += max(lost, default=0)
-            log.warning(
-                "worker %d: shards restored; %d updates rolled back",
-                self.rank,
-                max(lost, default=0),
-            )
+            self.rolled_back_updates += lost
+            log.warning("worker %d: shards restored; %d updates rolled back", self.rank, lost)
         self._seen_versions = [r["version"] for r in regs]
 
     def fault_report(self) -> dict[str, Any]:

@@ -18,7 +18,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -132,14 +132,32 @@ class PSClient:
 
     # ---- plumbing -------------------------------------------------------------------
 
-    def _each(self, fn: Callable[[int], T], shards: Sequence[int] | None = None) -> list[T]:
+    def _each(
+        self,
+        fn: Callable[[int], T],
+        shards: Sequence[int] | None = None,
+        on_resync: Callable[[], None] | None = None,
+    ) -> list[T]:
         """Run fn(shard) for every shard (or those given) concurrently; raise the first
-        error, but only once every call has ended (so none is still in flight)."""
+        error, but only once every call has ended (so none is still in flight).
+
+        When a shard asks for a resync, `on_resync` may cut the other calls short (a
+        pull waiting for a sync round that cannot close until the worker resyncs)."""
         idx = range(self.num_shards) if shards is None else shards
         futs = [self._pool.submit(fn, i) for i in idx]
+        cut = False
+        if on_resync is not None and len(futs) > 1:
+            pending = set(futs)
+            while pending and not cut:
+                done, pending = wait(pending, return_when=FIRST_EXCEPTION)
+                if pending and any(isinstance(f.exception(), NeedsResync) for f in done):
+                    on_resync()
+                    cut = True
         errors = [f.exception() for f in futs]
         resync = [e for e in errors if isinstance(e, NeedsResync)]
         other = [e for e in errors if e is not None and not isinstance(e, NeedsResync)]
+        if cut:  # the calls we cut short failed because of us
+            other = []
         if other or resync:
             raise (other or resync)[0]
         return [f.result() for f in futs]
@@ -264,6 +282,8 @@ class PSClient:
         slot; any float dtype, converted on copy). Waits as the consistency mode requires."""
 
         waits = [0.0] * self.num_shards
+        streams: dict[int, Any] = {}
+        cut = threading.Event()
 
         def one(i: int) -> PullHeader:
             def call(_retry: bool) -> PullHeader:
@@ -274,7 +294,12 @@ class PSClient:
                     dtype=serde.dtype_to_pb(dtype),
                     incarnation=self.incarnations[i],
                 )
+                if cut.is_set():
+                    raise PSClientError(i, self.addresses[i], None, "cut short for a resync")
                 stream = self._stubs[i].Pull(req, timeout=self.cfg.pull_timeout_s)
+                streams[i] = stream
+                if cut.is_set():
+                    stream.cancel()
                 header: PullHeader | None = None
                 for msg in stream:
                     if header is None:
@@ -290,7 +315,12 @@ class PSClient:
 
             return self._retrying(i, call)
 
-        headers = self._each(one, shards)
+        def cut_short() -> None:
+            cut.set()
+            for stream in list(streams.values()):
+                stream.cancel()
+
+        headers = self._each(one, shards, on_resync=cut_short)
         self.last_pull_wait_s = max(waits)
         return headers
 

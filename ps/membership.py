@@ -215,6 +215,9 @@ class Membership:
                 f"register with clock >= {self.clocks[worker]}",
                 reason="out_of_order",
             )
+        if worker in self.live and self.clocks[worker] == clock == self.rounds + 1:
+            self.touch(worker)  # it already pushed for the open round: it is in it
+            return
         if self.rounds == clock:
             self.joining.pop(worker, None)
             self.clocks[worker] = clock

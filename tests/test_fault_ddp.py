@@ -5,6 +5,8 @@ continues from the newest checkpoint instead of step 1."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 
@@ -24,7 +26,15 @@ def torchrun(tmp, steps: int, *extra: str) -> subprocess.CompletedProcess:
         "--checkpoint-dir", str(tmp / "ckpt"), "--checkpoint-every", str(EVERY),
         "--report", str(tmp / "report.json"), *extra,
     ]  # fmt: skip
-    return subprocess.run(args, capture_output=True, text=True, env=ENV, timeout=240)
+    p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=ENV, start_new_session=True)  # fmt: skip
+    try:
+        out, err = p.communicate(timeout=240)
+    finally:
+        if p.poll() is None:  # the agent and every rank it started
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    return subprocess.CompletedProcess(args, p.returncode, out, err)
 
 
 def test_relaunched_ddp_job_resumes_from_the_newest_checkpoint(tmp_path) -> None:

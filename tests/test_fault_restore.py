@@ -71,10 +71,11 @@ def test_sync_one_of_two_shards_killed_every_shard_continues_from_the_same_round
     for rep in reports:
         assert rep["restores"] == 1
         assert 0 < rep["rolled_back_updates"] <= EVERY + 1
-        # Each step landed in a round that stayed, was rolled back, or (the one in flight
-        # at the restore) was dropped; the partial round in flight may count as rolled back.
-        kept = steps - rep["rolled_back_updates"] - rep["skipped_steps"]
-        assert kept <= final[0]["rounds"] <= kept + 1
+    # Each worker's step landed in a round that stayed, was rolled back, or (the one in
+    # flight at the restore) was dropped as skipped. A worker that lost one step fewer
+    # pushes one round more; the last one closes without the worker that has finished.
+    kept = [steps - r["rolled_back_updates"] - r["skipped_steps"] for r in reports]
+    assert final[0]["rounds"] == max(kept)
     assert reports[0]["losses"][-1] < reports[0]["losses"][0]
 
 

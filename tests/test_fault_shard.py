@@ -267,3 +267,22 @@ def test_drain_finishes_the_round_in_flight(tmp_path) -> None:
         push(st, worker=0, clock=2, base_version=1, grads=grad_for(job, 0, 2))
     assert st.checkpoint_now("shutdown", wait=True)
     assert [s for s, _ in list_checkpoints(tmp_path, 0)] == [0, 1]
+
+
+def test_interval_checkpoints_in_async_mode(tmp_path) -> None:
+    manager = CheckpointManager(tmp_path, interval_s=0.05)
+    st = ShardState(checkpoints=manager)
+    job = make_job("async", num_workers=1)
+    st.init(job, init_values(job))
+    manager.start_timer(st)
+    for c in (1, 2, 3):
+        push(st, worker=0, clock=c, base_version=st.version, grads=grad_for(job, 0, c))
+    deadline = threading.Event()
+    for _ in range(200):  # polls until the timer has written version 3 (no time asserted)
+        manager.flush()
+        if 3 in [s for s, _ in list_checkpoints(tmp_path, 0)]:
+            break
+        deadline.wait(0.05)
+    assert [s for s, _ in list_checkpoints(tmp_path, 0)] == [0, 3]
+    assert manager.every_for("async") == 0 and manager.every_for("sync") == 100
+    manager.close()
