@@ -144,8 +144,12 @@ class SparseTables:
                 return True, False, t.version, stale
             rnd = self.pending.setdefault((name, p.clock), {})
             rnd[p.worker] = p
-            if live <= set(rnd):
-                self._close(t, name, p.clock)
+            # Rounds close in clock order; an older one still open closes here once the
+            # live set has shrunk to its pushers (a worker's lease ran out mid-round).
+            for key in sorted(k for k in self.pending if k[0] == name):
+                if not live <= set(self.pending[key]):
+                    break
+                self._close(t, name, key[1])
             return True, False, t.version, 0
 
     def _close(self, t: SparseTable, name: str, clock: int) -> None:

@@ -143,7 +143,7 @@ class SparseSide:
             else:
                 uniq, g = torch.empty(0, dtype=torch.int64), torch.empty(0, dim)
             grads[name] = (uniq, g)
-            finite = finite and bool(torch.isfinite(g).all())
+            finite = finite and bool(torch.isfinite(g.to(self.wire)).all())  # as sent
         for name, (uniq, g) in grads.items():
             st = self.state[name]
             replies, nbytes = sparse_client.push_rows(

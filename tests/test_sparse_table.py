@@ -178,3 +178,13 @@ def test_grpc_round_trip_and_status_codes() -> None:
             assert e.value.code() == grpc.StatusCode.NOT_FOUND
         assert torch.equal(state.sparse.tables["emb"].weight, digest)
         client.close()
+
+
+def test_sync_round_left_open_by_an_expired_worker_closes_on_the_next_push() -> None:
+    tables = _tables("sync")
+    tables.push("emb", RowPush(0, 1, 0, False, torch.tensor([2]), torch.ones(1, DIM)))
+    assert tables.tables["emb"].version == 0
+    with tables.state._cond:
+        tables.state.live.discard(1)  # as a lease expiry does
+    tables.push("emb", RowPush(0, 2, 0, False, torch.tensor([2]), torch.ones(1, DIM)))
+    assert tables.tables["emb"].version == 2 and not tables.pending
