@@ -21,8 +21,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ps.errors import InvalidArgument
-
 OPTIMIZERS = ("sgd", "adagrad", "lazy_adam")
 BLOCK_ROWS = 65536
 """Rows per generator block of :func:`init_rows` (one seeded generator per block)."""
@@ -108,6 +106,8 @@ class SparseTable:
     def local_index(self, ids: torch.Tensor, *, what: str) -> torch.Tensor:
         """Validate global row ids (int64, 1-D) held here, without duplicates; returns
         their local indices. Raises InvalidArgument naming the table and the bad ids."""
+        from ps.errors import InvalidArgument  # grpc: kept out of DDP processes
+
         s = self.spec
         if ids.dtype != torch.int64 or ids.dim() != 1:
             raise InvalidArgument(f"{what} table {s.name!r}: ids must be a 1-D int64 list")
