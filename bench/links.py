@@ -1,0 +1,226 @@
+"""Emulated links: PS vs allreduce step time as bandwidth falls, and `psar plan` checked.
+
+Every process gets a host of its own: a network namespace with one veth NIC on a
+bridge (tests/netns.py). Both ends of every veth are shaped with tc (tbf for rate;
+netem when --delay-ms adds latency), so each host has a full-duplex NIC of the given
+rate, as `psar plan` assumes (docs/cost-model.md). The shard runs on host s0, workers
+on w0..wN-1; allreduce ranks (gloo) on w0..wN-1, launched directly (one per host).
+
+Per link: raw TCP between two hosts (one-way GB/s, and the small-message round trip,
+whose half is the plan's latency), then psar ps-sync (1 shard) and psar allreduce on the
+reference workload (MLP 784-1024-1024-10, batch 128, SGD momentum, fp32, 1 thread).
+The compute time C is the median over the links of a no-communication run on the same
+hosts (bench/plain_ddp.py --no-comm), one per link, between the others. Then `psar plan --json --compute-ms C --bandwidth R
+--latency L` predicts each step: allreduce `step_seconds_overlap` (DDP overlaps),
+ps `step_seconds_no_overlap` (psar's PS pushes after backward, then pulls). Ratio =
+measured / predicted, goal within +-30%; comm = step - C.
+
+    python -m bench.links                     # 10000, 3000, 1000 Mbit/s, 2 workers
+    python -m bench.links --quick --json      # 1000 Mbit/s only
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench import common as c
+from bench.allreduce_overhead import run_plain
+
+TOLERANCE = 0.30
+_PORT = re.compile(r"nettool port (\d+)")
+PARAMS = 1_863_690  # MLP 784-1024-1024-10
+_NETTOOL = r"""
+import json, socket, statistics, struct, sys, time
+mode, host = sys.argv[1], sys.argv[2]
+def recv_exact(s, n):
+    buf = bytearray(n); view = memoryview(buf); got = 0
+    while got < n:
+        r = s.recv_into(view[got:], n - got)
+        if not r: raise ConnectionError("closed")
+        got += r
+    return buf
+if mode == "serve":
+    ls = socket.socket(); ls.bind((host, 0)); ls.listen(1)
+    print("nettool port", ls.getsockname()[1], flush=True)
+    s, _ = ls.accept(); s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    while (cmd := recv_exact(s, 1)) != b"x":
+        if cmd == b"p": s.sendall(b"q")
+        else: recv_exact(s, struct.unpack("!Q", recv_exact(s, 8))[0]); s.sendall(b"k")
+else:
+    s = socket.create_connection((host, int(sys.argv[3])), timeout=120)
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    rtt = []
+    for _ in range(200):
+        t = time.perf_counter(); s.sendall(b"p"); recv_exact(s, 1); rtt.append(time.perf_counter() - t)
+    n = int(sys.argv[4]); payload = bytearray(b"z") * n; gbps = []
+    for _ in range(3):
+        t = time.perf_counter(); s.sendall(b"b" + struct.pack("!Q", n)); s.sendall(payload)
+        recv_exact(s, 1); gbps.append(n / (time.perf_counter() - t) / 1e9)
+    s.sendall(b"x")
+    print(json.dumps({"rtt_us": 1e6 * statistics.median(rtt), "gbps": statistics.median(gbps)}))
+"""
+
+
+def probe_link(procs: c.Procs, src, dst, nbytes: int) -> dict:  # noqa: ANN001
+    """Median small-message RTT and one-way raw TCP GB/s from host src to host dst."""
+    procs.start("nettool", [c.PY, "-c", _NETTOOL, "serve", dst.addr], host=dst)
+    port = procs.wait_line("nettool", _PORT, 60).group(1)
+    p = src.run([c.PY, "-c", _NETTOOL, "send", dst.addr, port, str(nbytes)], timeout=300)
+    procs.wait(["nettool"], 30)
+    if p.returncode != 0:
+        raise c.BenchError(f"link probe failed: {p.stderr[-1000:]}")
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def shape_all(netns, lan, mbit: float, delay_ms: float) -> None:  # noqa: ANN001
+    """Shape every host's NIC both ways: its egress, and its bridge port's egress."""
+    hub_ports = lan.hub.run(["ip", "-o", "link", "show", "master", "br0"]).stdout
+    for i, h in enumerate(lan.hosts.values()):
+        port = f"v{i}"
+        if f" {port}@" not in hub_ports:
+            raise c.BenchError(f"no bridge port {port} for {h.name} (tests/netns.py changed?)")
+        for end in (h, netns.Host(f"{h.name}-port", lan.hub.ns, h.addr, ifname=port)):
+            netns.shape(end, rate_mbit=mbit, delay_ms=delay_ms)
+
+
+def plan(n: int, mbit: float, latency_us: float, compute_ms: float) -> dict:
+    argv = [*c.PSAR, "plan", "--params", str(PARAMS), "--workers", str(n), "--servers", "1",
+            "--bandwidth", f"{mbit:g}Mbit/s", "--latency", f"{latency_us:.1f}us",
+            "--optimizer", "sgd-momentum", "--wire-dtype", "fp32",
+            "--compute-ms", f"{compute_ms:.3f}", "--json"]  # fmt: skip
+    p = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=c.ROOT)
+    if p.returncode != 0:
+        raise c.BenchError(f"psar plan failed: {p.stderr}")
+    return json.loads(p.stdout)
+
+
+def measure(out: Path, args, netns) -> dict:  # noqa: ANN001
+    names = ["s0", *(f"w{r}" for r in range(args.workers))]
+    train = [*c.REF_TRAIN, "--steps", str(args.steps)]
+    links, runs = [], {}
+    with netns.lan(names) as lan:
+        workers = [lan[f"w{r}"] for r in range(args.workers)]
+        for mbit in args.bandwidths:
+            shape_all(netns, lan, mbit, args.delay_ms)
+            with c.Procs(out / f"probe-{mbit:g}") as procs:
+                link = {"mbit": mbit, **probe_link(procs, lan["w0"], lan["s0"], 32 << 20)}
+            c.log(
+                f"links: {mbit:g} Mbit/s: TCP {link['gbps']:.3f} GB/s, rtt {link['rtt_us']:.0f} us"
+            )
+            d = out / f"{mbit:g}mbit"
+            nocomm = run_plain(d / "nocomm", args.workers, args.steps, args.timeout, hosts=workers)
+            link["compute_ms"] = 1e3 * c.job_step_seconds(nocomm)
+            links.append(link)
+            runs[mbit] = {
+                "ps": c.ps_job(d / "ps", workers=args.workers, shards=1, mode="sync",
+                               train=train, timeout=args.timeout, shard_hosts=[lan["s0"]],
+                               worker_hosts=workers),
+                "allreduce": c.ddp_job(d / "allreduce", workers=args.workers, hosts=workers,
+                                       py_args=[*c.psar_train_args(d / "allreduce"), *train],
+                                       timeout=args.timeout),
+            }  # fmt: skip
+    # One compute time for all links: the median of the no-communication runs (one per
+    # link, between the others), so a burst of load during one of them counts little.
+    compute_s = c.median([x["compute_ms"] for x in links]) / 1e3
+    cases = []
+    for link in links:
+        pred = plan(args.workers, link["mbit"], link["rtt_us"] / 2, 1e3 * compute_s)
+        for arch, run in runs[link["mbit"]].items():
+            step = c.job_step_seconds(run)
+            key = "step_seconds_overlap" if arch == "allreduce" else "step_seconds_no_overlap"
+            p_step, p_comm = pred[arch][key], pred[arch]["comm_seconds_per_step"]
+            cases.append({
+                "mbit": link["mbit"], "arch": arch, "measured_step_ms": 1e3 * step,
+                "predicted_step_ms": 1e3 * p_step, "step_ratio": step / p_step,
+                "within_30pct": abs(step / p_step - 1) <= TOLERANCE,
+                "measured_comm_ms": 1e3 * (step - compute_s), "predicted_comm_ms": 1e3 * p_comm,
+                "comm_ratio": (step - compute_s) / p_comm if p_comm else None,
+                "samples_per_sec": c.robust_rate(run), "plan_winner": pred["winner"],
+            })  # fmt: skip
+        ps, ar = cases[-2:]
+        ps["ps_over_allreduce_step"] = ps["measured_step_ms"] / ar["measured_step_ms"]
+    return {"workers": args.workers, "shards": 1, "steps": args.steps, "delay_ms": args.delay_ms,
+            "netem_available": netns.netem_available(),
+            "compute_ms": 1e3 * compute_s, "links": links, "cases": cases,
+            "all_within_30pct": all(x["within_30pct"] for x in cases)}  # fmt: skip
+
+
+def table(doc: dict) -> str:
+    if "skipped" in doc:
+        return f"## Emulated links\n\nSkipped: {doc['skipped']}"
+    link = {x["mbit"]: x for x in doc["links"]}
+    head = ["link", "raw TCP GB/s", "arch", "step ms", "plan step ms", "measured/plan",
+            "within 30%", "comm ms", "plan comm ms", "ps/allreduce step"]  # fmt: skip
+    rows = [[f"{x['mbit']:g} Mbit/s", link[x["mbit"]]["gbps"], x["arch"], x["measured_step_ms"],
+             x["predicted_step_ms"], x["step_ratio"], x["within_30pct"], x["measured_comm_ms"],
+             x["predicted_comm_ms"], x.get("ps_over_allreduce_step")] for x in doc["cases"]]  # fmt: skip
+    rtt = ", ".join(f"{x['rtt_us']:.0f}" for x in doc["links"])
+    each = ", ".join(f"{x['compute_ms']:.1f}" for x in doc["links"])
+    return (
+        "## Emulated links (psar plan checked)\n\n"
+        + c.md_table(head, rows)
+        + f"\n\n{doc['workers']} workers, 1 shard, reference workload, {doc['steps']} steps; "
+        f"compute C = {doc['compute_ms']:.1f} ms/step (median of the no-communication runs: "
+        f"{each}); added delay "
+        f"{doc['delay_ms']:g} ms{'' if doc['netem_available'] else ' (tc netem is missing here, so no latency can be added)'}; plan latency = half the measured TCP round trip ({rtt} us). "
+        f"All within +-30%: **{'yes' if doc['all_within_30pct'] else 'no'}**."
+    )
+
+
+def write_plot(out: Path, doc: dict) -> None:
+    lines = {}
+    for arch in ("ps", "allreduce"):
+        xs = [x for x in doc["cases"] if x["arch"] == arch]
+        lines[f"{arch} measured"] = ([x["mbit"] for x in xs], [x["measured_step_ms"] for x in xs])
+        lines[f"{arch} predicted"] = ([x["mbit"] for x in xs], [x["predicted_step_ms"] for x in xs])
+    c.plot(out / "links.png", lines, xlabel="link Mbit/s", ylabel="step ms", logx=True,
+           title="step time on emulated links")  # fmt: skip
+
+
+def unavailable(delay_ms: float) -> tuple[object | None, str | None]:
+    try:
+        from tests import netns
+    except ImportError as e:
+        return None, f"tests/netns.py cannot be imported ({e})"
+    if reason := netns.unavailable_reason():
+        return None, reason
+    if delay_ms and not netns.netem_available():
+        return None, "added latency needs tc netem (sch_netem), which this kernel lacks"
+    return netns, None
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = c.parser("python -m bench.links", __doc__)
+    p.add_argument(
+        "--bandwidths", default=None, help="Mbit/s (default 10000,3000,1000; quick 1000)"
+    )
+    p.add_argument("--delay-ms", type=float, default=0.0, help="added one-way delay (needs netem)")
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--steps", type=int, default=None, help="(default 40; quick 15)")
+    args = p.parse_args(argv)
+    args.bandwidths = [
+        float(x)
+        for x in (args.bandwidths or ("1000" if args.quick else "10000,3000,1000")).split(",")
+    ]
+    args.steps = args.steps or (15 if args.quick else 40)
+    c.install_sigterm()
+    out = c.out_dir(args, "links")
+    netns, reason = unavailable(args.delay_ms)
+    if reason:
+        c.log(f"links: skipped: {reason}")
+        doc = {"skipped": reason}
+    else:
+        doc = measure(out, args, netns)
+        write_plot(out, doc)
+    return c.finish(args, out, "links", doc, table(doc))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
