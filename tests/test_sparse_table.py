@@ -188,3 +188,15 @@ def test_sync_round_left_open_by_an_expired_worker_closes_on_the_next_push() -> 
         tables.state.live.discard(1)  # as a lease expiry does
     tables.push("emb", RowPush(0, 2, 0, False, torch.tensor([2]), torch.ones(1, DIM)))
     assert tables.tables["emb"].version == 2 and not tables.pending
+
+
+def test_rows_of_another_shard_are_refused() -> None:
+    st = make_state(make_job("async", num_workers=2, slots=make_slots()))
+    tables = SparseTables(st)
+    tables.create([spec("sgd", shard=0, shards=2)])
+    with pytest.raises(Exception, match="not held by shard 0 of 2") as err:
+        tables.pull(0, "emb", torch.tensor([2, 3]))
+    assert "[3]" in str(err.value)
+    assert tables.create([spec("sgd", shard=0, shards=2)]) is True  # identical retry
+    with pytest.raises(Exception, match="different spec"):
+        tables.create([spec("adagrad", shard=0, shards=2)])
