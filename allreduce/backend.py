@@ -30,7 +30,7 @@ from ps.checkpoint import atomic_save
 from worker.backend import StepOutcome
 from worker.config import TrainConfig
 from worker.optim import build_optimizer, build_scheduler, effective_loss_scale
-from worker.precision import PrecisionPolicy
+from worker.precision import PrecisionPolicy, all_finite
 
 log = logging.getLogger("psar.allreduce")
 _NAME = re.compile(r"^ddp-(\d{12})\.pt$")
@@ -201,11 +201,7 @@ class DDPBackend:
             self.loss_scale = self.scaler.get_scale()
             skipped = self.loss_scale < before
         else:
-            skipped = not all(
-                bool(torch.isfinite(_values(p.grad)).all())
-                for p in self.params
-                if p.grad is not None
-            )
+            skipped = not all_finite(_values(p.grad) for p in self.params if p.grad is not None)
             if not skipped:
                 self.optimizer.step()
         if not skipped:

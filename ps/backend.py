@@ -30,7 +30,7 @@ from worker.backend import StepOutcome
 from worker.config import TrainConfig
 from worker.nullmetrics import NullMetrics
 from worker.optim import DynamicLossScale, LossScaleConfig, effective_loss_scale
-from worker.precision import PrecisionPolicy
+from worker.precision import PrecisionPolicy, all_finite
 
 log = logging.getLogger("psar.ps")
 _MAX_RESYNCS = 50
@@ -204,8 +204,7 @@ class PSBackend:
                 buf.copy_(g.reshape(-1)[s.start : s.start + s.numel], non_blocking=True)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        for buf in self._send.values():
-            finite = finite and bool(torch.isfinite(buf).all())
+        finite = finite and all_finite(self._send.values())
         if self.sparse:  # row gradients go first, for the same clock
             finite = self.sparse.push(self.clock + 1, finite, self.loss_scale)
         replies = None

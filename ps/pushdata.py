@@ -13,6 +13,7 @@ import torch
 
 from ps import wire
 from ps.errors import InvalidArgument, NotFound
+from worker.precision import all_finite
 
 
 @dataclass(slots=True)
@@ -118,13 +119,12 @@ def check_complete(numel: dict[str, int], ticket: PushTicket) -> None:
 
 def unscale(grads: dict[str, torch.Tensor], loss_scale: float) -> bool:
     """Divide the loss scale out in place; returns whether every value is finite."""
-    inv = 1.0 / loss_scale
-    finite = True
-    for t in grads.values():
-        if inv != 1.0:
-            t.mul_(inv)
-        finite = finite and bool(torch.isfinite(t).all())
-    return finite
+    tensors = list(grads.values())
+    if loss_scale != 1.0 and tensors:
+        # Unscale first, then check: values that overflow only once the scale is divided
+        # out (a scale < 1) must count as non-finite too.
+        torch._foreach_mul_(tensors, 1.0 / loss_scale)
+    return all_finite(tensors)
 
 
 def _some(keys: dict[str, int]) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -109,3 +110,33 @@ def test_console_script_help_lists_subcommands() -> None:
     assert out.returncode == 0
     for sub in ("server", "train", "plan", "report"):
         assert sub in out.stdout
+
+
+def test_sigterm_stops_a_worker_with_exit_143(tmp_path) -> None:
+    # No shard listens on this port, so the worker keeps retrying; SIGTERM must end it
+    # promptly (not after its retry budget) with 143.
+    import queue
+    import signal
+    import threading
+
+    from tests.procs import ENV, free_port
+
+    p = subprocess.Popen(
+        [sys.executable, "-m", "worker.cli", "train", "--arch", "ps",
+         "--servers", f"127.0.0.1:{free_port()}", "--steps", "1", "--timeout-s", "600"],
+        stderr=subprocess.PIPE, text=True, env=ENV,
+    )  # fmt: skip
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(x) for x in p.stderr], daemon=True).start()
+    seen = ""
+    try:
+        while "setting up" not in seen:  # it logs this line, then connects to the shards
+            seen += lines.get(timeout=120)
+    finally:
+        p.send_signal(signal.SIGTERM)
+    p.wait(timeout=60)
+    time.sleep(0.2)  # let the reader thread drain the pipe
+    while not lines.empty():
+        seen += lines.get()
+    assert p.returncode == 143, seen
+    assert "terminated (SIGTERM)" in seen

@@ -14,6 +14,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import signal
 import sys
 from collections.abc import Callable, Sequence
@@ -165,11 +166,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         # User errors (bad flag values, bad config files): one clear line, exit 2.
         parser.exit(2, f"psar {args.command}: error: {e}\n")
-    except KeyboardInterrupt:
-        return 130
-    except Terminated:
-        print(f"psar {args.command}: terminated (SIGTERM)", file=sys.stderr)
-        return 143
+    except (KeyboardInterrupt, Terminated) as e:
+        # Stop now: exit without joining client threads that may still be retrying a
+        # shard (they would hold the process for up to --timeout-s). Cleanup in
+        # `finally` blocks has already run while the exception unwound.
+        sigterm = isinstance(e, Terminated)
+        print(
+            f"psar {args.command}: {'terminated (SIGTERM)' if sigterm else 'interrupted'}",
+            file=sys.stderr,
+            flush=True,
+        )
+        sys.stdout.flush()
+        os._exit(143 if sigterm else 130)
 
 
 if __name__ == "__main__":

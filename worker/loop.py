@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import os
 import time
@@ -25,6 +26,8 @@ from worker.precision import pick_device, resolve
 from worker.progress import Progress
 from worker.roles import resolve_local_rank, resolve_rank, resolve_world_size
 from worker.workloads import load_workload
+
+logger = logging.getLogger("psar.train")
 
 
 def make_backend(cfg: TrainConfig, **kwargs: Any) -> Backend:
@@ -93,6 +96,15 @@ def train(cfg: TrainConfig, env: dict[str, str] | None = None) -> dict[str, Any]
         find_unused_parameters=workload.find_unused_parameters,
     )
     model = workload.model
+    logger.info(
+        "rank %d/%d: %s (%s), %s, %d steps; setting up",
+        rank,
+        world,
+        cfg.arch,
+        backend.mode,
+        cfg.workload,
+        total,
+    )
     module = backend.setup(model)
     module.train()
     log = _StepLog(cfg, backend, rank)
@@ -100,6 +112,7 @@ def train(cfg: TrainConfig, env: dict[str, str] | None = None) -> dict[str, Any]
     losses: list[float] = []
     outcomes: list[StepOutcome] = []
     samples = 0
+    last_backward = 0.0
     start = time.perf_counter()
     # A relaunched worker resumes where its checkpoint/shards say (docs/reliability.md).
     for step in range(getattr(backend, "start_step", 0) + 1, total + 1):
@@ -119,14 +132,22 @@ def train(cfg: TrainConfig, env: dict[str, str] | None = None) -> dict[str, Any]
                 if step == cfg.inject_overflow_step and rank == 0:
                     loss = loss * float("inf")  # testing aid: a guaranteed overflow
                 t2 = time.perf_counter()
+                phases.update({"data": t1 - t0, "forward": t2 - t1})
+                if last:
+                    # Pad before the last backward: under DDP that backward carries the
+                    # allreduce, which padding after it would hide. This step's backward
+                    # is not known yet, so the previous step's stands in for it.
+                    compute = phases["forward"] + phases["backward"] + last_backward
+                    pad = _compute_padding(cfg, compute)
+                    if pad > 0:
+                        time.sleep(pad)
+                        phases["straggle"] = pad
+                    t2 = time.perf_counter()
                 backend.scale_loss(loss / cfg.grad_accum).backward()
             t3 = time.perf_counter()
-            phases.update({"data": t1 - t0, "forward": t2 - t1, "backward": t3 - t2})
+            phases["backward"] += t3 - t2
+            last_backward = t3 - t2
             samples += len(x)
-        pad = _compute_padding(cfg, phases["forward"] + phases["backward"])
-        if pad > 0:
-            time.sleep(pad)
-            phases["straggle"] = pad
         outcome = backend.step()
         phases.update(outcome.phases)
         losses.append(step_loss)
@@ -141,7 +162,7 @@ def train(cfg: TrainConfig, env: dict[str, str] | None = None) -> dict[str, Any]
         if outcome.staleness is not None:
             metrics.observed_staleness(outcome.staleness)
         elapsed = time.perf_counter() - start
-        log.write(step, elapsed, step_loss, samples, outcome)
+        log.write(step, elapsed, step_loss, samples, outcome, phases)
         progress.update(step, samples / max(elapsed, 1e-9), step_loss, outcome)
     wall = time.perf_counter() - start
     progress.close()
@@ -234,7 +255,9 @@ class _StepLog:
             path = os.path.join(cfg.run_dir, f"steps-{cfg.arch}-rank{rank}.jsonl")
             self.fh = open(path, "w", buffering=1)  # noqa: SIM115 - closed in close()
 
-    def write(self, step: int, t: float, loss: float, samples: int, o: StepOutcome) -> None:
+    def write(
+        self, step: int, t: float, loss: float, samples: int, o: StepOutcome, phases: dict
+    ) -> None:
         if self.fh is None:
             return
         rec = {
@@ -249,6 +272,8 @@ class _StepLog:
             "rank": self.rank,
             "arch": self.arch,
             "mode": self.mode,
+            "wall": time.time(),
+            "phases": {k: round(v, 6) for k, v in phases.items()},
         }
         self.fh.write(json.dumps(rec) + "\n")
 
