@@ -28,6 +28,7 @@ import torch
 from ps import auth, serde, wire
 from ps._gen.psar.v1 import ps_pb2 as pb
 from ps._gen.psar.v1 import ps_pb2_grpc as pb_grpc
+from ps.client_membership import MembershipCalls
 from ps.job import Job
 from ps.partition import Slot
 from ps.server import DEFAULT_MAX_MESSAGE_BYTES, grpc_options
@@ -84,7 +85,7 @@ class ClientConfig:
     """Bearer token sent with every call (empty: none)."""
 
 
-class PSClient:
+class PSClient(MembershipCalls):
     """Push/pull to a set of shards on behalf of one worker."""
 
     def __init__(self, addresses: Sequence[str], *, worker: int, cfg: ClientConfig | None = None):
@@ -323,85 +324,6 @@ class PSClient:
         headers = self._each(one, shards, on_resync=cut_short)
         self.last_pull_wait_s = max(waits)
         return headers
-
-    # ---- membership -----------------------------------------------------------------
-
-    def register(
-        self,
-        *,
-        clock: int = 0,
-        query: bool = False,
-        instance: str = "",
-        shards: Sequence[int] | None = None,
-    ) -> list[dict[str, Any]]:
-        """Register (or with query, only read the record) on every shard or `shards`.
-        Each reply's incarnation becomes the one this client's requests carry."""
-
-        def one(i: int) -> dict[str, Any]:
-            req = pb.RegisterRequest(
-                worker=self.worker, clock=clock, query=query, instance=instance
-            )
-            r = self._retrying(
-                i, lambda _r: self._stubs[i].Register(req, timeout=self.cfg.timeout_s)
-            )
-            self.incarnations[i] = r.incarnation
-            self.lease_s = max(self.lease_s, r.lease_s)
-            return {
-                "shard": i,
-                "incarnation": r.incarnation,
-                "clock": r.clock,
-                "version": r.version,
-                "rounds": r.rounds,
-                "live": r.live,
-                "rejoined": r.rejoined,
-                "lease_s": r.lease_s,
-                "restored": r.restored,
-                "restores": r.restores,
-            }
-
-        return self._each(one, shards)
-
-    def rollback(self, shard: int, max_round: int) -> dict[str, Any]:
-        """sync: roll `shard` back to its newest checkpoint at a round <= max_round."""
-        r = self._retrying(
-            shard,
-            lambda _r: self._stubs[shard].Rollback(
-                pb.RollbackRequest(max_round=max_round), timeout=self.cfg.timeout_s
-            ),
-        )
-        return {
-            "rounds": r.rounds,
-            "version": r.version,
-            "incarnation": r.incarnation,
-            "rolled_back": r.rolled_back,
-        }
-
-    def heartbeat(self) -> list[bool | None]:
-        """One heartbeat to every shard: live or not (None where it failed)."""
-        out: list[bool | None] = []
-        for i, stub in enumerate(self._stubs):
-            try:
-                timeout = max(0.5, self.lease_s / 3) if self.lease_s else 5.0
-                r = stub.Heartbeat(pb.HeartbeatRequest(worker=self.worker), timeout=timeout)
-                out.append(r.live)
-            except grpc.RpcError as e:
-                log.debug("heartbeat to shard %d failed: %s", i, e)
-                out.append(None)
-        return out
-
-    def start_heartbeats(self, lease_s: float | None = None) -> None:
-        """Heartbeat every lease_s / 3 from a daemon thread until close()."""
-        lease = lease_s or self.lease_s
-        if self._beat is not None or not lease:
-            return
-        period = lease / 3
-
-        def run() -> None:
-            while not self._beat_stop.wait(period):
-                self.heartbeat()
-
-        self._beat = threading.Thread(target=run, name="psar-heartbeat", daemon=True)
-        self._beat.start()
 
     def leave(self) -> None:
         """Tell every shard this worker is done, so nobody waits for it."""
