@@ -11,7 +11,8 @@ from tests.fault_procs import Workers, shard_set, stats, wait_until
 LEASE = ["--lease-s", "2", "--join-grace-s", "30"]
 
 
-@pytest.mark.parametrize("mode", ["async", "sync"])
+# async is the simpler case (and test_fault_restore covers its clock adoption): slow.
+@pytest.mark.parametrize("mode", [pytest.param("async", marks=pytest.mark.slow), "sync"])
 def test_restarted_worker_rejoins_and_continues(tmp_path, mode: str) -> None:
     steps = 60
     args = ["--steps", str(steps), "--mode", mode, "--emulate-compute-ms", "50"]
