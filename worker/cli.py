@@ -106,7 +106,6 @@ def _raise_terminated(signum: int, _frame: object) -> None:
 def _run_train(args: argparse.Namespace) -> int:
     cfg = cli_gen.build(TrainConfig, args, args.config)
     if args.dry_run:
-        import os
 
         from worker.loop import resolve_ranks
 
