@@ -27,6 +27,7 @@ import struct
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -99,15 +100,25 @@ class TcpSink:
             stdin=subprocess.DEVNULL,
             text=True,
         )
-        line = _readline_with_timeout(self.proc, self.start_timeout_s)
+        line = readline_with_timeout(self.proc, self.start_timeout_s)
         if not line.startswith(_HELLO):
             raise RuntimeError(f"tcp sink did not start: {line!r}")
         port = int(line[len(_HELLO) :])
         self.sock = socket.create_connection(("127.0.0.1", port), timeout=120)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
-    def time_transfers(self, nbytes: int, repeats: int, *, warmup: int = 1) -> list[float]:
-        """Seconds per one-way transfer of `nbytes`, one entry per repeat (after warm-up)."""
+    def time_transfers(
+        self,
+        nbytes: int,
+        repeats: int,
+        *,
+        warmup: int = 1,
+        before_each: Callable[[], object] | None = None,
+    ) -> list[float]:
+        """Seconds per one-way transfer of `nbytes`, one entry per repeat (after warm-up).
+
+        before_each() runs before every transfer, outside the timing (e.g. to wait for
+        a quiet machine)."""
         if self.sock is None:
             raise RuntimeError("TcpSink not started")
         if nbytes <= 0 or repeats < 1 or warmup < 0:
@@ -122,6 +133,8 @@ class TcpSink:
             self.sock.sendall(_SIZE.pack(nbytes))
             if _recv_exact(self.sock, 1) != b"r":
                 raise RuntimeError("tcp sink: protocol error")
+            if before_each is not None:
+                before_each()
             t0 = time.perf_counter()
             self.sock.sendall(view)
             if _recv_exact(self.sock, 1) != b"k":
@@ -155,11 +168,16 @@ class TcpResult:
 
 
 def measure_tcp(
-    sink: TcpSink, payload_mib: float, repeats: int, *, warmup: int = 1
+    sink: TcpSink,
+    payload_mib: float,
+    repeats: int,
+    *,
+    warmup: int = 1,
+    before_each: Callable[[], object] | None = None,
 ) -> TcpResult:
     """One-way raw TCP throughput for a payload of `payload_mib` MiB (median of repeats)."""
     nbytes = int(payload_mib * MIB)
-    times = sink.time_transfers(nbytes, repeats, warmup=warmup)
+    times = sink.time_transfers(nbytes, repeats, warmup=warmup, before_each=before_each)
     return TcpResult(
         payload_mib=payload_mib,
         tcp_gbps=nbytes / statistics.median(times) / 1e9,
@@ -169,7 +187,7 @@ def measure_tcp(
     )
 
 
-def _readline_with_timeout(proc: subprocess.Popen[str], timeout_s: float) -> str:
+def readline_with_timeout(proc: subprocess.Popen[str], timeout_s: float) -> str:
     """The child's first stdout line, or an error if it exits or stays silent."""
     import selectors
 

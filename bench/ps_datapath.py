@@ -3,11 +3,14 @@
 Each shard is a real `psar server` process; the client is ps.client.PSClient used as a
 worker uses it (init with ps.job.Job objects from ps.partition.plan_slots, then
 push/pull in a loop, mode async, one worker, so nothing ever waits on a barrier).
-The same run measures raw loopback TCP (bench/baselines.py) for each payload size, so
-the ratio compares like with like on a noisy machine.
+Right before every cycle the same script times one raw loopback TCP transfer of the
+same payload (bench/baselines.py), so the ratio compares like with like on a noisy
+machine; by default it first waits (bounded) for the CPUs to be quiet.
 
 GB/s = (push bytes + pull bytes) / median push+pull cycle time, 1e9 bytes per GB.
-ratio_to_tcp = gbps / tcp_gbps, tcp_gbps being one-way raw TCP for the same payload.
+ratio_to_tcp = gbps / tcp_gbps, tcp_gbps being one-way raw TCP for the same payload
+(median of those transfers). --json prints a list of objects with payload_mib,
+shards, gbps and ratio_to_tcp (and push/pull/TCP GB/s, cycle times and the settings).
 
     python -m bench.ps_datapath                       # 16,64,256 MiB x 1,2,4 shards
     python -m bench.ps_datapath --json --repeats 7
@@ -19,12 +22,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import signal
 import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -33,15 +37,14 @@ if __package__ in (None, ""):  # run as a file: make `bench` and `ps` importable
 
 import torch
 
-from bench.baselines import MIB, TcpSink, _readline_with_timeout, measure_tcp, stop_process
+from bench.baselines import MIB, TcpSink, readline_with_timeout, stop_process
 from ps import wire
 from ps.client import ClientConfig, PSClient
 from ps.job import Job
-from ps.partition import plan_slots
+from ps.partition import DEFAULT_CHUNK_BYTES, plan_slots
 from worker.optim import OptimizerConfig
 
 _HELLO = "psar server listening on "
-SCHEMA_KEYS = ("payload_mib", "shards", "gbps", "ratio_to_tcp")
 
 
 @dataclass
@@ -57,7 +60,8 @@ class Result:
     pull_gbps: float
     """payload / median pull time."""
     tcp_gbps: float
-    """Raw loopback TCP, one way, same payload, same run (median)."""
+    """Raw loopback TCP, one way, same payload: median of one transfer right before
+    each timed cycle of this row."""
     cycle_ms: float
     """Median push+pull cycle."""
     cycle_ms_min: float
@@ -67,6 +71,56 @@ class Result:
     tensors: int
     chunk_mib: float
     message_mib: float
+    shard_omp_threads: int
+    """OMP_NUM_THREADS given to the shards (0: inherited)."""
+    settle_s: float
+    """Longest wait for a quiet machine before each cycle."""
+    settle_wait_s: float
+    """Seconds this row spent waiting for a quiet machine."""
+
+
+# ---- a shared, noisy machine -----------------------------------------------------------
+
+
+def cpu_idle_fraction(interval_s: float = 0.25) -> float | None:
+    """Fraction of all CPUs idle over `interval_s` (/proc/stat); None where unavailable."""
+
+    def sample() -> tuple[int, int]:
+        with open("/proc/stat") as fh:
+            f = [int(x) for x in fh.readline().split()[1:]]
+        return f[3] + f[4], sum(f)  # idle + iowait, total
+
+    try:
+        i0, t0 = sample()
+        time.sleep(interval_s)
+        i1, t1 = sample()
+    except (OSError, ValueError, IndexError):
+        return None
+    return (i1 - i0) / max(1, t1 - t0)
+
+
+class Settler:
+    """Before a timed transfer, wait until the CPUs are at least `idle` idle, so it is not
+    measured while other jobs hold the cores: at most max_wait_s each time and budget_s
+    in all (then it stops waiting), so a busy machine cannot stall the run."""
+
+    def __init__(self, max_wait_s: float, idle: float, budget_s: float) -> None:
+        self.max_wait_s, self.idle, self.budget_s = max_wait_s, idle, budget_s
+        self.waited_s = 0.0
+        self.last_idle: float | None = None
+
+    def __call__(self) -> None:
+        limit = min(self.max_wait_s, self.budget_s - self.waited_s)
+        if limit <= 0:
+            return
+        t0 = time.monotonic()
+        while True:
+            self.last_idle = cpu_idle_fraction()
+            if self.last_idle is None or self.last_idle >= self.idle:
+                break
+            if time.monotonic() - t0 >= limit:
+                break
+        self.waited_s += time.monotonic() - t0
 
 
 # ---- shard processes -------------------------------------------------------------------
@@ -74,9 +128,20 @@ class Result:
 
 @contextlib.contextmanager
 def shard_processes(
-    n: int, *, message_bytes: int, max_message_bytes: int, start_timeout_s: float = 60.0
+    n: int,
+    *,
+    message_bytes: int,
+    max_message_bytes: int,
+    omp_threads: int = 0,
+    start_timeout_s: float = 60.0,
 ) -> Iterator[list[str]]:
-    """Start n `psar server` processes on 127.0.0.1:0; yield their addresses; stop them."""
+    """Start n `psar server` processes on 127.0.0.1:0; yield their addresses; stop them.
+
+    omp_threads > 0 sets OMP_NUM_THREADS (torch's intra-op threads) in the shards.
+    """
+    env = dict(os.environ)
+    if omp_threads > 0:
+        env["OMP_NUM_THREADS"] = str(omp_threads)
     procs: list[subprocess.Popen[str]] = []
     try:
         for i in range(n):
@@ -100,11 +165,12 @@ def shard_processes(
                     stderr=subprocess.DEVNULL,
                     stdin=subprocess.DEVNULL,
                     text=True,
+                    env=env,
                 )
             )
         addresses = []
         for p in procs:  # started together, so their start-ups overlap
-            line = _readline_with_timeout(p, start_timeout_s)
+            line = readline_with_timeout(p, start_timeout_s)
             if not line.startswith(_HELLO):
                 raise RuntimeError(f"psar server did not start: {line!r}")
             addresses.append(line[len(_HELLO) :])
@@ -139,8 +205,12 @@ def run_config(
     max_message_bytes: int,
     repeats: int,
     warmup: int,
+    before_cycle: Callable[[bool], object] | None = None,
 ) -> tuple[list[float], list[float]]:
-    """Push+pull `payload_bytes` through the shards; (push seconds, pull seconds) per repeat."""
+    """Push+pull `payload_bytes` through the shards; (push seconds, pull seconds) per repeat.
+
+    before_cycle(timed) runs before every cycle, outside its timing (timed is False
+    for the warm-up cycles)."""
     sizes = tensor_sizes(payload_bytes, tensors)
     params = [(f"t{i}", n) for i, n in enumerate(sizes)]
     slots = plan_slots(params, len(addresses), chunk_bytes=chunk_bytes)
@@ -168,12 +238,20 @@ def run_config(
     cfg = ClientConfig(message_bytes=message_bytes, max_message_bytes=max_message_bytes)
     with PSClient(addresses, worker=0, cfg=cfg) as client:
         client.set_slots(slots)
+        # As ps/backend.py does: init (rank 0), read the jobs back (and the lease),
+        # register, and keep the lease alive while we push and pull (or settle).
         client.init(jobs, views(weights))
+        if client.get_jobs(wait=True) != jobs:
+            raise RuntimeError("the shards serve a different job than the one sent")
+        client.register(clock=0)
+        client.start_heartbeats()
         grads, out = views(grads_full), views(pulled)
         headers = client.pull(clock=0, dtype=torch.float32, out=out)
         versions = [h.version for h in headers]
         push_s, pull_s = [], []
         for clock in range(1, warmup + repeats + 1):
+            if before_cycle is not None:
+                before_cycle(clock > warmup)
             t0 = time.perf_counter()
             client.push(clock=clock, base_versions=versions, dtype=torch.float32, grads=grads)
             t1 = time.perf_counter()
@@ -183,7 +261,7 @@ def run_config(
             if clock > warmup:
                 push_s.append(t1 - t0)
                 pull_s.append(t2 - t1)
-        if versions != [warmup + repeats + 0] * len(addresses):
+        if versions != [warmup + repeats] * len(addresses):
             raise RuntimeError(f"shards applied {versions} updates, expected {warmup + repeats}")
     return push_s, pull_s
 
@@ -214,14 +292,40 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--chunk-mib",
         type=float,
-        default=64.0,
-        help="plan_slots chunk size: tensors bigger than this are cut into slots (default 64)",
+        default=DEFAULT_CHUNK_BYTES / MIB,
+        help="plan_slots chunk size: tensors bigger than this are cut into slots (default: "
+        "ps.partition's, 4; 64 measured no faster, see bench/README.md)",
     )
     p.add_argument(
         "--message-mib",
         type=float,
         default=wire.DEFAULT_MESSAGE_BYTES / MIB,
-        help="bytes per streamed gRPC message, client and server (default: ps.wire's, 1)",
+        help="MiB per streamed gRPC message, client and server (default: ps.wire's, 1; "
+        "4 and 8 measured slower)",
+    )
+    p.add_argument(
+        "--shard-omp-threads",
+        type=int,
+        default=0,
+        help="OMP_NUM_THREADS for the shard processes (default 0: inherit the environment)",
+    )
+    p.add_argument(
+        "--settle-s",
+        type=float,
+        help="before each timed transfer wait up to this long for the CPUs to be "
+        "--settle-idle idle (shared machines; default 20, 0 with --quick)",
+    )
+    p.add_argument(
+        "--settle-budget-s",
+        type=float,
+        default=600.0,
+        help="most seconds spent settling in the whole run (default 600)",
+    )
+    p.add_argument(
+        "--settle-idle",
+        type=float,
+        default=0.8,
+        help="idle fraction of all CPUs that counts as quiet (default 0.8)",
     )
     p.add_argument(
         "--quick", action="store_true", help="CI smoke: 1 MiB, 1 and 2 shards, 2 repeats"
@@ -232,29 +336,48 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args.sizes = args.sizes or ([1.0] if quick else [16.0, 64.0, 256.0])
     args.shards = args.shards or ([1, 2] if quick else [1, 2, 4])
     args.repeats = args.repeats if args.repeats is not None else (2 if quick else 5)
+    args.settle_s = args.settle_s if args.settle_s is not None else (0.0 if quick else 20.0)
     if args.repeats < 1 or args.warmup < 0 or args.tensors < 1:
         p.error("--repeats and --tensors must be >= 1, --warmup >= 0")
     if any(s <= 0 for s in args.sizes) or any(n < 1 for n in args.shards):
         p.error("--sizes must be > 0 and --shards >= 1")
     if args.chunk_mib <= 0 or args.message_mib <= 0:
         p.error("--chunk-mib and --message-mib must be > 0")
+    if min(args.settle_s, args.settle_budget_s, args.shard_omp_threads) < 0:
+        p.error("--settle-s, --settle-budget-s and --shard-omp-threads must be >= 0")
+    if not 0 <= args.settle_idle <= 1:
+        p.error("--settle-idle must be in [0, 1]")
     return args
 
 
-def run(args: argparse.Namespace, log=print) -> list[Result]:  # noqa: ANN001
+def run(args: argparse.Namespace, log: Callable[[str], object] = print) -> list[Result]:
     message_bytes = int(args.message_mib * MIB)
     # The shard refuses message_bytes > max/2; leave room for the piece header.
     max_message_bytes = max(16 << 20, 2 * message_bytes + (1 << 20))
     chunk_bytes = int(args.chunk_mib * MIB)
     results = []
+    settle = Settler(args.settle_s, args.settle_idle, args.settle_budget_s)
     with TcpSink() as sink:
         for size in args.sizes:
             payload = int(size * MIB) // 4 * 4
-            tcp = measure_tcp(sink, size, args.repeats, warmup=args.warmup)
-            log(f"  tcp {size:g} MiB: {tcp.tcp_gbps:.2f} GB/s")
+            sink.time_transfers(payload, 1, warmup=args.warmup)  # allocate, warm up
             for shards in args.shards:
+                tcp_s: list[float] = []
+                waited0 = settle.waited_s
+
+                def before_cycle(timed: bool, payload: int = payload, tcp_s: list = tcp_s) -> None:
+                    # Quiet machine first, then one raw TCP transfer of the same payload
+                    # right before each PS cycle: both see the same machine state.
+                    settle()
+                    t = sink.time_transfers(payload, 1, warmup=0)
+                    if timed:
+                        tcp_s.extend(t)
+
                 with shard_processes(
-                    shards, message_bytes=message_bytes, max_message_bytes=max_message_bytes
+                    shards,
+                    message_bytes=message_bytes,
+                    max_message_bytes=max_message_bytes,
+                    omp_threads=args.shard_omp_threads,
                 ) as addresses:
                     push_s, pull_s = run_config(
                         addresses,
@@ -265,7 +388,9 @@ def run(args: argparse.Namespace, log=print) -> list[Result]:  # noqa: ANN001
                         max_message_bytes=max_message_bytes,
                         repeats=args.repeats,
                         warmup=args.warmup,
+                        before_cycle=before_cycle,
                     )
+                tcp_gbps = payload / statistics.median(tcp_s) / 1e9
                 cycles = [a + b for a, b in zip(push_s, pull_s, strict=True)]
                 cycle = statistics.median(cycles)
                 gbps = 2 * payload / cycle / 1e9
@@ -273,10 +398,10 @@ def run(args: argparse.Namespace, log=print) -> list[Result]:  # noqa: ANN001
                     payload_mib=size,
                     shards=shards,
                     gbps=round(gbps, 4),
-                    ratio_to_tcp=round(gbps / tcp.tcp_gbps, 4),
+                    ratio_to_tcp=round(gbps / tcp_gbps, 4),
                     push_gbps=round(payload / statistics.median(push_s) / 1e9, 4),
                     pull_gbps=round(payload / statistics.median(pull_s) / 1e9, 4),
-                    tcp_gbps=round(tcp.tcp_gbps, 4),
+                    tcp_gbps=round(tcp_gbps, 4),
                     cycle_ms=round(cycle * 1e3, 3),
                     cycle_ms_min=round(min(cycles) * 1e3, 3),
                     cycle_ms_max=round(max(cycles) * 1e3, 3),
@@ -285,10 +410,13 @@ def run(args: argparse.Namespace, log=print) -> list[Result]:  # noqa: ANN001
                     tensors=args.tensors,
                     chunk_mib=args.chunk_mib,
                     message_mib=args.message_mib,
+                    shard_omp_threads=args.shard_omp_threads,
+                    settle_s=args.settle_s,
+                    settle_wait_s=round(settle.waited_s - waited0, 2),
                 )
                 log(
-                    f"  ps  {size:g} MiB x {shards} shards: {r.gbps:.2f} GB/s "
-                    f"({r.ratio_to_tcp:.2f}x tcp)"
+                    f"  {size:g} MiB x {shards} shards: {r.gbps:.2f} GB/s, raw TCP "
+                    f"{r.tcp_gbps:.2f} GB/s ({r.ratio_to_tcp:.2f}x)"
                 )
                 results.append(r)
     return results

@@ -1,0 +1,69 @@
+"""Smoke runs of bench/ps_datapath.py and bench/baselines.py: they run end to end
+and print the JSON they promise. No timing is asserted (CI machines are noisy)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _run(args: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(
+        [sys.executable, *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstderr:\n{proc.stderr[-3000:]}"
+    return proc
+
+
+def test_ps_datapath_quick_json_schema() -> None:
+    proc = _run(
+        ["-m", "bench.ps_datapath", "--quick", "--sizes", "1", "--shards", "1,2", "--json"],
+        timeout=240,
+    )
+    rows = json.loads(proc.stdout)
+    assert isinstance(rows, list)
+    assert [(r["payload_mib"], r["shards"]) for r in rows] == [(1.0, 1), (1.0, 2)]
+    for r in rows:
+        for key in ("payload_mib", "shards", "gbps", "ratio_to_tcp"):
+            assert key in r, key
+        assert isinstance(r["shards"], int)
+        for key in ("gbps", "ratio_to_tcp", "push_gbps", "pull_gbps", "tcp_gbps"):
+            assert isinstance(r[key], float) and r[key] > 0, (key, r[key])
+        assert abs(r["ratio_to_tcp"] - r["gbps"] / r["tcp_gbps"]) < 0.01
+        assert r["repeats"] >= 1
+
+
+def test_ps_datapath_table_and_bad_flags() -> None:
+    proc = _run(
+        [str(ROOT / "bench" / "ps_datapath.py"), "--quick", "--sizes", "0.25", "--shards", "1"],
+        timeout=240,
+    )
+    lines = proc.stdout.strip().splitlines()
+    assert "GB/s" in lines[1] and "x TCP" in lines[1]
+    assert lines[2].split()[:2] == ["0.25", "1"]
+
+    bad = subprocess.run(
+        [sys.executable, "-m", "bench.ps_datapath", "--shards", "0"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert bad.returncode == 2 and "--shards" in bad.stderr
+
+
+def test_tcp_baseline_json() -> None:
+    proc = _run(
+        [str(ROOT / "bench" / "baselines.py"), "--sizes", "1", "--repeats", "1", "--json"],
+        timeout=60,
+    )
+    (row,) = json.loads(proc.stdout)
+    assert row["payload_mib"] == 1.0 and row["tcp_gbps"] > 0
