@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+import torch
 
 from ps import auth, checkpoint, wire
 from ps._gen.psar.v1 import ps_pb2_grpc as pb_grpc
@@ -53,6 +54,9 @@ class ServerConfig:
     shard: int = -1
     """Shard index for logs and metrics (default: env PSAR_SHARD, a StatefulSet pod
     ordinal, SLURM_PROCID, else 0)."""
+    torch_threads: int = 1
+    """torch threads for the shard's copies and optimizer (0: torch's default). One is
+    fastest here: a 1 MiB copy took 0.12 ms with one thread, 0.63 ms with the default."""
     lease_s: float = DEFAULT_LEASE_S
     """A worker not heard from for this long leaves the live set (workers heartbeat every
     lease_s / 3)."""
@@ -83,6 +87,8 @@ class ServerConfig:
     """Refuse calls without `authorization: Bearer <the token in this file>`."""
 
     def __post_init__(self) -> None:
+        if self.torch_threads < 0:
+            raise ValueError(f"--torch-threads must be >= 0, got {self.torch_threads}")
         host, sep, port = self.bind.rpartition(":")
         if not sep or not host or not port.isdigit():
             raise ValueError(
@@ -210,6 +216,8 @@ def start_server(
 def serve(cfg: ServerConfig) -> int:
     """Run a shard until SIGTERM/SIGINT; returns the process exit code."""
     cfg.shard = resolve_shard(cfg.shard, os.environ)
+    if cfg.torch_threads:
+        torch.set_num_threads(cfg.torch_threads)
     metrics = _make_metrics(cfg)
     server, port, state = start_server(cfg, metrics=metrics)
     host = cfg.bind.rpartition(":")[0]
