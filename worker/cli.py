@@ -106,7 +106,6 @@ def _raise_terminated(signum: int, _frame: object) -> None:
 def _run_train(args: argparse.Namespace) -> int:
     cfg = cli_gen.build(TrainConfig, args, args.config)
     if args.dry_run:
-
         from worker.loop import resolve_ranks
 
         rank, world, local_rank = resolve_ranks(cfg, dict(os.environ))
