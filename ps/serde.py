@@ -5,6 +5,8 @@ Everything else in ps/ works on plain dataclasses; tests/test_serde.py round-tri
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ps import wire
@@ -37,33 +39,20 @@ def dtype_from_pb(value: int) -> torch.dtype:
         ) from None
 
 
+def _fields_of(cls: type, msg: object) -> dict[str, object]:
+    """The dataclass `cls`'s fields read from the proto message `msg` of the same shape."""
+    return {f.name: getattr(msg, f.name) for f in dataclasses.fields(cls)}
+
+
 def job_to_pb(job: Job) -> pb.JobSpec:
     o, ls = job.optimizer, job.loss_scale
     return pb.JobSpec(
         mode=_MODE_TO_PB[job.mode],
         staleness=job.staleness,
         num_workers=job.num_workers,
-        optimizer=pb.OptimizerSpec(
-            name=o.name,
-            lr=o.lr,
-            momentum=o.momentum,
-            nesterov=o.nesterov,
-            weight_decay=o.weight_decay,
-            beta1=o.beta1,
-            beta2=o.beta2,
-            eps=o.eps,
-            schedule=o.schedule,
-            warmup_steps=o.warmup_steps,
-            total_steps=o.total_steps,
-            min_lr_ratio=o.min_lr_ratio,
-        ),
-        loss_scale=pb.LossScaleSpec(
-            enabled=ls.enabled,
-            init_scale=ls.init_scale,
-            growth_factor=ls.growth_factor,
-            backoff_factor=ls.backoff_factor,
-            growth_interval=ls.growth_interval,
-        ),
+        # The proto messages mirror the dataclasses field for field (tests/test_serde.py).
+        optimizer=pb.OptimizerSpec(**dataclasses.asdict(o)),
+        loss_scale=pb.LossScaleSpec(**dataclasses.asdict(ls)),
         shard_index=job.shard_index,
         num_shards=job.num_shards,
         slots=[
@@ -83,27 +72,8 @@ def job_from_pb(spec: pb.JobSpec) -> Job:
             mode=_MODE_FROM_PB[spec.mode],
             staleness=spec.staleness,
             num_workers=spec.num_workers,
-            optimizer=OptimizerConfig(
-                name=o.name,
-                lr=o.lr,
-                momentum=o.momentum,
-                nesterov=o.nesterov,
-                weight_decay=o.weight_decay,
-                beta1=o.beta1,
-                beta2=o.beta2,
-                eps=o.eps,
-                schedule=o.schedule,
-                warmup_steps=o.warmup_steps,
-                total_steps=o.total_steps,
-                min_lr_ratio=o.min_lr_ratio,
-            ),
-            loss_scale=LossScaleConfig(
-                enabled=ls.enabled,
-                init_scale=ls.init_scale,
-                growth_factor=ls.growth_factor,
-                backoff_factor=ls.backoff_factor,
-                growth_interval=ls.growth_interval,
-            ),
+            optimizer=OptimizerConfig(**_fields_of(OptimizerConfig, o)),
+            loss_scale=LossScaleConfig(**_fields_of(LossScaleConfig, ls)),
             shard_index=spec.shard_index,
             num_shards=spec.num_shards,
             slots=[Slot(s.key, s.param, s.start, s.numel, spec.shard_index) for s in spec.slots],
