@@ -27,9 +27,15 @@ TRAIN_FLAGS = [
     "--loss-scale-growth-interval", "--servers", "--rank", "--world-size", "--mode",
     "--staleness", "--chunk-mib", "--timeout-s", "--pull-timeout-s", "--job-id", "--backend",
     "--pg-timeout-s", "--bucket-cap-mb", "--find-unused-parameters",
+    "--metrics-linger-s", "--emulate-compute-ms", "--reconnect-timeout-s", "--tls-ca",
+    "--tls-cert", "--tls-key", "--tls-server-name", "--auth-token-file", "--sparse-optimizer",
+    "--sparse-lr", "--sparse-eps", "--sparse-wire-dtype", "--checkpoint-dir", "--checkpoint-every",
 ]  # fmt: skip
 SERVER_FLAGS = ["--bind", "--threads", "--message-bytes", "--max-message-bytes",
-                "--metrics-port", "--metrics-addr", "--shard"]  # fmt: skip
+                "--metrics-port", "--metrics-addr", "--shard", "--torch-threads", "--lease-s",
+                "--join-grace-s", "--checkpoint-dir", "--checkpoint-every", "--checkpoint-interval",
+                "--checkpoint-keep", "--restore", "--drain-timeout-s", "--tls-cert", "--tls-key",
+                "--tls-ca", "--auth-token-file"]  # fmt: skip
 
 
 def test_flag_lists_are_frozen() -> None:
