@@ -29,7 +29,7 @@ from allreduce.hooks import register_wire_dtype
 from ps.checkpoint import atomic_save
 from worker.backend import StepOutcome
 from worker.config import TrainConfig
-from worker.optim import build_optimizer, build_scheduler, effective_loss_scale
+from worker.optim import build_optimizer, build_scheduler, effective_loss_scale, with_run_length
 from worker.precision import PrecisionPolicy, all_finite
 
 log = logging.getLogger("psar.allreduce")
@@ -115,9 +115,7 @@ class DDPBackend:
         register_wire_dtype(self.ddp, wire)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self._step_bytes = sum(p.numel() for p in self.params) * wire.itemsize
-        opt_cfg = self.cfg.optimizer
-        if opt_cfg.schedule != "constant" and opt_cfg.total_steps == 0:
-            opt_cfg = type(opt_cfg)(**{**vars(opt_cfg), "total_steps": self.total_steps})
+        opt_cfg = with_run_length(self.cfg.optimizer, self.total_steps)
         self.optimizer = build_optimizer(self.params, opt_cfg)
         self.scheduler = build_scheduler(self.optimizer, opt_cfg)
         ls = effective_loss_scale(self.cfg.loss_scale, self.precision.loss_scaling)

@@ -29,7 +29,7 @@ from ps.partition import Slot, bytes_per_shard, plan_slots
 from worker.backend import StepOutcome
 from worker.config import TrainConfig
 from worker.nullmetrics import NullMetrics
-from worker.optim import DynamicLossScale, LossScaleConfig, effective_loss_scale
+from worker.optim import DynamicLossScale, LossScaleConfig, effective_loss_scale, with_run_length
 from worker.precision import PrecisionPolicy, all_finite
 
 log = logging.getLogger("psar.ps")
@@ -160,9 +160,7 @@ class PSBackend:
         return model
 
     def _jobs(self) -> list[Job]:
-        opt = self.cfg.optimizer
-        if opt.schedule != "constant" and opt.total_steps == 0:
-            opt = type(opt)(**{**vars(opt), "total_steps": self.total_steps})
+        opt = with_run_length(self.cfg.optimizer, self.total_steps)
         return [
             Job(
                 mode=self.mode,

@@ -102,6 +102,13 @@ def lr_factor(cfg: OptimizerConfig, updates: int) -> float:
     return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * cosine
 
 
+def with_run_length(cfg: OptimizerConfig, run_steps: int) -> OptimizerConfig:
+    """cfg with total_steps filled from the run's length where a schedule needs it (0)."""
+    if cfg.schedule != "constant" and cfg.total_steps == 0:
+        return dataclasses.replace(cfg, total_steps=run_steps)
+    return cfg
+
+
 def build_scheduler(
     optimizer: torch.optim.Optimizer, cfg: OptimizerConfig
 ) -> torch.optim.lr_scheduler.LambdaLR:
