@@ -22,6 +22,7 @@ import torch
 
 from ps import auth, checkpoint, wire
 from ps._gen.psar.v1 import ps_pb2_grpc as pb_grpc
+from ps.dataplane import DataPlaneServer, start_dataplane
 from ps.health import ShardHealth
 from ps.lease import DEFAULT_JOIN_GRACE_S, DEFAULT_LEASE_S, Reaper
 from ps.shard import ShardState
@@ -85,6 +86,10 @@ class ServerConfig:
     """Mutual TLS: only accept clients whose certificate this PEM CA signed."""
     auth_token_file: str = ""
     """Refuse calls without `authorization: Bearer <the token in this file>`."""
+    data_port: int = 0
+    """TCP port of the data plane (push and pull as plain frames next to gRPC, on the
+    --bind host; docs/dataplane.md): 0 picks a free one, -1 turns it off. Workers learn
+    it from GetJob. Off when TLS is on (the data plane is plaintext)."""
 
     def __post_init__(self) -> None:
         if self.torch_threads < 0:
@@ -98,6 +103,11 @@ class ServerConfig:
             raise ValueError(f"--threads must be >= 2, got {self.threads}")
         if not 1024 <= self.message_bytes <= self.max_message_bytes // 2:
             raise ValueError("--message-bytes must be in [1024, max_message_bytes / 2]")
+        if not -1 <= self.data_port < 65536:
+            raise ValueError(
+                f"--data-port must be in [-1, 65535] (0: a free port, -1: off), got "
+                f"{self.data_port}"
+            )
         if not 0 <= self.metrics_port < 65536:
             raise ValueError(f"--metrics-port must be in [0, 65535], got {self.metrics_port}")
         if not self.lease_s > 0 or self.join_grace_s < 0:
@@ -182,21 +192,22 @@ def start_server(
 ) -> tuple[grpc.Server, int, ShardState]:
     """Start a shard's gRPC server; returns (server, bound port, state). Non-blocking.
 
-    The server's health service is reachable as `server.psar_health` (ps/health.py).
+    The server's health service is reachable as `server.psar_health` (ps/health.py),
+    its data plane (None when off) as `server.psar_dataplane` (ps/dataplane.py).
     """
     if state is None:
         state = build_state(cfg, metrics)
     interceptors = []
-    if cfg.auth_token_file:
-        interceptors.append(
-            auth.TokenServerInterceptor(auth.read_token(cfg.auth_token_file), state.metrics)
-        )
+    token = auth.read_token(cfg.auth_token_file) if cfg.auth_token_file else ""
+    if token:
+        interceptors.append(auth.TokenServerInterceptor(token, state.metrics))
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=cfg.threads, thread_name_prefix="psar-shard"),
         options=grpc_options(cfg.max_message_bytes),
         interceptors=interceptors,
     )
-    pb_grpc.add_ParameterServerServicer_to_server(SparseServicer(state), server)
+    servicer = SparseServicer(state)
+    pb_grpc.add_ParameterServerServicer_to_server(servicer, server)
     health = ShardHealth(server)
     if cfg.tls_cert:
         creds = auth.server_credentials(cfg.tls_cert, cfg.tls_key, cfg.tls_ca)
@@ -205,9 +216,28 @@ def start_server(
         port = server.add_insecure_port(cfg.bind)
     if port == 0:
         raise OSError(f"could not bind {cfg.bind}; is the port in use?")
+    dataplane: DataPlaneServer | None = None
+    if cfg.data_port >= 0 and cfg.tls_cert:
+        log.warning("TLS is on: no data plane (it is plaintext); push and pull use gRPC")
+    elif cfg.data_port >= 0:
+        try:
+            dataplane = start_dataplane(
+                state,
+                bind=cfg.bind,
+                port=cfg.data_port,
+                token=token,
+                max_payload_bytes=cfg.max_message_bytes,
+            )
+        except OSError as e:
+            raise OSError(
+                f"could not bind the data plane on {cfg.bind.rpartition(':')[0]}:"
+                f"{cfg.data_port} ({e.strerror or e}); is the port in use? (--data-port)"
+            ) from None
+        servicer.data_port = dataplane.port
     server.start()
     health.serving()
     server.psar_health = health  # type: ignore[attr-defined]
+    server.psar_dataplane = dataplane  # type: ignore[attr-defined]
     if getattr(state, "_reaper", None) is None:
         state._reaper = Reaper(state, period=min(1.0, state.leases.lease_s / 4))  # type: ignore[attr-defined]
     return server, port, state
@@ -224,6 +254,10 @@ def serve(cfg: ServerConfig) -> int:
     scheme = "TLS" if cfg.tls_cert else "plaintext"
     log.info("psar shard %d listening on %s:%d (%s)", cfg.shard, host, port, scheme)
     print(f"psar server listening on {host}:{port}", flush=True)
+    dataplane = server.psar_dataplane  # type: ignore[attr-defined]
+    if dataplane is not None:
+        log.info("data plane on %s:%d", host, dataplane.port)
+        print(f"psar server data plane on {host}:{dataplane.port}", flush=True)
     stop = threading.Event()
 
     def _on_signal(signum: int, _frame: object) -> None:
@@ -249,6 +283,9 @@ def shutdown(server: grpc.Server, state: ShardState, drain_timeout_s: float) -> 
         print(f"psar server final checkpoint at step {state.checkpoint_step}", flush=True)
     if health is not None:
         health.shutdown()
+    dataplane = getattr(server, "psar_dataplane", None)
+    if dataplane is not None:
+        dataplane.close()
     server.stop(grace=2).wait()
     if state.checkpoints is not None:
         state.checkpoints.close()

@@ -33,6 +33,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     def __init__(self, state: ShardState) -> None:
         self.state = state
         self.metrics = state.metrics
+        self.data_port = 0
+        """Port of the shard's data plane (ps/dataplane.py) advertised by GetJob; 0: none."""
 
     def _fail(self, context: grpc.ServicerContext, method: str, e: PSError) -> None:
         if method == "Push":
@@ -91,7 +93,9 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
                 self.state.wait_initialized(context.time_remaining())
             job = self.state.job
             if job is None:
-                return pb.GetJobReply(initialized=False, lease_s=self.state.leases.lease_s)
+                return pb.GetJobReply(
+                    initialized=False, lease_s=self.state.leases.lease_s, data_port=self.data_port
+                )
             return pb.GetJobReply(
                 initialized=True,
                 job=serde.job_to_pb(job),
@@ -99,6 +103,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
                 incarnation=self.state.incarnation,
                 rounds=self.state.rounds,
                 lease_s=self.state.leases.lease_s,
+                data_port=self.data_port,
             )
         finally:
             self.metrics.rpc_observed("GetJob", time.monotonic() - t0)
@@ -114,9 +119,13 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
                 serde.push_header_from_pb(first.header), incarnation=first.header.incarnation
             )
             for msg in request_iterator:
-                if msg.WhichOneof("kind") != "data":
+                kind = msg.WhichOneof("kind")
+                if kind == "data":
+                    self.state.add_data(ticket, msg.data.key, msg.data.offset, msg.data.data)
+                elif kind == "verdict":
+                    self.state.add_verdict(ticket, msg.verdict.overflow)
+                else:
                     raise InvalidArgument("Push: only one header allowed", reason="malformed")
-                self.state.add_data(ticket, msg.data.key, msg.data.offset, msg.data.data)
             ticket_incarnation = ticket.incarnation
             outcome, version, already = self.state.finish_push(ticket)
             ticket = None

@@ -218,6 +218,8 @@ def serving(cfg: ServerConfig | None = None) -> Iterator[tuple[int, ShardState]]
     try:
         yield port, state
     finally:
+        if server.psar_dataplane is not None:  # type: ignore[attr-defined]
+            server.psar_dataplane.close()  # type: ignore[attr-defined]
         server.stop(grace=None).wait()
 
 

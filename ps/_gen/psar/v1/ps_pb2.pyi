@@ -144,23 +144,25 @@ class GetJobRequest(_message.Message):
     def __init__(self, wait: _Optional[bool] = ...) -> None: ...
 
 class GetJobReply(_message.Message):
-    __slots__ = ("initialized", "job", "version", "incarnation", "rounds", "lease_s")
+    __slots__ = ("initialized", "job", "version", "incarnation", "rounds", "lease_s", "data_port")
     INITIALIZED_FIELD_NUMBER: _ClassVar[int]
     JOB_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    DATA_PORT_FIELD_NUMBER: _ClassVar[int]
     initialized: bool
     job: JobSpec
     version: int
     incarnation: int
     rounds: int
     lease_s: float
-    def __init__(self, initialized: _Optional[bool] = ..., job: _Optional[_Union[JobSpec, _Mapping]] = ..., version: _Optional[int] = ..., incarnation: _Optional[int] = ..., rounds: _Optional[int] = ..., lease_s: _Optional[float] = ...) -> None: ...
+    data_port: int
+    def __init__(self, initialized: _Optional[bool] = ..., job: _Optional[_Union[JobSpec, _Mapping]] = ..., version: _Optional[int] = ..., incarnation: _Optional[int] = ..., rounds: _Optional[int] = ..., lease_s: _Optional[float] = ..., data_port: _Optional[int] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("worker", "clock", "base_version", "dtype", "loss_scale", "overflow", "retry", "incarnation")
+    __slots__ = ("worker", "clock", "base_version", "dtype", "loss_scale", "overflow", "retry", "incarnation", "verdict_follows")
     WORKER_FIELD_NUMBER: _ClassVar[int]
     CLOCK_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -169,6 +171,7 @@ class PushHeader(_message.Message):
     OVERFLOW_FIELD_NUMBER: _ClassVar[int]
     RETRY_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    VERDICT_FOLLOWS_FIELD_NUMBER: _ClassVar[int]
     worker: int
     clock: int
     base_version: int
@@ -177,15 +180,24 @@ class PushHeader(_message.Message):
     overflow: bool
     retry: bool
     incarnation: int
-    def __init__(self, worker: _Optional[int] = ..., clock: _Optional[int] = ..., base_version: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., loss_scale: _Optional[float] = ..., overflow: _Optional[bool] = ..., retry: _Optional[bool] = ..., incarnation: _Optional[int] = ...) -> None: ...
+    verdict_follows: bool
+    def __init__(self, worker: _Optional[int] = ..., clock: _Optional[int] = ..., base_version: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., loss_scale: _Optional[float] = ..., overflow: _Optional[bool] = ..., retry: _Optional[bool] = ..., incarnation: _Optional[int] = ..., verdict_follows: _Optional[bool] = ...) -> None: ...
+
+class PushVerdict(_message.Message):
+    __slots__ = ("overflow",)
+    OVERFLOW_FIELD_NUMBER: _ClassVar[int]
+    overflow: bool
+    def __init__(self, overflow: _Optional[bool] = ...) -> None: ...
 
 class PushChunk(_message.Message):
-    __slots__ = ("header", "data")
+    __slots__ = ("header", "data", "verdict")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    VERDICT_FIELD_NUMBER: _ClassVar[int]
     header: PushHeader
     data: TensorData
-    def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., data: _Optional[_Union[TensorData, _Mapping]] = ...) -> None: ...
+    verdict: PushVerdict
+    def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., data: _Optional[_Union[TensorData, _Mapping]] = ..., verdict: _Optional[_Union[PushVerdict, _Mapping]] = ...) -> None: ...
 
 class PushReply(_message.Message):
     __slots__ = ("applied", "already_applied", "dropped_nonfinite", "version", "staleness", "incarnation")
@@ -478,3 +490,61 @@ class PushRowsReply(_message.Message):
     version: int
     staleness: int
     def __init__(self, applied: _Optional[bool] = ..., already_applied: _Optional[bool] = ..., version: _Optional[int] = ..., staleness: _Optional[int] = ...) -> None: ...
+
+class DataHello(_message.Message):
+    __slots__ = ("token", "version")
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    token: str
+    version: int
+    def __init__(self, token: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
+
+class DataPiece(_message.Message):
+    __slots__ = ("key", "offset")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    offset: int
+    def __init__(self, key: _Optional[str] = ..., offset: _Optional[int] = ...) -> None: ...
+
+class DataEnd(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DataPullRequest(_message.Message):
+    __slots__ = ("request", "timeout_s")
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    request: PullRequest
+    timeout_s: float
+    def __init__(self, request: _Optional[_Union[PullRequest, _Mapping]] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class DataStatus(_message.Message):
+    __slots__ = ("code", "details")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    details: str
+    def __init__(self, code: _Optional[int] = ..., details: _Optional[str] = ...) -> None: ...
+
+class DataFrame(_message.Message):
+    __slots__ = ("hello", "push_header", "piece", "verdict", "end", "pull_request", "pull_header", "push_reply", "status")
+    HELLO_FIELD_NUMBER: _ClassVar[int]
+    PUSH_HEADER_FIELD_NUMBER: _ClassVar[int]
+    PIECE_FIELD_NUMBER: _ClassVar[int]
+    VERDICT_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    PULL_REQUEST_FIELD_NUMBER: _ClassVar[int]
+    PULL_HEADER_FIELD_NUMBER: _ClassVar[int]
+    PUSH_REPLY_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    hello: DataHello
+    push_header: PushHeader
+    piece: DataPiece
+    verdict: PushVerdict
+    end: DataEnd
+    pull_request: DataPullRequest
+    pull_header: PullHeader
+    push_reply: PushReply
+    status: DataStatus
+    def __init__(self, hello: _Optional[_Union[DataHello, _Mapping]] = ..., push_header: _Optional[_Union[PushHeader, _Mapping]] = ..., piece: _Optional[_Union[DataPiece, _Mapping]] = ..., verdict: _Optional[_Union[PushVerdict, _Mapping]] = ..., end: _Optional[_Union[DataEnd, _Mapping]] = ..., pull_request: _Optional[_Union[DataPullRequest, _Mapping]] = ..., pull_header: _Optional[_Union[PullHeader, _Mapping]] = ..., push_reply: _Optional[_Union[PushReply, _Mapping]] = ..., status: _Optional[_Union[DataStatus, _Mapping]] = ...) -> None: ...
