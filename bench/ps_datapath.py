@@ -3,6 +3,9 @@
 Each shard is a real `psar server` process; the client is ps.client.PSClient used as a
 worker uses it (init with ps.job.Job objects from ps.partition.plan_slots, then
 push/pull in a loop, mode async, one worker, so nothing ever waits on a barrier).
+Two transports move the same push and pull, cycles alternating on the same shards:
+"grpc" (PSClient.push/pull) and "tcp", the shards' data plane (ps/dataplane.py: one
+ps.dataplane_client.DataPlaneClient per shard, port from GetJob, shards in parallel).
 Right before every cycle the same script times one raw loopback TCP transfer of the
 same payload (bench/baselines.py), so the ratio compares like with like on a noisy
 machine; by default it first waits (bounded) for the CPUs to be quiet.
@@ -10,11 +13,13 @@ machine; by default it first waits (bounded) for the CPUs to be quiet.
 GB/s = (push bytes + pull bytes) / median push+pull cycle time, 1e9 bytes per GB.
 ratio_to_tcp = gbps / tcp_gbps, tcp_gbps being one-way raw TCP for the same payload
 (median of those transfers). --json prints a list of objects with payload_mib,
-shards, gbps and ratio_to_tcp (and push/pull/TCP GB/s, cycle times and the settings).
+shards, transport, gbps and ratio_to_tcp (and push/pull/TCP GB/s, cycle times and the
+settings), one per (size, shards, transport).
 
     python -m bench.ps_datapath                       # 16,64,256 MiB x 1,2,4 shards
     python -m bench.ps_datapath --json --repeats 7
     python -m bench.ps_datapath --quick --json        # CI smoke: 1 MiB, tiny
+    python -m bench.ps_datapath --transports tcp      # the data plane only
 """
 
 from __future__ import annotations
@@ -29,28 +34,36 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a file: make `bench` and `ps` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import grpc
 import torch
 
 from bench.baselines import MIB, TcpSink, readline_with_timeout, stop_process
-from ps import wire
+from ps import serde, wire
+from ps._gen.psar.v1 import ps_pb2 as pb
+from ps._gen.psar.v1 import ps_pb2_grpc as pb_grpc
 from ps.client import ClientConfig, PSClient
+from ps.dataplane_client import DEFAULT_MAX_FRAME_BYTES, DataPlaneClient
 from ps.job import Job
 from ps.partition import DEFAULT_CHUNK_BYTES, plan_slots
 from worker.optim import OptimizerConfig
 
 _HELLO = "psar server listening on "
+TRANSPORTS = ("grpc", "tcp")
 
 
 @dataclass
 class Result:
     payload_mib: float
     shards: int
+    transport: str
+    """"grpc" (PSClient over gRPC) or "tcp" (the shards' data plane, ps/dataplane.py)."""
     gbps: float
     """(push + pull bytes) / median cycle time, GB/s."""
     ratio_to_tcp: float
@@ -71,6 +84,8 @@ class Result:
     tensors: int
     chunk_mib: float
     message_mib: float
+    """gRPC: MiB per streamed message; tcp: MiB per piece frame (--frame-mib) pushed,
+    the shard's pull pieces are --message-mib."""
     shard_omp_threads: int
     """OMP_NUM_THREADS given to the shards (0: inherited)."""
     settle_s: float
@@ -206,8 +221,11 @@ def run_config(
     repeats: int,
     warmup: int,
     before_cycle: Callable[[bool], object] | None = None,
-) -> tuple[list[float], list[float]]:
-    """Push+pull `payload_bytes` through the shards; (push seconds, pull seconds) per repeat.
+    transports: Sequence[str] = ("grpc",),
+    frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+) -> dict[str, tuple[list[float], list[float]]]:
+    """Push+pull `payload_bytes` through the shards; per transport, (push seconds, pull
+    seconds) per repeat. Transports alternate cycle by cycle (A B A B ...).
 
     before_cycle(timed) runs before every cycle, outside its timing (timed is False
     for the warm-up cycles)."""
@@ -236,7 +254,10 @@ def run_config(
         for i in range(len(addresses))
     ]
     cfg = ClientConfig(message_bytes=message_bytes, max_message_bytes=max_message_bytes)
-    with PSClient(addresses, worker=0, cfg=cfg) as client:
+    planes: list[DataPlaneClient] = []
+    pool = ThreadPoolExecutor(len(addresses), thread_name_prefix="bench-dataplane")
+    with PSClient(addresses, worker=0, cfg=cfg) as client, contextlib.ExitStack() as stack:
+        stack.callback(pool.shutdown)
         client.set_slots(slots)
         # As ps/backend.py does: init (rank 0), read the jobs back (and the lease),
         # register, and keep the lease alive while we push and pull (or settle).
@@ -248,22 +269,91 @@ def run_config(
         grads, out = views(grads_full), views(pulled)
         headers = client.pull(clock=0, dtype=torch.float32, out=out)
         versions = [h.version for h in headers]
-        push_s, pull_s = [], []
-        for clock in range(1, warmup + repeats + 1):
+        if "tcp" in transports:
+            for host, port in data_planes(addresses):
+                planes.append(
+                    stack.enter_context(DataPlaneClient(host, port, max_frame_bytes=frame_bytes))
+                )
+        times: dict[str, tuple[list[float], list[float]]] = {t: ([], []) for t in transports}
+        cycles = (warmup + repeats) * len(transports)
+        for clock in range(1, cycles + 1):
+            transport = transports[(clock - 1) % len(transports)]
+            timed = clock > warmup * len(transports)
             if before_cycle is not None:
-                before_cycle(clock > warmup)
+                before_cycle(timed)
             t0 = time.perf_counter()
-            client.push(clock=clock, base_versions=versions, dtype=torch.float32, grads=grads)
-            t1 = time.perf_counter()
-            headers = client.pull(clock=clock, dtype=torch.float32, out=out)
+            if transport == "grpc":
+                client.push(clock=clock, base_versions=versions, dtype=torch.float32, grads=grads)
+                t1 = time.perf_counter()
+                headers = client.pull(clock=clock, dtype=torch.float32, out=out)
+                versions = [h.version for h in headers]
+            else:
+                _dataplane_push(pool, planes, client, clock, versions, grads)
+                t1 = time.perf_counter()
+                versions = _dataplane_pull(pool, planes, client, clock, out)
             t2 = time.perf_counter()
-            versions = [h.version for h in headers]
-            if clock > warmup:
-                push_s.append(t1 - t0)
-                pull_s.append(t2 - t1)
-        if versions != [warmup + repeats] * len(addresses):
-            raise RuntimeError(f"shards applied {versions} updates, expected {warmup + repeats}")
-    return push_s, pull_s
+            if timed:
+                times[transport][0].append(t1 - t0)
+                times[transport][1].append(t2 - t1)
+        if versions != [cycles] * len(addresses):
+            raise RuntimeError(f"shards applied {versions} updates, expected {cycles}")
+    return times
+
+
+def data_planes(addresses: Sequence[str]) -> list[tuple[str, int]]:
+    """(host, data port) of each shard, as GetJob advertises it."""
+    out = []
+    for a in addresses:
+        with grpc.insecure_channel(a) as channel:
+            reply = pb_grpc.ParameterServerStub(channel).GetJob(pb.GetJobRequest(), timeout=30)
+        if not reply.data_port:
+            raise RuntimeError(f"shard {a} has no data plane (started with --data-port -1?)")
+        out.append((a.rpartition(":")[0], reply.data_port))
+    return out
+
+
+def _dataplane_push(
+    pool: ThreadPoolExecutor,
+    planes: Sequence[DataPlaneClient],
+    client: PSClient,
+    clock: int,
+    versions: Sequence[int],
+    grads: dict[str, torch.Tensor],
+) -> None:
+    def one(i: int) -> pb.PushReply:
+        head = pb.PushHeader(
+            worker=client.worker,
+            clock=clock,
+            base_version=versions[i],
+            dtype=pb.FLOAT32,
+            loss_scale=1.0,
+            incarnation=client.incarnations[i],
+        )
+        items = [("data", s.key, 0, grads[s.key]) for s in client.slots_by_shard[i]]
+        return planes[i].push(head, items, timeout_s=client.cfg.timeout_s)
+
+    for reply in pool.map(one, range(len(planes))):
+        if not reply.applied:
+            raise RuntimeError(f"a data-plane push was not applied: {reply}")
+
+
+def _dataplane_pull(
+    pool: ThreadPoolExecutor,
+    planes: Sequence[DataPlaneClient],
+    client: PSClient,
+    clock: int,
+    out: dict[str, torch.Tensor],
+) -> list[int]:
+    def one(i: int) -> int:
+        req = pb.PullRequest(
+            worker=client.worker,
+            clock=clock,
+            dtype=serde.dtype_to_pb(torch.float32),
+            incarnation=client.incarnations[i],
+        )
+        return planes[i].pull(req, out, timeout_s=client.cfg.pull_timeout_s).version
+
+    return list(pool.map(one, range(len(planes))))
 
 
 # ---- the sweep -------------------------------------------------------------------------
@@ -304,6 +394,19 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "4 and 8 measured slower)",
     )
     p.add_argument(
+        "--transports",
+        type=lambda t: [x.strip() for x in t.split(",") if x.strip()],
+        default=list(TRANSPORTS),
+        help="grpc (PSClient), tcp (the shards' data plane), or both, alternating "
+        "(default grpc,tcp)",
+    )
+    p.add_argument(
+        "--frame-mib",
+        type=float,
+        default=DEFAULT_MAX_FRAME_BYTES / MIB,
+        help="tcp: MiB of tensor bytes per pushed piece frame (default: ps.dataplane_client's, 4)",
+    )
+    p.add_argument(
         "--shard-omp-threads",
         type=int,
         default=0,
@@ -341,8 +444,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error("--repeats and --tensors must be >= 1, --warmup >= 0")
     if any(s <= 0 for s in args.sizes) or any(n < 1 for n in args.shards):
         p.error("--sizes must be > 0 and --shards >= 1")
-    if args.chunk_mib <= 0 or args.message_mib <= 0:
-        p.error("--chunk-mib and --message-mib must be > 0")
+    if args.chunk_mib <= 0 or args.message_mib <= 0 or args.frame_mib <= 0:
+        p.error("--chunk-mib, --message-mib and --frame-mib must be > 0")
+    if not args.transports or set(args.transports) - set(TRANSPORTS):
+        p.error(f"--transports: a comma-separated subset of {','.join(TRANSPORTS)}")
     if min(args.settle_s, args.settle_budget_s, args.shard_omp_threads) < 0:
         p.error("--settle-s, --settle-budget-s and --shard-omp-threads must be >= 0")
     if not 0 <= args.settle_idle <= 1:
@@ -352,8 +457,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def run(args: argparse.Namespace, log: Callable[[str], object] = print) -> list[Result]:
     message_bytes = int(args.message_mib * MIB)
+    frame_bytes = int(args.frame_mib * MIB)
     # The shard refuses message_bytes > max/2; leave room for the piece header.
-    max_message_bytes = max(16 << 20, 2 * message_bytes + (1 << 20))
+    max_message_bytes = max(16 << 20, 2 * message_bytes + (1 << 20), frame_bytes)
     chunk_bytes = int(args.chunk_mib * MIB)
     results = []
     settle = Settler(args.settle_s, args.settle_idle, args.settle_budget_s)
@@ -379,7 +485,7 @@ def run(args: argparse.Namespace, log: Callable[[str], object] = print) -> list[
                     max_message_bytes=max_message_bytes,
                     omp_threads=args.shard_omp_threads,
                 ) as addresses:
-                    push_s, pull_s = run_config(
+                    times = run_config(
                         addresses,
                         payload_bytes=payload,
                         tensors=args.tensors,
@@ -389,49 +495,68 @@ def run(args: argparse.Namespace, log: Callable[[str], object] = print) -> list[
                         repeats=args.repeats,
                         warmup=args.warmup,
                         before_cycle=before_cycle,
+                        transports=args.transports,
+                        frame_bytes=frame_bytes,
                     )
                 tcp_gbps = payload / statistics.median(tcp_s) / 1e9
-                cycles = [a + b for a, b in zip(push_s, pull_s, strict=True)]
-                cycle = statistics.median(cycles)
-                gbps = 2 * payload / cycle / 1e9
-                r = Result(
-                    payload_mib=size,
-                    shards=shards,
-                    gbps=round(gbps, 4),
-                    ratio_to_tcp=round(gbps / tcp_gbps, 4),
-                    push_gbps=round(payload / statistics.median(push_s) / 1e9, 4),
-                    pull_gbps=round(payload / statistics.median(pull_s) / 1e9, 4),
-                    tcp_gbps=round(tcp_gbps, 4),
-                    cycle_ms=round(cycle * 1e3, 3),
-                    cycle_ms_min=round(min(cycles) * 1e3, 3),
-                    cycle_ms_max=round(max(cycles) * 1e3, 3),
-                    repeats=args.repeats,
-                    warmup=args.warmup,
-                    tensors=args.tensors,
-                    chunk_mib=args.chunk_mib,
-                    message_mib=args.message_mib,
-                    shard_omp_threads=args.shard_omp_threads,
-                    settle_s=args.settle_s,
-                    settle_wait_s=round(settle.waited_s - waited0, 2),
-                )
-                log(
-                    f"  {size:g} MiB x {shards} shards: {r.gbps:.2f} GB/s, raw TCP "
-                    f"{r.tcp_gbps:.2f} GB/s ({r.ratio_to_tcp:.2f}x)"
-                )
-                results.append(r)
+                for transport, (push_s, pull_s) in times.items():
+                    r = _result(args, size, shards, transport, payload, tcp_gbps, push_s, pull_s)
+                    r.settle_wait_s = round(settle.waited_s - waited0, 2)
+                    log(
+                        f"  {size:g} MiB x {shards} shards, {transport}: {r.gbps:.2f} GB/s, raw "
+                        f"TCP {r.tcp_gbps:.2f} GB/s ({r.ratio_to_tcp:.2f}x)"
+                    )
+                    results.append(r)
     return results
+
+
+def _result(
+    args: argparse.Namespace,
+    size: float,
+    shards: int,
+    transport: str,
+    payload: int,
+    tcp_gbps: float,
+    push_s: list[float],
+    pull_s: list[float],
+) -> Result:
+    cycles = [a + b for a, b in zip(push_s, pull_s, strict=True)]
+    cycle = statistics.median(cycles)
+    gbps = 2 * payload / cycle / 1e9
+    return Result(
+        payload_mib=size,
+        shards=shards,
+        transport=transport,
+        gbps=round(gbps, 4),
+        ratio_to_tcp=round(gbps / tcp_gbps, 4),
+        push_gbps=round(payload / statistics.median(push_s) / 1e9, 4),
+        pull_gbps=round(payload / statistics.median(pull_s) / 1e9, 4),
+        tcp_gbps=round(tcp_gbps, 4),
+        cycle_ms=round(cycle * 1e3, 3),
+        cycle_ms_min=round(min(cycles) * 1e3, 3),
+        cycle_ms_max=round(max(cycles) * 1e3, 3),
+        repeats=args.repeats,
+        warmup=args.warmup,
+        tensors=args.tensors,
+        chunk_mib=args.chunk_mib,
+        message_mib=args.message_mib if transport == "grpc" else args.frame_mib,
+        shard_omp_threads=args.shard_omp_threads,
+        settle_s=args.settle_s,
+        settle_wait_s=0.0,
+    )
 
 
 def format_table(results: Sequence[Result]) -> str:
     head = (
         f"{'MiB':>6} {'shards':>6} {'GB/s':>7} {'x TCP':>6} {'push':>7} {'pull':>7} "
-        f"{'TCP':>7} {'cycle ms':>9}"
+        f"{'TCP':>7} {'cycle ms':>9}  transport"
     )
     lines = [head]
     for r in results:
         lines.append(
             f"{r.payload_mib:>6g} {r.shards:>6} {r.gbps:>7.2f} {r.ratio_to_tcp:>6.2f} "
-            f"{r.push_gbps:>7.2f} {r.pull_gbps:>7.2f} {r.tcp_gbps:>7.2f} {r.cycle_ms:>9.1f}"
+            f"{r.push_gbps:>7.2f} {r.pull_gbps:>7.2f} {r.tcp_gbps:>7.2f} {r.cycle_ms:>9.1f}  "
+            f"{r.transport}"
         )
     return "\n".join(lines)
 
@@ -453,7 +578,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         print(
             f"PS data path, fp32, {args.tensors} tensors, chunk {args.chunk_mib:g} MiB, "
-            f"message {args.message_mib:g} MiB, median of {args.repeats} after "
+            f"message {args.message_mib:g} MiB (tcp frames {args.frame_mib:g} MiB), median of "
+            f"{args.repeats} after "
             f"{args.warmup} warm-up; GB/s = (push + pull bytes) / cycle"
         )
         print(format_table(results))

@@ -60,10 +60,10 @@ def run_one(name: str, out: Path, quick: bool, timeout: float) -> tuple[dict | N
 
 
 def datapath_table(doc: dict) -> str:
-    rows = [[r["payload_mib"], r["shards"], r["gbps"], r.get("tcp_gbps"), r["ratio_to_tcp"]]
-            for r in doc["results"]]  # fmt: skip
+    rows = [[r["payload_mib"], r["shards"], r.get("transport", "grpc"), r["gbps"],
+             r.get("tcp_gbps"), r["ratio_to_tcp"]] for r in doc["results"]]  # fmt: skip
     return "## PS data path\n\n" + c.md_table(
-        ["payload MiB", "shards", "push+pull GB/s", "raw TCP GB/s", "x TCP"], rows
+        ["payload MiB", "shards", "transport", "push+pull GB/s", "raw TCP GB/s", "x TCP"], rows
     )
 
 
@@ -84,9 +84,10 @@ def goals(docs: dict[str, dict]) -> list[str]:
         out.append(f"- {what}: {c.fmt(value)} (goal {goal}): **{verdict}**")
 
     if d := docs.get("ps_datapath"):
-        big = max((r["payload_mib"] for r in d["results"]), default=None)
-        worst = min((r["ratio_to_tcp"] for r in d["results"] if r["payload_mib"] == big),
-                    default=None)  # fmt: skip
+        # The goal is the data plane's ("tcp" rows) where the run measured it.
+        res = [r for r in d["results"] if r.get("transport") == "tcp"] or d["results"]
+        big = max((r["payload_mib"] for r in res), default=None)
+        worst = min((r["ratio_to_tcp"] for r in res if r["payload_mib"] == big), default=None)
         line(f"PS data path, push+pull / raw TCP at {c.fmt(big)} MiB, worst shard count",
              worst, ">= 0.5x", None if worst is None else worst >= 0.5)  # fmt: skip
     if d := docs.get("allreduce_overhead"):

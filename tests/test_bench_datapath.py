@@ -30,9 +30,14 @@ def test_ps_datapath_quick_json_schema() -> None:
     )
     rows = json.loads(proc.stdout)
     assert isinstance(rows, list)
-    assert [(r["payload_mib"], r["shards"]) for r in rows] == [(1.0, 1), (1.0, 2)]
+    assert [(r["payload_mib"], r["shards"], r["transport"]) for r in rows] == [
+        (1.0, 1, "grpc"),
+        (1.0, 1, "tcp"),
+        (1.0, 2, "grpc"),
+        (1.0, 2, "tcp"),
+    ]
     for r in rows:
-        for key in ("payload_mib", "shards", "gbps", "ratio_to_tcp"):
+        for key in ("payload_mib", "shards", "transport", "gbps", "ratio_to_tcp"):
             assert key in r, key
         assert isinstance(r["shards"], int)
         for key in ("gbps", "ratio_to_tcp", "push_gbps", "pull_gbps", "tcp_gbps"):
