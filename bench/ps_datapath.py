@@ -3,9 +3,10 @@
 Each shard is a real `psar server` process; the client is ps.client.PSClient used as a
 worker uses it (init with ps.job.Job objects from ps.partition.plan_slots, then
 push/pull in a loop, mode async, one worker, so nothing ever waits on a barrier).
-Two transports move the same push and pull, cycles alternating on the same shards:
-"grpc" (PSClient.push/pull) and "tcp", the shards' data plane (ps/dataplane.py: one
-ps.dataplane_client.DataPlaneClient per shard, port from GetJob, shards in parallel).
+Two transports move the same push and pull through the same PSClient calls, cycles
+alternating on the same shards: "grpc" (--data-plane grpc) and "tcp", the shards' data
+plane (ps/dataplane.py; PSClient talks to it with one DataPlaneClient per shard, port
+from GetJob, shards in parallel).
 Right before every cycle the same script times one raw loopback TCP transfer of the
 same payload (bench/baselines.py), so the ratio compares like with like on a noisy
 machine; by default it first waits (bounded) for the CPUs to be quiet.
@@ -34,22 +35,18 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a file: make `bench` and `ps` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import grpc
 import torch
 
 from bench.baselines import MIB, TcpSink, readline_with_timeout, stop_process
-from ps import serde, wire
-from ps._gen.psar.v1 import ps_pb2 as pb
-from ps._gen.psar.v1 import ps_pb2_grpc as pb_grpc
+from ps import wire
 from ps.client import ClientConfig, PSClient
-from ps.dataplane_client import DEFAULT_MAX_FRAME_BYTES, DataPlaneClient
+from ps.dataplane_client import DEFAULT_MAX_FRAME_BYTES
 from ps.job import Job
 from ps.partition import DEFAULT_CHUNK_BYTES, plan_slots
 from worker.optim import OptimizerConfig
@@ -253,107 +250,51 @@ def run_config(
         )
         for i in range(len(addresses))
     ]
-    cfg = ClientConfig(message_bytes=message_bytes, max_message_bytes=max_message_bytes)
-    planes: list[DataPlaneClient] = []
-    pool = ThreadPoolExecutor(len(addresses), thread_name_prefix="bench-dataplane")
-    with PSClient(addresses, worker=0, cfg=cfg) as client, contextlib.ExitStack() as stack:
-        stack.callback(pool.shutdown)
+    cfg = ClientConfig(
+        message_bytes=message_bytes,
+        max_message_bytes=max_message_bytes,
+        data_frame_bytes=frame_bytes,
+        data_plane="auto",
+    )
+    # The client a worker uses; cfg.data_plane picks the transport of each cycle.
+    with PSClient(addresses, worker=0, cfg=cfg) as client:
         client.set_slots(slots)
-        # As ps/backend.py does: init (rank 0), read the jobs back (and the lease),
-        # register, and keep the lease alive while we push and pull (or settle).
+        # As ps/backend.py does: init (rank 0), read the jobs back (and the lease and
+        # data ports), register, and keep the lease alive while we push and pull.
         client.init(jobs, views(weights))
         if client.get_jobs(wait=True) != jobs:
             raise RuntimeError("the shards serve a different job than the one sent")
+        if "tcp" in transports and not all(client._data_ports):
+            raise RuntimeError("a shard has no data plane (started with --data-port -1?)")
         client.register(clock=0)
         client.start_heartbeats()
         grads, out = views(grads_full), views(pulled)
         headers = client.pull(clock=0, dtype=torch.float32, out=out)
         versions = [h.version for h in headers]
-        if "tcp" in transports:
-            for host, port in data_planes(addresses):
-                planes.append(
-                    stack.enter_context(DataPlaneClient(host, port, max_frame_bytes=frame_bytes))
-                )
         times: dict[str, tuple[list[float], list[float]]] = {t: ([], []) for t in transports}
         cycles = (warmup + repeats) * len(transports)
         for clock in range(1, cycles + 1):
             transport = transports[(clock - 1) % len(transports)]
+            cfg.data_plane = transport
             timed = clock > warmup * len(transports)
             if before_cycle is not None:
                 before_cycle(timed)
             t0 = time.perf_counter()
-            if transport == "grpc":
-                client.push(clock=clock, base_versions=versions, dtype=torch.float32, grads=grads)
-                t1 = time.perf_counter()
-                headers = client.pull(clock=clock, dtype=torch.float32, out=out)
-                versions = [h.version for h in headers]
-            else:
-                _dataplane_push(pool, planes, client, clock, versions, grads)
-                t1 = time.perf_counter()
-                versions = _dataplane_pull(pool, planes, client, clock, out)
+            replies = client.push(
+                clock=clock, base_versions=versions, dtype=torch.float32, grads=grads
+            )
+            t1 = time.perf_counter()
+            headers = client.pull(clock=clock, dtype=torch.float32, out=out)
             t2 = time.perf_counter()
+            versions = [h.version for h in headers]
+            if not all(r.applied for r in replies):
+                raise RuntimeError(f"a push was not applied: {replies}")
             if timed:
                 times[transport][0].append(t1 - t0)
                 times[transport][1].append(t2 - t1)
         if versions != [cycles] * len(addresses):
             raise RuntimeError(f"shards applied {versions} updates, expected {cycles}")
     return times
-
-
-def data_planes(addresses: Sequence[str]) -> list[tuple[str, int]]:
-    """(host, data port) of each shard, as GetJob advertises it."""
-    out = []
-    for a in addresses:
-        with grpc.insecure_channel(a) as channel:
-            reply = pb_grpc.ParameterServerStub(channel).GetJob(pb.GetJobRequest(), timeout=30)
-        if not reply.data_port:
-            raise RuntimeError(f"shard {a} has no data plane (started with --data-port -1?)")
-        out.append((a.rpartition(":")[0], reply.data_port))
-    return out
-
-
-def _dataplane_push(
-    pool: ThreadPoolExecutor,
-    planes: Sequence[DataPlaneClient],
-    client: PSClient,
-    clock: int,
-    versions: Sequence[int],
-    grads: dict[str, torch.Tensor],
-) -> None:
-    def one(i: int) -> pb.PushReply:
-        head = pb.PushHeader(
-            worker=client.worker,
-            clock=clock,
-            base_version=versions[i],
-            dtype=pb.FLOAT32,
-            loss_scale=1.0,
-            incarnation=client.incarnations[i],
-        )
-        items = [("data", s.key, 0, grads[s.key]) for s in client.slots_by_shard[i]]
-        return planes[i].push(head, items, timeout_s=client.cfg.timeout_s)
-
-    for reply in pool.map(one, range(len(planes))):
-        if not reply.applied:
-            raise RuntimeError(f"a data-plane push was not applied: {reply}")
-
-
-def _dataplane_pull(
-    pool: ThreadPoolExecutor,
-    planes: Sequence[DataPlaneClient],
-    client: PSClient,
-    clock: int,
-    out: dict[str, torch.Tensor],
-) -> list[int]:
-    def one(i: int) -> int:
-        req = pb.PullRequest(
-            worker=client.worker,
-            clock=clock,
-            dtype=serde.dtype_to_pb(torch.float32),
-            incarnation=client.incarnations[i],
-        )
-        return planes[i].pull(req, out, timeout_s=client.cfg.pull_timeout_s).version
-
-    return list(pool.map(one, range(len(planes))))
 
 
 # ---- the sweep -------------------------------------------------------------------------

@@ -2,16 +2,22 @@
 
 In one process tree and one run, on the reference workload (MLP 784-1024-1024-10, batch
 128 per worker, SGD momentum, fp32, one compute thread per process) with each worker
-count: psar `--arch ps --mode sync` with 1 and 2 shards, psar `--arch allreduce`, a plain
-DDP script (bench/plain_ddp.py), a plain RPC parameter server written the PyTorch RPC
-tutorial's way (bench/rpc_ps_baseline.py), and a no-communication run (plain_ddp.py
---no-comm: the same processes doing the same compute and optimizer step, no DDP). The
-configurations alternate A B C ... A B C ... over the repeats; medians are reported.
+count: psar `--arch ps --mode sync` with 1 and 2 shards (defaults: overlap on, the TCP
+data plane), the same with 1 shard and `--no-overlap`, and with `--data-plane grpc`
+(what each of the two contributes), psar `--arch allreduce`, a plain DDP script
+(bench/plain_ddp.py), a plain RPC parameter server written the PyTorch RPC tutorial's
+way (bench/rpc_ps_baseline.py), and a no-communication run (plain_ddp.py --no-comm: the
+same processes doing the same compute and optimizer step, no DDP). The configurations
+alternate A B C ... A B C ... over the repeats; medians are reported.
 
 samples/s = every worker's samples per step / its median step time, added up
-(bench/common.py robust_rate). The step logs carry no per-phase times, so exposed
-communication per step = median step time - the no-communication run's median step
-time, measured alongside (the same CPU contention, so it is what communication costs).
+(bench/common.py robust_rate). Exposed communication per step, two ways: (1) median
+step time - the no-communication run's median step time, measured alongside (the same
+CPU contention, so it is what communication costs; works for every run); (2) for psar
+PS runs, the median of the step phases push + wait + pull from the step logs: time the
+training thread was blocked on communication (the rest was hidden behind compute).
+Goals (issue #10, 2 workers): ps-sync >= 1.0x plain DDP and >= 1.3x the RPC pattern;
+psar allreduce >= 0.97x plain DDP. The JSON's `goals` says what was reached.
 
     python -m bench.step_throughput                  # 2 and 4 workers, 3 repeats
     python -m bench.step_throughput --quick --json   # 2 workers, 1 repeat
@@ -19,6 +25,7 @@ time, measured alongside (the same CPU contention, so it is what communication c
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -28,8 +35,13 @@ if __package__ in (None, ""):
 from bench import common as c
 from bench.allreduce_overhead import run_plain, run_psar
 
-CONFIGS = ("plain-ddp", "psar-allreduce", "psar-ps-sync-1", "psar-ps-sync-2", "rpc-ps")
+CONFIGS = ("plain-ddp", "psar-allreduce", "psar-ps-sync-1", "psar-ps-sync-2",
+           "psar-ps-sync-1-no-overlap", "psar-ps-sync-1-grpc", "rpc-ps")  # fmt: skip
 BASELINE = "plain-ddp"
+# Run folder prefix of each psar PS configuration (their step logs carry phases).
+PS_DIRS = {"psar-ps-sync-1": "ps1", "psar-ps-sync-2": "ps2",
+           "psar-ps-sync-1-no-overlap": "ps1-plain", "psar-ps-sync-1-grpc": "ps1-grpc"}  # fmt: skip
+EXPOSED = ("push", "wait", "pull")
 
 
 def run_rpc(out: Path, workers: int, steps: int, timeout: float) -> c.Run:
@@ -37,9 +49,24 @@ def run_rpc(out: Path, workers: int, steps: int, timeout: float) -> c.Run:
     return c.ddp_job(out, workers=workers + 1, py_args=py, timeout=timeout)
 
 
-def run_ps(out: Path, workers: int, shards: int, steps: int, timeout: float) -> c.Run:
-    train = [*c.REF_TRAIN, "--steps", str(steps)]
+def run_ps(out: Path, workers: int, shards: int, steps: int, timeout: float,
+           *extra: str) -> c.Run:  # fmt: skip
+    train = [*c.REF_TRAIN, "--steps", str(steps), *extra]
     return c.ps_job(out, workers=workers, shards=shards, mode="sync", train=train, timeout=timeout)
+
+
+def phase_ms(out: Path) -> dict[str, float]:
+    """Median ms per step of each communication phase, averaged over the workers."""
+    per: dict[str, list[float]] = {k: [] for k in (*EXPOSED, "exposed")}
+    for path in sorted(out.glob("steps-ps-rank*.jsonl")):
+        recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        recs = recs[c.warmup_steps(len(recs)) :]
+        for k in EXPOSED:
+            per[k].append(1e3 * c.median([r.get("phases", {}).get(k, 0.0) for r in recs]))
+        per["exposed"].append(
+            1e3 * c.median([sum(r.get("phases", {}).get(k, 0.0) for k in EXPOSED) for r in recs])
+        )
+    return {k: sum(v) / len(v) for k, v in per.items() if v}
 
 
 def measure(out: Path, *, workers: int, steps: int, repeats: int, timeout: float) -> dict:
@@ -50,6 +77,12 @@ def measure(out: Path, *, workers: int, steps: int, repeats: int, timeout: float
         "psar-allreduce": lambda i: run_psar(d / f"allreduce-{i}", workers, steps, timeout),
         "psar-ps-sync-1": lambda i: run_ps(d / f"ps1-{i}", workers, 1, steps, timeout),
         "psar-ps-sync-2": lambda i: run_ps(d / f"ps2-{i}", workers, 2, steps, timeout),
+        "psar-ps-sync-1-no-overlap": lambda i: run_ps(
+            d / f"ps1-plain-{i}", workers, 1, steps, timeout, "--no-overlap"
+        ),
+        "psar-ps-sync-1-grpc": lambda i: run_ps(
+            d / f"ps1-grpc-{i}", workers, 1, steps, timeout, "--data-plane", "grpc"
+        ),
         "rpc-ps": lambda i: run_rpc(d / f"rpc-{i}", workers, steps, timeout),
     }
     got = c.alternate(runs, repeats)
@@ -65,27 +98,59 @@ def measure(out: Path, *, workers: int, steps: int, repeats: int, timeout: float
             "exposed_comm_ms": 1e3 * (step[name] - compute),
             "per_repeat_samples_per_sec": [c.robust_rate(r) for r in got[name]],
         }
+        if name in PS_DIRS:
+            phases = [phase_ms(d / f"{PS_DIRS[name]}-{i}") for i in range(repeats)]
+            rows[name]["phase_ms"] = {
+                k: c.median([p[k] for p in phases if k in p]) for k in (*EXPOSED, "exposed")
+            }
+            rows[name]["ratio_to_rpc"] = rate[name] / rate["rpc-ps"]
     return {"workers": workers, "steps": steps, "repeats": repeats,
             "compute_ms_no_comm": 1e3 * compute, "no_comm_samples_per_sec": rate["no-comm"],
             "runs": rows}  # fmt: skip
 
 
+def goals(results: list[dict]) -> dict:
+    """Issue #10's goals, judged on the 2-worker results (if measured)."""
+    two = [m for m in results if m["workers"] == 2]
+    if not two:
+        return {}
+    runs = two[0]["runs"]
+    got = {
+        "ps_sync_over_plain_ddp": runs["psar-ps-sync-1"]["ratio_to_plain_ddp"],
+        "ps_sync_over_rpc": runs["psar-ps-sync-1"]["ratio_to_rpc"],
+        "allreduce_over_plain_ddp": runs["psar-allreduce"]["ratio_to_plain_ddp"],
+    }
+    want = {
+        "ps_sync_over_plain_ddp": 1.0,
+        "ps_sync_over_rpc": 1.3,
+        "allreduce_over_plain_ddp": 0.97,
+    }
+    return {k: {"measured": v, "goal": want[k], "met": v >= want[k]} for k, v in got.items()}
+
+
 def table(doc: dict) -> str:
-    head = ["workers", "run", "samples/s", "x plain DDP", "step ms", "exposed comm ms/step"]
+    head = ["workers", "run", "samples/s", "x plain DDP", "x rpc-ps", "step ms",
+            "exposed comm ms/step", "blocked on push / wait / pull ms"]  # fmt: skip
     rows = []
     for m in doc["results"]:
         rows.append([m["workers"], "no communication (compute only)", m["no_comm_samples_per_sec"],
-                     None, m["compute_ms_no_comm"], 0.0])  # fmt: skip
+                     None, None, m["compute_ms_no_comm"], 0.0, None])  # fmt: skip
         for name, r in m["runs"].items():
+            ph = r.get("phase_ms")
+            split = " / ".join(c.fmt(ph[k]) for k in EXPOSED) if ph else None
             rows.append([m["workers"], name, r["samples_per_sec"], r["ratio_to_plain_ddp"],
-                         r["step_ms"], r["exposed_comm_ms"]])  # fmt: skip
+                         r.get("ratio_to_rpc"), r["step_ms"], r["exposed_comm_ms"], split])  # fmt: skip
     m0 = doc["results"][0]
+    lines = [f"- {k}: {c.fmt(g['measured'])} (goal >= {g['goal']}: {'met' if g['met'] else 'not met'})"
+             for k, g in doc.get("goals", {}).items()]  # fmt: skip
     return (
         "## Step throughput (psar vs plain DDP vs a plain RPC parameter server)\n\n"
         + c.md_table(head, rows)
         + f"\n\nReference workload, {m0['steps']} steps per run, median of {m0['repeats']} "
-        "alternated repeats. Exposed comm = step time - the no-communication run's step "
-        "time (same processes, same contention; the step logs carry no phase times)."
+        "alternated repeats. psar PS runs: overlap on and the TCP data plane unless the name "
+        "says otherwise. Exposed comm = step time - the no-communication run's step time "
+        "(same processes, same contention). Blocked on push / wait / pull = medians of the "
+        "psar step phases: time the training thread waited on communication.\n\n" + "\n".join(lines)
     )
 
 
@@ -104,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     for n in workers:
         c.log(f"step_throughput: {n} workers")
         results.append(measure(out, workers=n, steps=steps, repeats=repeats, timeout=args.timeout))
-    doc = {"baseline": BASELINE, "results": results}
+    doc = {"baseline": BASELINE, "results": results, "goals": goals(results)}
     return c.finish(args, out, "step_throughput", doc, table(doc))
 
 

@@ -5,11 +5,16 @@ shard, then the new weights are pulled back. Pulls wait as the consistency mode
 requires (the sync round closes; the slowest SSP worker catches up). In sync mode the
 loss scale comes from the shards with every pull, so workers never drift apart.
 
+With --overlap (the default) the push streams bucket by bucket while backward runs,
+and the pull runs on in the background after step() returns: the next forward waits
+only for the layers it reaches (ps/overlap.py). The phases reported per step (push,
+wait, pull) are the *exposed* parts: time the training thread spent blocked on them.
+
 Faults (docs/reliability.md): the worker registers on every shard at start (a restarted
 worker continues from the shards' record of its clock), heartbeats to keep its lease,
-and when a shard says it was restored or rolled back, or that the worker's lease
-expired, it re-registers (`_resync`); in sync mode it first rolls every shard back to
-the same checkpointed round, so the job stays consistent.
+and re-registers when a shard asks for it (ps/backend_resync.py). A pull that fails
+after a forward already used part of its weights makes that step a skipped one: its
+gradient is never pushed, so no gradient of mixed weights is ever applied.
 """
 
 from __future__ import annotations
@@ -18,25 +23,28 @@ import contextlib
 import logging
 import secrets
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from ps import auth
+from ps.backend_overlap import OverlapMixin
+from ps.backend_resync import _MAX_RESYNCS, ResyncMixin
 from ps.client import ClientConfig, NeedsResync, PSClient
 from ps.job import Job
 from ps.partition import Slot, bytes_per_shard, plan_slots
+from ps.pushdata import PullHeader
 from worker.backend import StepOutcome
 from worker.config import TrainConfig
 from worker.nullmetrics import NullMetrics
 from worker.optim import DynamicLossScale, LossScaleConfig, effective_loss_scale, with_run_length
-from worker.precision import PrecisionPolicy, all_finite
+from worker.precision import PrecisionPolicy
 
 log = logging.getLogger("psar.ps")
-_MAX_RESYNCS = 50
 
 
-class PSBackend:
+class PSBackend(OverlapMixin, ResyncMixin):
     arch = "ps"
 
     def __init__(
@@ -108,6 +116,7 @@ class PSBackend:
                 tls_key=ps.tls_key,
                 tls_server_name=ps.tls_server_name,
                 auth_token=auth.read_token(ps.auth_token_file) if ps.auth_token_file else "",
+                data_plane=ps.data_plane,
             ),
         )
         self.client.set_slots(self.slots)
@@ -153,10 +162,12 @@ class PSBackend:
         self._known_restores: list[int] | None = None
         self._pushed: int | None = None
         self._push_args: dict[str, Any] = {}
+        self._setup_overlap(model)
         self._resync(fresh=True)
         self.start_step = self.clock
         self.client.start_heartbeats()
         self._pull_resyncing()
+        self.buckets.begin_step()
         return model
 
     def _jobs(self) -> list[Job]:
@@ -185,44 +196,53 @@ class PSBackend:
     # ---- the step -------------------------------------------------------------------
 
     def no_sync(self) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()  # nothing travels until step()
+        return self._accumulating()  # nothing travels until the last micro-batch
+
+    @contextlib.contextmanager
+    def _accumulating(self) -> Iterator[None]:
+        self.buckets.accumulating = True
+        try:
+            yield
+        finally:
+            self.buckets.accumulating = False
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return loss * self.loss_scale if self.loss_scale != 1.0 else loss
 
     def step(self) -> StepOutcome:
         t0 = time.perf_counter()
-        finite = True
-        for s in self.slots:
-            g = self.params[s.param].grad
-            buf = self._send[s.key]
-            if g is None:
-                buf.zero_()  # no gradient this step: contributes zero (see docs/architectures.md)
-            else:
-                buf.copy_(g.reshape(-1)[s.start : s.start + s.numel], non_blocking=True)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        finite = finite and all_finite(self._send.values())
-        if self.sparse:  # row gradients go first, for the same clock
-            finite = self.sparse.push(self.clock + 1, finite, self.loss_scale)
-        replies = None
+        fwd_wait = self.gate.take_waited()
+        if self._push_future is None:
+            self._start_push()  # no hook fired (overlap off, or no gradient at all)
+        finite = self.buckets.finish()
+        if self._poisoned:
+            # A background pull failed after this step's forward had used part of its
+            # weights: the gradient is of mixed weights. It is not pushed; the clock
+            # stays, so the next step fills the same round.
+            self._poisoned = False
+            self.buckets.begin_step()
+            return StepOutcome(skipped=True, loss_scale=self.loss_scale, staleness=0)
+        future, self._push_future = self._push_future, None
         self._push_args = {
             "dtype": self.precision.wire,
             "loss_scale": self.loss_scale,
             "overflow": not finite,
         }
         self._pushed = None
+        replies = None
         for attempt in range(_MAX_RESYNCS):
             try:
-                replies = self.client.push(
-                    clock=self.clock + 1,
-                    base_versions=self.versions,
-                    dtype=self.precision.wire,
-                    grads=self._send,
-                    loss_scale=self.loss_scale,
-                    overflow=not finite,
-                    retry=attempt > 0,
-                )
+                if attempt == 0:
+                    assert future is not None
+                    replies = future.result()
+                else:
+                    replies = self.client.push(
+                        clock=self.clock + 1,
+                        base_versions=self.versions,
+                        grads=self._send,
+                        retry=True,
+                        **self._push_args,
+                    )
                 break
             except NeedsResync as e:
                 before = self.clock
@@ -232,6 +252,7 @@ class PSBackend:
                     # moved on without us): drop it and continue from the new weights.
                     self._pull_resyncing()
                     self._sync_scale()
+                    self.buckets.begin_step()
                     return StepOutcome(skipped=True, loss_scale=self.loss_scale, staleness=0)
         if replies is None:
             raise RuntimeError(f"worker {self.rank}: could not resync with the shards")
@@ -242,7 +263,10 @@ class PSBackend:
         if finite:
             self.bytes_pushed += sum(b.numel() * b.element_size() for b in self._send.values())
         t1 = time.perf_counter()
-        wait = self._pull_resyncing()
+        if self.overlap_pull and self.clock < self.total_steps:
+            wait = self._pull_in_background()
+        else:
+            wait = self._pull_resyncing()  # the last step: everything lands before eval/save
         t2 = time.perf_counter()
         staleness = max(int(r.staleness) for r in replies)
         if self.mode == "sync":
@@ -252,11 +276,16 @@ class PSBackend:
             skipped = not finite
             self._local_scale.update(overflow=skipped)
             self.loss_scale = self._local_scale.scale
+        self.buckets.begin_step()
         return StepOutcome(
             skipped=skipped,
             loss_scale=self.loss_scale,
             staleness=staleness,
-            phases={"push": t1 - t0, "wait": wait, "pull": max(0.0, t2 - t1 - wait)},
+            phases={
+                "push": t1 - t0,
+                "wait": wait,
+                "pull": max(0.0, t2 - t1 - wait) + fwd_wait,
+            },
         )
 
     def _sync_scale(self) -> None:
@@ -274,140 +303,31 @@ class PSBackend:
 
     def _pull(self) -> float:
         """Pull the newest weights this worker may see; returns seconds spent waiting."""
+        self._await_pull()
         dtype = self.precision.weights
-        self._headers = self.client.pull(clock=self.clock, dtype=dtype, out=self._recv)
-        self.versions = [h.version for h in self._headers]
-        self._seen_versions = [
-            max(a, b) for a, b in zip(self._seen_versions, self.versions, strict=True)
-        ]
+        headers = self.client.pull(clock=self.clock, dtype=dtype, out=self._recv)
+        self._took_headers(headers)
         if self.device.type == "cuda":
             for s in self.slots:
                 self._view(s).copy_(self._recv[s.key], non_blocking=True)
-        self.bytes_pulled += sum(s.numel for s in self.slots) * dtype.itemsize
-        if self.mode == "sync":
-            self.loss_scale = self._headers[0].loss_scale
+        self.gate.complete()
         # The shards answer only once the round/bound allows: time to the first reply
         # message is the wait; the rest of the pull is the transfer.
         return self.client.last_pull_wait_s
 
-    # ---- faults ---------------------------------------------------------------------
-
-    def _resync(
-        self, *, fresh: bool, cause: Exception | None = None, pushed: int | None = None
-    ) -> None:
-        """(Re-)register on every shard and agree on this worker's clock.
-
-        sync: if a shard was restored (or rolled back) to an earlier round, every shard
-        further on is rolled back to a checkpoint at or before it, until all agree;
-        then the worker joins at the next round boundary. async/ssp: the worker keeps
-        its clock (a fresh process takes the shards' record of it).
-
-        `pushed` (sync): the clock of the gradient still in the send buffers, pushed
-        but not yet pulled back. A restored shard whose open round is that one lost the
-        push with its crash: the worker joins that open round and pushes it again.
-        """
-        if cause is not None:
-            log.warning("worker %d: %s; re-registering", self.rank, cause)
-            self.resyncs += 1
-        old_inc, old_clock = list(self.client.incarnations), self.clock
-        for _ in range(_MAX_RESYNCS):
-            q = self.client.register(query=True)
-            if self.mode == "sync":
-                flagged = [r["rounds"] for r in q if r["restored"]]
-                ahead = [r["shard"] for r in q if flagged and r["rounds"] > min(flagged)]
-                if ahead:
-                    for i in ahead:
-                        self.client.rollback(i, min(flagged))
-                    continue
-                clock = max([r["rounds"] for r in q] + [r["clock"] for r in q])
-            else:
-                clock = max(r["clock"] for r in q) if fresh else self.clock
-            lost = []
-            if self.mode == "sync" and pushed is not None and pushed == clock:
-                lost = [r["shard"] for r in q if r["clock"] < clock and r["rounds"] == clock - 1]
-            try:
-                regs = self._register(clock, lost)
-                if lost:
-                    self.client.push(
-                        clock=clock,
-                        base_versions=[r["version"] for r in q],
-                        grads=self._send,
-                        retry=True,
-                        shards=lost,
-                        **self._push_args,
-                    )
-            except NeedsResync as e:  # too late (the round closed meanwhile) or restored
-                log.info("worker %d: register: %s; again", self.rank, e)
-                continue
-            break
-        else:
-            raise RuntimeError(f"worker {self.rank}: could not register with the shards")
-        self.clock = clock
-        self.rejoined = self.rejoined or any(r["rejoined"] for r in regs)
-        self._count_restores(regs, old_inc, old_clock, fresh)
-        self.versions = [min(v, r["version"]) for v, r in zip(self.versions, regs, strict=True)]
-
-    def _register(self, clock: int, rejoin_open: list[int]) -> list[dict[str, Any]]:
-        """Register at `clock` everywhere, except on the shards in `rejoin_open`, where
-        the worker joins the open round (clock - 1) to push it again."""
-        if not rejoin_open:
-            return self.client.register(clock=clock, instance=self.instance)
-        rest = [i for i in range(len(self.addresses)) if i not in rejoin_open]
-        got = dict(
-            zip(
-                rejoin_open,
-                self.client.register(clock=clock - 1, instance=self.instance, shards=rejoin_open),
-                strict=True,
-            )
-        )
-        if rest:
-            regs = self.client.register(clock=clock, instance=self.instance, shards=rest)
-            got.update(zip(rest, regs, strict=True))
-        log.warning("worker %d: re-pushing round %d to shards %s", self.rank, clock, rejoin_open)
-        return [got[i] for i in range(len(self.addresses))]
-
-    def _count_restores(
-        self, regs: list[dict[str, Any]], old_inc: list[int], old_clock: int, fresh: bool
-    ) -> None:
-        """Count a restore/rollback and the updates it undid, as this worker saw them:
-        sync: the rounds of this worker's clock that were undone (its pushed round
-        included); async/ssp: the newest version it had seen minus the restored one."""
-        known = self._known_restores
-        self._known_restores = [r["restores"] for r in regs]
-        if fresh or known is None:
-            return
-        if any(r["restores"] > k for r, k in zip(regs, known, strict=True)):
-            if self.mode == "sync":
-                lost = max(0, old_clock - self.clock)
-            else:
-                lost = max(
-                    (
-                        max(0, seen - r["version"])
-                        for seen, r, inc in zip(self._seen_versions, regs, old_inc, strict=True)
-                        if r["incarnation"] != inc
-                    ),
-                    default=0,
-                )
-            self.restores += 1
-            self.rolled_back_updates += lost
-            log.warning("worker %d: shards restored; %d updates rolled back", self.rank, lost)
-        self._seen_versions = [r["version"] for r in regs]
-
-    def fault_report(self) -> dict[str, Any]:
-        """Fault-tolerance figures for the run's report."""
-        return {
-            "start_step": self.start_step,
-            "restores": self.restores,
-            "rolled_back_updates": self.rolled_back_updates,
-            "resyncs": self.resyncs,
-            "rejoined": self.rejoined,
-            **(self.sparse.report() if self.sparse else {}),
-        }
-
-    def comm_bytes(self) -> dict[str, int]:
-        return {"bytes_pushed": self.bytes_pushed, "bytes_pulled": self.bytes_pulled}
+    def _took_headers(self, headers: list[PullHeader]) -> None:
+        dtype = self.precision.weights
+        self._headers = headers
+        self.versions = [h.version for h in self._headers]
+        self._seen_versions = [
+            max(a, b) for a, b in zip(self._seen_versions, self.versions, strict=True)
+        ]
+        self.bytes_pulled += sum(s.numel for s in self.slots) * dtype.itemsize
+        if self.mode == "sync":
+            self.loss_scale = self._headers[0].loss_scale
 
     def state_dict(self) -> dict[str, Any]:
+        self._await_pull()
         state = self.model.state_dict()
         if self.sparse:  # the worker holds no tables: fetch them from the shards
             state = self.sparse.fill_state(state)
@@ -425,5 +345,10 @@ class PSBackend:
         return self.client.stats()
 
     def finish(self) -> None:
+        self._await_pull()
+        self.buckets.detach()
+        self.gate.detach()
+        self._push_pool.shutdown(wait=False)
+        self._pull_pool.shutdown(wait=False)
         self.client.leave()
         self.client.close()

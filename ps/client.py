@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -28,8 +28,11 @@ import torch
 from ps import auth, serde, wire
 from ps._gen.psar.v1 import ps_pb2 as pb
 from ps._gen.psar.v1 import ps_pb2_grpc as pb_grpc
+from ps.client_dataplane import DataPlaneCalls
 from ps.client_membership import MembershipCalls
+from ps.dataplane_client import DEFAULT_MAX_FRAME_BYTES, DataPlaneClient
 from ps.job import Job
+from ps.overlap import PushItem
 from ps.partition import Slot
 from ps.server import DEFAULT_MAX_MESSAGE_BYTES, grpc_options
 from ps.shard import PullHeader, PushHeader
@@ -83,9 +86,32 @@ class ClientConfig:
     """Expect this name in the shards' certificates instead of the address's host."""
     auth_token: str = ""
     """Bearer token sent with every call (empty: none)."""
+    data_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
+    """Data plane: tensor bytes per pushed frame (at most the shard's max message bytes)."""
+    data_plane: str = "auto"
+    """Where tensor bytes travel: tcp (the shards' plain-TCP data plane, ps/dataplane.py),
+    grpc, or auto (tcp where a shard offers it and TLS is off, else grpc)."""
+
+    def __post_init__(self) -> None:
+        if self.data_plane not in DATA_PLANES:
+            raise ValueError(
+                f"--data-plane: unknown {self.data_plane!r}; accepted: {', '.join(DATA_PLANES)}"
+            )
+        if self.data_plane == "tcp" and self.tls:
+            raise ValueError(
+                "--data-plane tcp sends tensors in plaintext, but TLS is on (--tls-*): use "
+                "--data-plane grpc (or auto) so tensors travel over TLS"
+            )
+
+    @property
+    def tls(self) -> bool:
+        return bool(self.tls_ca or self.tls_cert or self.tls_key)
 
 
-class PSClient(MembershipCalls):
+DATA_PLANES = ("auto", "tcp", "grpc")
+
+
+class PSClient(DataPlaneCalls, MembershipCalls):
     """Push/pull to a set of shards on behalf of one worker."""
 
     def __init__(self, addresses: Sequence[str], *, worker: int, cfg: ClientConfig | None = None):
@@ -109,13 +135,18 @@ class PSClient(MembershipCalls):
             for a in self.addresses
         ]
         self._stubs = [pb_grpc.ParameterServerStub(c) for c in self._channels]
-        self._pool = ThreadPoolExecutor(len(self.addresses), thread_name_prefix="psar-client")
+        # Two calls per shard may be in flight: a push during backward and the pull
+        # still landing from the step before (ps/overlap.py).
+        self._pool = ThreadPoolExecutor(2 * len(self.addresses), thread_name_prefix="psar-client")
         self.slots_by_shard: list[list[Slot]] = [[] for _ in self.addresses]
         self.last_pull_wait_s = 0.0
         """Seconds the last pull waited for its first reply (sync barrier, SSP bound)."""
         self.incarnations = [0] * len(self.addresses)
         """Per shard, the incarnation this worker synchronised with (0: do not check)."""
         self.lease_s = 0.0
+        self._data: list[DataPlaneClient | None] = [None] * len(self.addresses)
+        self._data_ports = [0] * len(self.addresses)
+        self._data_stale = [False] * len(self.addresses)
         self._beat_stop = threading.Event()
         self._beat: threading.Thread | None = None
 
@@ -197,6 +228,8 @@ class PSClient(MembershipCalls):
                 ),
             )
             self.lease_s = max(self.lease_s, reply.lease_s)
+            if reply.initialized:
+                self._use_data_port(i, reply.data_port)
             return serde.job_from_pb(reply.job) if reply.initialized else None
 
         return self._each(one)
@@ -231,11 +264,12 @@ class PSClient(MembershipCalls):
         clock: int,
         base_versions: Sequence[int],
         dtype: torch.dtype,
-        grads: dict[str, torch.Tensor],
+        grads: dict[str, torch.Tensor] | None = None,
         loss_scale: float = 1.0,
         overflow: bool = False,
         retry: bool = False,
         shards: Sequence[int] | None = None,
+        items: Callable[[int, bool], Iterable[PushItem]] | None = None,
     ) -> list[pb.PushReply]:
         """Push one gradient (flat tensors in `dtype`, keyed by slot) to every shard
         (or to `shards`; replies then come in that order).
@@ -243,10 +277,20 @@ class PSClient(MembershipCalls):
         With overflow=True no data is sent: the shards skip the round (sync) or count
         the push as dropped (async/ssp), and the worker's clock still advances. With
         retry=True the push is flagged as a re-send from the start (after a resync).
+
+        `items(shard, is_retry)` instead of `grads`: the shard's stream as it becomes
+        ready (push during backward, ps/overlap.py), ending with a verdict item.
         """
 
+        def source(i: int, again: bool) -> Iterable[PushItem]:
+            if items is not None:
+                return items(i, again)
+            if overflow or grads is None:
+                return ()
+            return [("data", s.key, 0, grads[s.key]) for s in self.slots_by_shard[i]]
+
         def one(i: int) -> pb.PushReply:
-            def chunks(again: bool) -> Iterator[pb.PushChunk]:
+            def head(again: bool) -> pb.PushHeader:
                 header = PushHeader(
                     worker=self.worker,
                     clock=clock,
@@ -255,19 +299,35 @@ class PSClient(MembershipCalls):
                     loss_scale=loss_scale,
                     overflow=overflow,
                     retry=retry or again,
+                    verdict_follows=items is not None,
                 )
-                head = serde.push_header_to_pb(header)
-                head.incarnation = self.incarnations[i]
-                yield pb.PushChunk(header=head)
-                if overflow:
-                    return
-                for s in self.slots_by_shard[i]:
-                    for off, data in wire.iter_pieces(grads[s.key], self.cfg.message_bytes):
-                        yield pb.PushChunk(data=pb.TensorData(key=s.key, offset=off, data=data))
+                msg = serde.push_header_to_pb(header)
+                msg.incarnation = self.incarnations[i]
+                return msg
 
-            return self._retrying(
-                i, lambda again: self._stubs[i].Push(chunks(again), timeout=self.cfg.timeout_s)
-            )
+            def chunks(again: bool) -> Iterator[pb.PushChunk]:
+                yield pb.PushChunk(header=head(again))
+                for item in source(i, again):
+                    if item[0] == "verdict":
+                        yield pb.PushChunk(verdict=pb.PushVerdict(overflow=item[1]))
+                        continue
+                    _, key, base, flat = item
+                    for off, data in wire.iter_pieces(flat, self.cfg.message_bytes):
+                        yield pb.PushChunk(
+                            data=pb.TensorData(key=key, offset=base + off, data=data)
+                        )
+
+            def call(again: bool) -> pb.PushReply:
+                if self._data_plane(i) is not None:
+                    return self._via_data_plane(
+                        i,
+                        lambda dp: dp.push(
+                            head(again), source(i, again), timeout_s=self.cfg.timeout_s
+                        ),
+                    )
+                return self._stubs[i].Push(chunks(again), timeout=self.cfg.timeout_s)
+
+            return self._retrying(i, call)
 
         return self._each(one, shards)
 
@@ -278,9 +338,14 @@ class PSClient(MembershipCalls):
         dtype: torch.dtype,
         out: dict[str, torch.Tensor],
         shards: Sequence[int] | None = None,
+        on_header: Callable[[int, PullHeader], None] | None = None,
+        on_piece: Callable[[str, int, int], None] | None = None,
     ) -> list[PullHeader]:
         """Pull every shard's (or `shards`') weights into `out` (flat tensors keyed by
-        slot; any float dtype, converted on copy). Waits as the consistency mode requires."""
+        slot; any float dtype, converted on copy). Waits as the consistency mode requires.
+
+        on_header(shard, header) runs when a shard's header arrives (before its data);
+        on_piece(key, offset, n) after each piece has landed in `out` (ps/overlap.py)."""
 
         waits = [0.0] * self.num_shards
         streams: dict[int, Any] = {}
@@ -297,6 +362,24 @@ class PSClient(MembershipCalls):
                 )
                 if cut.is_set():
                     raise PSClientError(i, self.addresses[i], None, "cut short for a resync")
+                if self._data_plane(i) is not None:
+
+                    def got_header(msg: pb.PullHeader) -> None:
+                        waits[i] = time.perf_counter() - t0
+                        if on_header is not None:
+                            on_header(i, serde.pull_header_from_pb(msg))
+
+                    msg = self._via_data_plane(
+                        i,
+                        lambda dp: dp.pull(
+                            req,
+                            out,
+                            timeout_s=self.cfg.pull_timeout_s,
+                            on_header=got_header,
+                            on_piece=on_piece,
+                        ),
+                    )
+                    return serde.pull_header_from_pb(msg)
                 stream = self._stubs[i].Pull(req, timeout=self.cfg.pull_timeout_s)
                 streams[i] = stream
                 if cut.is_set():
@@ -306,10 +389,14 @@ class PSClient(MembershipCalls):
                     if header is None:
                         waits[i] = time.perf_counter() - t0
                         header = serde.pull_header_from_pb(msg.header)
+                        if on_header is not None:
+                            on_header(i, header)
                         continue
                     d = msg.data
                     src = wire.decode(d.data, dtype)
                     out[d.key][d.offset : d.offset + src.numel()].copy_(src)
+                    if on_piece is not None:
+                        on_piece(d.key, d.offset, src.numel())
                 if header is None:
                     raise PSClientError(i, self.addresses[i], None, "pull returned no header")
                 return header
@@ -320,6 +407,9 @@ class PSClient(MembershipCalls):
             cut.set()
             for stream in list(streams.values()):
                 stream.cancel()
+            for dp in self._data:
+                if dp is not None:
+                    dp.cancel_all()
 
         headers = self._each(one, shards, on_resync=cut_short)
         self.last_pull_wait_s = max(waits)
@@ -338,42 +428,12 @@ class PSClient(MembershipCalls):
 
         self._each(one)
 
-    def stats(self) -> list[dict[str, Any]]:
-        """Each shard's counters (version, rounds, clocks, staleness histogram, digest)."""
-
-        def one(i: int) -> dict[str, Any]:
-            r = self._retrying(
-                i, lambda _r: self._stubs[i].Stats(pb.StatsRequest(), timeout=self.cfg.timeout_s)
-            )
-            return {
-                "version": r.version,
-                "rounds": r.rounds,
-                "updates_applied": r.updates_applied,
-                "skipped_rounds": r.skipped_rounds,
-                "dropped_nonfinite": r.dropped_nonfinite,
-                "live_workers": r.live_workers,
-                "loss_scale": r.loss_scale,
-                "worker_clocks": list(r.worker_clocks),
-                "max_clock_gap": r.max_clock_gap,
-                "staleness_histogram": list(r.staleness_histogram),
-                "master_bytes": r.master_bytes,
-                "state_digest": r.state_digest,
-                "incarnation": r.incarnation,
-                "restores": r.restores,
-                "restored_step": r.restored_step,
-                "lease_expirations": r.lease_expirations,
-                "rejoins": r.rejoins,
-                "checkpoints_written": r.checkpoints_written,
-                "last_checkpoint_step": r.last_checkpoint_step,
-                "live_worker_ids": list(r.live_worker_ids),
-                "draining": r.draining,
-            }
-
-        return self._each(one)
-
     def close(self) -> None:
         self._beat_stop.set()
         self._pool.shutdown(wait=False)
+        for dp in self._data:
+            if dp is not None:
+                dp.close()
         for c in self._channels:
             c.close()
 

@@ -104,3 +104,36 @@ class MembershipCalls:
 
         self._beat = threading.Thread(target=run, name="psar-heartbeat", daemon=True)
         self._beat.start()
+
+    def stats(self) -> list[dict[str, Any]]:
+        """Each shard's counters (version, rounds, clocks, staleness histogram, digest)."""
+
+        def one(i: int) -> dict[str, Any]:
+            r = self._retrying(
+                i, lambda _r: self._stubs[i].Stats(pb.StatsRequest(), timeout=self.cfg.timeout_s)
+            )
+            return {
+                "version": r.version,
+                "rounds": r.rounds,
+                "updates_applied": r.updates_applied,
+                "skipped_rounds": r.skipped_rounds,
+                "dropped_nonfinite": r.dropped_nonfinite,
+                "live_workers": r.live_workers,
+                "loss_scale": r.loss_scale,
+                "worker_clocks": list(r.worker_clocks),
+                "max_clock_gap": r.max_clock_gap,
+                "staleness_histogram": list(r.staleness_histogram),
+                "master_bytes": r.master_bytes,
+                "state_digest": r.state_digest,
+                "incarnation": r.incarnation,
+                "restores": r.restores,
+                "restored_step": r.restored_step,
+                "lease_expirations": r.lease_expirations,
+                "rejoins": r.rejoins,
+                "checkpoints_written": r.checkpoints_written,
+                "last_checkpoint_step": r.last_checkpoint_step,
+                "live_worker_ids": list(r.live_worker_ids),
+                "draining": r.draining,
+            }
+
+        return self._each(one)

@@ -242,14 +242,16 @@ class _Connection:
             while True:
                 frame, plen = self._read()
                 kind = frame.WhichOneof("kind")
-                payload = fr.recv_payload(self.sock, plen, self.scratch) if plen else b""
-                if kind == "end":
-                    break
-                if refused:
-                    continue  # the rest of a refused push is read and dropped
+                if refused or kind != "piece":
+                    if plen:  # the rest of a refused push is read and dropped
+                        fr.recv_payload(self.sock, plen, self.scratch)
+                    if kind == "end":
+                        break
+                    if refused:
+                        continue
                 try:
                     if kind == "piece":
-                        state.add_data(ticket, frame.piece.key, frame.piece.offset, payload)
+                        self._piece(ticket, frame.piece, plen)
                     elif kind == "verdict":
                         state.add_verdict(ticket, frame.verdict.overflow)
                     else:
@@ -285,6 +287,17 @@ class _Connection:
             if ticket is not None:
                 ticket.release()
             self.metrics.rpc_observed("Push", time.monotonic() - t0)
+
+    def _piece(self, ticket: Any, piece: pb.DataPiece, plen: int) -> None:
+        """One pushed piece: checked from its description, then received straight into
+        the staging buffer (fp32). A refusal still reads its payload (the stream goes on)."""
+        read_into = lambda view: fr.recv_exact(self.sock, view)  # noqa: E731
+        read = lambda n: fr.recv_payload(self.sock, n, self.scratch)  # noqa: E731
+        try:
+            self.state.add_data_from(ticket, piece.key, piece.offset, plen, read_into, read)
+        except PSError:
+            fr.recv_payload(self.sock, plen, self.scratch)  # nothing was read yet
+            raise
 
     def _refuse(self, e: PSError) -> bool:
         self.metrics.push_rejected(e.reason)

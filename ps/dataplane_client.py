@@ -142,6 +142,7 @@ class DataPlaneClient:
         *,
         timeout_s: float,
         on_piece: Callable[[str, int, int], None] | None = None,
+        on_header: Callable[[pb.PullHeader], None] | None = None,
     ) -> pb.PullHeader:
         """Pull the shard's weights into `out` (flat tensors keyed by slot; any float dtype,
         converted on copy; a same-dtype contiguous CPU slice is received into directly).
@@ -157,6 +158,8 @@ class DataPlaneClient:
                 reusable = frame.WhichOneof("kind") == "status"
                 self._unexpected(frame, "pull_header")
             header = frame.pull_header
+            if on_header is not None:
+                on_header(header)  # before the data: the round closed (ps/overlap.py)
             dtype = wire.DTYPE_FROM_WIRE.get(header.dtype)
             if dtype is None:
                 raise DataPlaneError(SC.INTERNAL, f"pull from {self.address}: dtype {header.dtype}")

@@ -7,7 +7,9 @@ each raises a ps.errors exception before any byte lands in the master weights.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -25,6 +27,8 @@ class PushHeader:
     loss_scale: float = 1.0
     overflow: bool = False
     retry: bool = False
+    verdict_follows: bool = False
+    """The data streams during backward; a verdict (finite or overflow) follows it."""
 
 
 @dataclass(slots=True)
@@ -50,6 +54,13 @@ class PushTicket:
     lock: threading.Lock | None = None
     incarnation: int = 0
     """The shard's incarnation when the push began (a rollback in between refuses it)."""
+    verdict: bool | None = None
+    """verdict_follows pushes: the overflow verdict once it arrived (None: not yet)."""
+
+    @property
+    def overflow(self) -> bool:
+        """Whether this push is (so far) an overflow: by its header or by its verdict."""
+        return self.header.overflow or bool(self.verdict)
 
     def release(self) -> None:
         if self.lock is not None:
@@ -69,6 +80,12 @@ def check_header(header: PushHeader, num_workers: int) -> None:
             f"unsupported gradient dtype {header.dtype}; send fp32, fp16 or bf16",
             reason="bad_dtype",
         )
+    if header.verdict_follows and header.overflow:
+        raise InvalidArgument(
+            "a push with verdict_follows must not set overflow in its header: send the "
+            "overflow in its PushVerdict",
+            reason="malformed",
+        )
     if not (header.loss_scale > 0 and header.loss_scale < float("inf")):
         raise InvalidArgument(
             f"loss_scale must be a finite number > 0, got {header.loss_scale}",
@@ -76,21 +93,26 @@ def check_header(header: PushHeader, num_workers: int) -> None:
         )
 
 
-def add_piece(
-    numel: dict[str, int], ticket: PushTicket, key: str, offset: int, data: bytes
-) -> None:
-    """Validate one piece of a push and copy it into the ticket's staging buffers."""
+def check_piece(
+    numel: dict[str, int], ticket: PushTicket, key: str, offset: int, nbytes: int
+) -> int:
+    """Validate one piece of a push from its description; count it; returns its elements."""
     n_slot = numel.get(key)
     if n_slot is None:
         raise NotFound(f"unknown slot key {key!r}: this shard holds {_some(numel)}")
     if ticket.header.overflow:
         raise InvalidArgument("a push flagged overflow must carry no data", reason="malformed")
-    itemsize = wire.DTYPE_ITEMSIZE[ticket.header.dtype]
-    if len(data) % itemsize:
+    if ticket.verdict:
         raise InvalidArgument(
-            f"slot {key!r}: {len(data)} bytes is not a whole number of {itemsize}-byte elements",
+            "after an overflow verdict no more data may follow: stop the stream there",
+            reason="malformed",
         )
-    n = len(data) // itemsize
+    itemsize = wire.DTYPE_ITEMSIZE[ticket.header.dtype]
+    if nbytes % itemsize:
+        raise InvalidArgument(
+            f"slot {key!r}: {nbytes} bytes is not a whole number of {itemsize}-byte elements",
+        )
+    n = nbytes // itemsize
     expected = ticket.received.get(key, 0)
     if offset != expected:
         raise InvalidArgument(
@@ -102,12 +124,59 @@ def add_piece(
             f"slot {key!r}: {offset + n} elements sent but it holds {n_slot} (wrong shape)",
         )
     ticket.received[key] = offset + n
-    ticket.bytes_in += len(data)
+    ticket.bytes_in += nbytes
+    return n
+
+
+def add_piece(
+    numel: dict[str, int], ticket: PushTicket, key: str, offset: int, data: bytes
+) -> None:
+    """Validate one piece of a push and copy it into the ticket's staging buffers."""
+    n = check_piece(numel, ticket, key, offset, len(data))
     if not ticket.duplicate and n:
         ticket.staging[key][offset : offset + n].copy_(wire.decode(data, ticket.header.dtype))
 
 
+def add_piece_streamed(
+    numel: dict[str, int],
+    ticket: PushTicket,
+    key: str,
+    offset: int,
+    nbytes: int,
+    read_into: Callable[[memoryview], None],
+    read: Callable[[int], Any],
+) -> None:
+    """add_piece for bytes still in a socket (the TCP data plane): validated from the
+    piece's description first (a refusal reads nothing), then an fp32 piece is read
+    straight into the staging buffer, other dtypes are read and converted."""
+    n = check_piece(numel, ticket, key, offset, nbytes)
+    if ticket.duplicate or not n:
+        read(nbytes)  # drained and dropped
+        return
+    dst = ticket.staging[key][offset : offset + n]
+    if ticket.header.dtype == dst.dtype:
+        read_into(wire.as_bytes_view(dst))
+    else:
+        dst.copy_(wire.decode(read(nbytes), ticket.header.dtype))
+
+
+def add_verdict(ticket: PushTicket, overflow: bool) -> None:
+    """Record a push's finiteness verdict (once, and only where its header announced it)."""
+    if not ticket.header.verdict_follows:
+        raise InvalidArgument(
+            "a verdict in a push whose header did not set verdict_follows", reason="malformed"
+        )
+    if ticket.verdict is not None:
+        raise InvalidArgument("a push carries one verdict only", reason="malformed")
+    ticket.verdict = overflow
+
+
 def check_complete(numel: dict[str, int], ticket: PushTicket) -> None:
+    if ticket.header.verdict_follows and ticket.verdict is None:
+        raise InvalidArgument(
+            "incomplete push: the header said a verdict follows, but the stream ended "
+            "without one; send a PushVerdict after the data",
+        )
     short = [k for k, n in numel.items() if ticket.received.get(k, 0) != n]
     if short:
         k = short[0]

@@ -92,6 +92,7 @@ def push_header_to_pb(h: PushHeader) -> pb.PushHeader:
         loss_scale=h.loss_scale,
         overflow=h.overflow,
         retry=h.retry,
+        verdict_follows=h.verdict_follows,
     )
 
 
@@ -104,6 +105,7 @@ def push_header_from_pb(m: pb.PushHeader) -> PushHeader:
         loss_scale=m.loss_scale,
         overflow=m.overflow,
         retry=m.retry,
+        verdict_follows=m.verdict_follows,
     )
 
 

@@ -27,7 +27,16 @@ from ps.job import Job
 from ps.lease import DEFAULT_JOIN_GRACE_S, DEFAULT_LEASE_S, LeaseTable
 from ps.membership import Membership, Restored, new_incarnation
 from ps.policies import PushOutcome, StagedPush, make_policy
-from ps.pushdata import PullHeader, PushHeader, PushTicket, add_piece, check_complete, unscale
+from ps.pushdata import (
+    PullHeader,
+    PushHeader,
+    PushTicket,
+    add_piece,
+    add_piece_streamed,
+    add_verdict,
+    check_complete,
+    unscale,
+)
 from ps.pushdata import check_header as _check_header
 from ps.recovery import Recovery
 from worker.nullmetrics import NullMetrics
@@ -209,6 +218,23 @@ class ShardState(Membership, Recovery):
         """Copy one piece of a push into the staging buffers (validated first)."""
         add_piece(self.numel, ticket, key, offset, data)
 
+    def add_data_from(
+        self,
+        ticket: PushTicket,
+        key: str,
+        offset: int,
+        nbytes: int,
+        read_into: Callable[[memoryview], None],
+        read: Callable[[int], Any],
+    ) -> None:
+        """add_data for a piece whose bytes are still in a socket: checked from its
+        description, then (fp32) read straight into the staging buffer, no copy."""
+        add_piece_streamed(self.numel, ticket, key, offset, nbytes, read_into, read)
+
+    def add_verdict(self, ticket: PushTicket, overflow: bool) -> None:
+        """The finiteness verdict of a push that streamed during backward."""
+        add_verdict(ticket, overflow)
+
     def finish_push(self, ticket: PushTicket) -> tuple[PushOutcome, int, bool]:
         """Validate completeness and finiteness, then hand the push to the policy.
 
@@ -220,6 +246,10 @@ class ShardState(Membership, Recovery):
             if ticket.duplicate:
                 with self._cond:
                     return PushOutcome(False, False, 0), self.version, True
+            if h.verdict_follows and ticket.verdict is None:
+                check_complete(self.numel, ticket)  # refuses: the verdict never came
+            if ticket.verdict:
+                h.overflow = True  # data already staged is ignored, like a header overflow
             if not h.overflow:
                 check_complete(self.numel, ticket)
             grads = ticket.staging
@@ -362,15 +392,21 @@ class ShardState(Membership, Recovery):
         self.metrics.bytes_sent(sum(len(p[2]) for p in pieces))
         return header, pieces
 
-    def _snapshot(self, dtype: torch.dtype) -> list[tuple[str, int, bytes]]:
+    def _snapshot(self, dtype: torch.dtype) -> list[tuple[str, int, Any]]:
         """Wire pieces of the current weights in `dtype`, shared by every pull of a version."""
         cached = self._snapshots.get(dtype)
         if cached is not None and cached[0] == (self.incarnation, self.version):
             return cached[1]
-        pieces = []
+        pieces: list[tuple[str, int, Any]] = []
+        # Sync fp32: views of the masters themselves, no copy. They cannot change while
+        # a pull reads them: the next round needs this worker's next push, which it
+        # sends only once its pull has landed. (A worker whose lease ran out mid-pull,
+        # or a rollback, may see a torn copy; its next push is then refused and it
+        # resyncs and pulls again.) async/ssp apply on every push: they copy.
+        views = dtype == torch.float32 and self.job is not None and self.job.mode == "sync"
         for key, p in self.masters.items():
             flat = p.detach() if dtype == torch.float32 else p.detach().to(dtype)
-            for off, data in wire.iter_pieces(flat, self.message_bytes):
+            for off, data in wire.iter_pieces(flat, self.message_bytes, copy=not views):
                 pieces.append((key, off, data))
         self._snapshots[dtype] = ((self.incarnation, self.version), pieces)
         return pieces

@@ -42,16 +42,18 @@ def as_bytes_view(flat: torch.Tensor) -> memoryview:
 
 
 def iter_pieces(
-    flat: torch.Tensor, message_bytes: int = DEFAULT_MESSAGE_BYTES
-) -> Iterator[tuple[int, bytes]]:
-    """Yield (element offset, bytes) pieces of a contiguous 1-D tensor, each <= message_bytes."""
+    flat: torch.Tensor, message_bytes: int = DEFAULT_MESSAGE_BYTES, *, copy: bool = True
+) -> Iterator[tuple[int, bytes | memoryview]]:
+    """Yield (element offset, bytes) pieces of a contiguous 1-D tensor, each <= message_bytes
+    (copy=False: memoryviews of the tensor's own memory instead of bytes copies)."""
     itemsize = flat.element_size()
     per = max(1, message_bytes // itemsize)
     view = as_bytes_view(flat)
     n = flat.numel()
     for start in range(0, n, per):
         stop = min(n, start + per)
-        yield start, bytes(view[start * itemsize : stop * itemsize])
+        piece = view[start * itemsize : stop * itemsize]
+        yield start, bytes(piece) if copy else piece
 
 
 def decode(data: bytes, dtype: torch.dtype) -> torch.Tensor:

@@ -113,9 +113,15 @@ def test_step_throughput_json_schema(tmp_path: Path) -> None:
     doc = _bench("step_throughput", "--quick", "--steps", "8", "--out", str(tmp_path))
     (res,) = doc["results"]
     assert set(res["runs"]) == {"plain-ddp", "psar-allreduce", "psar-ps-sync-1",
-                                "psar-ps-sync-2", "rpc-ps"}  # fmt: skip
+                                "psar-ps-sync-2", "psar-ps-sync-1-no-overlap",
+                                "psar-ps-sync-1-grpc", "rpc-ps"}  # fmt: skip
     for r in res["runs"].values():
         assert {"samples_per_sec", "ratio_to_plain_ddp", "exposed_comm_ms"} <= set(r)
+    ps = res["runs"]["psar-ps-sync-1"]
+    assert set(ps["phase_ms"]) == {"push", "wait", "pull", "exposed"}
+    assert ps["phase_ms"]["exposed"] > 0  # the phases really come from the step logs
+    assert set(doc["goals"]) == {"ps_sync_over_plain_ddp", "ps_sync_over_rpc",
+                                 "allreduce_over_plain_ddp"}  # fmt: skip
 
 
 @pytest.mark.slow

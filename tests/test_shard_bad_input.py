@@ -108,11 +108,58 @@ def nan_grads(s: Shard) -> dict[str, torch.Tensor]:
     return g
 
 
+def verdict(overflow: bool = False) -> pb.PushChunk:
+    return pb.PushChunk(verdict=pb.PushVerdict(overflow=overflow))
+
+
+def streamed(s: Shard, *tail: pb.PushChunk, **head: object) -> list[pb.PushChunk]:
+    """A push that streams during backward (verdict_follows), then `tail`."""
+    return [*push_chunks(header(verdict_follows=True, **head), grads(s)), *tail]
+
+
 SC = grpc.StatusCode
 Case = tuple[str, Callable[[Shard], None], grpc.StatusCode, tuple[str, ...]]
 
 # (id, request, status code, words the message must contain). All against the ready shard.
 READY_CASES: list[Case] = [
+    # verdicts of pushes streamed during backward
+    (
+        "verdict-not-announced",
+        lambda s: push(s, [*push_chunks(header(), grads(s)), verdict()]),
+        SC.INVALID_ARGUMENT,
+        ("verdict_follows",),
+    ),
+    (
+        "verdict-twice",
+        lambda s: push(s, streamed(s, verdict(), verdict())),
+        SC.INVALID_ARGUMENT,
+        ("one verdict",),
+    ),
+    (
+        "verdict-missing",
+        lambda s: push(s, streamed(s)),
+        SC.INVALID_ARGUMENT,
+        ("without one", "PushVerdict"),
+    ),
+    (
+        "data-after-overflow-verdict",
+        lambda s: push(
+            s,
+            [
+                pb.PushChunk(header=header(verdict_follows=True)),
+                verdict(True),
+                *push_chunks(header(), grads(s))[1:],
+            ],
+        ),  # fmt: skip
+        SC.INVALID_ARGUMENT,
+        ("overflow", "no more data"),
+    ),
+    (
+        "verdict-follows-with-header-overflow",
+        lambda s: push(s, [pb.PushChunk(header=header(verdict_follows=True, overflow=True))]),
+        SC.INVALID_ARGUMENT,
+        ("verdict_follows", "PushVerdict"),
+    ),
     # shape and byte count
     (
         "too-many-elements",

@@ -38,6 +38,14 @@ class PSConfig:
     """Deadline of a pull, which may wait for a sync round or the slowest SSP worker."""
     job_id: str = "psar"
     """Job name sent to the shards; a shard refuses a second job with another name."""
+    overlap: bool = True
+    """Push gradient buckets while backward runs and start the next forward on the first
+    layers while later ones are still being pulled (same results, bit for bit)."""
+    bucket_mib: float = 1.0
+    """--overlap: gradients are pushed in buckets of about this many MiB."""
+    data_plane: str = "auto"
+    """Where tensor bytes travel: tcp (the shards' plain-TCP data plane), grpc, or auto
+    (tcp where the shard offers it and TLS is off, else grpc). Control stays on gRPC."""
     # -- faults and security (docs/reliability.md) --
     reconnect_timeout_s: float = 120.0
     """Keep retrying an unreachable shard (restarting, --restore) for this long."""
@@ -70,6 +78,17 @@ class PSConfig:
             raise ValueError(f"--staleness must be >= 0, got {self.staleness}")
         if not self.chunk_mib > 0:
             raise ValueError(f"--chunk-mib must be > 0, got {self.chunk_mib}")
+        if self.data_plane not in ("auto", "tcp", "grpc"):
+            raise ValueError(
+                f"--data-plane: unknown {self.data_plane!r}; accepted: auto, tcp, grpc"
+            )
+        if self.data_plane == "tcp" and (self.tls_ca or self.tls_cert or self.tls_key):
+            raise ValueError(
+                "--data-plane tcp sends tensors in plaintext, but TLS is on (--tls-*): "
+                "use --data-plane grpc or auto"
+            )
+        if not self.bucket_mib > 0:
+            raise ValueError(f"--bucket-mib must be > 0, got {self.bucket_mib}")
         if not (self.timeout_s > 0 and self.pull_timeout_s > 0):
             raise ValueError("--timeout-s and --pull-timeout-s must be > 0")
         from ps.sparse_table import OPTIMIZERS

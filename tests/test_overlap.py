@@ -1,0 +1,239 @@
+"""Overlap changes timing, never results (issue #10).
+
+Real processes: overlapped and non-overlapped sync runs, and runs with different
+bucket sizes, must end with bit-identical weights. Unit tests cover the pieces:
+bucket order, the push stream a hook-driven step produces (verdict last, or first on
+overflow), chunks and slots arriving in any order at a shard, and the forward gate.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from ps.overlap import PullGate, PushBuckets, bucket_params
+from ps.partition import plan_slots
+from ps.pushdata import PushHeader
+from ps.shard import ShardState
+from tests.procs import run_ps_workers, shards
+from tests.ps_fixtures import grad_for, init_values, make_job
+
+COMMON = ["--workload", "mlp", "--steps", "12", "--batch-size", "16", "--seed", "5",
+          "--lr", "0.05", "--momentum", "0.9", "--precision", "fp32"]  # fmt: skip
+
+
+def _weights(path) -> dict[str, torch.Tensor]:  # noqa: ANN001
+    return torch.load(path, weights_only=True)
+
+
+def _assert_bit_identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"{k} differs"
+
+
+RUNS = {
+    "overlap": ["--overlap", "--bucket-mib", "1"],
+    "plain": ["--no-overlap"],
+    "tiny-buckets": ["--overlap", "--bucket-mib", "0.001"],
+}
+
+
+@pytest.mark.parametrize("num_shards", [1, 2])
+def test_overlapped_and_plain_steps_give_identical_weights(tmp_path, num_shards: int) -> None:
+    reports = {}
+    for name, extra in RUNS.items():
+        d = tmp_path / name
+        d.mkdir()
+        with shards(num_shards) as addrs:  # a shard serves one job per life
+            reports[name] = run_ps_workers(
+                addrs, 2, d, [*COMMON, *extra, "--save", str(d / "w.pt")]
+            )
+    ref = _weights(tmp_path / "overlap" / "w.pt")
+    for name in ("plain", "tiny-buckets"):
+        _assert_bit_identical(ref, _weights(tmp_path / name / "w.pt"))
+        for r in range(2):
+            assert reports[name][r]["losses"] == reports["overlap"][r]["losses"]
+    assert all(r["skipped_steps"] == 0 for rs in reports.values() for r in rs)
+
+
+def test_buckets_follow_backward_order_and_never_split_a_parameter() -> None:
+    params = {n: torch.zeros(k) for n, k in [("a", 10), ("b", 300), ("c", 20), ("d", 5)]}
+    got = bucket_params(params, bucket_bytes=4 * 100, itemsize=4)
+    assert got == [["d", "c"], ["b"], ["a"]]
+    assert bucket_params(params, bucket_bytes=1 << 30, itemsize=4) == [["d", "c", "b", "a"]]
+    assert bucket_params(params, bucket_bytes=1, itemsize=4) == [["d"], ["c"], ["b"], ["a"]]
+
+
+def _model_and_buckets(bucket_bytes: int, num_shards: int = 2):  # noqa: ANN202
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3))
+    params = dict(model.named_parameters())
+    slots = plan_slots([(n, p.numel()) for n, p in params.items()], num_shards, chunk_bytes=64)
+    send = {s.key: torch.empty(s.numel) for s in slots}
+    started = []
+    b = PushBuckets(
+        params,
+        slots,
+        send,
+        num_shards=num_shards,
+        bucket_bytes=bucket_bytes,
+        on_first_bucket=lambda: started.append(time.perf_counter()),
+    )
+    b.attach()
+    return model, params, slots, send, b, started
+
+
+def _drain(b: PushBuckets, shard: int, replay: bool = False) -> list[tuple]:
+    return [(i[0], i[1]) for i in b.items(shard, replay)]
+
+
+def test_hooks_fill_buckets_during_backward_and_the_verdict_comes_last() -> None:
+    model, params, slots, send, b, started = _model_and_buckets(bucket_bytes=40)
+    b.begin_step()
+    model(torch.randn(4, 6)).pow(2).sum().backward()
+    assert started, "the first full bucket must open the push during backward"
+    assert all(b._filled), "every parameter got a gradient: every bucket filled in backward"
+    assert b.finish() is True
+    for shard in range(2):
+        got = _drain(b, shard)
+        keys = [k for kind, k in got if kind == "data"]
+        assert keys == [s.key for bucket in b.buckets for s in bucket if s.shard == shard], (
+            "slots go out bucket by bucket, in backward order"
+        )
+        assert got[-1] == ("verdict", False)
+        assert _drain(b, shard, replay=True) == got, "a retry re-sends the same stream"
+    for s in slots:  # the send buffers hold exactly the gradients
+        flat = params[s.param].grad.reshape(-1)[s.start : s.start + s.numel]
+        assert torch.equal(send[s.key], flat)
+
+
+def test_overflow_verdict_goes_first_and_stops_the_stream() -> None:
+    model, _params, _slots, _send, b, _ = _model_and_buckets(bucket_bytes=1 << 20)
+    b.begin_step()
+    (model(torch.randn(4, 6)).sum() * float("inf")).backward()
+    assert b.finish() is False
+    for shard in range(2):
+        assert _drain(b, shard) == [("verdict", True)]
+        assert _drain(b, shard, replay=True) == [("verdict", True)]
+
+
+def test_accumulating_micro_batches_push_nothing() -> None:
+    model, _params, _slots, _send, b, started = _model_and_buckets(bucket_bytes=40)
+    b.begin_step()
+    b.accumulating = True
+    model(torch.randn(4, 6)).sum().backward()
+    b.accumulating = False
+    assert not started and not any(b._filled)
+    model(torch.randn(4, 6)).sum().backward()  # the last micro-batch pushes
+    assert started and all(b._filled)
+
+
+def test_unused_parameters_are_filled_with_zeros_by_finish() -> None:
+    model, params, slots, send, b, _ = _model_and_buckets(bucket_bytes=40)
+    b.begin_step()
+    model[0](torch.randn(4, 6)).sum().backward()  # the last layer gets no gradient
+    assert not all(b._filled)
+    assert b.finish() is True
+    for s in slots:
+        if s.param.startswith("2."):
+            assert torch.count_nonzero(send[s.key]) == 0
+
+
+def test_forward_waits_only_for_its_own_layer() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    params = dict(model.named_parameters())
+    slots = plan_slots([(n, p.numel()) for n, p in params.items()], 1)
+    gate = PullGate(slots)
+    gate.attach(model, params)
+    gate.begin()
+    reached: list[str] = []
+    model[1].register_forward_pre_hook(lambda *_: reached.append("layer1"))
+    t = threading.Thread(target=lambda: model(torch.randn(1, 4)))
+    t.start()
+    first = [s for s in slots if s.param.startswith("0.")]
+    for s in first:
+        gate.landed(s.key, 0, s.numel)
+    time.sleep(0.2)  # the layer-0 forward may run now; layer 1 must still wait
+    assert t.is_alive() and reached == []
+    for s in slots:
+        if s not in first:
+            gate.landed(s.key, 0, s.numel)
+    t.join(5)
+    assert not t.is_alive() and reached == ["layer1"]
+
+
+def test_slot_and_chunk_arrival_order_does_not_change_the_round() -> None:
+    """Two sync shards take the same pushes, pieces sent in different orders and with
+    the verdict before or after the data: same weights and optimizer state, bit for bit."""
+    job = make_job("sync", num_workers=2)
+    digests = []
+    for order in ("forward", "reverse"):
+        st = ShardState(message_bytes=16)
+        st.init(job, init_values(job))
+
+        workers = [1, 0] if order == "reverse" else [0, 1]
+        for w in workers:
+            g = grad_for(job, w, 1)
+            h = PushHeader(
+                worker=w, clock=1, base_version=0, dtype=torch.float32, verdict_follows=True
+            )
+            ticket = st.begin_push(h)
+            keys = list(g) if order == "forward" else list(reversed(g))
+            if order == "reverse":
+                st.add_verdict(ticket, False)  # the verdict may precede the last data
+            for k in keys:
+                flat = g[k]
+                pieces = [(o, flat[o : o + 3]) for o in range(0, flat.numel(), 3)]
+                for off, piece in pieces:
+                    st.add_data(ticket, k, off, piece.numpy().tobytes())
+            if order == "forward":
+                st.add_verdict(ticket, False)
+            st.finish_push(ticket)
+        assert st.rounds == 1
+        digests.append(st.state_digest())
+    assert digests[0] == digests[1]
+
+
+def test_a_step_whose_pull_failed_midway_is_skipped_not_pushed() -> None:
+    """The background pull fails after a forward already ran on part of its weights: the
+    worker pulls again in full, and that step's gradient (of mixed weights) is never
+    pushed; the next step pushes the same clock. Real shard in-process; the failure is
+    planted where the pulling thread would report it."""
+    from concurrent.futures import Future
+
+    from ps.backend import PSBackend
+    from ps.client import NeedsResync
+    from tests.ps_fixtures import serving
+    from worker.config import PSConfig, TrainConfig
+    from worker.precision import resolve
+
+    with serving() as (port, state):
+        cfg = TrainConfig(arch="ps", ps=PSConfig(servers=f"127.0.0.1:{port}", rank=0, world_size=1))
+        b = PSBackend(cfg, resolve(torch.device("cpu"), "fp32", "fp32", "fp32"),
+                      rank=0, world_size=1, total_steps=100)  # fmt: skip
+        torch.manual_seed(0)
+        m = b.setup(torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3)))
+
+        def step() -> object:
+            m.zero_grad(set_to_none=True)
+            m(torch.randn(4, 6)).pow(2).sum().backward()
+            return b.step()
+
+        assert not step().skipped and b.clock == 1
+        b._await_pull()
+        failed: Future = Future()
+        failed.set_exception(NeedsResync(0, "x", None, "restored: planted for the test"))
+        b._pull_future = failed
+        b.gate.begin()
+        b.gate.consumed = True  # a module already ran on the failed pull's weights
+        b.gate.fail()
+        out = step()
+        assert out.skipped and b.clock == 1 and b.resyncs == 1
+        assert state.stats()["worker_clocks"] == [1], "the mixed gradient was not pushed"
+        assert not step().skipped and b.clock == 2
+        assert state.stats()["worker_clocks"] == [2] and state.rounds == 2
+        b.finish()
