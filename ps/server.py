@@ -271,6 +271,15 @@ def serve(cfg: ServerConfig) -> int:
     return 0
 
 
+def stop_server(server: grpc.Server, grace: float | None = None) -> None:
+    """Stop a server from start_server at once: its data plane, then gRPC (tests, tools;
+    `shutdown` is the graceful path)."""
+    dataplane = getattr(server, "psar_dataplane", None)
+    if dataplane is not None:
+        dataplane.close()
+    server.stop(grace=grace).wait()
+
+
 def shutdown(server: grpc.Server, state: ShardState, drain_timeout_s: float) -> None:
     """Graceful stop: NOT_SERVING, drain, final checkpoint, stop the server."""
     health = getattr(server, "psar_health", None)
@@ -283,10 +292,7 @@ def shutdown(server: grpc.Server, state: ShardState, drain_timeout_s: float) -> 
         print(f"psar server final checkpoint at step {state.checkpoint_step}", flush=True)
     if health is not None:
         health.shutdown()
-    dataplane = getattr(server, "psar_dataplane", None)
-    if dataplane is not None:
-        dataplane.close()
-    server.stop(grace=2).wait()
+    stop_server(server, grace=2)
     if state.checkpoints is not None:
         state.checkpoints.close()
 

@@ -20,7 +20,7 @@ from ps._gen.psar.v1 import ps_pb2 as pb
 from ps._gen.psar.v1 import ps_pb2_grpc as pb_grpc
 from ps.job import Job
 from ps.partition import Slot, plan_slots
-from ps.server import ServerConfig, start_server
+from ps.server import ServerConfig, start_server, stop_server
 from ps.shard import PullHeader, PushHeader, ShardState
 from worker.optim import LossScaleConfig, OptimizerConfig, build_optimizer
 
@@ -218,9 +218,7 @@ def serving(cfg: ServerConfig | None = None) -> Iterator[tuple[int, ShardState]]
     try:
         yield port, state
     finally:
-        if server.psar_dataplane is not None:  # type: ignore[attr-defined]
-            server.psar_dataplane.close()  # type: ignore[attr-defined]
-        server.stop(grace=None).wait()
+        stop_server(server)
 
 
 @contextlib.contextmanager

@@ -15,7 +15,7 @@ from ps._gen.psar.v1 import ps_pb2 as pb
 from ps.client import ClientConfig, PSClient, PSClientError
 from ps.job import Job
 from ps.partition import plan_slots
-from ps.server import ServerConfig, start_server
+from ps.server import ServerConfig, start_server, stop_server
 from ps.shard import ShardState
 from tests.ps_fixtures import (
     PARAMS,
@@ -179,7 +179,7 @@ class LateServer:
         if self._thread is not None:
             self._thread.join(timeout=10)
         for server in self.servers:
-            server.stop(grace=None).wait()
+            stop_server(server)
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ import torch
 
 from ps.checkpoint import CheckpointManager
 from ps.client import ClientConfig, PSClient
-from ps.server import ServerConfig, start_server
+from ps.server import ServerConfig, start_server, stop_server
 from ps.shard import ShardState
 from tests.fault_procs import Shard, wait_until
 from worker.config import PSConfig, TrainConfig
@@ -92,7 +92,7 @@ class Job:
     def close(self) -> None:
         self.x.client.close()
         self.y.close()
-        self.server0.stop(grace=None).wait()
+        stop_server(self.server0)
         self.shard1.stop()
 
 

@@ -22,7 +22,7 @@ from ps.client import ClientConfig, PSClient, PSClientError
 from ps.health import check
 from ps.metrics import ShardMetrics
 from ps.partition import plan_slots
-from ps.server import ServerConfig, shutdown, start_server
+from ps.server import ServerConfig, shutdown, start_server, stop_server
 from tests.ps_fixtures import PARAMS, init_values, make_job
 
 FAST = {"timeout_s": 5.0, "pull_timeout_s": 5.0, "retry_timeout_s": 0.5}
@@ -126,7 +126,7 @@ def serve() -> Iterator:
 
     yield start
     for s in servers:
-        s.stop(grace=None).wait()
+        stop_server(s)
 
 
 def init_ok(addr: str, **kw: str) -> None:
