@@ -52,7 +52,7 @@ class OverlapMixin:
         # On CUDA pulled bytes land in pinned buffers and are copied over at once.
         self.gate = PullGate(self.slots)
         self.gate.on_failure = self._recover_pull
-        self.overlap_pull = self.overlap and self.device.type == "cpu"
+        self.overlap_pull = self.overlap and ps.pull_overlap and self.device.type == "cpu"
         if self.overlap:
             self.buckets.attach()
         if self.overlap_pull:

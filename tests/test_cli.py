@@ -25,7 +25,7 @@ TRAIN_FLAGS = [
     "--schedule", "--warmup-steps", "--total-steps", "--min-lr-ratio", "--loss-scale-enabled",
     "--loss-scale-init-scale", "--loss-scale-growth-factor", "--loss-scale-backoff-factor",
     "--loss-scale-growth-interval", "--servers", "--rank", "--world-size", "--mode",
-    "--staleness", "--chunk-mib", "--timeout-s", "--pull-timeout-s", "--job-id", "--overlap", "--bucket-mib", "--data-plane", "--backend",
+    "--staleness", "--chunk-mib", "--timeout-s", "--pull-timeout-s", "--job-id", "--overlap", "--bucket-mib", "--pull-overlap", "--data-plane", "--backend",
     "--pg-timeout-s", "--bucket-cap-mb", "--find-unused-parameters",
     "--metrics-linger-s", "--emulate-compute-ms", "--reconnect-timeout-s", "--tls-ca",
     "--tls-cert", "--tls-key", "--tls-server-name", "--auth-token-file", "--sparse-optimizer",

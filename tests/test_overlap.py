@@ -39,6 +39,7 @@ RUNS = {
     "overlap": ["--overlap", "--bucket-mib", "1"],
     "plain": ["--no-overlap"],
     "tiny-buckets": ["--overlap", "--bucket-mib", "0.001"],
+    "push-only": ["--overlap", "--no-pull-overlap"],
 }
 
 
@@ -53,7 +54,7 @@ def test_overlapped_and_plain_steps_give_identical_weights(tmp_path, num_shards:
                 addrs, 2, d, [*COMMON, *extra, "--save", str(d / "w.pt")]
             )
     ref = _weights(tmp_path / "overlap" / "w.pt")
-    for name in ("plain", "tiny-buckets"):
+    for name in ("plain", "tiny-buckets", "push-only"):
         _assert_bit_identical(ref, _weights(tmp_path / name / "w.pt"))
         for r in range(2):
             assert reports[name][r]["losses"] == reports["overlap"][r]["losses"]

@@ -43,6 +43,11 @@ class PSConfig:
     layers while later ones are still being pulled (same results, bit for bit)."""
     bucket_mib: float = 1.0
     """--overlap: gradients are pushed in buckets of about this many MiB."""
+    pull_overlap: bool = True
+    """--overlap on CPU workers: let the next forward start while later layers are still
+    being pulled. Off: only the push overlaps (backward); step() waits for the whole pull.
+    Turn off where workers and shards share few cores: the pulling thread then takes its
+    core from forward (bench/README.md, step_throughput)."""
     data_plane: str = "auto"
     """Where tensor bytes travel: tcp (the shards' plain-TCP data plane), grpc, or auto
     (tcp where the shard offers it and TLS is off, else grpc). Control stays on gRPC."""
