@@ -1,4 +1,5 @@
-"""GPU check: NCCL DDP and a PS job with CUDA workers in fp16; prints throughput.
+"""GPU check: NCCL DDP and a PS job with CUDA workers in fp16 (with and without
+overlap: push during backward from pinned buffers after CUDA events); prints throughput.
 
 Run on a machine with CUDA (a few minutes at most):
 
@@ -46,7 +47,7 @@ def run_ddp(gpus: int, steps: int, tmp: Path) -> dict:
     return json.loads(Path(report).read_text())
 
 
-def run_ps(workers: int, steps: int, tmp: Path) -> list[dict]:
+def run_ps(workers: int, steps: int, tmp: Path, *extra: str) -> list[dict]:
     server = subprocess.Popen(
         [*PSAR, "server", "--bind", "127.0.0.1:0"], stdout=subprocess.PIPE, text=True
     )
@@ -61,7 +62,8 @@ def run_ps(workers: int, steps: int, tmp: Path) -> list[dict]:
         for r in range(workers):
             env = {**os.environ, "LOCAL_RANK": str(r)}
             cmd = [*PSAR, "train", "--arch", "ps", "--servers", addr, "--rank", str(r),
-                   "--world-size", str(workers), *train_args(steps, str(tmp / f"ps-{r}.json"))]  # fmt: skip
+                   "--world-size", str(workers), *train_args(steps, str(tmp / f"ps-{r}.json")),
+                   *extra]  # fmt: skip
             procs.append(subprocess.Popen(cmd, env=env))
         for p in procs:
             if p.wait(timeout=300) != 0:
@@ -88,7 +90,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         ddp = run_ddp(gpus, args.steps, tmp)
-        ps = run_ps(2, args.steps, tmp)
+        ps = run_ps(2, args.steps, tmp)  # overlap on: push during backward (CUDA events)
+        plain = run_ps(2, args.steps, tmp, "--no-overlap")
     result = {
         "gpu": torch.cuda.get_device_name(0),
         "gpus": gpus,
@@ -100,6 +103,8 @@ def main() -> int:
         "ps_final_loss": ps[0]["final_train_loss"],
         "ps_skipped_steps": ps[0]["skipped_steps"],
         "ps_final_loss_scale": ps[0]["final_loss_scale"],
+        "ps_no_overlap_global_samples_per_sec": sum(r["samples_per_sec"] for r in plain),
+        "ps_no_overlap_final_loss": plain[0]["final_train_loss"],
     }
     print(json.dumps(result, indent=None if args.json else 2))
     return 0
