@@ -223,6 +223,10 @@ class DDPBackend:
     def shard_stats(self) -> list[dict[str, Any]]:
         return []
 
+    def abort(self) -> None:
+        """Nothing of ours waits on a step: DDP's collectives belong to torch, which the
+        process group timeout (--pg-timeout-s) ends."""
+
     def finish(self) -> None:
         if self.cfg.ddp.checkpoint_dir:
             self._save()

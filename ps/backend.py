@@ -344,6 +344,10 @@ class PSBackend(OverlapMixin, ResyncMixin):
     def shard_stats(self) -> list[dict[str, Any]]:
         return self.client.stats()
 
+    def abort(self) -> None:
+        self.buckets.abort()  # push streams end without a verdict: the shards refuse them
+        self.client.close()  # in-flight pulls and pushes end (cancelled)
+
     def finish(self) -> None:
         self._await_pull()
         self.buckets.detach()

@@ -25,6 +25,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import thread as _futures_thread
 from typing import Any
 
 import torch
@@ -103,6 +104,7 @@ class PushBuckets:
             queue.SimpleQueue() for _ in range(self.num_shards)
         ]
         self._all_in = threading.Event()
+        self._aborted = False
         self._started = False
         self.first_ready_at: float | None = None
 
@@ -211,11 +213,35 @@ class PushBuckets:
     def started(self) -> bool:
         return self._started
 
+    def abort(self) -> None:
+        """The step will never finish (the training loop failed): end every push stream
+        now, without a verdict, so no thread stays blocked on it (the shards refuse the
+        incomplete pushes)."""
+        self._aborted = True
+        for q in self._queues:
+            q.put(None)
+        self._all_in.set()
+
+    def _get(self, q: queue.SimpleQueue) -> PushItem | None:
+        # Poll, so a stream is never stuck when its step dies without abort() (e.g. an
+        # exception in user code outside psar's loop): at interpreter exit
+        # concurrent.futures joins its threads, and this one must end for that.
+        while True:
+            try:
+                return q.get(timeout=0.25)
+            except queue.Empty:
+                if self._aborted or getattr(_futures_thread, "_shutdown", False):
+                    return None
+
     def items(self, shard: int, replay: bool) -> Iterator[PushItem]:
         """The push stream of one shard: its slots bucket by bucket as they fill, then the
         verdict. replay=True (a retried push): wait for everything, then send it all."""
         if replay:
-            self._all_in.wait()
+            while not self._all_in.wait(0.25):
+                if getattr(_futures_thread, "_shutdown", False):
+                    return
+            if self._aborted:
+                return
             if self.verdict:
                 yield ("verdict", True)
                 return
@@ -227,7 +253,7 @@ class PushBuckets:
             return
         q = self._queues[shard]
         while True:
-            item = q.get()
+            item = self._get(q)
             if item is None:
                 return
             if item[0] == "_sync":

@@ -238,3 +238,21 @@ def test_a_step_whose_pull_failed_midway_is_skipped_not_pushed() -> None:
         assert not step().skipped and b.clock == 2
         assert state.stats()["worker_clocks"] == [2] and state.rounds == 2
         b.finish()
+
+
+def test_a_worker_whose_backward_fails_mid_push_exits_with_the_error(tmp_path) -> None:
+    """Later layers' buckets are already streaming when the first layer's backward
+    raises: the worker must exit non-zero with the error, not hang on its push threads."""
+    import subprocess
+
+    from tests.procs import ENV, PSAR
+
+    with shards(1) as addrs:
+        p = subprocess.run(
+            [*PSAR, "train", "--arch", "ps", "--servers", addrs[0], "--world-size", "1",
+             "--workload", "tests.user_workloads:make_failing", "--steps", "10",
+             "--bucket-mib", "0.0001", "--log-every", "0"],
+            capture_output=True, text=True, env=ENV, timeout=120,
+        )  # fmt: skip
+    assert p.returncode != 0
+    assert "user backward failed on purpose" in p.stderr + p.stdout

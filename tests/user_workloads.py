@@ -42,3 +42,23 @@ def make_tricky(seed: int) -> Workload:
         loss_fn=F.cross_entropy,
         find_unused_parameters=True,
     )
+
+
+def make_failing(seed: int) -> Workload:
+    """A model whose backward fails at its third step, after later layers' gradients are
+    already being pushed (tests/test_overlap.py: the worker must exit with the error)."""
+    with seeded(seed):
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+    calls = {"n": 0}
+
+    def fail_on_third(grad: torch.Tensor) -> torch.Tensor:
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("user backward failed on purpose")
+        return grad
+
+    model[0].weight.register_hook(fail_on_third)  # the first layer's gradient comes last
+    g = torch.Generator().manual_seed(1234)
+    x = torch.randn(256, 8, generator=g)
+    y = (x @ torch.randn(8, 8, generator=g)).argmax(dim=1)
+    return Workload(model=model, train_dataset=TensorDataset(x, y), loss_fn=F.cross_entropy)

@@ -65,3 +65,8 @@ class Backend(Protocol):
     def finish(self) -> None:
         """Leave the job cleanly (nobody waits for this worker any more)."""
         ...
+
+    def abort(self) -> None:
+        """The loop failed mid-step: release whatever waits on this step (threads,
+        streams) so the process can exit with the error."""
+        ...

@@ -14,6 +14,7 @@ import math
 import os
 import time
 from collections import Counter
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -114,56 +115,57 @@ def train(cfg: TrainConfig, env: dict[str, str] | None = None) -> dict[str, Any]
     samples = 0
     last_backward = 0.0
     start = time.perf_counter()
-    # A relaunched worker resumes where its checkpoint/shards say (docs/reliability.md).
-    for step in range(getattr(backend, "start_step", 0) + 1, total + 1):
-        model.zero_grad(set_to_none=True)
-        phases: Counter[str] = Counter()
-        step_loss = 0.0
-        for micro in range(cfg.grad_accum):
-            t0 = time.perf_counter()
-            x, y = batches.batch((step - 1) * cfg.grad_accum + micro)
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            t1 = time.perf_counter()
-            last = micro == cfg.grad_accum - 1
-            with contextlib.nullcontext() if last else backend.no_sync():
-                with precision.autocast():
-                    loss = workload.loss_fn(module(x), y)
-                step_loss += loss.item() / cfg.grad_accum
-                if step == cfg.inject_overflow_step and rank == 0:
-                    loss = loss * float("inf")  # testing aid: a guaranteed overflow
-                t2 = time.perf_counter()
-                phases.update({"data": t1 - t0, "forward": t2 - t1})
-                if last:
-                    # Pad before the last backward: under DDP that backward carries the
-                    # allreduce, which padding after it would hide. This step's backward
-                    # is not known yet, so the previous step's stands in for it.
-                    compute = phases["forward"] + phases["backward"] + last_backward
-                    pad = _compute_padding(cfg, compute)
-                    if pad > 0:
-                        time.sleep(pad)
-                        phases["straggle"] = pad
+    with _aborting(backend):
+        # A relaunched worker resumes where its checkpoint/shards say (docs/reliability.md).
+        for step in range(getattr(backend, "start_step", 0) + 1, total + 1):
+            model.zero_grad(set_to_none=True)
+            phases: Counter[str] = Counter()
+            step_loss = 0.0
+            for micro in range(cfg.grad_accum):
+                t0 = time.perf_counter()
+                x, y = batches.batch((step - 1) * cfg.grad_accum + micro)
+                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+                t1 = time.perf_counter()
+                last = micro == cfg.grad_accum - 1
+                with contextlib.nullcontext() if last else backend.no_sync():
+                    with precision.autocast():
+                        loss = workload.loss_fn(module(x), y)
+                    step_loss += loss.item() / cfg.grad_accum
+                    if step == cfg.inject_overflow_step and rank == 0:
+                        loss = loss * float("inf")  # testing aid: a guaranteed overflow
                     t2 = time.perf_counter()
-                backend.scale_loss(loss / cfg.grad_accum).backward()
-            t3 = time.perf_counter()
-            phases["backward"] += t3 - t2
-            last_backward = t3 - t2
-            samples += len(x)
-        outcome = backend.step()
-        phases.update(outcome.phases)
-        losses.append(step_loss)
-        outcomes.append(outcome)
-        for name, secs in phases.items():
-            metrics.phase(name, secs)
-        metrics.step_done(cfg.batch_size * cfg.grad_accum)
-        metrics.set_loss(step_loss)
-        metrics.set_loss_scale(outcome.loss_scale)
-        if outcome.skipped:
-            metrics.overflow_step()
-        if outcome.staleness is not None:
-            metrics.observed_staleness(outcome.staleness)
-        elapsed = time.perf_counter() - start
-        log.write(step, elapsed, step_loss, samples, outcome, phases)
-        progress.update(step, samples / max(elapsed, 1e-9), step_loss, outcome)
+                    phases.update({"data": t1 - t0, "forward": t2 - t1})
+                    if last:
+                        # Pad before the last backward: under DDP that backward carries the
+                        # allreduce, which padding after it would hide. This step's backward
+                        # is not known yet, so the previous step's stands in for it.
+                        compute = phases["forward"] + phases["backward"] + last_backward
+                        pad = _compute_padding(cfg, compute)
+                        if pad > 0:
+                            time.sleep(pad)
+                            phases["straggle"] = pad
+                        t2 = time.perf_counter()
+                    backend.scale_loss(loss / cfg.grad_accum).backward()
+                t3 = time.perf_counter()
+                phases["backward"] += t3 - t2
+                last_backward = t3 - t2
+                samples += len(x)
+            outcome = backend.step()
+            phases.update(outcome.phases)
+            losses.append(step_loss)
+            outcomes.append(outcome)
+            for name, secs in phases.items():
+                metrics.phase(name, secs)
+            metrics.step_done(cfg.batch_size * cfg.grad_accum)
+            metrics.set_loss(step_loss)
+            metrics.set_loss_scale(outcome.loss_scale)
+            if outcome.skipped:
+                metrics.overflow_step()
+            if outcome.staleness is not None:
+                metrics.observed_staleness(outcome.staleness)
+            elapsed = time.perf_counter() - start
+            log.write(step, elapsed, step_loss, samples, outcome, phases)
+            progress.update(step, samples / max(elapsed, 1e-9), step_loss, outcome)
     wall = time.perf_counter() - start
     progress.close()
     val_loss = None
@@ -194,6 +196,18 @@ def train(cfg: TrainConfig, env: dict[str, str] | None = None) -> dict[str, Any]
     if cfg.metrics_port and cfg.metrics_linger_s:
         time.sleep(cfg.metrics_linger_s)
     return summary
+
+
+@contextlib.contextmanager
+def _aborting(backend: Backend) -> Iterator[None]:
+    """On any error in the steps, let the backend release its waiting threads first, so
+    the process exits with the error instead of hanging at interpreter exit."""
+    try:
+        yield
+    except BaseException:
+        with contextlib.suppress(Exception):
+            backend.abort()
+        raise
 
 
 def _summary(
