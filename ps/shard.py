@@ -11,7 +11,6 @@ push validation in ps/pushdata.py.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
 import time
@@ -39,6 +38,7 @@ from ps.pushdata import (
 )
 from ps.pushdata import check_header as _check_header
 from ps.recovery import Recovery
+from ps.shard_inspect import Inspection
 from worker.nullmetrics import NullMetrics
 from worker.optim import DynamicLossScale, build_optimizer, build_scheduler
 
@@ -48,7 +48,7 @@ log = logging.getLogger("psar.shard")
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
-class ShardState(Membership, Recovery):
+class ShardState(Membership, Recovery, Inspection):
     """One shard. Thread-safe: gRPC handler threads call it concurrently."""
 
     def __init__(
@@ -410,52 +410,3 @@ class ShardState(Membership, Recovery):
                 pieces.append((key, off, data))
         self._snapshots[dtype] = ((self.incarnation, self.version), pieces)
         return pieces
-
-    # ---- inspection -----------------------------------------------------------------
-
-    def stats(self) -> dict[str, Any]:
-        with self._cond:
-            hist_len = max(self.staleness_counts, default=-1) + 1
-            m = self.checkpoints
-            return {
-                "version": self.version,
-                "rounds": self.rounds,
-                "updates_applied": self.updates_applied,
-                "skipped_rounds": self.skipped_rounds,
-                "dropped_nonfinite": self.dropped_nonfinite,
-                "live_workers": len(self.live),
-                "loss_scale": self.loss_scale.scale if self.job else 1.0,
-                "worker_clocks": list(self.clocks),
-                "max_clock_gap": self.max_clock_gap,
-                "staleness_histogram": [self.staleness_counts[i] for i in range(hist_len)],
-                "master_bytes": self.master_bytes,
-                "state_digest": self.state_digest(),
-                "incarnation": self.incarnation,
-                "restores": self.restores,
-                "restored_step": self.restored_step,
-                "lease_expirations": self.lease_expirations,
-                "rejoins": self.rejoins,
-                "checkpoints_written": m.written if m is not None else 0,
-                "last_checkpoint_step": (m.last_step or 0) if m is not None else 0,
-                "live_worker_ids": sorted(self.live),
-                "draining": self.draining,
-            }
-
-    def state_digest(self) -> str:
-        """sha256 of masters, optimizer state and counters: equal digests, equal state."""
-        h = hashlib.sha256()
-        with self._cond:
-            h.update(f"{self.version}/{self.rounds}/{self.clocks}".encode())
-            for key, p in self.masters.items():
-                h.update(key.encode())
-                h.update(wire.as_bytes_view(p.detach()))
-            if self.job is not None:
-                for key, p in self.masters.items():
-                    for name, value in sorted(self.optimizer.state.get(p, {}).items()):
-                        h.update(f"{key}.{name}".encode())
-                        if isinstance(value, torch.Tensor):
-                            h.update(wire.as_bytes_view(value.detach().reshape(-1).contiguous()))
-                        else:
-                            h.update(repr(value).encode())
-                h.update(repr(self.loss_scale.scale).encode())
-        return h.hexdigest()
