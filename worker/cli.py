@@ -17,6 +17,8 @@ import logging
 import os
 import signal
 import sys
+import threading
+import time
 from collections.abc import Callable, Sequence
 
 from ps.server import ServerConfig
@@ -99,8 +101,21 @@ class Terminated(Exception):
     """SIGTERM arrived while training."""
 
 
+TERM_GRACE_S = 10.0
+"""After SIGTERM, exit 143 at the latest this much later, even if the exception raised in
+the main thread was swallowed (e.g. by logging, whose handlers catch everything raised
+while they write, the very moment a supervisor often picks to stop us)."""
+
+
 def _raise_terminated(signum: int, _frame: object) -> None:
+    threading.Thread(target=_exit_soon, daemon=True, name="psar-sigterm").start()
     raise Terminated(f"signal {signum}")
+
+
+def _exit_soon() -> None:
+    time.sleep(TERM_GRACE_S)
+    print("psar: terminated (SIGTERM)", file=sys.stderr, flush=True)
+    os._exit(143)
 
 
 def _run_train(args: argparse.Namespace) -> int:
