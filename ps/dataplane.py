@@ -319,6 +319,7 @@ class _Connection:
                 dtype,
                 req.timeout_s if req.timeout_s > 0 else None,
                 incarnation=r.incarnation,
+                views=True,  # sent as they are: no copy of the masters in sync fp32
             )
             incarnation = self.state.incarnation
         except PSError as e:

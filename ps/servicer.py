@@ -164,9 +164,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         head.incarnation = incarnation
         yield pb.PullChunk(header=head)
         for key, offset, data in pieces:
-            # protobuf takes bytes only (sync fp32 pieces are views of the masters)
-            raw = data if isinstance(data, bytes) else bytes(data)
-            yield pb.PullChunk(data=pb.TensorData(key=key, offset=offset, data=raw))
+            yield pb.PullChunk(data=pb.TensorData(key=key, offset=offset, data=data))
         self.metrics.rpc_observed("Pull", time.monotonic() - t0)
 
     def Leave(self, request: pb.LeaveRequest, context: grpc.ServicerContext) -> Any:

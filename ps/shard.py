@@ -92,7 +92,7 @@ class ShardState(Membership, Recovery, Inspection):
         self.checkpoints = checkpoints
         self._staging: dict[int, dict[str, torch.Tensor]] = {}
         self._worker_locks: dict[int, threading.Lock] = {}
-        self._snapshots: dict[torch.dtype, tuple[int, list[tuple[str, int, bytes]]]] = {}
+        self._snapshots: dict[tuple[torch.dtype, bool], tuple[Any, list[tuple[str, int, Any]]]] = {}
 
     # ---- initialisation -------------------------------------------------------------
 
@@ -337,8 +337,12 @@ class ShardState(Membership, Recovery, Inspection):
         timeout: float | None,
         *,
         incarnation: int = 0,
-    ) -> tuple[PullHeader, list[tuple[str, int, bytes]]]:
-        """Wait until the policy lets `worker` at `clock` read, then snapshot the weights."""
+        views: bool = False,
+    ) -> tuple[PullHeader, list[tuple[str, int, Any]]]:
+        """Wait until the policy lets `worker` at `clock` read, then snapshot the weights.
+
+        views=True (a transport that sends buffers as they are, the TCP data plane): in
+        sync mode fp32 pieces may be memoryviews of the masters instead of bytes copies."""
         started = time.monotonic()
         with self._cond:
             job = self._require_job()
@@ -388,13 +392,15 @@ class ShardState(Membership, Recovery, Inspection):
                 dtype=dtype,
                 clock_gap=gap,
             )
-            pieces = self._snapshot(dtype)
+            pieces = self._snapshot(dtype, views)
         self.metrics.bytes_sent(sum(len(p[2]) for p in pieces))
         return header, pieces
 
-    def _snapshot(self, dtype: torch.dtype) -> list[tuple[str, int, Any]]:
+    def _snapshot(self, dtype: torch.dtype, views: bool) -> list[tuple[str, int, Any]]:
         """Wire pieces of the current weights in `dtype`, shared by every pull of a version."""
-        cached = self._snapshots.get(dtype)
+        views = views and dtype == torch.float32 and self.job is not None
+        views = views and self.job.mode == "sync"
+        cached = self._snapshots.get((dtype, views))
         if cached is not None and cached[0] == (self.incarnation, self.version):
             return cached[1]
         pieces: list[tuple[str, int, Any]] = []
@@ -402,11 +408,11 @@ class ShardState(Membership, Recovery, Inspection):
         # a pull reads them: the next round needs this worker's next push, which it
         # sends only once its pull has landed. (A worker whose lease ran out mid-pull,
         # or a rollback, may see a torn copy; its next push is then refused and it
-        # resyncs and pulls again.) async/ssp apply on every push: they copy.
-        views = dtype == torch.float32 and self.job is not None and self.job.mode == "sync"
+        # resyncs and pulls again.) async/ssp apply on every push: they copy. gRPC needs
+        # bytes: its pullers share one copy per version.
         for key, p in self.masters.items():
             flat = p.detach() if dtype == torch.float32 else p.detach().to(dtype)
             for off, data in wire.iter_pieces(flat, self.message_bytes, copy=not views):
                 pieces.append((key, off, data))
-        self._snapshots[dtype] = ((self.incarnation, self.version), pieces)
+        self._snapshots[(dtype, views)] = ((self.incarnation, self.version), pieces)
         return pieces
