@@ -274,14 +274,7 @@ class _Connection:
                 return
             finally:
                 ticket = None  # finish_push released it
-            reply = pb.PushReply(
-                applied=outcome.applied,
-                already_applied=already,
-                dropped_nonfinite=outcome.dropped_nonfinite,
-                version=version,
-                staleness=outcome.staleness,
-                incarnation=incarnation,
-            )
+            reply = serde.push_reply_to_pb(outcome, version, already, incarnation)
             self._send(pb.DataFrame(push_reply=reply))
         finally:
             if ticket is not None:

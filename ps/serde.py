@@ -14,6 +14,7 @@ from ps._gen.psar.v1 import ps_pb2 as pb
 from ps.errors import InvalidArgument
 from ps.job import Job
 from ps.partition import Slot
+from ps.policies import PushOutcome
 from ps.shard import PullHeader, PushHeader
 from worker.optim import LossScaleConfig, OptimizerConfig
 
@@ -106,6 +107,20 @@ def push_header_from_pb(m: pb.PushHeader) -> PushHeader:
         overflow=m.overflow,
         retry=m.retry,
         verdict_follows=m.verdict_follows,
+    )
+
+
+def push_reply_to_pb(
+    outcome: PushOutcome, version: int, already_applied: bool, incarnation: int
+) -> pb.PushReply:
+    """What ShardState.finish_push returned, as both transports answer it."""
+    return pb.PushReply(
+        applied=outcome.applied,
+        already_applied=already_applied,
+        dropped_nonfinite=outcome.dropped_nonfinite,
+        version=version,
+        staleness=outcome.staleness,
+        incarnation=incarnation,
     )
 
 

@@ -129,14 +129,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             ticket_incarnation = ticket.incarnation
             outcome, version, already = self.state.finish_push(ticket)
             ticket = None
-            return pb.PushReply(
-                applied=outcome.applied,
-                already_applied=already,
-                dropped_nonfinite=outcome.dropped_nonfinite,
-                version=version,
-                staleness=outcome.staleness,
-                incarnation=ticket_incarnation,
-            )
+            return serde.push_reply_to_pb(outcome, version, already, ticket_incarnation)
         except PSError as e:
             self._fail(context, "Push", e)
         finally:
