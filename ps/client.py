@@ -28,7 +28,7 @@ import torch
 from ps import auth, serde, wire
 from ps._gen.psar.v1 import ps_pb2 as pb
 from ps._gen.psar.v1 import ps_pb2_grpc as pb_grpc
-from ps.client_dataplane import DataPlaneCalls
+from ps.client_dataplane import DataPlaneCalls, check_data_plane
 from ps.client_membership import MembershipCalls
 from ps.dataplane_client import DEFAULT_MAX_FRAME_BYTES, DataPlaneClient
 from ps.job import Job
@@ -93,22 +93,11 @@ class ClientConfig:
     grpc, or auto (tcp where a shard offers it and TLS is off, else grpc)."""
 
     def __post_init__(self) -> None:
-        if self.data_plane not in DATA_PLANES:
-            raise ValueError(
-                f"--data-plane: unknown {self.data_plane!r}; accepted: {', '.join(DATA_PLANES)}"
-            )
-        if self.data_plane == "tcp" and self.tls:
-            raise ValueError(
-                "--data-plane tcp sends tensors in plaintext, but TLS is on (--tls-*): use "
-                "--data-plane grpc (or auto) so tensors travel over TLS"
-            )
+        check_data_plane(self.data_plane, self.tls)
 
     @property
     def tls(self) -> bool:
         return bool(self.tls_ca or self.tls_cert or self.tls_key)
-
-
-DATA_PLANES = ("auto", "tcp", "grpc")
 
 
 class PSClient(DataPlaneCalls, MembershipCalls):

@@ -18,6 +18,21 @@ from ps.dataplane_client import DataPlaneClient, DataPlaneError
 
 T = TypeVar("T")
 
+DATA_PLANES = ("auto", "tcp", "grpc")
+
+
+def check_data_plane(data_plane: str, tls: bool) -> None:
+    """Refuse (ValueError naming the flag) an unknown --data-plane, or tcp with TLS on."""
+    if data_plane not in DATA_PLANES:
+        raise ValueError(
+            f"--data-plane: unknown {data_plane!r}; accepted: {', '.join(DATA_PLANES)}"
+        )
+    if data_plane == "tcp" and tls:
+        raise ValueError(
+            "--data-plane tcp sends tensors in plaintext, but TLS is on (--tls-*): use "
+            "--data-plane grpc (or auto) so tensors travel over TLS"
+        )
+
 
 class DataPlaneCalls:
     """Needs PSClient's cfg, addresses, _stubs, _data, _data_ports, _data_stale."""

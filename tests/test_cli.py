@@ -75,6 +75,12 @@ def test_dry_run_resolves_flags_and_config_file(tmp_path, capsys) -> None:
     [
         (["--arch", "horovod"], "--arch: unknown 'horovod'; accepted: ps, allreduce"),
         (["--mode", "eventual"], "--mode: unknown 'eventual'; accepted: sync, async, ssp"),
+        (["--data-plane", "udp"], "--data-plane: unknown 'udp'; accepted: auto, tcp, grpc"),
+        (
+            ["--data-plane", "tcp", "--tls-ca", "ca.pem"],
+            "--data-plane tcp sends tensors in plaintext",
+        ),
+        (["--bucket-mib", "0"], "--bucket-mib must be > 0"),
         (["--optimizer", "lamb"], "--optimizer: unknown 'lamb'; accepted: sgd, adamw"),
         (["--precision", "fp8"], "--precision: unknown 'fp8'"),
         (["--batch-size", "0"], "--batch-size must be >= 1"),

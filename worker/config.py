@@ -83,15 +83,9 @@ class PSConfig:
             raise ValueError(f"--staleness must be >= 0, got {self.staleness}")
         if not self.chunk_mib > 0:
             raise ValueError(f"--chunk-mib must be > 0, got {self.chunk_mib}")
-        if self.data_plane not in ("auto", "tcp", "grpc"):
-            raise ValueError(
-                f"--data-plane: unknown {self.data_plane!r}; accepted: auto, tcp, grpc"
-            )
-        if self.data_plane == "tcp" and (self.tls_ca or self.tls_cert or self.tls_key):
-            raise ValueError(
-                "--data-plane tcp sends tensors in plaintext, but TLS is on (--tls-*): "
-                "use --data-plane grpc or auto"
-            )
+        from ps.client_dataplane import check_data_plane
+
+        check_data_plane(self.data_plane, bool(self.tls_ca or self.tls_cert or self.tls_key))
         if not self.bucket_mib > 0:
             raise ValueError(f"--bucket-mib must be > 0, got {self.bucket_mib}")
         if not (self.timeout_s > 0 and self.pull_timeout_s > 0):
