@@ -106,7 +106,6 @@ class PushBuckets:
         self._all_in = threading.Event()
         self._aborted = False
         self._started = False
-        self.first_ready_at: float | None = None
 
     def attach(self) -> None:
         """Register the gradient hooks (push during backward)."""
@@ -146,7 +145,6 @@ class PushBuckets:
             first = not self._started
             self._started = True
         if first:
-            self.first_ready_at = time.perf_counter()
             self.on_first_bucket()
         bufs = []
         for s in self.buckets[b]:
@@ -208,10 +206,6 @@ class PushBuckets:
             self._finish_queues()
         self.active = False
         return not self.verdict
-
-    @property
-    def started(self) -> bool:
-        return self._started
 
     def abort(self) -> None:
         """The step will never finish (the training loop failed): end every push stream
