@@ -143,11 +143,13 @@ class Procs:
 
 
 def start_shards(procs: Procs, n: int, *, hosts: Sequence[Any] | None = None,
-                 timeout: float = 120.0) -> list[str]:  # fmt: skip
-    """n `psar server` shards (shard i in hosts[i] when given); their HOST:PORT."""
+                 timeout: float = 120.0, server: Sequence[str] = ()) -> list[str]:  # fmt: skip
+    """n `psar server` shards (shard i in hosts[i] when given; `server`: more flags);
+    their HOST:PORT."""
     binds = [h.addr if hosts else "127.0.0.1" for h in (hosts or [None] * n)]
     for i in range(n):
-        procs.start(f"shard{i}", [*PSAR, "server", "--bind", f"{binds[i]}:0", "--shard", str(i)],
+        procs.start(f"shard{i}", [*PSAR, "server", "--bind", f"{binds[i]}:0", "--shard", str(i),
+                                        *server],
                     host=hosts[i] if hosts else None)  # fmt: skip
     return [f"{binds[i]}:{procs.wait_line(f'shard{i}', _LISTEN, timeout).group(2)}"
             for i in range(n)]  # fmt: skip
@@ -156,10 +158,11 @@ def start_shards(procs: Procs, n: int, *, hosts: Sequence[Any] | None = None,
 def ps_job(out: Path, *, workers: int, shards: int = 1, mode: str = "sync", staleness: int = 1,
            train: Sequence[str] = (), per_rank: dict[int, Sequence[str]] | None = None,
            timeout: float = 600.0, shard_hosts: Sequence[Any] | None = None,
-           worker_hosts: Sequence[Any] | None = None) -> Run:  # fmt: skip
-    """Shards + `psar train --arch ps` workers to completion; their step logs."""
+           worker_hosts: Sequence[Any] | None = None, server: Sequence[str] = ()) -> Run:  # fmt: skip
+    """Shards (`server`: more `psar server` flags) + `psar train --arch ps` workers to
+    completion; their step logs."""
     with Procs(out) as procs:
-        addrs = ",".join(start_shards(procs, shards, hosts=shard_hosts))
+        addrs = ",".join(start_shards(procs, shards, hosts=shard_hosts, server=server))
         names = [f"worker{r}" for r in range(workers)]
         for r in range(workers):
             argv = [*PSAR, "train", "--arch", "ps", "--servers", addrs, "--rank", str(r),

@@ -9,6 +9,7 @@ add up to about 2x the step time.
 
     python -m bench.step_cpu                          # 2 workers, 1 shard, defaults
     python -m bench.step_cpu --workers 1 -- --no-overlap   # flags after -- go to psar train
+    python -m bench.step_cpu --server=--no-chunk-rounds    # a `psar server` flag
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ def main(argv: list[str] | None = None) -> int:
         "--steps", type=int, default=600, help="per worker (the run must outlast the window)"
     )
     p.add_argument("--window-s", type=float, default=4.0, help="seconds of CPU sampling")
+    p.add_argument("--server", action="append", default=[], metavar="FLAG",
+                   help="extra `psar server` flag, repeatable (--server=--no-chunk-rounds)")  # fmt: skip
     p.add_argument("train", nargs="*", help="extra `psar train` flags (after --)")
     a = p.parse_args(argv)
     tmp = Path(tempfile.mkdtemp(prefix="psar-step-cpu-"))
@@ -56,8 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         addrs = []
         for i in range(a.shards):
-            s = subprocess.Popen([*c.PSAR, "server", "--bind", "127.0.0.1:0", "--shard", str(i)],
-                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            s = subprocess.Popen([*c.PSAR, "server", "--bind", "127.0.0.1:0", "--shard", str(i),
+                                  *a.server], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                  env=env, cwd=c.ROOT)  # fmt: skip
             procs.append((f"shard{i}", s))
             while m := s.stdout.readline():

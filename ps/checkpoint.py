@@ -154,6 +154,7 @@ def snapshot(st: ShardState) -> dict[str, Any]:
 
     job = st.job
     assert job is not None
+    st.policy.settle(st)  # per-chunk rounds: no slot of an open round in a checkpoint
     return {
         "format": FORMAT,
         "job": serde.job_to_pb(job).SerializeToString(),
@@ -207,7 +208,7 @@ def load_tensors(st: ShardState, snap: dict[str, Any]) -> None:
     st.scheduler.load_state_dict(snap["scheduler"])
     st.loss_scale = DynamicLossScale(job.loss_scale)
     st.loss_scale.scale, st.loss_scale.clean_steps = snap["loss_scale"]
-    st.policy = make_policy(job.mode, job.staleness)
+    st.policy = make_policy(job.mode, job.staleness, chunk_rounds=st.chunk_rounds)
     c = snap["counters"]
     st.version, st.rounds = int(c["version"]), int(c["rounds"])
     st.updates_applied, st.skipped_rounds = int(c["updates_applied"]), int(c["skipped_rounds"])

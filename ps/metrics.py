@@ -274,6 +274,15 @@ class ShardMetrics:
             "psar_ps_nonfinite_dropped_total",
             "Gradients dropped because they held NaN or Inf values.",
         )
+        self._chunks_early = counter(
+            "psar_ps_chunks_applied_early_total",
+            "sync --chunk-rounds: slots updated before their round's last push was in.",
+        )
+        self._chunk_undos = counter(
+            "psar_ps_chunk_undos_total",
+            "sync --chunk-rounds: rounds whose early slot updates were undone (an overflow, "
+            "a refused push, a worker leaving mid-round).",
+        )
         self._rx = counter(
             "psar_ps_bytes_received_total", "Payload bytes received from workers (pushes)."
         )
@@ -373,6 +382,14 @@ class ShardMetrics:
     def nonfinite_dropped(self) -> None:
         """A gradient with NaN/Inf values was dropped."""
         self._nonfinite.inc()
+
+    def chunk_applied_early(self) -> None:
+        """A slot was updated while its round was still open (per-chunk rounds)."""
+        self._chunks_early.inc()
+
+    def chunk_undo(self) -> None:
+        """A round's early slot updates were undone (per-chunk rounds)."""
+        self._chunk_undos.inc()
 
     def bytes_received(self, n: int) -> None:
         """``n`` payload bytes arrived from a worker."""

@@ -24,6 +24,7 @@ import torch
 from ps.errors import FailedPrecondition, InvalidArgument
 
 if TYPE_CHECKING:
+    from ps.pushdata import PushTicket
     from ps.shard import ShardState
 
 
@@ -51,6 +52,8 @@ class UpdatePolicy(ABC):
     mode: str = ""
     #: Sync holds gradients across a round, so each worker needs its own staging buffers.
     holds_gradients: bool = False
+    #: Wants to hear of each push's slots as they complete (per-chunk rounds).
+    applies_chunks: bool = False
 
     @abstractmethod
     def check_push(self, st: ShardState, worker: int, clock: int, base_version: int) -> None:
@@ -66,6 +69,21 @@ class UpdatePolicy(ABC):
 
     def on_leave(self, st: ShardState, worker: int) -> None:  # noqa: B027 - optional hook
         """A worker left the live set (finished, or its lease expired)."""
+
+    # Per-chunk hooks (called under the shard lock only when applies_chunks is set).
+
+    def push_started(self, st: ShardState, ticket: PushTicket) -> None:  # noqa: B027
+        """A push header passed its checks; its data follows."""
+
+    def slot_complete(self, st: ShardState, ticket: PushTicket, key: str) -> None:  # noqa: B027
+        """Every piece of slot `key` of this push arrived and was unscaled."""
+
+    def push_dropped(self, st: ShardState, ticket: PushTicket) -> None:  # noqa: B027
+        """This push's data no longer counts: refused, cut off, or an overflow verdict."""
+
+    def settle(self, st: ShardState) -> None:  # noqa: B027
+        """Make masters and optimizer state those of the last closed round (before a
+        checkpoint snapshot or an off-round pull)."""
 
 
 class SyncPolicy(UpdatePolicy):
@@ -112,6 +130,10 @@ class SyncPolicy(UpdatePolicy):
             return
         pushes = [self.pending[w] for w in sorted(self.pending)]
         self.pending = {}
+        self._close(st, pushes)
+
+    def _close(self, st: ShardState, pushes: list[StagedPush]) -> None:
+        """Every live worker has pushed (`pushes`, in rank order): apply or skip."""
         if any(p.overflow for p in pushes):
             st.skip_round("overflow")
             return
@@ -169,8 +191,13 @@ class SSPPolicy(AsyncPolicy):
         return clock - st.slowest_live_clock(default=clock) <= self.staleness
 
 
-def make_policy(mode: str, staleness: int) -> UpdatePolicy:
-    """The policy for a mode name (sync | async | ssp)."""
+def make_policy(mode: str, staleness: int, *, chunk_rounds: bool = False) -> UpdatePolicy:
+    """The policy for a mode name (sync | async | ssp); chunk_rounds: sync applies each
+    slot as soon as every worker's piece of it is in (ps/chunk_rounds.py)."""
+    if mode == "sync" and chunk_rounds:
+        from ps.chunk_rounds import ChunkedSyncPolicy  # it builds on SyncPolicy
+
+        return ChunkedSyncPolicy()
     if mode == "sync":
         return SyncPolicy()
     if mode == "async":

@@ -56,6 +56,14 @@ class PushTicket:
     """The shard's incarnation when the push began (a rollback in between refuses it)."""
     verdict: bool | None = None
     """verdict_follows pushes: the overflow verdict once it arrived (None: not yet)."""
+    unscaled: dict[str, bool] = field(default_factory=dict)
+    """Slots already unscaled as they completed (while later ones still stream): whether
+    each is finite. finish_push unscales only the rest."""
+    accepted: bool = False
+    """The push went to the update policy; releasing it then drops nothing."""
+    on_drop: Callable[[PushTicket], None] | None = None
+    """Called on release of a push that was never accepted (refused, cut off, or a
+    duplicate), before its worker may push again (per-chunk rounds undo with it)."""
 
     @property
     def overflow(self) -> bool:
@@ -64,8 +72,12 @@ class PushTicket:
 
     def release(self) -> None:
         if self.lock is not None:
-            self.lock.release()
-            self.lock = None
+            try:
+                if not self.accepted and self.on_drop is not None:
+                    self.on_drop(self)
+            finally:
+                self.lock.release()
+                self.lock = None
 
 
 def check_header(header: PushHeader, num_workers: int) -> None:
@@ -184,6 +196,25 @@ def check_complete(numel: dict[str, int], ticket: PushTicket) -> None:
             f"incomplete push: slot {k!r} got {ticket.received.get(k, 0)} of "
             f"{numel[k]} elements ({len(short)} slots short)",
         )
+
+
+def slot_complete(numel: dict[str, int], ticket: PushTicket, key: str) -> bool:
+    """Has the last piece of slot `key` of this (data-carrying) push just arrived?"""
+    return not ticket.duplicate and ticket.received.get(key, 0) == numel[key] > 0
+
+
+def unscale_slot(ticket: PushTicket, key: str) -> None:
+    """Unscale one complete slot in place (once) and record whether it is finite."""
+    if key not in ticket.unscaled:
+        ticket.unscaled[key] = unscale({key: ticket.staging[key]}, ticket.header.loss_scale)
+
+
+def unscale_rest(ticket: PushTicket) -> bool:
+    """Unscale the slots not unscaled yet; returns whether the whole push is finite.
+    Per slot or all at once, it is the same multiplication per element: same bits."""
+    rest = {k: t for k, t in ticket.staging.items() if k not in ticket.unscaled}
+    finite = unscale(rest, ticket.header.loss_scale)
+    return finite and all(ticket.unscaled.values())
 
 
 def unscale(grads: dict[str, torch.Tensor], loss_scale: float) -> bool:

@@ -86,6 +86,10 @@ class ServerConfig:
     """Mutual TLS: only accept clients whose certificate this PEM CA signed."""
     auth_token_file: str = ""
     """Refuse calls without `authorization: Bearer <the token in this file>`."""
+    chunk_rounds: bool = True
+    """sync: apply the optimizer to each slot as soon as every worker's piece of it is in,
+    while later slots still arrive (undone if the round is skipped or a push refused;
+    ps/chunk_rounds.py). Bit-identical results either way; off costs no undo copies."""
     data_port: int = 0
     """TCP port of the data plane (push and pull as plain frames next to gRPC, on the
     --bind host; docs/dataplane.md): 0 picks a free one, -1 turns it off. Workers learn
@@ -157,6 +161,7 @@ def build_state(cfg: ServerConfig, metrics: Any = None) -> ShardState:
         lease_s=cfg.lease_s,
         join_grace_s=cfg.join_grace_s,
         checkpoints=manager,
+        chunk_rounds=cfg.chunk_rounds,
     )
     if cfg.restore:
         found = _find_restore(cfg.restore, shard)

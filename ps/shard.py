@@ -34,7 +34,9 @@ from ps.pushdata import (
     add_piece_streamed,
     add_verdict,
     check_complete,
-    unscale,
+    slot_complete,
+    unscale_rest,
+    unscale_slot,
 )
 from ps.pushdata import check_header as _check_header
 from ps.recovery import Recovery
@@ -60,7 +62,11 @@ class ShardState(Membership, Recovery, Inspection):
         join_grace_s: float = DEFAULT_JOIN_GRACE_S,
         clock: Callable[[], float] = time.monotonic,
         checkpoints: checkpoint.CheckpointManager | None = None,
+        chunk_rounds: bool = False,
     ) -> None:
+        self.chunk_rounds = chunk_rounds
+        """sync: apply each slot as soon as every worker's piece of it is in
+        (ps/chunk_rounds.py); results are bit-identical either way."""
         self.metrics = metrics if metrics is not None else NullMetrics()
         self.message_bytes = message_bytes
         self._cond = threading.Condition()
@@ -125,7 +131,7 @@ class ShardState(Membership, Recovery, Inspection):
                 for s in job.slots
             }
             self.numel = numel
-            self.policy = make_policy(job.mode, job.staleness)
+            self.policy = make_policy(job.mode, job.staleness, chunk_rounds=self.chunk_rounds)
             self.optimizer = build_optimizer(self.masters.values(), job.optimizer)
             self.scheduler = build_scheduler(self.optimizer, job.optimizer)
             self.loss_scale = DynamicLossScale(job.loss_scale)
@@ -206,17 +212,26 @@ class ShardState(Membership, Recovery, Inspection):
                 if staging is None:
                     staging = {k: torch.empty(n) for k, n in self.numel.items()}
                     self._staging[header.worker] = staging
-                inc = self.incarnation
+                ticket = PushTicket(
+                    header=header,
+                    staging=staging,
+                    duplicate=duplicate,
+                    lock=lock,
+                    incarnation=self.incarnation,
+                )
+                if self.policy.applies_chunks:
+                    ticket.on_drop = self._push_dropped
+                    self.policy.push_started(self, ticket)
         except BaseException:
             lock.release()
             raise
-        return PushTicket(
-            header=header, staging=staging, duplicate=duplicate, lock=lock, incarnation=inc
-        )
+        return ticket
 
     def add_data(self, ticket: PushTicket, key: str, offset: int, data: bytes) -> None:
         """Copy one piece of a push into the staging buffers (validated first)."""
         add_piece(self.numel, ticket, key, offset, data)
+        if slot_complete(self.numel, ticket, key):
+            self._slot_done(ticket, key)
 
     def add_data_from(
         self,
@@ -230,10 +245,28 @@ class ShardState(Membership, Recovery, Inspection):
         """add_data for a piece whose bytes are still in a socket: checked from its
         description, then (fp32) read straight into the staging buffer, no copy."""
         add_piece_streamed(self.numel, ticket, key, offset, nbytes, read_into, read)
+        if slot_complete(self.numel, ticket, key):
+            self._slot_done(ticket, key)
+
+    def _slot_done(self, ticket: PushTicket, key: str) -> None:
+        """A slot of a push is complete: unscale it now, while later slots still stream
+        (off the round's critical path), and tell a per-chunk policy."""
+        unscale_slot(ticket, key)
+        if self.policy.applies_chunks:
+            with self._cond:
+                if ticket.incarnation == self.incarnation:
+                    self.policy.slot_complete(self, ticket, key)
+
+    def _push_dropped(self, ticket: PushTicket) -> None:
+        with self._cond:
+            self.policy.push_dropped(self, ticket)
 
     def add_verdict(self, ticket: PushTicket, overflow: bool) -> None:
         """The finiteness verdict of a push that streamed during backward."""
         add_verdict(ticket, overflow)
+        if overflow and self.policy.applies_chunks:
+            with self._cond:  # the round will be skipped: nothing of it may stay applied
+                self.policy.push_dropped(self, ticket)
 
     def finish_push(self, ticket: PushTicket) -> tuple[PushOutcome, int, bool]:
         """Validate completeness and finiteness, then hand the push to the policy.
@@ -253,7 +286,7 @@ class ShardState(Membership, Recovery, Inspection):
             if not h.overflow:
                 check_complete(self.numel, ticket)
             grads = ticket.staging
-            if not h.overflow and not unscale(grads, h.loss_scale):
+            if not h.overflow and not unscale_rest(ticket):
                 with self._cond:
                     sync = self.job is not None and self.job.mode == "sync"
                 if sync:
@@ -275,6 +308,7 @@ class ShardState(Membership, Recovery, Inspection):
                 if h.overflow and not self.policy.holds_gradients:
                     staged.grads = {}
                 self.clocks[h.worker] = h.clock
+                ticket.accepted = True
                 outcome = self.policy.accept(self, staged)
                 self.metrics.push_accepted()
                 self._cond.notify_all()
@@ -289,9 +323,23 @@ class ShardState(Membership, Recovery, Inspection):
         for key, p in self.masters.items():
             p.grad = grads[key]
         self.optimizer.step()
-        self.scheduler.step()
         for p in self.masters.values():
             p.grad = None
+        self.finish_update(staleness)
+
+    def step_slot(self, key: str, grad: torch.Tensor) -> None:
+        """The optimizer step of one slot only (per-chunk rounds); finish_update ends the
+        round. torch's optimizers skip parameters without a gradient."""
+        p = self.masters[key]
+        p.grad = grad
+        try:
+            self.optimizer.step()
+        finally:
+            p.grad = None
+
+    def finish_update(self, staleness: list[int]) -> None:
+        """After the optimizer step(s) of an update: schedule, version, counters, round."""
+        self.scheduler.step()
         self.version += 1
         self.updates_applied += 1
         self.metrics.optimizer_step()
@@ -392,6 +440,7 @@ class ShardState(Membership, Recovery, Inspection):
                 dtype=dtype,
                 clock_gap=gap,
             )
+            self.policy.settle(self)  # per-chunk rounds: the closed round's weights only
             pieces = self._snapshot(dtype, views)
         self.metrics.bytes_sent(sum(len(p[2]) for p in pieces))
         return header, pieces

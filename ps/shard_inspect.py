@@ -20,6 +20,7 @@ class Inspection:
         with self._cond:
             hist_len = max(self.staleness_counts, default=-1) + 1
             m = self.checkpoints
+            policy = getattr(self, "policy", None)  # none before init
             return {
                 "version": self.version,
                 "rounds": self.rounds,
@@ -42,6 +43,8 @@ class Inspection:
                 "last_checkpoint_step": (m.last_step or 0) if m is not None else 0,
                 "live_worker_ids": sorted(self.live),
                 "draining": self.draining,
+                "chunks_applied_early": getattr(policy, "chunks_early", 0),
+                "chunk_undos": getattr(policy, "chunk_undos", 0),
             }
 
     def state_digest(self) -> str:

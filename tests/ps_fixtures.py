@@ -11,6 +11,7 @@ import contextlib
 import hashlib
 import socket
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import grpc
 import torch
@@ -80,8 +81,10 @@ def init_values(job: Job, seed: int = 0) -> dict[str, torch.Tensor]:
     return {s.key: torch.randn(s.numel, generator=g) for s in job.slots}
 
 
-def make_state(job: Job, values: dict[str, torch.Tensor] | None = None) -> ShardState:
-    st = ShardState()
+def make_state(
+    job: Job, values: dict[str, torch.Tensor] | None = None, *, chunk_rounds: bool = False
+) -> ShardState:
+    st = ShardState(chunk_rounds=chunk_rounds)
     st.init(job, values if values is not None else init_values(job))
     return st
 
@@ -266,3 +269,19 @@ def push_chunks(
 
 def stats_digest(stub: pb_grpc.ParameterServerStub) -> str:
     return stub.Stats(pb.StatsRequest(), timeout=5).state_digest
+
+
+# Diagnostic counters of per-chunk rounds: a refused push may count slots it let the
+# shard update early and then undo (the state itself is unchanged; the digest checks it).
+SPECULATION_COUNTERS = ("chunks_applied_early", "chunk_undos")
+
+
+def without_speculation(stats: Any) -> Any:
+    """Stats (a dict or a StatsReply) without the per-chunk speculation counters."""
+    if isinstance(stats, dict):
+        return {k: v for k, v in stats.items() if k not in SPECULATION_COUNTERS}
+    out = type(stats)()
+    out.CopyFrom(stats)
+    for name in SPECULATION_COUNTERS:
+        out.ClearField(name)
+    return out

@@ -99,9 +99,14 @@ def test_ps_job_scraped_during_and_after(tmp_path, mode: str) -> None:
             assert applied == STEPS == value(text, "psar_ps_version")  # one update per round
             assert stale_zero == stale_count  # staleness is always 0
             assert value(text, "psar_ps_barrier_wait_seconds_count") > 0
+            # Per-chunk rounds (the server default): slots updated before rounds closed,
+            # none undone (no overflow, no refusal).
+            assert value(text, "psar_ps_chunks_applied_early_total") > 0
+            assert value(text, "psar_ps_chunk_undos_total") == 0
         else:
             assert applied == accepted == 2 * STEPS  # one update per accepted push
             assert stale_zero < stale_count  # the uneven worker makes stale gradients
+            assert value(text, "psar_ps_chunks_applied_early_total") == 0
     for text in finals:
         obs = value(text, "psar_worker_observed_staleness_count")
         assert obs == STEPS

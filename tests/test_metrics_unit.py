@@ -167,6 +167,9 @@ def test_shard_counters_move():
     m.push_rejected("too_stale")
     m.push_rejected("definitely-not-a-reason")
     m.nonfinite_dropped()
+    m.chunk_applied_early()
+    m.chunk_applied_early()
+    m.chunk_undo()
     m.bytes_received(100)
     m.bytes_sent(250)
     m.rpc_observed("Push", 0.002)
@@ -190,6 +193,8 @@ def test_shard_counters_move():
     assert value(t, "psar_ps_pushes_rejected_total", reason="other") == 1
     assert value(t, "psar_ps_pushes_rejected_total", reason="malformed") == 0
     assert value(t, "psar_ps_nonfinite_dropped_total") == 1
+    assert value(t, "psar_ps_chunks_applied_early_total") == 2
+    assert value(t, "psar_ps_chunk_undos_total") == 1
     assert value(t, "psar_ps_bytes_received_total") == 100
     assert value(t, "psar_ps_bytes_sent_total") == 250
     assert value(t, "psar_ps_rpc_duration_seconds_count", method="Push") == 1

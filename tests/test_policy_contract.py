@@ -43,6 +43,7 @@ class PolicyContract:
     mode: str = ""
     staleness: int = 0
     num_workers: int = 3
+    chunk_rounds: bool = False
 
     @pytest.fixture(params=OPTIMIZERS)
     def opt(self, request: pytest.FixtureRequest) -> str:
@@ -58,7 +59,10 @@ class PolicyContract:
     def setup(self, opt: str, **kw: object) -> tuple[ShardState, Job, Grads]:
         job = self.job(opt, **kw)
         values = init_values(job)
-        return make_state(job, values), job, values
+        return self.new_state(job, values), job, values
+
+    def new_state(self, job: Job, values: Grads | None = None) -> ShardState:
+        return make_state(job, values, chunk_rounds=self.chunk_rounds)
 
     def push_clock(self, st: ShardState, job: Job, clock: int) -> dict[int, Grads]:
         """Every live worker pushes `clock`, from the weights it would have pulled."""
@@ -224,7 +228,7 @@ class PolicyContract:
         clocks = 4
         job = self.job(opt)
         values = init_values(job)
-        st = make_state(job, values)
+        st = self.new_state(job, values)
 
         def worker(w: int) -> None:
             version = 0
@@ -238,7 +242,7 @@ class PolicyContract:
                 fut.result(timeout=60.0)
         assert st.clocks == [clocks] * job.num_workers
         if self.mode == "sync":
-            one_at_a_time = make_state(job, values)
+            one_at_a_time = self.new_state(job, values)
             for c in range(1, clocks + 1):
                 self.push_clock(one_at_a_time, job, c)
             assert st.state_digest() == one_at_a_time.state_digest()
@@ -294,7 +298,7 @@ class TestSyncContract(PolicyContract):
         values = init_values(job)
         digests, rounds = set(), []
         for order in [tuple(range(self.num_workers)), *orders]:
-            st = make_state(job, values)
+            st = self.new_state(job, values)
             rounds = []
             for clock in (1, 2):
                 base, sent = st.version, {}
@@ -315,7 +319,7 @@ class TestSyncContract(PolicyContract):
         sent = {}
         for w in range(job.num_workers):
             assert st.rounds == 0 and st.version == 0
-            assert weights_digest(st) == weights_digest(make_state(job, values))
+            assert weights_digest(st) == weights_digest(self.new_state(job, values))
             if w:
                 with pytest.raises(DeadlineExceeded, match="waited"):
                     pull(st, 0, 1, timeout=0.01)
@@ -430,6 +434,13 @@ class TestSyncContract(PolicyContract):
         assert_weights_equal(
             masters(st), reference_weights(job, values, [mean_in_rank_order(sent)])
         )
+
+
+class TestChunkedSyncContract(TestSyncContract):
+    """Sync with per-chunk rounds (psar server --chunk-rounds): every sync promise holds,
+    bit for bit; tests/test_chunk_rounds.py covers what only it does (early slots, undo)."""
+
+    chunk_rounds = True
 
 
 # ---- async and ssp ------------------------------------------------------------------------
@@ -550,7 +561,7 @@ class TestSSPContract(AsyncBehaviour):
     @pytest.mark.parametrize("ahead", [1, 2, 3])
     def test_bound_is_staleness_clocks(self, opt: str, ahead: int) -> None:
         job = self.job(opt, num_workers=2)
-        st = make_state(job)
+        st = self.new_state(job)
         for c in range(1, ahead + 1):
             push(st, worker=0, clock=c, base_version=st.version, grads=grad_for(job, 0, c))
         for c in range(1, ahead + 1):
@@ -562,6 +573,7 @@ class TestSSPContract(AsyncBehaviour):
 
 
 def test_every_mode_has_a_contract_suite() -> None:
-    suites = (TestSyncContract, TestAsyncContract, TestSSPContract)
+    suites = (TestSyncContract, TestChunkedSyncContract, TestAsyncContract, TestSSPContract)
     assert {c.mode for c in suites} == {"sync", "async", "ssp"}
+    assert any(c.chunk_rounds for c in suites)
     assert all(issubclass(c, PolicyContract) for c in suites)
