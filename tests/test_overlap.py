@@ -1,7 +1,8 @@
 """Overlap changes timing, never results (issue #10).
 
-Real processes: overlapped and non-overlapped sync runs, and runs with different
-bucket sizes, must end with bit-identical weights. Unit tests cover the pieces:
+Real processes: overlapped and non-overlapped sync runs, runs with different bucket
+sizes, and shards updating per chunk or per whole round must end with bit-identical
+weights. Unit tests cover the pieces:
 bucket order, the push stream a hook-driven step produces (verdict last, or first on
 overflow), chunks and slots arriving in any order at a shard, and the forward gate.
 """
@@ -40,7 +41,9 @@ RUNS = {
     "plain": ["--no-overlap"],
     "tiny-buckets": ["--overlap", "--bucket-mib", "0.001"],
     "push-only": ["--overlap", "--no-pull-overlap"],
+    "whole-rounds": ["--no-overlap"],  # and shards updating whole rounds (below)
 }
+SERVER = {"whole-rounds": ["--no-chunk-rounds"]}  # the others: per-chunk rounds (default)
 
 
 @pytest.mark.parametrize("num_shards", [1, 2])
@@ -49,12 +52,12 @@ def test_overlapped_and_plain_steps_give_identical_weights(tmp_path, num_shards:
     for name, extra in RUNS.items():
         d = tmp_path / name
         d.mkdir()
-        with shards(num_shards) as addrs:  # a shard serves one job per life
+        with shards(num_shards, *SERVER.get(name, [])) as addrs:  # one job per shard life
             reports[name] = run_ps_workers(
                 addrs, 2, d, [*COMMON, *extra, "--save", str(d / "w.pt")]
             )
     ref = _weights(tmp_path / "overlap" / "w.pt")
-    for name in ("plain", "tiny-buckets", "push-only"):
+    for name in ("plain", "tiny-buckets", "push-only", "whole-rounds"):
         _assert_bit_identical(ref, _weights(tmp_path / name / "w.pt"))
         for r in range(2):
             assert reports[name][r]["losses"] == reports["overlap"][r]["losses"]
