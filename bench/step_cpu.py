@@ -9,7 +9,7 @@ add up to about 2x the step time.
 
     python -m bench.step_cpu                          # 2 workers, 1 shard, defaults
     python -m bench.step_cpu --workers 1 -- --no-overlap   # flags after -- go to psar train
-    python -m bench.step_cpu --server=--no-chunk-rounds    # a `psar server` flag
+    python -m bench.step_cpu --server=--chunk-rounds    # a `psar server` flag
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--window-s", type=float, default=4.0, help="seconds of CPU sampling")
     p.add_argument("--server", action="append", default=[], metavar="FLAG",
-                   help="extra `psar server` flag, repeatable (--server=--no-chunk-rounds)")  # fmt: skip
+                   help="extra `psar server` flag, repeatable (--server=--chunk-rounds)")  # fmt: skip
     p.add_argument("train", nargs="*", help="extra `psar train` flags (after --)")
     a = p.parse_args(argv)
     tmp = Path(tempfile.mkdtemp(prefix="psar-step-cpu-"))

@@ -3,8 +3,8 @@
 In one process tree and one run, on the reference workload (MLP 784-1024-1024-10, batch
 128 per worker, SGD momentum, fp32, one compute thread per process) with each worker
 count: psar `--arch ps --mode sync` with 1 and 2 shards (defaults: overlap on, the TCP
-data plane, per-chunk rounds on the shards), the same with 1 shard and `--no-overlap`,
-with `psar server --no-chunk-rounds` and with `--data-plane grpc` (what each
+data plane), the same with 1 shard and `--no-overlap`, with `psar server
+--chunk-rounds` (per-chunk rounds) and with `--data-plane grpc` (what each
 contributes), psar `--arch allreduce`, a plain DDP script
 (bench/plain_ddp.py), a plain RPC parameter server written the PyTorch RPC tutorial's
 way (bench/rpc_ps_baseline.py), and a no-communication run (plain_ddp.py --no-comm: the
@@ -37,13 +37,13 @@ from bench import common as c
 from bench.allreduce_overhead import run_plain, run_psar
 
 CONFIGS = ("plain-ddp", "psar-allreduce", "psar-ps-sync-1", "psar-ps-sync-2",
-           "psar-ps-sync-1-no-overlap", "psar-ps-sync-1-no-chunk-rounds",
+           "psar-ps-sync-1-no-overlap", "psar-ps-sync-1-chunk-rounds",
            "psar-ps-sync-1-grpc", "rpc-ps")  # fmt: skip
 BASELINE = "plain-ddp"
 # Run folder prefix of each psar PS configuration (their step logs carry phases).
 PS_DIRS = {"psar-ps-sync-1": "ps1", "psar-ps-sync-2": "ps2",
            "psar-ps-sync-1-no-overlap": "ps1-plain", "psar-ps-sync-1-grpc": "ps1-grpc",
-           "psar-ps-sync-1-no-chunk-rounds": "ps1-whole"}  # fmt: skip
+           "psar-ps-sync-1-chunk-rounds": "ps1-chunks"}  # fmt: skip
 EXPOSED = ("push", "wait", "pull")
 
 
@@ -84,8 +84,8 @@ def measure(out: Path, *, workers: int, steps: int, repeats: int, timeout: float
         "psar-ps-sync-1-no-overlap": lambda i: run_ps(
             d / f"ps1-plain-{i}", workers, 1, steps, timeout, "--no-overlap"
         ),
-        "psar-ps-sync-1-no-chunk-rounds": lambda i: run_ps(
-            d / f"ps1-whole-{i}", workers, 1, steps, timeout, server=("--no-chunk-rounds",)
+        "psar-ps-sync-1-chunk-rounds": lambda i: run_ps(
+            d / f"ps1-chunks-{i}", workers, 1, steps, timeout, server=("--chunk-rounds",)
         ),
         "psar-ps-sync-1-grpc": lambda i: run_ps(
             d / f"ps1-grpc-{i}", workers, 1, steps, timeout, "--data-plane", "grpc"
@@ -154,7 +154,7 @@ def table(doc: dict) -> str:
         "## Step throughput (psar vs plain DDP vs a plain RPC parameter server)\n\n"
         + c.md_table(head, rows)
         + f"\n\nReference workload, {m0['steps']} steps per run, median of {m0['repeats']} "
-        "alternated repeats. psar PS runs: overlap on, per-chunk rounds and the TCP data plane "
+        "alternated repeats. psar PS runs: overlap on, whole rounds and the TCP data plane "
         "unless the name "
         "says otherwise. Exposed comm = step time - the no-communication run's step time "
         "(same processes, same contention). Blocked on push / wait / pull = medians of the "

@@ -86,10 +86,12 @@ class ServerConfig:
     """Mutual TLS: only accept clients whose certificate this PEM CA signed."""
     auth_token_file: str = ""
     """Refuse calls without `authorization: Bearer <the token in this file>`."""
-    chunk_rounds: bool = True
+    chunk_rounds: bool = False
     """sync: apply the optimizer to each slot as soon as every worker's piece of it is in,
     while later slots still arrive (undone if the round is skipped or a push refused;
-    ps/chunk_rounds.py). Bit-identical results either way; off costs no undo copies."""
+    ps/chunk_rounds.py). Bit-identical results either way. Off by default: the undo copy
+    of each slot's master and optimizer state costs about what the early update hides
+    (measured in docs/architectures.md)."""
     data_port: int = 0
     """TCP port of the data plane (push and pull as plain frames next to gRPC, on the
     --bind host; docs/dataplane.md): 0 picks a free one, -1 turns it off. Workers learn

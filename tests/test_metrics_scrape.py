@@ -55,7 +55,8 @@ def wait_for(port: int, name: str, at_least: float, timeout: float = 120) -> str
 def test_ps_job_scraped_during_and_after(tmp_path, mode: str) -> None:
     shard_ports = [free_port(), free_port()]
     worker_ports = [free_port(), free_port()]
-    with shards(2, metrics_ports=shard_ports) as addrs:
+    chunked = ["--chunk-rounds"] if mode == "sync" else []  # async: the flag changes nothing
+    with shards(2, *chunked, metrics_ports=shard_ports) as addrs:
         # Before any job arrives every series already exists (children created at start).
         empty = scrape(shard_ports[0])
         for name in ("psar_ps_updates_applied_total", "psar_ps_pushes_rejected_total",
@@ -99,8 +100,8 @@ def test_ps_job_scraped_during_and_after(tmp_path, mode: str) -> None:
             assert applied == STEPS == value(text, "psar_ps_version")  # one update per round
             assert stale_zero == stale_count  # staleness is always 0
             assert value(text, "psar_ps_barrier_wait_seconds_count") > 0
-            # Per-chunk rounds (the server default): slots updated before rounds closed,
-            # none undone (no overflow, no refusal).
+            # Per-chunk rounds: slots updated before rounds closed, none undone (no
+            # overflow, no refusal).
             assert value(text, "psar_ps_chunks_applied_early_total") > 0
             assert value(text, "psar_ps_chunk_undos_total") == 0
         else:

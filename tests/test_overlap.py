@@ -41,9 +41,9 @@ RUNS = {
     "plain": ["--no-overlap"],
     "tiny-buckets": ["--overlap", "--bucket-mib", "0.001"],
     "push-only": ["--overlap", "--no-pull-overlap"],
-    "whole-rounds": ["--no-overlap"],  # and shards updating whole rounds (below)
+    "chunk-rounds": ["--overlap"],  # and shards updating per chunk (below)
 }
-SERVER = {"whole-rounds": ["--no-chunk-rounds"]}  # the others: per-chunk rounds (default)
+SERVER = {"chunk-rounds": ["--chunk-rounds"]}  # the others: whole rounds (the default)
 
 
 @pytest.mark.parametrize("num_shards", [1, 2])
@@ -57,7 +57,7 @@ def test_overlapped_and_plain_steps_give_identical_weights(tmp_path, num_shards:
                 addrs, 2, d, [*COMMON, *extra, "--save", str(d / "w.pt")]
             )
     ref = _weights(tmp_path / "overlap" / "w.pt")
-    for name in ("plain", "tiny-buckets", "push-only", "whole-rounds"):
+    for name in ("plain", "tiny-buckets", "push-only", "chunk-rounds"):
         _assert_bit_identical(ref, _weights(tmp_path / name / "w.pt"))
         for r in range(2):
             assert reports[name][r]["losses"] == reports["overlap"][r]["losses"]
