@@ -17,6 +17,7 @@ import torch
 
 from ps.client import NeedsResync
 from ps.overlap import PullGate, PushBuckets
+from ps.overlap_tuner import PullOverlapTuner
 from ps.pushdata import PullHeader
 
 log = logging.getLogger("psar.ps")
@@ -53,6 +54,12 @@ class OverlapMixin:
         self.gate = PullGate(self.slots)
         self.gate.on_failure = self._recover_pull
         self.overlap_pull = self.overlap and ps.pull_overlap and self.device.type == "cpu"
+        self.pull_tuner = PullOverlapTuner(
+            self.total_steps, ps.pull_overlap_trial if self.overlap_pull else 0
+        )
+        self._step_index = 0
+        self._step_started: float | None = None
+        self._pull_arm = True
         if self.overlap:
             self.buckets.attach()
         if self.overlap_pull:
@@ -62,6 +69,37 @@ class OverlapMixin:
         self._push_future: Future | None = None
         self._pull_future: Future | None = None
         self._poisoned = False
+
+    def _tune_pull_overlap(self, now: float) -> None:
+        """Time the interval that ends now and pick this step's pull arm (ps/overlap_tuner.py)."""
+        t = self.pull_tuner
+        if self._step_started is not None and t.record(
+            self._step_index - 1, self._pull_arm, now - self._step_started
+        ):
+            (log.info if self.rank == 0 else log.debug)(
+                "worker %d: pull overlap %s: %.1f ms/step with it, %.1f without (median of "
+                "%d steps each; --pull-overlap-trial)",
+                self.rank,
+                "kept" if t.decision else "turned off",
+                1e3 * t.median_s(True),
+                1e3 * t.median_s(False),
+                len(t.times[False]),
+            )
+        self._step_started = now
+        self._pull_arm = t.arm(self._step_index)
+        self._step_index += 1
+
+    def pull_overlap_report(self) -> dict[str, Any]:
+        """For the run's report: whether the pull overlap ran, and the trial's figures."""
+        t = self.pull_tuner
+        used = self.overlap_pull and (t.decision if t.decision is not None else True)
+        out: dict[str, Any] = {"pull_overlap": used}
+        if t.decision is not None:
+            out["pull_overlap_trial_ms"] = {
+                "with": 1e3 * t.median_s(True),
+                "without": 1e3 * t.median_s(False),
+            }
+        return out
 
     def _start_push(self) -> None:
         """Open this step's push streams (from the first full bucket, during backward;

@@ -25,7 +25,7 @@ TRAIN_FLAGS = [
     "--schedule", "--warmup-steps", "--total-steps", "--min-lr-ratio", "--loss-scale-enabled",
     "--loss-scale-init-scale", "--loss-scale-growth-factor", "--loss-scale-backoff-factor",
     "--loss-scale-growth-interval", "--servers", "--rank", "--world-size", "--mode",
-    "--staleness", "--chunk-mib", "--timeout-s", "--pull-timeout-s", "--job-id", "--overlap", "--bucket-mib", "--pull-overlap", "--data-plane", "--backend",
+    "--staleness", "--chunk-mib", "--timeout-s", "--pull-timeout-s", "--job-id", "--overlap", "--bucket-mib", "--pull-overlap", "--pull-overlap-trial", "--data-plane", "--backend",
     "--pg-timeout-s", "--bucket-cap-mb", "--find-unused-parameters",
     "--metrics-linger-s", "--emulate-compute-ms", "--reconnect-timeout-s", "--tls-ca",
     "--tls-cert", "--tls-key", "--tls-server-name", "--auth-token-file", "--sparse-optimizer",
@@ -35,7 +35,7 @@ SERVER_FLAGS = ["--bind", "--threads", "--message-bytes", "--max-message-bytes",
                 "--metrics-port", "--metrics-addr", "--shard", "--torch-threads", "--lease-s",
                 "--join-grace-s", "--checkpoint-dir", "--checkpoint-every", "--checkpoint-interval",
                 "--checkpoint-keep", "--restore", "--drain-timeout-s", "--tls-cert", "--tls-key",
-                "--tls-ca", "--auth-token-file", "--data-port"]  # fmt: skip
+                "--tls-ca", "--auth-token-file", "--data-port", "--chunk-rounds"]  # fmt: skip
 
 
 def test_flag_lists_are_frozen() -> None:
@@ -81,6 +81,7 @@ def test_dry_run_resolves_flags_and_config_file(tmp_path, capsys) -> None:
             "--data-plane tcp sends tensors in plaintext",
         ),
         (["--bucket-mib", "0"], "--bucket-mib must be > 0"),
+        (["--pull-overlap-trial", "-1"], "--pull-overlap-trial must be >= 0"),
         (["--optimizer", "lamb"], "--optimizer: unknown 'lamb'; accepted: sgd, adamw"),
         (["--precision", "fp8"], "--precision: unknown 'fp8'"),
         (["--batch-size", "0"], "--batch-size must be >= 1"),

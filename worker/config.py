@@ -46,8 +46,13 @@ class PSConfig:
     pull_overlap: bool = True
     """--overlap on CPU workers: let the next forward start while later layers are still
     being pulled. Off: only the push overlaps (backward); step() waits for the whole pull.
-    Turn off where workers and shards share few cores: the pulling thread then takes its
-    core from forward (bench/README.md, step_throughput)."""
+    Where workers and shards share few cores the pulling thread takes its core from
+    forward; --pull-overlap-trial finds out (bench/README.md, step_throughput)."""
+    pull_overlap_trial: int = 20
+    """--pull-overlap: after 5 warm-up steps, this many steps alternate with and without
+    the pull overlap and the faster (median step time) is kept for the rest of the run
+    (results are the same bits either way). 0: no trial, keep the pull overlap. Runs
+    shorter than 5 + 2 x this skip the trial."""
     data_plane: str = "auto"
     """Where tensor bytes travel: tcp (the shards' plain-TCP data plane), grpc, or auto
     (tcp where the shard offers it and TLS is off, else grpc). Control stays on gRPC."""
@@ -86,6 +91,10 @@ class PSConfig:
         from ps.client_dataplane import check_data_plane
 
         check_data_plane(self.data_plane, bool(self.tls_ca or self.tls_cert or self.tls_key))
+        if self.pull_overlap_trial < 0:
+            raise ValueError(
+                f"--pull-overlap-trial must be >= 0 (0: no trial), got {self.pull_overlap_trial}"
+            )
         if not self.bucket_mib > 0:
             raise ValueError(f"--bucket-mib must be > 0, got {self.bucket_mib}")
         if not (self.timeout_s > 0 and self.pull_timeout_s > 0):
