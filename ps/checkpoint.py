@@ -208,6 +208,8 @@ def load_tensors(st: ShardState, snap: dict[str, Any]) -> None:
     st.scheduler.load_state_dict(snap["scheduler"])
     st.loss_scale = DynamicLossScale(job.loss_scale)
     st.loss_scale.scale, st.loss_scale.clean_steps = snap["loss_scale"]
+    if getattr(st, "policy", None) is not None:
+        st.policy.close()  # a rollback: queued work of the old policy must not run
     st.policy = make_policy(job.mode, job.staleness, chunk_rounds=st.chunk_rounds)
     c = snap["counters"]
     st.version, st.rounds = int(c["version"]), int(c["rounds"])

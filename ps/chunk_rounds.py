@@ -15,6 +15,11 @@ Slots restored this way are applied again when the round closes, from the staged
 gradients. The round itself (version, scheduler step, loss scale, clocks, checkpoint)
 closes as before, once every live worker's push is accepted.
 
+The early updates run on an applier thread of the policy, so the thread receiving a
+worker's stream never waits for them (torch releases the GIL while it computes). Every
+event above invalidates queued work by bumping a generation number under the apply
+lock, which an update in progress holds, so an undo never races an update.
+
 Results are bit-identical to the whole-round update: the same fp32 operations per
 element, in the same worker-rank order (torch.add(a, b, out=) is a.add_(b)), and torch's
 SGD/AdamW (foreach=False here) step each parameter on its own either way.
@@ -22,6 +27,8 @@ SGD/AdamW (foreach=False here) step each parameter on its own either way.
 
 from __future__ import annotations
 
+import collections
+import threading
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -52,6 +59,14 @@ class ChunkedSyncPolicy(SyncPolicy):
         """Slots applied before their round's last push was accepted."""
         self.chunk_undos = 0
         """Times the early slots of a round were restored (see the module docstring)."""
+        # The applier: queued (generation, key, workers, sources); `_apply_lock` is held
+        # by an update in progress and by whatever undoes or closes (shard lock first).
+        self._gen = 0
+        self._queue: collections.deque = collections.deque()
+        self._wake = threading.Condition()
+        self._apply_lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._busy = False
 
     # ---- hooks (under the shard lock) -----------------------------------------------
 
@@ -74,11 +89,14 @@ class ChunkedSyncPolicy(SyncPolicy):
             if t is None or not t.unscaled.get(key, False) or t.verdict:
                 return  # not in yet, non-finite (refused at its end), or overflowing
             sources.append(t.staging)
-        self._save(st, key)
-        self._apply(st, key, sources)
-        self.applied[key] = workers
-        self.chunks_early += 1
-        st.metrics.chunk_applied_early()
+        with self._wake:
+            self._queue.append((self._gen, key, workers, sources))
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, args=(st,), name="psar-chunk-apply", daemon=True
+                )
+                self._thread.start()
+            self._wake.notify()
 
     def push_dropped(self, st: ShardState, ticket: PushTicket) -> None:
         if self.tickets.get(ticket.header.worker) is ticket:
@@ -95,25 +113,59 @@ class ChunkedSyncPolicy(SyncPolicy):
     def settle(self, st: ShardState) -> None:
         self._undo(st)
 
+    def quiesce(self) -> None:
+        """Wait until every queued early update has run or been dropped."""
+        with self._wake:
+            self._wake.wait_for(lambda: not self._queue and not self._busy)
+
+    def close(self) -> None:
+        """The shard is replacing this policy (restore, rollback): drop queued work."""
+        with self._apply_lock:
+            self._gen += 1
+
+    # ---- the applier thread -----------------------------------------------------------
+
+    def _run(self, st: ShardState) -> None:
+        while True:
+            with self._wake:
+                if not self._queue and not self._wake.wait_for(lambda: self._queue, 5.0):
+                    self._thread = None  # idle: a new one starts with the next slot
+                    return
+                gen, key, workers, sources = self._queue.popleft()
+                self._busy = True
+            try:
+                with self._apply_lock:
+                    if gen == self._gen and key not in self.applied:
+                        self._save(st, key)
+                        self._apply(st, key, sources)
+                        self.applied[key] = workers
+                        self.chunks_early += 1
+                        st.metrics.chunk_applied_early()
+            finally:
+                with self._wake:
+                    self._busy = False
+                    self._wake.notify_all()
+
     # ---- closing the round ----------------------------------------------------------
 
     def _close(self, st: ShardState, pushes: list[StagedPush]) -> None:
         workers = tuple(p.worker for p in pushes)
+        self.tickets.clear()
         if any(p.overflow for p in pushes):
             self._undo(st)
-            self.tickets.clear()
             st.skip_round("overflow")
             return
         sources = [p.grads for p in pushes]
-        for key in st.masters:
-            done = self.applied.pop(key, None)
-            if done == workers:
-                continue
-            if done is not None:  # taken with other workers: go back, then redo
-                self._restore(st, key)
-            self._apply(st, key, sources)
-        self.applied.clear()
-        self.tickets.clear()
+        with self._apply_lock:  # waits for an update in progress; drops queued ones
+            self._gen += 1
+            for key in st.masters:
+                done = self.applied.pop(key, None)
+                if done == workers:
+                    continue
+                if done is not None:  # taken with other workers: go back, then redo
+                    self._restore(st, key)
+                self._apply(st, key, sources)
+            self.applied.clear()
         st.finish_update(staleness=[0] * len(pushes))
 
     # ---- one slot -------------------------------------------------------------------
@@ -138,11 +190,13 @@ class ChunkedSyncPolicy(SyncPolicy):
         st.step_slot(key, grad)
 
     def _undo(self, st: ShardState) -> None:
-        if not self.applied:
-            return
-        for key in self.applied:
-            self._restore(st, key)
-        self.applied.clear()
+        with self._apply_lock:
+            self._gen += 1  # queued updates were decided on what no longer holds
+            if not self.applied:
+                return
+            for key in self.applied:
+                self._restore(st, key)
+            self.applied.clear()
         self.chunk_undos += 1
         st.metrics.chunk_undo()
 

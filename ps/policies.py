@@ -85,6 +85,12 @@ class UpdatePolicy(ABC):
         """Make masters and optimizer state those of the last closed round (before a
         checkpoint snapshot or an off-round pull)."""
 
+    def quiesce(self) -> None:  # noqa: B027
+        """Wait for work the policy does on threads of its own (before a digest)."""
+
+    def close(self) -> None:  # noqa: B027
+        """The shard replaces this policy (restore, rollback): stop what it runs."""
+
 
 class SyncPolicy(UpdatePolicy):
     """One averaged update per round; a round closes when every live worker has pushed once.

@@ -51,6 +51,8 @@ class Inspection:
         """sha256 of masters, optimizer state and counters: equal digests, equal state."""
         h = hashlib.sha256()
         with self._cond:
+            if self.job is not None:
+                self.policy.quiesce()
             h.update(f"{self.version}/{self.rounds}/{self.clocks}".encode())
             for key, p in self.masters.items():
                 h.update(key.encode())

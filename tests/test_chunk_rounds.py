@@ -8,6 +8,8 @@ and a refused push must leave it where it was before the push began.
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -71,11 +73,13 @@ def test_slots_are_updated_before_the_round_closes_with_the_same_result(opt: str
     last = list(g1)[-1]  # backward order: the last slot arrives first
     t = begin(chunked, 1)
     stream(chunked, t, g1, [last])
+    chunked.policy.quiesce()  # the early update runs on the policy's applier thread
     now = masters(chunked)
     assert not torch.equal(now[last], before[last])  # updated while the round is open
     assert all(torch.equal(now[k], before[k]) for k in g1 if k != last)
     assert chunked.rounds == 0 and chunked.version == 0
     stream(chunked, t, g1, [k for k in reversed(g1) if k != last])
+    chunked.policy.quiesce()
     chunked.add_verdict(t, False)
     chunked.finish_push(t)
     t.release()
@@ -140,6 +144,7 @@ def test_a_push_refused_at_its_end_changes_nothing(opt: str) -> None:
     bad[first][0] = float("nan")
     t = begin(chunked, 1)
     stream(chunked, t, bad)
+    chunked.policy.quiesce()
     chunked.add_verdict(t, False)
     with pytest.raises(InvalidArgument, match="non-finite") as e:
         chunked.finish_push(t)
@@ -214,6 +219,7 @@ def test_several_rounds_with_workers_interleaved_match_plain_sync(opt: str) -> N
         for key in reversed(gs[0]):
             for w in (1, 0) if clock % 2 else (0, 1):
                 stream(chunked, ts[w], gs[w], [key])
+        chunked.policy.quiesce()
         for w in (0, 1):
             chunked.add_verdict(ts[w], False)
             chunked.finish_push(ts[w])
@@ -232,6 +238,7 @@ def test_a_retried_duplicate_push_keeps_the_early_slots(opt: str) -> None:
     full_push(chunked, 0, g0)
     t = begin(chunked, 1)
     stream(chunked, t, g1, list(reversed(g1))[:2])
+    chunked.policy.quiesce()
     h = PushHeader(worker=0, clock=1, base_version=0, dtype=torch.float32, retry=True)
     dup = chunked.begin_push(h)
     stream(chunked, dup, g0)
@@ -247,3 +254,47 @@ def test_a_retried_duplicate_push_keeps_the_early_slots(opt: str) -> None:
         full_push(plain, w, g)
     assert chunked.state_digest() == plain.state_digest()
     assert chunked.stats()["chunk_undos"] == 0
+
+
+def test_workers_streaming_concurrently_end_with_the_same_bits(opt: str) -> None:
+    """Three workers on their own threads stream six rounds at once (the applier thread
+    racing them), one of them overflowing in round 4; then the same pushes one after
+    another into a plain sync shard."""
+    job = make_job("sync", optimizer=opt, num_workers=3)
+    chunked, plain = pair(job)
+    rounds = 6
+
+    def overflow(w: int, clock: int) -> bool:
+        return (w, clock) == (2, 4)
+
+    def worker(w: int) -> None:
+        for clock in range(1, rounds + 1):
+            g = grad_for(job, w, clock)
+            t = begin(chunked, w, clock)
+            try:
+                stream(chunked, t, g)
+                chunked.add_verdict(t, overflow(w, clock))
+                chunked.finish_push(t)
+            finally:
+                t.release()
+            pull_until(chunked, w, clock)
+
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(3)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    assert not any(th.is_alive() for th in threads)
+    for clock in range(1, rounds + 1):
+        for w in range(3):
+            t = begin(plain, w, clock)
+            stream(plain, t, grad_for(job, w, clock))
+            plain.add_verdict(t, overflow(w, clock))
+            plain.finish_push(t)
+            t.release()
+    assert chunked.rounds == plain.rounds == rounds and chunked.skipped_rounds == 1
+    assert chunked.state_digest() == plain.state_digest()
+
+
+def pull_until(st: ShardState, worker: int, clock: int) -> None:
+    st.pull(worker, clock, torch.float32, timeout=30.0)
