@@ -6,7 +6,8 @@ No gRPC here: ps/servicer.py feeds requests in and maps the errors raised here
 Every request is validated completely before anything is mutated: a refused push,
 pull or init leaves the master weights and optimizer state byte-for-byte unchanged.
 Leases and the live set live in ps/membership.py, checkpoints in ps/checkpoint.py,
-push validation in ps/pushdata.py.
+push validation in ps/pushdata.py, pulls in ps/shard_pull.py, per-chunk rounds in
+ps/chunk_rounds.py.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 import torch
 
 from ps import checkpoint, wire
-from ps.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
+from ps.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument
 from ps.job import Job
 from ps.lease import DEFAULT_JOIN_GRACE_S, DEFAULT_LEASE_S, LeaseTable
 from ps.membership import Membership, Restored, new_incarnation
@@ -41,6 +42,7 @@ from ps.pushdata import (
 from ps.pushdata import check_header as _check_header
 from ps.recovery import Recovery
 from ps.shard_inspect import Inspection
+from ps.shard_pull import Pulls
 from worker.nullmetrics import NullMetrics
 from worker.optim import DynamicLossScale, build_optimizer, build_scheduler
 
@@ -50,7 +52,7 @@ log = logging.getLogger("psar.shard")
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
-class ShardState(Membership, Recovery, Inspection):
+class ShardState(Membership, Recovery, Inspection, Pulls):
     """One shard. Thread-safe: gRPC handler threads call it concurrently."""
 
     def __init__(
@@ -329,12 +331,20 @@ class ShardState(Membership, Recovery, Inspection):
 
     def step_slot(self, key: str, grad: torch.Tensor) -> None:
         """The optimizer step of one slot only (per-chunk rounds); finish_update ends the
-        round. torch's optimizers skip parameters without a gradient."""
+        round (torch's optimizers step each parameter on its own: same bits)."""
         p = self.masters[key]
+        groups = self.optimizer.param_groups
+        # One param group (worker/optim.py): for this step it holds this slot's parameter
+        # only, so torch does not walk every other parameter once per slot.
+        params = groups[0]["params"] if len(groups) == 1 else None
         p.grad = grad
         try:
+            if params is not None:
+                groups[0]["params"] = [p]
             self.optimizer.step()
         finally:
+            if params is not None:
+                groups[0]["params"] = params
             p.grad = None
 
     def finish_update(self, staleness: list[int]) -> None:
@@ -374,94 +384,3 @@ class ShardState(Membership, Recovery, Inspection):
 
     def slowest_live_clock(self, default: int) -> int:
         return min((self.clocks[w] for w in self.live), default=default)
-
-    # ---- pull -----------------------------------------------------------------------
-
-    def pull(
-        self,
-        worker: int,
-        clock: int,
-        dtype: torch.dtype,
-        timeout: float | None,
-        *,
-        incarnation: int = 0,
-        views: bool = False,
-    ) -> tuple[PullHeader, list[tuple[str, int, Any]]]:
-        """Wait until the policy lets `worker` at `clock` read, then snapshot the weights.
-
-        views=True (a transport that sends buffers as they are, the TCP data plane): in
-        sync mode fp32 pieces may be memoryviews of the masters instead of bytes copies."""
-        started = time.monotonic()
-        with self._cond:
-            job = self._require_job()
-            self.check_worker(worker)
-            if dtype not in wire.WIRE_FROM_DTYPE:
-                raise InvalidArgument(f"unsupported pull dtype {dtype}; ask for fp32, fp16 or bf16")
-            self.check_incarnation(incarnation)
-            if clock > self.clocks[worker]:
-                raise FailedPrecondition(
-                    f"worker {worker} pulls at clock {clock} but has pushed only "
-                    f"{self.clocks[worker]} gradients here",
-                    reason="out_of_order",
-                )
-            self.touch(worker)
-            inc = self.incarnation
-
-            def ready() -> bool:
-                return (
-                    self.policy.pull_ready(self, worker, clock)
-                    or self.incarnation != inc
-                    or (self.draining and not self.round_in_flight)
-                )
-
-            ok = self._cond.wait_for(ready, timeout)
-            waited = time.monotonic() - started
-            self.check_incarnation(inc)
-            if not self.policy.pull_ready(self, worker, clock):
-                if ok:
-                    raise Unavailable("draining: this shard is shutting down; retry later")
-                raise DeadlineExceeded(
-                    f"pull by worker {worker} at clock {clock} waited {waited:.1f}s ({job.mode}): "
-                    f"round {self.rounds}, worker clocks {self.clocks}, live {sorted(self.live)}. "
-                    "A worker is slow or gone; raise --pull-timeout or check the slowest worker",
-                )
-            if job.mode == "sync":
-                self.metrics.barrier_wait(waited)
-            elif job.mode == "ssp":
-                self.metrics.ssp_wait(waited)
-            gap = clock - self.slowest_live_clock(default=clock)
-            self.max_clock_gap = max(self.max_clock_gap, gap)
-            header = PullHeader(
-                version=self.version,
-                rounds=self.rounds,
-                loss_scale=self.loss_scale.scale,
-                last_round_skipped=self.last_round_skipped,
-                skipped_rounds=self.skipped_rounds,
-                dtype=dtype,
-                clock_gap=gap,
-            )
-            self.policy.settle(self)  # per-chunk rounds: the closed round's weights only
-            pieces = self._snapshot(dtype, views)
-        self.metrics.bytes_sent(sum(len(p[2]) for p in pieces))
-        return header, pieces
-
-    def _snapshot(self, dtype: torch.dtype, views: bool) -> list[tuple[str, int, Any]]:
-        """Wire pieces of the current weights in `dtype`, shared by every pull of a version."""
-        views = views and dtype == torch.float32 and self.job is not None
-        views = views and self.job.mode == "sync"
-        cached = self._snapshots.get((dtype, views))
-        if cached is not None and cached[0] == (self.incarnation, self.version):
-            return cached[1]
-        pieces: list[tuple[str, int, Any]] = []
-        # Sync fp32: views of the masters themselves, no copy. They cannot change while
-        # a pull reads them: the next round needs this worker's next push, which it
-        # sends only once its pull has landed. (A worker whose lease ran out mid-pull,
-        # or a rollback, may see a torn copy; its next push is then refused and it
-        # resyncs and pulls again.) async/ssp apply on every push: they copy. gRPC needs
-        # bytes: its pullers share one copy per version.
-        for key, p in self.masters.items():
-            flat = p.detach() if dtype == torch.float32 else p.detach().to(dtype)
-            for off, data in wire.iter_pieces(flat, self.message_bytes, copy=not views):
-                pieces.append((key, off, data))
-        self._snapshots[(dtype, views)] = ((self.incarnation, self.version), pieces)
-        return pieces
