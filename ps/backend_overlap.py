@@ -17,7 +17,7 @@ import torch
 
 from ps.client import NeedsResync
 from ps.overlap import PullGate, PushBuckets
-from ps.overlap_tuner import PullOverlapTuner
+from ps.overlap_tuner import ARM_NAMES, Arm, OverlapTuner
 from ps.pushdata import PullHeader
 
 log = logging.getLogger("psar.ps")
@@ -44,7 +44,7 @@ class OverlapMixin:
             self._send,
             num_shards=len(self.addresses),
             bucket_bytes=int(ps.bucket_mib * (1 << 20)),
-            on_first_bucket=self._start_push if self.overlap else lambda: None,
+            on_first_bucket=self._first_bucket if self.overlap else lambda: None,
         )
         if self.sparse:
             self.buckets.decide = lambda finite: self.sparse.push(
@@ -54,12 +54,13 @@ class OverlapMixin:
         self.gate = PullGate(self.slots)
         self.gate.on_failure = self._recover_pull
         self.overlap_pull = self.overlap and ps.pull_overlap and self.device.type == "cpu"
-        self.pull_tuner = PullOverlapTuner(
-            self.total_steps, ps.pull_overlap_trial if self.overlap_pull else 0
-        )
+        # The trial's arms: what is configured first, then the cheaper ones.
+        arms: list[Arm] = [(True, True)] if self.overlap_pull else []
+        arms += [(True, False), (False, False)] if self.overlap else [(False, False)]
+        self.tuner = OverlapTuner(self.total_steps, ps.overlap_trial, arms)
         self._step_index = 0
         self._step_started: float | None = None
-        self._pull_arm = True
+        self._arm: Arm = arms[0]
         if self.overlap:
             self.buckets.attach()
         if self.overlap_pull:
@@ -70,36 +71,32 @@ class OverlapMixin:
         self._pull_future: Future | None = None
         self._poisoned = False
 
-    def _tune_pull_overlap(self, now: float) -> None:
-        """Time the interval that ends now and pick this step's pull arm (ps/overlap_tuner.py)."""
-        t = self.pull_tuner
+    def _tune_overlap(self, now: float) -> None:
+        """Time the interval that ends now and pick this step's arm: its pull, and the
+        push during the next backward (ps/overlap_tuner.py)."""
+        t = self.tuner
         if self._step_started is not None and t.record(
-            self._step_index - 1, self._pull_arm, now - self._step_started
+            self._step_index - 1, self._arm, now - self._step_started
         ):
-            (log.info if self.rank == 0 else log.debug)(
-                "worker %d: pull overlap %s: %.1f ms/step with it, %.1f without (median of "
-                "%d steps each; --pull-overlap-trial)",
-                self.rank,
-                "kept" if t.decision else "turned off",
-                1e3 * t.median_s(True),
-                1e3 * t.median_s(False),
-                len(t.times[False]),
-            )
+            (log.info if self.rank == 0 else log.debug)("worker %d: %s", self.rank, t.summary())
         self._step_started = now
-        self._pull_arm = t.arm(self._step_index)
+        self._arm = t.arm(self._step_index)
         self._step_index += 1
 
-    def pull_overlap_report(self) -> dict[str, Any]:
-        """For the run's report: whether the pull overlap ran, and the trial's figures."""
-        t = self.pull_tuner
-        used = self.overlap_pull and (t.decision if t.decision is not None else True)
-        out: dict[str, Any] = {"pull_overlap": used}
+    def overlap_report(self) -> dict[str, Any]:
+        """For the run's report: the overlap that ran, and the trial's figures."""
+        t = self.tuner
+        push, pull = t.decision if t.decision is not None else t.arms[0]
+        out: dict[str, Any] = {"overlap": {"push": push, "pull": pull}}
         if t.decision is not None:
-            out["pull_overlap_trial_ms"] = {
-                "with": 1e3 * t.median_s(True),
-                "without": 1e3 * t.median_s(False),
-            }
+            out["overlap_trial_ms"] = {ARM_NAMES[a]: 1e3 * t.median_s(a) for a in t.arms}
         return out
+
+    def _first_bucket(self) -> None:
+        """Backward filled its first bucket: stream now, unless this step's arm pushes
+        after backward (the buckets wait in their queues for step())."""
+        if self._arm[0]:
+            self._start_push()
 
     def _start_push(self) -> None:
         """Open this step's push streams (from the first full bucket, during backward;

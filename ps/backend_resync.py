@@ -137,7 +137,7 @@ class ResyncMixin:
             "resyncs": self.resyncs,
             "rejoined": self.rejoined,
             **(self.sparse.report() if self.sparse else {}),
-            **self.pull_overlap_report(),
+            **self.overlap_report(),
         }
 
     def comm_bytes(self) -> dict[str, int]:

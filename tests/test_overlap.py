@@ -42,8 +42,8 @@ RUNS = {
     "tiny-buckets": ["--overlap", "--bucket-mib", "0.001"],
     "push-only": ["--overlap", "--no-pull-overlap"],
     "chunk-rounds": ["--overlap"],  # and shards updating per chunk (below)
-    # Steps 5 and 6 pull with and without the overlap, then the faster is kept.
-    "pull-trial": ["--overlap", "--pull-overlap-trial", "2"],
+    # Steps 5-7 try push+pull overlap, push only and neither, then keep the fastest.
+    "trial": ["--overlap", "--overlap-trial", "3"],
 }
 SERVER = {"chunk-rounds": ["--chunk-rounds"]}  # the others: whole rounds (the default)
 
@@ -59,17 +59,19 @@ def test_overlapped_and_plain_steps_give_identical_weights(tmp_path, num_shards:
                 addrs, 2, d, [*COMMON, *extra, "--save", str(d / "w.pt")]
             )
     ref = _weights(tmp_path / "overlap" / "w.pt")
-    for name in ("plain", "tiny-buckets", "push-only", "chunk-rounds", "pull-trial"):
+    for name in ("plain", "tiny-buckets", "push-only", "chunk-rounds", "trial"):
         _assert_bit_identical(ref, _weights(tmp_path / name / "w.pt"))
         for r in range(2):
             assert reports[name][r]["losses"] == reports["overlap"][r]["losses"]
     assert all(r["skipped_steps"] == 0 for rs in reports.values() for r in rs)
-    for r in reports["pull-trial"]:
-        assert set(r["pull_overlap_trial_ms"]) == {"with", "without"}
-        assert r["pull_overlap"] == (
-            r["pull_overlap_trial_ms"]["with"] <= r["pull_overlap_trial_ms"]["without"]
-        )
-    assert all(r["pull_overlap"] is False for r in reports["plain"])
+    names = {(True, True): "push+pull", (True, False): "push", (False, False): "none"}
+    for r in reports["trial"]:
+        ms = r["overlap_trial_ms"]
+        assert set(ms) == {"push+pull", "push", "none"}
+        kept = names[(r["overlap"]["push"], r["overlap"]["pull"])]
+        assert ms[kept] == min(ms.values())
+    assert all(r["overlap"] == {"push": False, "pull": False} for r in reports["plain"])
+    assert all(r["overlap"] == {"push": True, "pull": False} for r in reports["push-only"])
 
 
 def test_buckets_follow_backward_order_and_never_split_a_parameter() -> None:

@@ -1,51 +1,60 @@
-"""The pull-overlap trial (ps/overlap_tuner.py): pure logic, no timing (the step times
-are given). Real runs with the trial active are in tests/test_overlap.py."""
+"""The overlap trial (ps/overlap_tuner.py): pure logic, no timing (the step times are
+given). Real runs with the trial active are in tests/test_overlap.py."""
 
 from __future__ import annotations
 
 import pytest
 
-from ps.overlap_tuner import PullOverlapTuner
+from ps.overlap_tuner import OverlapTuner
+
+BOTH, PUSH, NONE = (True, True), (True, False), (False, False)
+ARMS = [BOTH, PUSH, NONE]
 
 
-def run(t: PullOverlapTuner, with_s: float, without_s: float, steps: int) -> list[bool]:
-    arms = []
+def run(t: OverlapTuner, seconds: dict, steps: int) -> list:
+    used = []
     for k in range(steps):
-        used = t.arm(k)
-        arms.append(used)
-        t.record(k, used, with_s if used else without_s)
-    return arms
+        arm = t.arm(k)
+        used.append(arm)
+        t.record(k, arm, seconds[arm])
+    return used
+
+
+@pytest.mark.parametrize("fastest", ARMS)
+def test_the_fastest_arm_is_kept(fastest: tuple) -> None:
+    seconds = {a: 0.020 if a == fastest else 0.025 for a in ARMS}
+    t = OverlapTuner(total_steps=100, trial=9, arms=ARMS, warmup=3)
+    used = run(t, seconds, 100)
+    assert used[:3] == [BOTH] * 3  # warm-up runs the configured arm
+    assert used[3:12] == ARMS * 3  # the trial cycles through the arms
+    assert used[12:] == [fastest] * 88
+    assert t.decision == fastest
+    assert "kept: " in t.summary() and "--overlap-trial" in t.summary()
+
+
+def test_medians_not_means_and_ties_keep_the_configured_arm() -> None:
+    t = OverlapTuner(total_steps=50, trial=6, arms=[BOTH, NONE], warmup=0)
+    times = {BOTH: [0.02, 0.03, 5.0], NONE: [0.03, 0.03, 0.03]}  # one huge outlier
+    decided = [t.record(k, [BOTH, NONE][k % 2], times[[BOTH, NONE][k % 2]][k // 2])
+               for k in range(6)]  # fmt: skip
+    assert decided == [False] * 5 + [True]
+    assert t.decision == BOTH  # medians 0.03 and 0.03: the configured arm
+    assert not t.record(6, BOTH, 1.0) and t.decision == BOTH
 
 
 @pytest.mark.parametrize(
-    ("with_s", "without_s", "kept"), [(0.025, 0.023, False), (0.018, 0.02, True)]
+    ("total", "trial", "arms"),
+    [(46, 21, ARMS), (100, 0, ARMS), (100, 2, ARMS), (100, 20, [NONE])],
+    ids=["short-run", "no-trial", "trial-shorter-than-the-arms", "nothing-to-choose"],
 )
-def test_the_faster_arm_is_kept(with_s: float, without_s: float, kept: bool) -> None:
-    t = PullOverlapTuner(total_steps=100, trial=6, warmup=3)
-    arms = run(t, with_s, without_s, 100)
-    assert arms[:3] == [True] * 3  # warm-up
-    assert arms[3:9] == [True, False] * 3  # the trial alternates
-    assert arms[9:] == [kept] * 91
-    assert t.decision is kept
-    assert t.median_s(True) == with_s and t.median_s(False) == without_s
-
-
-def test_decided_once_with_medians_not_means() -> None:
-    t = PullOverlapTuner(total_steps=50, trial=6, warmup=0)
-    times = {True: [0.02, 0.02, 5.0], False: [0.03, 0.03, 0.03]}  # one huge outlier
-    decided = [t.record(k, k % 2 == 0, times[k % 2 == 0][k // 2]) for k in range(6)]
-    assert decided == [False] * 5 + [True]
-    assert t.decision is True
-    assert not t.record(6, True, 1.0) and t.decision is True
-
-
-@pytest.mark.parametrize(("total", "trial"), [(44, 20), (100, 0), (100, 1)])
-def test_short_runs_and_no_trial_keep_the_overlap(total: int, trial: int) -> None:
-    t = PullOverlapTuner(total_steps=total, trial=trial)
-    assert run(t, 0.05, 0.01, total) == [True] * total
+def test_no_trial_runs_the_configured_arm(total: int, trial: int, arms: list) -> None:
+    t = OverlapTuner(total_steps=total, trial=trial, arms=arms)
+    assert run(t, {a: 0.01 for a in ARMS}, total) == [arms[0]] * total
     assert t.decision is None
 
 
-def test_negative_trial_is_refused() -> None:
-    with pytest.raises(ValueError, match="--pull-overlap-trial"):
-        PullOverlapTuner(total_steps=10, trial=-1)
+def test_bad_trials_are_refused() -> None:
+    with pytest.raises(ValueError, match="--overlap-trial"):
+        OverlapTuner(total_steps=10, trial=-1, arms=ARMS)
+    with pytest.raises(ValueError, match="arm"):
+        OverlapTuner(total_steps=10, trial=3, arms=[])

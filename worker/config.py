@@ -47,12 +47,13 @@ class PSConfig:
     """--overlap on CPU workers: let the next forward start while later layers are still
     being pulled. Off: only the push overlaps (backward); step() waits for the whole pull.
     Where workers and shards share few cores the pulling thread takes its core from
-    forward; --pull-overlap-trial finds out (bench/README.md, step_throughput)."""
-    pull_overlap_trial: int = 20
-    """--pull-overlap: after 5 warm-up steps, this many steps alternate with and without
-    the pull overlap and the faster (median step time) is kept for the rest of the run
-    (results are the same bits either way). 0: no trial, keep the pull overlap. Runs
-    shorter than 5 + 2 x this skip the trial."""
+    forward; --overlap-trial finds out (bench/README.md, step_throughput)."""
+    overlap_trial: int = 21
+    """--overlap: after 5 warm-up steps, this many steps cycle through push+pull overlap
+    (if --pull-overlap), push only, and neither; the arm with the lowest median step
+    time is kept for the rest of the run (results are the same bits whichever runs).
+    0: no trial, run what --overlap/--pull-overlap say. Runs shorter than 5 + 2 x this
+    skip the trial."""
     data_plane: str = "auto"
     """Where tensor bytes travel: tcp (the shards' plain-TCP data plane), grpc, or auto
     (tcp where the shard offers it and TLS is off, else grpc). Control stays on gRPC."""
@@ -91,9 +92,9 @@ class PSConfig:
         from ps.client_dataplane import check_data_plane
 
         check_data_plane(self.data_plane, bool(self.tls_ca or self.tls_cert or self.tls_key))
-        if self.pull_overlap_trial < 0:
+        if self.overlap_trial < 0:
             raise ValueError(
-                f"--pull-overlap-trial must be >= 0 (0: no trial), got {self.pull_overlap_trial}"
+                f"--overlap-trial must be >= 0 (0: no trial), got {self.overlap_trial}"
             )
         if not self.bucket_mib > 0:
             raise ValueError(f"--bucket-mib must be > 0, got {self.bucket_mib}")
