@@ -211,7 +211,6 @@ class PSBackend(OverlapMixin, ResyncMixin):
 
     def step(self) -> StepOutcome:
         t0 = time.perf_counter()
-        self._tune_overlap(t0)
         fwd_wait = self.gate.take_waited()
         if self._push_future is None:
             self._start_push()  # no hook fired (overlap off, or no gradient at all)
@@ -264,6 +263,7 @@ class PSBackend(OverlapMixin, ResyncMixin):
         if finite:
             self.bytes_pushed += sum(b.numel() * b.element_size() for b in self._send.values())
         t1 = time.perf_counter()
+        self._tune_overlap(t1)  # the push has ended: pick the arm of what follows
         if self.overlap_pull and self._arm[1] and self.clock < self.total_steps:
             wait = self._pull_in_background()
         else:

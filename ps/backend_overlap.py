@@ -72,8 +72,8 @@ class OverlapMixin:
         self._poisoned = False
 
     def _tune_overlap(self, now: float) -> None:
-        """Time the interval that ends now and pick this step's arm: its pull, and the
-        push during the next backward (ps/overlap_tuner.py)."""
+        """This step's push has ended: time the interval since the last one ended and
+        pick the arm of this step's pull and the next step's push (ps/overlap_tuner.py)."""
         t = self.tuner
         if self._step_started is not None and t.record(
             self._step_index - 1, self._arm, now - self._step_started

@@ -11,9 +11,12 @@ on the same schedule so that in sync mode all of them try the same arm in the sa
 and the arm with the lowest median step time is kept for the rest of the run. Results do
 not depend on it (the weights are bit-identical whichever arm runs); only timing does.
 
-A step's time is the interval between the starts of two consecutive `step()` calls. The
-arm picked at the start of step k runs that step's pull and the push during the next
-backward: both fall in the interval that step k starts.
+A step's time is the interval between the ends of two consecutive pushes (inside
+`step()`, before its pull). The arm picked when step k's push has ended runs that step's
+pull, the next forward (which a background pull overlaps), and the next step's push
+during backward and its end: everything in the interval that starts there, and nothing
+of any other arm. (Timing from step start to step start would charge an arm with the
+push that the previous arm streamed, or did not, during its backward.)
 """
 
 from __future__ import annotations
