@@ -134,6 +134,8 @@ class MembershipCalls:
                 "last_checkpoint_step": r.last_checkpoint_step,
                 "live_worker_ids": list(r.live_worker_ids),
                 "draining": r.draining,
+                "chunks_applied_early": r.chunks_applied_early,
+                "chunk_undos": r.chunk_undos,
             }
 
         return self._each(one)

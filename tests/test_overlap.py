@@ -74,6 +74,31 @@ def test_overlapped_and_plain_steps_give_identical_weights(tmp_path, num_shards:
     assert all(r["overlap"] == {"push": True, "pull": False} for r in reports["push-only"])
 
 
+def test_per_chunk_rounds_undo_an_overflowing_round_and_keep_the_bits(tmp_path) -> None:
+    """fp16 with an overflow injected at step 4 (rank 0): shards updating per chunk undo
+    that round's early slots and skip it, exactly as whole-round shards skip it."""
+    args = ["--workload", "mlp", "--steps", "8", "--batch-size", "16", "--seed", "5",
+            "--lr", "0.05", "--momentum", "0.9", "--precision", "fp16",
+            "--inject-overflow-step", "4", "--loss-scale-init-scale", "1024"]  # fmt: skip
+    reports = {}
+    for name, server in (("whole", []), ("chunks", ["--chunk-rounds"])):
+        d = tmp_path / name
+        d.mkdir()
+        with shards(1, *server) as addrs:
+            reports[name] = run_ps_workers(addrs, 2, d, [*args, "--save", str(d / "w.pt")])
+    _assert_bit_identical(
+        _weights(tmp_path / "whole" / "w.pt"), _weights(tmp_path / "chunks" / "w.pt")
+    )
+    for r in range(2):
+        assert reports["chunks"][r]["losses"] == reports["whole"][r]["losses"]
+        assert reports["chunks"][r]["skipped_steps"] == reports["whole"][r]["skipped_steps"] == 1
+    whole, chunks = reports["whole"][0]["shards"][0], reports["chunks"][0]["shards"][0]
+    assert whole["chunks_applied_early"] == whole["chunk_undos"] == 0
+    assert chunks["chunks_applied_early"] > 0
+    assert chunks["skipped_rounds"] == whole["skipped_rounds"] == 1
+    assert chunks["state_digest"] == whole["state_digest"]
+
+
 def test_buckets_follow_backward_order_and_never_split_a_parameter() -> None:
     params = {n: torch.zeros(k) for n, k in [("a", 10), ("b", 300), ("c", 20), ("d", 5)]}
     got = bucket_params(params, bucket_bytes=4 * 100, itemsize=4)
