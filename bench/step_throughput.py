@@ -154,7 +154,8 @@ def table(doc: dict) -> str:
         "## Step throughput (psar vs plain DDP vs a plain RPC parameter server)\n\n"
         + c.md_table(head, rows)
         + f"\n\nReference workload, {m0['steps']} steps per run, median of {m0['repeats']} "
-        "alternated repeats. psar PS runs: overlap on, whole rounds and the TCP data plane "
+        "alternated repeats. psar PS runs: overlap on (its trial keeps the fastest arm), whole "
+        "rounds and the TCP data plane "
         "unless the name "
         "says otherwise. Exposed comm = step time - the no-communication run's step time "
         "(same processes, same contention). Blocked on push / wait / pull = medians of the "
