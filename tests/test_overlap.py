@@ -99,6 +99,31 @@ def test_per_chunk_rounds_undo_an_overflowing_round_and_keep_the_bits(tmp_path) 
     assert chunks["state_digest"] == whole["state_digest"]
 
 
+def test_a_late_overflow_undoes_the_slots_already_updated(tmp_path) -> None:
+    """The first layer's gradient turns inf (step 4, both workers) after the other
+    layers' buckets reached the shard, which with --chunk-rounds has updated those slots:
+    the verdict undoes them, and the run ends as on a whole-round shard, bit for bit."""
+    args = ["--workload", "tests.user_workloads:make_late_overflow", "--steps", "8",
+            "--batch-size", "16", "--seed", "5", "--precision", "fp32", "--lr", "0.05",
+            "--momentum", "0.9", "--bucket-mib", "0.0001", "--overlap-trial", "0"]  # fmt: skip
+    reports = {}
+    for name, server in (("whole", []), ("chunks", ["--chunk-rounds"])):
+        d = tmp_path / name
+        d.mkdir()
+        with shards(1, *server) as addrs:
+            reports[name] = run_ps_workers(addrs, 2, d, [*args, "--save", str(d / "w.pt")])
+    _assert_bit_identical(
+        _weights(tmp_path / "whole" / "w.pt"), _weights(tmp_path / "chunks" / "w.pt")
+    )
+    for r in range(2):
+        assert reports["chunks"][r]["losses"] == reports["whole"][r]["losses"]
+        assert reports["chunks"][r]["skipped_steps"] == reports["whole"][r]["skipped_steps"] == 1
+    whole, chunks = reports["whole"][0]["shards"][0], reports["chunks"][0]["shards"][0]
+    assert whole["chunk_undos"] == 0
+    assert chunks["chunk_undos"] >= 1  # the overflowing round had slots to undo
+    assert chunks["state_digest"] == whole["state_digest"]
+
+
 def test_buckets_follow_backward_order_and_never_split_a_parameter() -> None:
     params = {n: torch.zeros(k) for n, k in [("a", 10), ("b", 300), ("c", 20), ("d", 5)]}
     got = bucket_params(params, bucket_bytes=4 * 100, itemsize=4)

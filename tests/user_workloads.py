@@ -3,6 +3,8 @@ tests/test_user_model.py through `--workload tests.user_workloads:make_tricky`).
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -58,6 +60,30 @@ def make_failing(seed: int) -> Workload:
         return grad
 
     model[0].weight.register_hook(fail_on_third)  # the first layer's gradient comes last
+    g = torch.Generator().manual_seed(1234)
+    x = torch.randn(256, 8, generator=g)
+    y = (x @ torch.randn(8, 8, generator=g)).argmax(dim=1)
+    return Workload(model=model, train_dataset=TensorDataset(x, y), loss_fn=F.cross_entropy)
+
+
+def make_late_overflow(seed: int) -> Workload:
+    """A model whose 4th backward gives its first layer (whose gradient comes last) an
+    inf gradient, half a second after the other layers' gradients were ready: with small
+    buckets every shard has those slots — and with --chunk-rounds has updated them — well
+    before the overflow verdict arrives (tests/test_overlap.py: the update is undone)."""
+    with seeded(seed):
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(),
+                              nn.Linear(16, 8))  # fmt: skip
+    calls = {"n": 0}
+
+    def late_inf(grad: torch.Tensor) -> torch.Tensor:
+        calls["n"] += 1
+        if calls["n"] != 4:
+            return grad
+        time.sleep(0.5)
+        return grad * float("inf")
+
+    model[0].weight.register_hook(late_inf)
     g = torch.Generator().manual_seed(1234)
     x = torch.randn(256, 8, generator=g)
     y = (x @ torch.randn(8, 8, generator=g)).argmax(dim=1)
