@@ -178,7 +178,8 @@ class DDPBackend:
         for _, old in list_checkpoints(str(folder))[:-_KEEP]:
             old.unlink(missing_ok=True)
 
-    def fault_report(self) -> dict[str, Any]:
+    def report_extras(self) -> dict[str, Any]:
+        """Fault figures for the run's report (Backend protocol)."""
         return {"start_step": self.start_step, "checkpoints_written": self.checkpoints_written}
 
     def no_sync(self):  # noqa: ANN201 - DDP's own context manager

@@ -342,6 +342,10 @@ class PSBackend(OverlapMixin, ResyncMixin):
             out[s.param].view(-1)[s.start : s.start + s.numel].copy_(full[s.key])
         return out
 
+    def report_extras(self) -> dict[str, Any]:
+        """For the run's report (Backend protocol): fault figures and the overlap run."""
+        return {**self.fault_report(), **self.overlap_report()}
+
     def shard_stats(self) -> list[dict[str, Any]]:
         return self.client.stats()
 

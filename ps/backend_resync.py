@@ -137,7 +137,6 @@ class ResyncMixin:
             "resyncs": self.resyncs,
             "rejoined": self.rejoined,
             **(self.sparse.report() if self.sparse else {}),
-            **self.overlap_report(),
         }
 
     def comm_bytes(self) -> dict[str, int]:

@@ -58,6 +58,10 @@ class Backend(Protocol):
         """Cumulative bytes moved: bytes_pushed/bytes_pulled (ps) or bytes_allreduced."""
         ...
 
+    def report_extras(self) -> dict[str, Any]:
+        """What this architecture adds to the run's report (fault figures, overlap)."""
+        ...
+
     def state_dict(self) -> dict[str, Any]:
         """The trained weights (fp32 where the architecture keeps them) for --save."""
         ...

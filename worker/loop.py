@@ -184,7 +184,7 @@ def train(cfg: TrainConfig, env: dict[str, str] | None = None) -> dict[str, Any]
     summary["val_loss_unit"] = workload.val_metric if workload.val_metric != "loss" else "nats"
     summary["rank"] = rank
     summary["shards"] = backend.shard_stats() if rank == 0 else []
-    summary.update(backend.fault_report() if hasattr(backend, "fault_report") else {})
+    summary.update(backend.report_extras())
     if cfg.save and rank == 0:
         torch.save(backend.state_dict(), cfg.save)
     backend.finish()
