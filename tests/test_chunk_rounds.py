@@ -53,11 +53,14 @@ def stream(st: ShardState, ticket: PushTicket, grads: Grads, keys: list[str] | N
             st.add_data(ticket, key, off, flat[off : off + 5].numpy().tobytes())
 
 
-def full_push(st: ShardState, worker: int, grads: Grads, clock: int = 1) -> None:
+def full_push(
+    st: ShardState, worker: int, grads: Grads, clock: int = 1, overflow: bool = False
+) -> None:
+    """A whole push streamed in backward order, then its verdict."""
     t = begin(st, worker, clock)
     try:
         stream(st, t, grads)
-        st.add_verdict(t, False)
+        st.add_verdict(t, overflow)
         st.finish_push(t)
     finally:
         t.release()
@@ -106,11 +109,7 @@ def test_an_overflow_verdict_undoes_every_early_slot(opt: str) -> None:
             assert chunked.state_digest() == before
         chunked.finish_push(t)
         t.release()
-        pt = begin(plain, 1, clock)
-        stream(plain, pt, g1)
-        plain.add_verdict(pt, clock == 2)
-        plain.finish_push(pt)
-        pt.release()
+        full_push(plain, 1, g1, clock, overflow=clock == 2)
         assert chunked.state_digest() == plain.state_digest()
     assert chunked.skipped_rounds == plain.skipped_rounds == 1
     assert chunked.stats()["chunk_undos"] == 1
@@ -269,14 +268,7 @@ def test_workers_streaming_concurrently_end_with_the_same_bits(opt: str) -> None
 
     def worker(w: int) -> None:
         for clock in range(1, rounds + 1):
-            g = grad_for(job, w, clock)
-            t = begin(chunked, w, clock)
-            try:
-                stream(chunked, t, g)
-                chunked.add_verdict(t, overflow(w, clock))
-                chunked.finish_push(t)
-            finally:
-                t.release()
+            full_push(chunked, w, grad_for(job, w, clock), clock, overflow(w, clock))
             pull_until(chunked, w, clock)
 
     threads = [threading.Thread(target=worker, args=(w,)) for w in range(3)]
@@ -287,11 +279,7 @@ def test_workers_streaming_concurrently_end_with_the_same_bits(opt: str) -> None
     assert not any(th.is_alive() for th in threads)
     for clock in range(1, rounds + 1):
         for w in range(3):
-            t = begin(plain, w, clock)
-            stream(plain, t, grad_for(job, w, clock))
-            plain.add_verdict(t, overflow(w, clock))
-            plain.finish_push(t)
-            t.release()
+            full_push(plain, w, grad_for(job, w, clock), clock, overflow(w, clock))
     assert chunked.rounds == plain.rounds == rounds and chunked.skipped_rounds == 1
     assert chunked.state_digest() == plain.state_digest()
 

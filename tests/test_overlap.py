@@ -74,12 +74,9 @@ def test_overlapped_and_plain_steps_give_identical_weights(tmp_path, num_shards:
     assert all(r["overlap"] == {"push": True, "pull": False} for r in reports["push-only"])
 
 
-def test_per_chunk_rounds_undo_an_overflowing_round_and_keep_the_bits(tmp_path) -> None:
-    """fp16 with an overflow injected at step 4 (rank 0): shards updating per chunk undo
-    that round's early slots and skip it, exactly as whole-round shards skip it."""
-    args = ["--workload", "mlp", "--steps", "8", "--batch-size", "16", "--seed", "5",
-            "--lr", "0.05", "--momentum", "0.9", "--precision", "fp16",
-            "--inject-overflow-step", "4", "--loss-scale-init-scale", "1024"]  # fmt: skip
+def _whole_vs_chunks(tmp_path, args: list[str]) -> tuple[dict, dict]:  # noqa: ANN001
+    """The same 2-worker run on a whole-round shard and on a --chunk-rounds shard: same
+    weights, losses, one skipped step each, same shard digest. Returns both shards' stats."""
     reports = {}
     for name, server in (("whole", []), ("chunks", ["--chunk-rounds"])):
         d = tmp_path / name
@@ -93,10 +90,20 @@ def test_per_chunk_rounds_undo_an_overflowing_round_and_keep_the_bits(tmp_path) 
         assert reports["chunks"][r]["losses"] == reports["whole"][r]["losses"]
         assert reports["chunks"][r]["skipped_steps"] == reports["whole"][r]["skipped_steps"] == 1
     whole, chunks = reports["whole"][0]["shards"][0], reports["chunks"][0]["shards"][0]
+    assert chunks["state_digest"] == whole["state_digest"]
+    return whole, chunks
+
+
+def test_per_chunk_rounds_undo_an_overflowing_round_and_keep_the_bits(tmp_path) -> None:
+    """fp16 with an overflow injected at step 4 (rank 0): shards updating per chunk undo
+    that round's early slots and skip it, exactly as whole-round shards skip it."""
+    args = ["--workload", "mlp", "--steps", "8", "--batch-size", "16", "--seed", "5",
+            "--lr", "0.05", "--momentum", "0.9", "--precision", "fp16",
+            "--inject-overflow-step", "4", "--loss-scale-init-scale", "1024"]  # fmt: skip
+    whole, chunks = _whole_vs_chunks(tmp_path, args)
     assert whole["chunks_applied_early"] == whole["chunk_undos"] == 0
     assert chunks["chunks_applied_early"] > 0
     assert chunks["skipped_rounds"] == whole["skipped_rounds"] == 1
-    assert chunks["state_digest"] == whole["state_digest"]
 
 
 def test_a_late_overflow_undoes_the_slots_already_updated(tmp_path) -> None:
@@ -106,22 +113,9 @@ def test_a_late_overflow_undoes_the_slots_already_updated(tmp_path) -> None:
     args = ["--workload", "tests.user_workloads:make_late_overflow", "--steps", "8",
             "--batch-size", "16", "--seed", "5", "--precision", "fp32", "--lr", "0.05",
             "--momentum", "0.9", "--bucket-mib", "0.0001", "--overlap-trial", "0"]  # fmt: skip
-    reports = {}
-    for name, server in (("whole", []), ("chunks", ["--chunk-rounds"])):
-        d = tmp_path / name
-        d.mkdir()
-        with shards(1, *server) as addrs:
-            reports[name] = run_ps_workers(addrs, 2, d, [*args, "--save", str(d / "w.pt")])
-    _assert_bit_identical(
-        _weights(tmp_path / "whole" / "w.pt"), _weights(tmp_path / "chunks" / "w.pt")
-    )
-    for r in range(2):
-        assert reports["chunks"][r]["losses"] == reports["whole"][r]["losses"]
-        assert reports["chunks"][r]["skipped_steps"] == reports["whole"][r]["skipped_steps"] == 1
-    whole, chunks = reports["whole"][0]["shards"][0], reports["chunks"][0]["shards"][0]
+    whole, chunks = _whole_vs_chunks(tmp_path, args)
     assert whole["chunk_undos"] == 0
     assert chunks["chunk_undos"] >= 1  # the overflowing round had slots to undo
-    assert chunks["state_digest"] == whole["state_digest"]
 
 
 def test_buckets_follow_backward_order_and_never_split_a_parameter() -> None:
