@@ -6,7 +6,7 @@ on CPU unless --backend says otherwise. With a low-precision wire dtype DDP regi
 the matching compression hook, so both architectures move the same bytes.
 
 With --checkpoint-dir, rank 0 writes model, optimizer, GradScaler, LR schedule and step
-every --checkpoint-every steps (atomically, ps/checkpoint.py) and at the end; at start
+every --checkpoint-every steps (atomically, ps/server/checkpoint.py) and at the end; at start
 every rank loads the newest one and the loop resumes after its step, so a job that
 torchrun relaunches (--max-restarts) continues instead of starting over.
 """
@@ -26,11 +26,12 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from allreduce.hooks import register_wire_dtype
-from ps.checkpoint import atomic_save
+from trainkit.atomic import atomic_save
+from trainkit.finite import all_finite
+from trainkit.optim import build_optimizer, build_scheduler, effective_loss_scale, with_run_length
 from worker.backend import StepOutcome
 from worker.config import TrainConfig
-from worker.optim import build_optimizer, build_scheduler, effective_loss_scale, with_run_length
-from worker.precision import PrecisionPolicy, all_finite
+from worker.precision import PrecisionPolicy
 
 log = logging.getLogger("psar.allreduce")
 _NAME = re.compile(r"^ddp-(\d{12})\.pt$")

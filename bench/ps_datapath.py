@@ -1,11 +1,11 @@
 """PS data path: push + pull of an fp32 payload through 1..N real shards on loopback.
 
-Each shard is a real `psar server` process; the client is ps.client.PSClient used as a
+Each shard is a real `psar server` process; the client is ps.client.psclient.PSClient used as a
 worker uses it (init with ps.job.Job objects from ps.partition.plan_slots, then
 push/pull in a loop, mode async, one worker, so nothing ever waits on a barrier).
 Two transports move the same push and pull through the same PSClient calls, cycles
 alternating on the same shards: "grpc" (--data-plane grpc) and "tcp", the shards' data
-plane (ps/dataplane.py; PSClient talks to it with one DataPlaneClient per shard, port
+plane (ps/server/dataplane.py; PSClient talks to it with one DataPlaneClient per shard, port
 from GetJob, shards in parallel).
 Right before every cycle the same script times one raw loopback TCP transfer of the
 same payload (bench/baselines.py), so the ratio compares like with like on a noisy
@@ -45,11 +45,11 @@ import torch
 
 from bench.baselines import MIB, TcpSink, readline_with_timeout, stop_process
 from ps import wire
-from ps.client import ClientConfig, PSClient
-from ps.dataplane_client import DEFAULT_MAX_FRAME_BYTES
+from ps.client.psclient import ClientConfig, PSClient
+from ps.client.tcp_transport import DEFAULT_MAX_FRAME_BYTES
 from ps.job import Job
 from ps.partition import DEFAULT_CHUNK_BYTES, plan_slots
-from worker.optim import OptimizerConfig
+from trainkit.optim import OptimizerConfig
 
 _HELLO = "psar server listening on "
 TRANSPORTS = ("grpc", "tcp")
@@ -60,7 +60,7 @@ class Result:
     payload_mib: float
     shards: int
     transport: str
-    """"grpc" (PSClient over gRPC) or "tcp" (the shards' data plane, ps/dataplane.py)."""
+    """"grpc" (PSClient over gRPC) or "tcp" (the shards' data plane, ps/server/dataplane.py)."""
     gbps: float
     """(push + pull bytes) / median cycle time, GB/s."""
     ratio_to_tcp: float
@@ -259,7 +259,7 @@ def run_config(
     # The client a worker uses; cfg.data_plane picks the transport of each cycle.
     with PSClient(addresses, worker=0, cfg=cfg) as client:
         client.set_slots(slots)
-        # As ps/backend.py does: init (rank 0), read the jobs back (and the lease and
+        # As ps/client/backend.py does: init (rank 0), read the jobs back (and the lease and
         # data ports), register, and keep the lease alive while we push and pull.
         client.init(jobs, views(weights))
         if client.get_jobs(wait=True) != jobs:
@@ -345,7 +345,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--frame-mib",
         type=float,
         default=DEFAULT_MAX_FRAME_BYTES / MIB,
-        help="tcp: MiB of tensor bytes per pushed piece frame (default: ps.dataplane_client's, 4)",
+        help="tcp: MiB of tensor bytes per pushed piece frame (default: ps.client.tcp_transport's, 4)",
     )
     p.add_argument(
         "--shard-omp-threads",

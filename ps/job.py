@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ps.partition import Slot
-from worker.optim import LossScaleConfig, OptimizerConfig
+from trainkit.optim import LossScaleConfig, OptimizerConfig
 
 MODES = ("sync", "async", "ssp")
 

@@ -12,11 +12,11 @@ import torch
 from ps import wire
 from ps._gen.psar.v1 import ps_pb2 as pb
 from ps.errors import InvalidArgument
+from ps.headers import PullHeader, PushHeader, PushOutcome
 from ps.job import Job
 from ps.partition import Slot
-from ps.policies import PushOutcome
-from ps.shard import PullHeader, PushHeader
-from worker.optim import LossScaleConfig, OptimizerConfig
+from ps.sparse_spec import TableSpec
+from trainkit.optim import LossScaleConfig, OptimizerConfig
 
 _MODE_TO_PB = {"sync": pb.SYNC, "async": pb.ASYNC, "ssp": pb.SSP}
 _MODE_FROM_PB = {v: k for k, v in _MODE_TO_PB.items()}
@@ -146,3 +146,19 @@ def pull_header_from_pb(m: pb.PullHeader) -> PullHeader:
         dtype=dtype_from_pb(m.dtype),
         clock_gap=m.clock_gap,
     )
+
+
+_SPEC_FIELDS = (
+    "name rows dim optimizer lr eps beta1 beta2 init_std init_seed shard_index num_shards"
+).split()
+
+
+def spec_to_pb(s: TableSpec) -> pb.TableSpec:
+    return pb.TableSpec(**{f: getattr(s, f) for f in _SPEC_FIELDS})
+
+
+def spec_from_pb(m: pb.TableSpec) -> TableSpec:
+    try:
+        return TableSpec(**{f: getattr(m, f) for f in _SPEC_FIELDS})
+    except ValueError as e:
+        raise InvalidArgument(f"CreateTables: {e}") from None

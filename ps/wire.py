@@ -12,18 +12,14 @@ from collections.abc import Iterator
 
 import torch
 
+from trainkit.dtypes import DTYPE_BY_NAME, NAME_BY_DTYPE  # noqa: F401 - re-exported names
+
 DEFAULT_MESSAGE_BYTES = 1 << 20
 
 # Proto enum values (psar.v1.DType) <-> torch dtypes. Kept as ints so this module has
 # no dependency on the generated stubs.
 DTYPE_FROM_WIRE: dict[int, torch.dtype] = {1: torch.float32, 2: torch.float16, 3: torch.bfloat16}
 WIRE_FROM_DTYPE: dict[torch.dtype, int] = {v: k for k, v in DTYPE_FROM_WIRE.items()}
-DTYPE_BY_NAME: dict[str, torch.dtype] = {
-    "fp32": torch.float32,
-    "fp16": torch.float16,
-    "bf16": torch.bfloat16,
-}
-NAME_BY_DTYPE: dict[torch.dtype, str] = {v: k for k, v in DTYPE_BY_NAME.items()}
 
 
 def dtype_from_name(name: str) -> torch.dtype:

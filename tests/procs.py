@@ -122,7 +122,7 @@ def run_torchrun(world: int, tmp: Path, common: Sequence[str], timeout: float = 
 
 def shard_stats(addrs: Sequence[str]) -> list[dict]:
     """Each live shard's counters and state digest (the Stats RPC)."""
-    from ps.client import PSClient
+    from ps.client.psclient import PSClient
 
     with PSClient(addrs, worker=0) as client:
         return client.stats()

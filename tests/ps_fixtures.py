@@ -19,11 +19,13 @@ import torch
 from ps import serde, wire
 from ps._gen.psar.v1 import ps_pb2 as pb
 from ps._gen.psar.v1 import ps_pb2_grpc as pb_grpc
+from ps.headers import PullHeader, PushHeader
 from ps.job import Job
 from ps.partition import Slot, plan_slots
-from ps.server import ServerConfig, start_server, stop_server
-from ps.shard import PullHeader, PushHeader, ShardState
-from worker.optim import LossScaleConfig, OptimizerConfig, build_optimizer
+from ps.server.config import ServerConfig
+from ps.server.serve import start_server, stop_server
+from ps.server.shard import ShardState
+from trainkit.optim import LossScaleConfig, OptimizerConfig, build_optimizer
 
 # Two parameters; with CHUNK_BYTES = 32 (8 fp32 elements) "w" is cut into two slots,
 # so every test exercises multi-slot pushes: w#0 (8), w#1 (4), b#0 (5).

@@ -1,4 +1,4 @@
-"""Per-chunk rounds (ps/chunk_rounds.py): slots are updated while the round's last push
+"""Per-chunk rounds (ps/server/chunk_rounds.py): slots are updated while the round's last push
 still streams, and every way a round can change its mind undoes them, bit for bit.
 
 Each test drives a chunked shard and a plain sync shard through the same calls: the
@@ -13,11 +13,11 @@ import threading
 import pytest
 import torch
 
-from ps import checkpoint
 from ps.errors import FailedPrecondition, InvalidArgument
 from ps.job import Job
-from ps.pushdata import PushHeader, PushTicket
-from ps.shard import ShardState
+from ps.server import checkpoint
+from ps.server.pushdata import PushHeader, PushTicket
+from ps.server.shard import ShardState
 from tests.ps_fixtures import OPTIMIZERS, grad_for, init_values, make_job, make_state, masters
 
 Grads = dict[str, torch.Tensor]

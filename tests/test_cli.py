@@ -9,11 +9,11 @@ import time
 
 import pytest
 
-from ps.server import ServerConfig
+from ps.server.config import ServerConfig
+from trainkit.optim import LossScaleConfig, OptimizerConfig
 from worker import cli
 from worker.cli_gen import field_docs, flag_names
 from worker.config import DDPConfig, PSConfig, TrainConfig
-from worker.optim import LossScaleConfig, OptimizerConfig
 
 # Users' scripts depend on these names: add freely, never rename or remove.
 TRAIN_FLAGS = [

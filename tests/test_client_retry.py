@@ -12,11 +12,12 @@ import pytest
 import torch
 
 from ps._gen.psar.v1 import ps_pb2 as pb
-from ps.client import ClientConfig, PSClient, PSClientError
+from ps.client.psclient import ClientConfig, PSClient, PSClientError
 from ps.job import Job
 from ps.partition import plan_slots
-from ps.server import ServerConfig, start_server, stop_server
-from ps.shard import ShardState
+from ps.server.config import ServerConfig
+from ps.server.serve import start_server, stop_server
+from ps.server.shard import ShardState
 from tests.ps_fixtures import (
     PARAMS,
     free_port,

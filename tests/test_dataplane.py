@@ -1,4 +1,4 @@
-"""The data plane (ps/dataplane.py, ps/dataplane_client.py): push and pull as plain TCP
+"""The data plane (ps/server/dataplane.py, ps/client/tcp_transport.py): push and pull as plain TCP
 frames next to gRPC, against real shards and sockets on loopback (no mocks).
 
 - The same pushes through the data plane and through gRPC leave byte-identical shards
@@ -23,13 +23,13 @@ import grpc
 import pytest
 import torch
 
-from ps import dataframing as fr
+from ps import framing as fr
 from ps import serde, wire
 from ps._gen.psar.v1 import ps_pb2 as pb
-from ps.dataplane_client import DataPlaneClient, DataPlaneError
+from ps.client.tcp_transport import DataPlaneClient, DataPlaneError
 from ps.job import Job
-from ps.server import ServerConfig
-from ps.shard import ShardState
+from ps.server.config import ServerConfig
+from ps.server.shard import ShardState
 from tests.ps_fixtures import (
     grad_for,
     init_chunks,
@@ -435,7 +435,7 @@ def _data_port(port: int, token: str = "") -> int:
 
 def test_tls_shard_has_no_data_plane(certs: Path) -> None:  # noqa: F811
     cfg = config(tls_cert=str(certs / "server.pem"), tls_key=str(certs / "server.key"))
-    from ps.server import start_server
+    from ps.server.serve import start_server
 
     server, port, _ = start_server(cfg)
     try:

@@ -36,7 +36,8 @@ from unittest import mock
 import pytest
 import yaml
 
-from worker import cli, roles
+from trainkit import roles
+from worker import cli
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -274,7 +275,8 @@ def test_healthcheck_probe_against_real_servers(tmp_path) -> None:
 
     import grpc
 
-    from ps.server import ServerConfig, start_server
+    from ps.server.config import ServerConfig
+    from ps.server.serve import start_server
 
     hc = _healthcheck()
     server, port, _ = start_server(ServerConfig(bind="127.0.0.1:0"))

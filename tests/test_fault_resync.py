@@ -1,4 +1,4 @@
-"""The worker's resync protocol (ps/backend.py) against in-process shards, step by step.
+"""The worker's resync protocol (ps/client/backend.py) against in-process shards, step by step.
 
 A sync job with two shards and two workers: worker 0 is a real PSBackend, worker 1 is
 driven by hand. Shard 1 is killed -9 while worker 0's push for round 2 is waiting in its
@@ -14,10 +14,11 @@ from pathlib import Path
 
 import torch
 
-from ps.checkpoint import CheckpointManager
-from ps.client import ClientConfig, PSClient
-from ps.server import ServerConfig, start_server, stop_server
-from ps.shard import ShardState
+from ps.client.psclient import ClientConfig, PSClient
+from ps.server.checkpoint import CheckpointManager
+from ps.server.config import ServerConfig
+from ps.server.serve import start_server, stop_server
+from ps.server.shard import ShardState
 from tests.fault_procs import Shard, wait_until
 from worker.config import PSConfig, TrainConfig
 from worker.precision import resolve
@@ -43,7 +44,7 @@ class Job:
         )
         self.shard1 = Shard(1, tmp, "--checkpoint-dir", str(tmp / "s1"), "--checkpoint-every", "1")
         self.shard1.start()
-        from ps.backend import PSBackend
+        from ps.client.backend import PSBackend
 
         cfg = TrainConfig(
             arch="ps",

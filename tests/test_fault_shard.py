@@ -8,12 +8,12 @@ import threading
 import pytest
 import torch
 
-from ps.checkpoint import CheckpointManager, list_checkpoints
 from ps.errors import FailedPrecondition, Unavailable
-from ps.lease import LeaseTable
-from ps.membership import Expired, Restored, TooLate
-from ps.pushdata import PushHeader
-from ps.shard import ShardState
+from ps.server.checkpoint import CheckpointManager, list_checkpoints
+from ps.server.lease import LeaseTable
+from ps.server.membership import Expired, Restored, TooLate
+from ps.server.pushdata import PushHeader
+from ps.server.shard import ShardState
 from tests.ps_fixtures import (
     assert_weights_equal,
     grad_for,

@@ -15,10 +15,10 @@ import time
 import pytest
 import torch
 
-from ps.overlap import PullGate, PushBuckets, bucket_params
+from ps.client.overlap import PullGate, PushBuckets, bucket_params
 from ps.partition import plan_slots
-from ps.pushdata import PushHeader
-from ps.shard import ShardState
+from ps.server.pushdata import PushHeader
+from ps.server.shard import ShardState
 from tests.procs import run_ps_workers, shards
 from tests.ps_fixtures import grad_for, init_values, make_job
 
@@ -263,8 +263,8 @@ def test_a_step_whose_pull_failed_midway_is_skipped_not_pushed() -> None:
     planted where the pulling thread would report it."""
     from concurrent.futures import Future
 
-    from ps.backend import PSBackend
-    from ps.client import NeedsResync
+    from ps.client.backend import PSBackend
+    from ps.client.errors import NeedsResync
     from tests.ps_fixtures import serving
     from worker.config import PSConfig, TrainConfig
     from worker.precision import resolve

@@ -1,11 +1,11 @@
-"""The overlap trial (ps/overlap_tuner.py): pure logic, no timing (the step times are
+"""The overlap trial (ps/client/overlap_tuner.py): pure logic, no timing (the step times are
 given). Real runs with the trial active are in tests/test_overlap.py."""
 
 from __future__ import annotations
 
 import pytest
 
-from ps.overlap_tuner import OverlapTuner
+from ps.client.overlap_tuner import OverlapTuner
 
 BOTH, PUSH, NONE = (True, True), (True, False), (False, False)
 ARMS = [BOTH, PUSH, NONE]

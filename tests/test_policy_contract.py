@@ -16,7 +16,7 @@ import torch
 
 from ps.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument
 from ps.job import Job
-from ps.shard import ShardState
+from ps.server.shard import ShardState
 from tests.ps_fixtures import (
     OPTIMIZERS,
     assert_weights_equal,
@@ -32,7 +32,7 @@ from tests.ps_fixtures import (
     reference_weights,
     weights_digest,
 )
-from worker.optim import LossScaleConfig
+from trainkit.optim import LossScaleConfig
 
 Grads = dict[str, torch.Tensor]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from worker.roles import resolve_local_rank, resolve_rank, resolve_shard, resolve_world_size
+from trainkit.roles import resolve_local_rank, resolve_rank, resolve_shard, resolve_world_size
 
 
 @pytest.mark.parametrize(

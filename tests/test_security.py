@@ -18,11 +18,12 @@ import grpc
 import pytest
 import torch
 
-from ps.client import ClientConfig, PSClient, PSClientError
-from ps.health import check
-from ps.metrics import ShardMetrics
+from ps.client.psclient import ClientConfig, PSClient, PSClientError
 from ps.partition import plan_slots
-from ps.server import ServerConfig, shutdown, start_server, stop_server
+from ps.server.config import ServerConfig
+from ps.server.health import check
+from ps.server.metrics import ShardMetrics
+from ps.server.serve import shutdown, start_server, stop_server
 from tests.ps_fixtures import PARAMS, init_values, make_job
 
 FAST = {"timeout_s": 5.0, "pull_timeout_s": 5.0, "retry_timeout_s": 0.5}

@@ -11,10 +11,10 @@ from hypothesis import strategies as st
 from ps import serde
 from ps._gen.psar.v1 import ps_pb2 as pb
 from ps.errors import InvalidArgument
+from ps.headers import PullHeader, PushHeader
 from ps.job import Job
 from ps.partition import Slot, plan_slots
-from ps.shard import PullHeader, PushHeader
-from worker.optim import LossScaleConfig, OptimizerConfig
+from trainkit.optim import LossScaleConfig, OptimizerConfig
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 

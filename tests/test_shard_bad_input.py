@@ -18,7 +18,7 @@ from ps import serde
 from ps._gen.psar.v1 import ps_pb2 as pb
 from ps._gen.psar.v1 import ps_pb2_grpc as pb_grpc
 from ps.job import Job
-from ps.server import ServerConfig
+from ps.server.config import ServerConfig
 from tests.ps_fixtures import (
     grad_for,
     init_chunks,

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from tests.procs import run_ps_workers, run_torchrun, shards
+from trainkit.optim import OptimizerConfig, build_optimizer
 from worker.data import ShardedBatches
-from worker.optim import OptimizerConfig, build_optimizer
 from worker.workloads import load_workload
 
 COMMON = ["--workload", "mlp", "--steps", "20", "--batch-size", "16", "--seed", "3",

@@ -1,7 +1,7 @@
 """The small protocol the training loop talks to; each architecture implements it.
 
 The loop (worker/loop.py) never asks which architecture it runs on: `PSBackend`
-(ps/backend.py) and `DDPBackend` (allreduce/backend.py) both provide these calls,
+(ps/client/backend.py) and `DDPBackend` (allreduce/backend.py) both provide these calls,
 like ps-lite's push/pull/wait or torchtitan's parallelize_fn.
 """
 

@@ -21,74 +21,14 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from ps.server import ServerConfig
+from ps.server.config import ServerConfig
 from worker import cli_gen
+from worker.cli_parser import build_parser
 from worker.config import TrainConfig
-
-EPILOG_TRAIN = """\
-examples:
-  # two shards and two workers by hand (four terminals):
-  psar server --bind 127.0.0.1:50051
-  psar server --bind 127.0.0.1:50052
-  psar train --arch ps --servers 127.0.0.1:50051,127.0.0.1:50052 --rank 0 --world-size 2
-  psar train --arch ps --servers 127.0.0.1:50051,127.0.0.1:50052 --rank 1 --world-size 2
-
-  # the same job under DDP (torchrun sets RANK, WORLD_SIZE, MASTER_ADDR, ...):
-  torchrun --nproc-per-node 2 $(which psar) train --arch allreduce
-"""
-
-
-def _train_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = sub.add_parser(
-        "train",
-        help="run one worker of a training job",
-        description="Train a workload under a parameter server (--arch ps) or DDP "
-        "(--arch allreduce). Every flag can also be set in a TOML file given with "
-        "--config; flags on the command line win.",
-        epilog=EPILOG_TRAIN,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("--config", metavar="FILE", help="TOML file with the same keys as the flags")
-    p.add_argument(
-        "--dry-run",
-        action="store_true",
-        help="validate flags and environment, print the resolved config as JSON, start nothing",
-    )
-    cli_gen.add_flags(p, TrainConfig)
-    return p
-
-
-def _server_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = sub.add_parser(
-        "server",
-        help="run one parameter-server shard",
-        description="A parameter-server shard. It is model-agnostic: the worker of rank 0 "
-        "tells it its tensors, optimizer, consistency mode and number of workers.",
-    )
-    p.add_argument("--config", metavar="FILE", help="TOML file with the same keys as the flags")
-    p.add_argument("--dry-run", action="store_true", help="validate flags, start nothing")
-    cli_gen.add_flags(p, ServerConfig)
-    return p
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="psar",
-        description="Train the same PyTorch model under a parameter server or ring-allreduce.",
-    )
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    _server_parser(sub)
-    _train_parser(sub)
-    sub.add_parser("plan", help="predict per-step communication and memory", add_help=False)
-    sub.add_parser("report", help="plots and a markdown table from a --run-dir", add_help=False)
-    sub.add_parser("launch", help="start shards and workers on this machine", add_help=False)
-    sub.add_parser("compare", help="one workload under every architecture", add_help=False)
-    return parser
 
 
 def _run_server(args: argparse.Namespace) -> int:
-    from ps.server import serve
+    from ps.server.serve import serve
 
     cfg = cli_gen.build(ServerConfig, args, args.config)
     if args.dry_run:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from worker.optim import LossScaleConfig, OptimizerConfig
+from trainkit.optim import LossScaleConfig, OptimizerConfig
 
 ARCHS = ("ps", "allreduce")
 
@@ -89,7 +89,7 @@ class PSConfig:
             raise ValueError(f"--staleness must be >= 0, got {self.staleness}")
         if not self.chunk_mib > 0:
             raise ValueError(f"--chunk-mib must be > 0, got {self.chunk_mib}")
-        from ps.client_dataplane import check_data_plane
+        from ps.client.dataplane_calls import check_data_plane
 
         check_data_plane(self.data_plane, bool(self.tls_ca or self.tls_cert or self.tls_key))
         if self.overlap_trial < 0:
@@ -100,7 +100,7 @@ class PSConfig:
             raise ValueError(f"--bucket-mib must be > 0, got {self.bucket_mib}")
         if not (self.timeout_s > 0 and self.pull_timeout_s > 0):
             raise ValueError("--timeout-s and --pull-timeout-s must be > 0")
-        from ps.sparse_table import OPTIMIZERS
+        from ps.sparse_spec import OPTIMIZERS
 
         if self.sparse_optimizer not in OPTIMIZERS:
             raise ValueError(

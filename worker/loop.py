@@ -19,13 +19,13 @@ from typing import Any
 
 import torch
 
+from trainkit.nullmetrics import NullMetrics
+from trainkit.roles import resolve_local_rank, resolve_rank, resolve_world_size
 from worker.backend import Backend, StepOutcome
 from worker.config import TrainConfig
 from worker.data import ShardedBatches, evaluate
-from worker.nullmetrics import NullMetrics
 from worker.precision import pick_device, resolve
 from worker.progress import Progress
-from worker.roles import resolve_local_rank, resolve_rank, resolve_world_size
 from worker.workloads import load_workload
 
 logger = logging.getLogger("psar.train")
@@ -34,7 +34,7 @@ logger = logging.getLogger("psar.train")
 def make_backend(cfg: TrainConfig, **kwargs: Any) -> Backend:
     """The backend for cfg.arch; the only place the architecture is looked at."""
     if cfg.arch == "ps":
-        from ps.backend import PSBackend
+        from ps.client.backend import PSBackend
 
         kwargs.pop("find_unused_parameters", None)
         return PSBackend(cfg, **kwargs)
@@ -46,7 +46,7 @@ def make_backend(cfg: TrainConfig, **kwargs: Any) -> Backend:
 
 def resolve_ranks(cfg: TrainConfig, env: dict[str, str]) -> tuple[int, int, int]:
     """(rank, world_size, local_rank): flags first, then the launcher's environment
-    (torchrun, Slurm, Kubernetes; see worker/roles.py)."""
+    (torchrun, Slurm, Kubernetes; see trainkit/roles.py)."""
     ps = cfg.arch == "ps"
     rank = resolve_rank(cfg.ps.rank if ps else -1, env)
     world = resolve_world_size(cfg.ps.world_size if ps else 0, env)

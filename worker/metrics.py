@@ -1,10 +1,10 @@
 """Prometheus metrics of one training worker (either architecture).
 
-Like :class:`ps.metrics.ShardMetrics`, each :class:`WorkerMetrics` owns its registry
+Like :class:`ps.server.metrics.ShardMetrics`, each :class:`WorkerMetrics` owns its registry
 (several workers run in one test process) and creates every labelled child up front,
 so the first scrape lists every series and the per-step methods stay cheap.
 
-The serving helpers live in :mod:`ps.metrics` (one implementation); they are
+The serving helpers live in :mod:`ps.server.metrics` (one implementation); they are
 re-exported here so worker code needs a single import.
 """
 
@@ -18,7 +18,7 @@ from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from ps.metrics import (
+from trainkit.prom import (
     DURATION_BUCKETS,
     OTHER,
     STALENESS_BUCKETS,
@@ -142,5 +142,5 @@ class WorkerMetrics:
         return generate_latest(self.registry)
 
     def serve(self, port: int, addr: str = "127.0.0.1") -> tuple[WSGIServer, threading.Thread]:
-        """Shortcut for :func:`ps.metrics.serve_metrics` on this instance's registry."""
+        """Shortcut for :func:`ps.server.metrics.serve_metrics` on this instance's registry."""
         return serve_metrics(self.registry, port, addr)

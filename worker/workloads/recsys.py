@@ -13,7 +13,7 @@ Generated data (seeded, vectorised), documented in docs/sparse.md:
   printed in the description) and the loss must fall towards it.
 
 Tables are ``nn.EmbeddingBag(mode="mean")`` marked for the parameter server
-(``psar_sparse_table``, ``psar_init``: see ps/sparse_worker.py). ``sparse=true`` makes
+(``psar_sparse_table``, ``psar_init``: see ps/client/sparse_worker.py). ``sparse=true`` makes
 them produce sparse gradients (DDP allreduces those sparsely with gloo); PS always
 moves only touched rows.
 """
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from ps.sparse_table import init_rows
+from ps.sparse_spec import init_rows
 from worker.workloads.base import Workload, opt_bool, opt_float, opt_int, seeded
 
 __all__ = ["RecsysModel", "make", "make_dataset", "zipf_ids"]

@@ -1,0 +1,363 @@
+"""PSBackend: the training loop's backend for the parameter-server architecture.
+
+Each step: the gradients (fp16/bf16/fp32 as --wire-dtype says) are pushed to every
+shard, then the new weights are pulled back. Pulls wait as the consistency mode
+requires (the sync round closes; the slowest SSP worker catches up). In sync mode the
+loss scale comes from the shards with every pull, so workers never drift apart.
+
+With --overlap (the default) the push streams bucket by bucket while backward runs,
+and the pull runs on in the background after step() returns: the next forward waits
+only for the layers it reaches (ps/client/overlap.py). The phases reported per step (push,
+wait, pull) are the *exposed* parts: time the training thread spent blocked on them.
+
+Faults (docs/reliability.md): the worker registers on every shard at start (a restarted
+worker continues from the shards' record of its clock), heartbeats to keep its lease,
+and re-registers when a shard asks for it (ps/client/backend_resync.py). A pull that fails
+after a forward already used part of its weights makes that step a skipped one: its
+gradient is never pushed, so no gradient of mixed weights is ever applied.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import secrets
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from ps import auth
+from ps.client.backend_overlap import OverlapMixin
+from ps.client.backend_resync import _MAX_RESYNCS, ResyncMixin
+from ps.client.psclient import ClientConfig, NeedsResync, PSClient
+from ps.headers import PullHeader
+from ps.job import Job
+from ps.partition import Slot, bytes_per_shard, plan_slots
+from trainkit.nullmetrics import NullMetrics
+from trainkit.optim import DynamicLossScale, LossScaleConfig, effective_loss_scale, with_run_length
+from worker.backend import StepOutcome
+from worker.config import TrainConfig
+from worker.precision import PrecisionPolicy
+
+log = logging.getLogger("psar.ps")
+
+
+class PSBackend(OverlapMixin, ResyncMixin):
+    arch = "ps"
+
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        precision: PrecisionPolicy,
+        *,
+        rank: int,
+        world_size: int,
+        total_steps: int,
+        metrics: Any = None,
+    ) -> None:
+        self.cfg = cfg
+        self.precision = precision
+        self.mode = cfg.ps.mode
+        self.rank, self.world_size = rank, world_size
+        self.device = precision.device
+        self.total_steps = total_steps
+        self.metrics = metrics if metrics is not None else NullMetrics()
+        self.addresses = cfg.ps.server_list()
+        self.clock = 0
+        self.bytes_pushed = 0
+        self.bytes_pulled = 0
+        ls = effective_loss_scale(cfg.loss_scale, precision.loss_scaling)
+        self._ls_cfg = ls
+        # sync: the shards own the scale; async/ssp: each worker keeps its own.
+        self._local_scale = DynamicLossScale(ls)
+        self.loss_scale = self._local_scale.scale
+        self._skipped_seen = 0
+        self.instance = secrets.token_hex(8)
+        self.start_step = 0
+        """Steps already done by an earlier process of this worker (the loop resumes)."""
+        self.restores = 0
+        self.rolled_back_updates = 0
+        self.resyncs = 0
+        self.rejoined = False
+
+    # ---- setup ----------------------------------------------------------------------
+
+    def setup(self, model: torch.nn.Module) -> torch.nn.Module:
+        model.to(self.device)
+        if self.precision.weights != torch.float32:
+            model.to(self.precision.weights)
+        self.model = model
+        from ps.client.sparse_worker import SparseSide  # sparse tables: docs/sparse.md
+
+        self.sparse = SparseSide(self, model)
+        params = [
+            (n, p)
+            for n, p in model.named_parameters()
+            if p.requires_grad and p.is_floating_point() and n not in self.sparse.names
+        ]
+        self.params = dict(params)
+        chunk = int(self.cfg.ps.chunk_mib * (1 << 20))
+        self.slots: list[Slot] = plan_slots(
+            [(n, p.numel()) for n, p in params], len(self.addresses), chunk_bytes=chunk
+        )
+        jobs = self._jobs()
+        ps = self.cfg.ps
+        self.client = PSClient(
+            self.addresses,
+            worker=self.rank,
+            cfg=ClientConfig(
+                timeout_s=ps.timeout_s,
+                pull_timeout_s=ps.pull_timeout_s,
+                retry_timeout_s=ps.reconnect_timeout_s,
+                tls_ca=ps.tls_ca,
+                tls_cert=ps.tls_cert,
+                tls_key=ps.tls_key,
+                tls_server_name=ps.tls_server_name,
+                auth_token=auth.read_token(ps.auth_token_file) if ps.auth_token_file else "",
+                data_plane=ps.data_plane,
+            ),
+        )
+        self.client.set_slots(self.slots)
+        if self.sparse:
+            self.sparse.setup()  # before the dense init: a served job implies its tables
+        if self.rank == 0:
+            values = {s.key: self._view(s).detach().float() for s in self.slots}
+            self.client.init(jobs, values)
+            per = bytes_per_shard(self.slots, len(self.addresses))
+            log.info(
+                "bytes per shard: %s",
+                ", ".join(f"{i}: {b / 2**20:.2f} MiB" for i, b in enumerate(per)),
+            )
+        got = self.client.get_jobs(wait=True, timeout_s=self.cfg.ps.pull_timeout_s)
+        for i, (want, have) in enumerate(zip(jobs, got, strict=True)):
+            if have is None:
+                raise RuntimeError(
+                    f"shard {i} ({self.addresses[i]}) was not initialised within "
+                    f"{self.cfg.ps.pull_timeout_s}s; is the worker of rank 0 running?"
+                )
+            if have != want:
+                raise RuntimeError(
+                    f"shard {i} ({self.addresses[i]}) serves a different job (mode {have.mode}, "
+                    f"{have.num_workers} workers, {len(have.slots)} slots, id {have.job_id!r}); "
+                    "check --servers order, --mode, --world-size and the model on every worker"
+                )
+        wire = self.precision.wire
+        pinned = self.device.type == "cuda"
+        self._send = {
+            s.key: torch.empty(s.numel, dtype=wire, pin_memory=pinned) for s in self.slots
+        }
+        # On CPU, pulled bytes land straight in the parameters; on CUDA they land in
+        # pinned host buffers and are copied to the device in one go.
+        if pinned:
+            self._recv = {
+                s.key: torch.empty(s.numel, dtype=self.precision.weights, pin_memory=True)
+                for s in self.slots
+            }
+        else:
+            self._recv = {s.key: self._view(s) for s in self.slots}
+        self.versions = [0] * len(self.addresses)
+        self._seen_versions = [0] * len(self.addresses)
+        self._known_restores: list[int] | None = None
+        self._pushed: int | None = None
+        self._push_args: dict[str, Any] = {}
+        self._setup_overlap(model)
+        self._resync(fresh=True)
+        self.start_step = self.clock
+        self.client.start_heartbeats()
+        self._pull_resyncing()
+        self.buckets.begin_step()
+        return model
+
+    def _jobs(self) -> list[Job]:
+        opt = with_run_length(self.cfg.optimizer, self.total_steps)
+        return [
+            Job(
+                mode=self.mode,
+                staleness=self.cfg.ps.staleness,
+                num_workers=self.world_size,
+                optimizer=opt,
+                loss_scale=self._ls_cfg if self.mode == "sync" else LossScaleConfig(),
+                shard_index=i,
+                num_shards=len(self.addresses),
+                slots=[s for s in self.slots if s.shard == i],
+                job_id=self.cfg.ps.job_id,
+            )
+            for i in range(len(self.addresses))
+        ]
+
+    def _view(self, s: Slot) -> torch.Tensor:
+        p = self.params[s.param]
+        if not p.is_contiguous():
+            raise ValueError(f"parameter {s.param} is not contiguous; call .contiguous() on it")
+        return p.data.view(-1)[s.start : s.start + s.numel]
+
+    # ---- the step -------------------------------------------------------------------
+
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        return self._accumulating()  # nothing travels until the last micro-batch
+
+    @contextlib.contextmanager
+    def _accumulating(self) -> Iterator[None]:
+        self.buckets.accumulating = True
+        try:
+            yield
+        finally:
+            self.buckets.accumulating = False
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.loss_scale if self.loss_scale != 1.0 else loss
+
+    def step(self) -> StepOutcome:
+        t0 = time.perf_counter()
+        fwd_wait = self.gate.take_waited()
+        if self._push_future is None:
+            self._start_push()  # no hook fired (overlap off, or no gradient at all)
+        finite = self.buckets.finish()
+        if self._poisoned:
+            # A background pull failed after this step's forward had used part of its
+            # weights: the gradient is of mixed weights. It is not pushed; the clock
+            # stays, so the next step fills the same round.
+            self._poisoned = False
+            self.buckets.begin_step()
+            return StepOutcome(skipped=True, loss_scale=self.loss_scale, staleness=0)
+        future, self._push_future = self._push_future, None
+        self._push_args = {
+            "dtype": self.precision.wire,
+            "loss_scale": self.loss_scale,
+            "overflow": not finite,
+        }
+        self._pushed = None
+        replies = None
+        for attempt in range(_MAX_RESYNCS):
+            try:
+                if attempt == 0:
+                    assert future is not None
+                    replies = future.result()
+                else:
+                    replies = self.client.push(
+                        clock=self.clock + 1,
+                        base_versions=self.versions,
+                        grads=self._send,
+                        retry=True,
+                        **self._push_args,
+                    )
+                break
+            except NeedsResync as e:
+                before = self.clock
+                self._resync(fresh=False, cause=e)
+                if self.mode == "sync" and self.clock != before:
+                    # The round this gradient was for is gone (rollback, or the others
+                    # moved on without us): drop it and continue from the new weights.
+                    self._pull_resyncing()
+                    self._sync_scale()
+                    self.buckets.begin_step()
+                    return StepOutcome(skipped=True, loss_scale=self.loss_scale, staleness=0)
+        if replies is None:
+            raise RuntimeError(f"worker {self.rank}: could not resync with the shards")
+        self.clock += 1
+        self._pushed = self.clock
+        for i, r in enumerate(replies):
+            self._seen_versions[i] = max(self._seen_versions[i], r.version)
+        if finite:
+            self.bytes_pushed += sum(b.numel() * b.element_size() for b in self._send.values())
+        t1 = time.perf_counter()
+        self._tune_overlap(t1)  # the push has ended: pick the arm of what follows
+        if self.overlap_pull and self._arm[1] and self.clock < self.total_steps:
+            wait = self._pull_in_background()
+        else:
+            wait = self._pull_resyncing()  # the last step: everything lands before eval/save
+        t2 = time.perf_counter()
+        staleness = max(int(r.staleness) for r in replies)
+        if self.mode == "sync":
+            skipped = self._headers[0].skipped_rounds > self._skipped_seen
+            self._sync_scale()
+        else:
+            skipped = not finite
+            self._local_scale.update(overflow=skipped)
+            self.loss_scale = self._local_scale.scale
+        self.buckets.begin_step()
+        return StepOutcome(
+            skipped=skipped,
+            loss_scale=self.loss_scale,
+            staleness=staleness,
+            phases={
+                "push": t1 - t0,
+                "wait": wait,
+                "pull": max(0.0, t2 - t1 - wait) + fwd_wait,
+            },
+        )
+
+    def _sync_scale(self) -> None:
+        self._skipped_seen = self._headers[0].skipped_rounds
+        self.loss_scale = self._headers[0].loss_scale
+
+    def _pull_resyncing(self) -> float:
+        """_pull, re-registering first whenever a shard asks for it."""
+        for _ in range(_MAX_RESYNCS):
+            try:
+                return self._pull()
+            except NeedsResync as e:
+                self._resync(fresh=False, cause=e, pushed=self._pushed)
+        raise RuntimeError(f"worker {self.rank}: could not resync with the shards")
+
+    def _pull(self) -> float:
+        """Pull the newest weights this worker may see; returns seconds spent waiting."""
+        self._await_pull()
+        dtype = self.precision.weights
+        headers = self.client.pull(clock=self.clock, dtype=dtype, out=self._recv)
+        self._took_headers(headers)
+        if self.device.type == "cuda":
+            for s in self.slots:
+                self._view(s).copy_(self._recv[s.key], non_blocking=True)
+        self.gate.complete()
+        # The shards answer only once the round/bound allows: time to the first reply
+        # message is the wait; the rest of the pull is the transfer.
+        return self.client.last_pull_wait_s
+
+    def _took_headers(self, headers: list[PullHeader]) -> None:
+        dtype = self.precision.weights
+        self._headers = headers
+        self.versions = [h.version for h in self._headers]
+        self._seen_versions = [
+            max(a, b) for a, b in zip(self._seen_versions, self.versions, strict=True)
+        ]
+        self.bytes_pulled += sum(s.numel for s in self.slots) * dtype.itemsize
+        if self.mode == "sync":
+            self.loss_scale = self._headers[0].loss_scale
+
+    def state_dict(self) -> dict[str, Any]:
+        self._await_pull()
+        state = self.model.state_dict()
+        if self.sparse:  # the worker holds no tables: fetch them from the shards
+            state = self.sparse.fill_state(state)
+        if self.precision.weights == torch.float32:
+            return state
+        # Low-precision worker weights: fetch the fp32 masters for the saved copy.
+        full = {s.key: torch.empty(s.numel) for s in self.slots}
+        self.client.pull(clock=self.clock, dtype=torch.float32, out=full)
+        out = {k: (v.float() if v.is_floating_point() else v) for k, v in state.items()}
+        for s in self.slots:
+            out[s.param].view(-1)[s.start : s.start + s.numel].copy_(full[s.key])
+        return out
+
+    def report_extras(self) -> dict[str, Any]:
+        """For the run's report (Backend protocol): fault figures and the overlap run."""
+        return {**self.fault_report(), **self.overlap_report()}
+
+    def shard_stats(self) -> list[dict[str, Any]]:
+        return self.client.stats()
+
+    def abort(self) -> None:
+        self.buckets.abort()  # push streams end without a verdict: the shards refuse them
+        self.client.close()  # in-flight pulls and pushes end (cancelled)
+
+    def finish(self) -> None:
+        self._await_pull()
+        self.buckets.detach()
+        self.gate.detach()
+        self._push_pool.shutdown(wait=False)
+        self._pull_pool.shutdown(wait=False)
+        self.client.leave()
+        self.client.close()

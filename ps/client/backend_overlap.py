@@ -1,0 +1,186 @@
+"""PSBackend's overlap of communication with compute (ps/client/overlap.py does the pieces).
+
+A mixin so ps/client/backend.py keeps to the step itself: the push opens from the first full
+gradient bucket during backward; the pull runs on in the background after step()
+returns, and the next forward waits only for the layers it reaches.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from ps.client.errors import NeedsResync
+from ps.client.overlap import PullGate, PushBuckets
+from ps.client.overlap_tuner import ARM_NAMES, Arm, OverlapTuner
+from ps.headers import PullHeader
+
+log = logging.getLogger("psar.ps")
+
+
+class OverlapMixin:
+    """Needs PSBackend's client, params, slots, _send, _recv, versions, clock, ..."""
+
+    cfg: Any
+    client: Any
+    sparse: Any
+    params: dict[str, torch.Tensor]
+    clock: int
+    rank: int
+
+    def _setup_overlap(self, model: torch.nn.Module) -> None:
+        ps = self.cfg.ps
+        # Sparse row pushes must precede the dense push of their clock, so with sparse
+        # tables the dense push starts after backward (ps/client/sparse_worker.py).
+        self.overlap = ps.client.overlap and not self.sparse
+        self.buckets = PushBuckets(
+            self.params,
+            self.slots,
+            self._send,
+            num_shards=len(self.addresses),
+            bucket_bytes=int(ps.bucket_mib * (1 << 20)),
+            on_first_bucket=self._first_bucket if self.overlap else lambda: None,
+        )
+        if self.sparse:
+            self.buckets.decide = lambda finite: self.sparse.push(
+                self.clock + 1, finite, self.loss_scale
+            )
+        # On CUDA pulled bytes land in pinned buffers and are copied over at once.
+        self.gate = PullGate(self.slots)
+        self.gate.on_failure = self._recover_pull
+        self.overlap_pull = self.overlap and ps.pull_overlap and self.device.type == "cpu"
+        # The trial's arms: what is configured first, then the cheaper ones.
+        arms: list[Arm] = [(True, True)] if self.overlap_pull else []
+        arms += [(True, False), (False, False)] if self.overlap else [(False, False)]
+        self.tuner = OverlapTuner(self.total_steps, ps.overlap_trial, arms)
+        self._step_index = 0
+        self._step_started: float | None = None
+        self._arm: Arm = arms[0]
+        if self.overlap:
+            self.buckets.attach()
+        if self.overlap_pull:
+            self.gate.attach(model, self.params)
+        self._push_pool = ThreadPoolExecutor(1, thread_name_prefix="psar-push")
+        self._pull_pool = ThreadPoolExecutor(1, thread_name_prefix="psar-pull")
+        self._push_future: Future | None = None
+        self._pull_future: Future | None = None
+        self._poisoned = False
+
+    def _tune_overlap(self, now: float) -> None:
+        """This step's push has ended: time the interval since the last one ended and
+        pick the arm of this step's pull and the next step's push (ps/client/overlap_tuner.py)."""
+        t = self.tuner
+        if self._step_started is not None and t.record(
+            self._step_index - 1, self._arm, now - self._step_started
+        ):
+            (log.info if self.rank == 0 else log.debug)("worker %d: %s", self.rank, t.summary())
+        self._step_started = now
+        self._arm = t.arm(self._step_index)
+        self._step_index += 1
+
+    def overlap_report(self) -> dict[str, Any]:
+        """For the run's report: the overlap that ran, and the trial's figures."""
+        t = self.tuner
+        push, pull = t.decision if t.decision is not None else t.arms[0]
+        out: dict[str, Any] = {"overlap": {"push": push, "pull": pull}}
+        if t.decision is not None:
+            out["overlap_trial_ms"] = {ARM_NAMES[a]: 1e3 * t.median_s(a) for a in t.arms}
+        return out
+
+    def _first_bucket(self) -> None:
+        """Backward filled its first bucket: stream now, unless this step's arm pushes
+        after backward (the buckets wait in their queues for step())."""
+        if self._arm[0]:
+            self._start_push()
+
+    def _start_push(self) -> None:
+        """Open this step's push streams (from the first full bucket, during backward;
+        else from step()). Once per step."""
+        if self._push_future is not None:
+            return
+        self._await_pull()  # the previous pull has landed everywhere (normally long ago)
+        if self._poisoned:
+            return  # this step's gradient is never sent (see step())
+        self._push_future = self._push_pool.submit(
+            self.client.push,
+            clock=self.clock + 1,
+            base_versions=list(self.versions),
+            dtype=self.precision.wire,
+            loss_scale=self.loss_scale,
+            items=self.buckets.items,
+        )
+
+    def _pull_in_background(self) -> float:
+        """Start the pull and return once every shard's header is in (the round closed;
+        the data follows while the next forward runs); returns the seconds waited."""
+        n = len(self.addresses)
+        headers: list[PullHeader | None] = [None] * n
+        waits = [0.0] * n
+        arrived = threading.Event()
+        t0 = time.perf_counter()
+
+        def on_header(i: int, h: PullHeader) -> None:
+            headers[i], waits[i] = h, time.perf_counter() - t0
+            if all(x is not None for x in headers):
+                arrived.set()
+
+        def ended(f: Future) -> None:
+            if f.exception() is None:
+                self.gate.complete()
+            else:
+                self.gate.fail()
+            arrived.set()
+
+        self.gate.begin()
+        fut = self._pull_pool.submit(
+            self.client.pull,
+            clock=self.clock,
+            dtype=self.precision.weights,
+            out=self._recv,
+            on_header=on_header,
+            on_piece=self.gate.landed,
+        )
+        fut.add_done_callback(ended)
+        arrived.wait()
+        if fut.done() and fut.exception() is not None:
+            err = fut.exception()
+            if not isinstance(err, NeedsResync):
+                raise err
+            # Nothing ran on these weights yet: resync and pull again, in full.
+            self._resync(fresh=False, cause=err, pushed=self._pushed)
+            wait = self._pull_resyncing()
+            self.gate.recovered()
+            return wait
+        self._pull_future = fut
+        self._took_headers([h for h in headers if h is not None])
+        return max(waits)
+
+    def _await_pull(self) -> None:
+        """Wait until the pull in flight (if any) has landed in full."""
+        fut = self._pull_future
+        if fut is not None:
+            fut.exception()  # waits
+            self._recover_pull()
+
+    def _recover_pull(self) -> None:
+        """The background pull ended; if it failed, pull again in full (resyncing as the
+        shards ask). If a forward already ran on part of its weights, this step's
+        gradient is of mixed weights: it is not pushed (step() skips it)."""
+        fut, self._pull_future = self._pull_future, None
+        if fut is None:
+            return
+        err = fut.exception()
+        if err is None:
+            return
+        if not isinstance(err, NeedsResync):
+            raise err
+        self._poisoned = self._poisoned or self.gate.consumed
+        log.warning("worker %d: pull failed mid-transfer (%s); pulling again", self.rank, err)
+        self._resync(fresh=False, cause=err, pushed=self._pushed)
+        self._pull_resyncing()
+        self.gate.recovered()

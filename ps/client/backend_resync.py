@@ -1,0 +1,143 @@
+"""PSBackend's fault handling: re-registering with the shards (docs/reliability.md).
+
+A mixin so ps/client/backend.py keeps to the step itself. When a shard says it was restored
+or rolled back, or that the worker's lease expired, the worker re-registers
+(`_resync`); in sync mode it first rolls every shard back to the same checkpointed
+round, so the job stays consistent.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from ps.client.errors import NeedsResync
+
+log = logging.getLogger("psar.ps")
+_MAX_RESYNCS = 50
+
+
+class ResyncMixin:
+    """Needs: client, mode, rank, clock, versions, addresses, _send, _push_args,
+    _known_restores, _seen_versions, restores, rolled_back_updates, resyncs, rejoined,
+    instance (set by PSBackend)."""
+
+    client: Any
+    mode: str
+    rank: int
+    clock: int
+
+    def _resync(
+        self, *, fresh: bool, cause: Exception | None = None, pushed: int | None = None
+    ) -> None:
+        """(Re-)register on every shard and agree on this worker's clock.
+
+        sync: if a shard was restored (or rolled back) to an earlier round, every shard
+        further on is rolled back to a checkpoint at or before it, until all agree;
+        then the worker joins at the next round boundary. async/ssp: the worker keeps
+        its clock (a fresh process takes the shards' record of it).
+
+        `pushed` (sync): the clock of the gradient still in the send buffers, pushed
+        but not yet pulled back. A restored shard whose open round is that one lost the
+        push with its crash: the worker joins that open round and pushes it again.
+        """
+        if cause is not None:
+            log.warning("worker %d: %s; re-registering", self.rank, cause)
+            self.resyncs += 1
+        old_inc, old_clock = list(self.client.incarnations), self.clock
+        for _ in range(_MAX_RESYNCS):
+            q = self.client.register(query=True)
+            if self.mode == "sync":
+                flagged = [r["rounds"] for r in q if r["restored"]]
+                ahead = [r["shard"] for r in q if flagged and r["rounds"] > min(flagged)]
+                if ahead:
+                    for i in ahead:
+                        self.client.rollback(i, min(flagged))
+                    continue
+                clock = max([r["rounds"] for r in q] + [r["clock"] for r in q])
+            else:
+                clock = max(r["clock"] for r in q) if fresh else self.clock
+            lost = []
+            if self.mode == "sync" and pushed is not None and pushed == clock:
+                lost = [r["shard"] for r in q if r["clock"] < clock and r["rounds"] == clock - 1]
+            try:
+                regs = self._register(clock, lost)
+                if lost:
+                    self.client.push(
+                        clock=clock,
+                        base_versions=[r["version"] for r in q],
+                        grads=self._send,
+                        retry=True,
+                        shards=lost,
+                        **self._push_args,
+                    )
+            except NeedsResync as e:  # too late (the round closed meanwhile) or restored
+                log.info("worker %d: register: %s; again", self.rank, e)
+                continue
+            break
+        else:
+            raise RuntimeError(f"worker {self.rank}: could not register with the shards")
+        self.clock = clock
+        self.rejoined = self.rejoined or any(r["rejoined"] for r in regs)
+        self._count_restores(regs, old_inc, old_clock, fresh)
+        self.versions = [min(v, r["version"]) for v, r in zip(self.versions, regs, strict=True)]
+
+    def _register(self, clock: int, rejoin_open: list[int]) -> list[dict[str, Any]]:
+        """Register at `clock` everywhere, except on the shards in `rejoin_open`, where
+        the worker joins the open round (clock - 1) to push it again."""
+        if not rejoin_open:
+            return self.client.register(clock=clock, instance=self.instance)
+        rest = [i for i in range(len(self.addresses)) if i not in rejoin_open]
+        got = dict(
+            zip(
+                rejoin_open,
+                self.client.register(clock=clock - 1, instance=self.instance, shards=rejoin_open),
+                strict=True,
+            )
+        )
+        if rest:
+            regs = self.client.register(clock=clock, instance=self.instance, shards=rest)
+            got.update(zip(rest, regs, strict=True))
+        log.warning("worker %d: re-pushing round %d to shards %s", self.rank, clock, rejoin_open)
+        return [got[i] for i in range(len(self.addresses))]
+
+    def _count_restores(
+        self, regs: list[dict[str, Any]], old_inc: list[int], old_clock: int, fresh: bool
+    ) -> None:
+        """Count a restore/rollback and the updates it undid, as this worker saw them:
+        sync: the rounds of this worker's clock that were undone (its pushed round
+        included); async/ssp: the newest version it had seen minus the restored one."""
+        known = self._known_restores
+        self._known_restores = [r["restores"] for r in regs]
+        if fresh or known is None:
+            return
+        if any(r["restores"] > k for r, k in zip(regs, known, strict=True)):
+            if self.mode == "sync":
+                lost = max(0, old_clock - self.clock)
+            else:
+                lost = max(
+                    (
+                        max(0, seen - r["version"])
+                        for seen, r, inc in zip(self._seen_versions, regs, old_inc, strict=True)
+                        if r["incarnation"] != inc
+                    ),
+                    default=0,
+                )
+            self.restores += 1
+            self.rolled_back_updates += lost
+            log.warning("worker %d: shards restored; %d updates rolled back", self.rank, lost)
+        self._seen_versions = [r["version"] for r in regs]
+
+    def fault_report(self) -> dict[str, Any]:
+        """Fault-tolerance figures for the run's report."""
+        return {
+            "start_step": self.start_step,
+            "restores": self.restores,
+            "rolled_back_updates": self.rolled_back_updates,
+            "resyncs": self.resyncs,
+            "rejoined": self.rejoined,
+            **(self.sparse.report() if self.sparse else {}),
+        }
+
+    def comm_bytes(self) -> dict[str, int]:
+        return {"bytes_pushed": self.bytes_pushed, "bytes_pulled": self.bytes_pulled}

@@ -1,0 +1,141 @@
+"""PSClient's membership calls: Register, Rollback, Heartbeat (docs/reliability.md).
+
+A mixin of ps.client.psclient.PSClient, which provides the stubs, `_retrying`, `_each`,
+`incarnations`, `lease_s` and the heartbeat thread's stop event.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import grpc
+
+from ps._gen.psar.v1 import ps_pb2 as pb
+
+log = logging.getLogger("psar.client")
+
+
+class MembershipCalls:
+    """Register (and query), Rollback and Heartbeat on the shards."""
+
+    _stubs: list[Any]
+    _beat: threading.Thread | None
+    _beat_stop: threading.Event
+    incarnations: list[int]
+    lease_s: float
+    worker: int
+
+    def register(
+        self,
+        *,
+        clock: int = 0,
+        query: bool = False,
+        instance: str = "",
+        shards: Sequence[int] | None = None,
+    ) -> list[dict[str, Any]]:
+        """Register (or with query, only read the record) on every shard or `shards`.
+        Each reply's incarnation becomes the one this client's requests carry."""
+
+        def one(i: int) -> dict[str, Any]:
+            req = pb.RegisterRequest(
+                worker=self.worker, clock=clock, query=query, instance=instance
+            )
+            r = self._retrying(
+                i, lambda _r: self._stubs[i].Register(req, timeout=self.cfg.timeout_s)
+            )
+            self.incarnations[i] = r.incarnation
+            self.lease_s = max(self.lease_s, r.lease_s)
+            return {
+                "shard": i,
+                "incarnation": r.incarnation,
+                "clock": r.clock,
+                "version": r.version,
+                "rounds": r.rounds,
+                "live": r.live,
+                "rejoined": r.rejoined,
+                "lease_s": r.lease_s,
+                "restored": r.restored,
+                "restores": r.restores,
+            }
+
+        return self._each(one, shards)
+
+    def rollback(self, shard: int, max_round: int) -> dict[str, Any]:
+        """sync: roll `shard` back to its newest checkpoint at a round <= max_round."""
+        r = self._retrying(
+            shard,
+            lambda _r: self._stubs[shard].Rollback(
+                pb.RollbackRequest(max_round=max_round), timeout=self.cfg.timeout_s
+            ),
+        )
+        return {
+            "rounds": r.rounds,
+            "version": r.version,
+            "incarnation": r.incarnation,
+            "rolled_back": r.rolled_back,
+        }
+
+    def heartbeat(self) -> list[bool | None]:
+        """One heartbeat to every shard: live or not (None where it failed)."""
+        out: list[bool | None] = []
+        for i, stub in enumerate(self._stubs):
+            try:
+                timeout = max(0.5, self.lease_s / 3) if self.lease_s else 5.0
+                r = stub.Heartbeat(pb.HeartbeatRequest(worker=self.worker), timeout=timeout)
+                out.append(r.live)
+            except grpc.RpcError as e:
+                log.debug("heartbeat to shard %d failed: %s", i, e)
+                out.append(None)
+        return out
+
+    def start_heartbeats(self, lease_s: float | None = None) -> None:
+        """Heartbeat every lease_s / 3 from a daemon thread until close()."""
+        lease = lease_s or self.lease_s
+        if self._beat is not None or not lease:
+            return
+        period = lease / 3
+
+        def run() -> None:
+            while not self._beat_stop.wait(period):
+                self.heartbeat()
+
+        self._beat = threading.Thread(target=run, name="psar-heartbeat", daemon=True)
+        self._beat.start()
+
+    def stats(self) -> list[dict[str, Any]]:
+        """Each shard's counters (version, rounds, clocks, staleness histogram, digest)."""
+
+        def one(i: int) -> dict[str, Any]:
+            r = self._retrying(
+                i, lambda _r: self._stubs[i].Stats(pb.StatsRequest(), timeout=self.cfg.timeout_s)
+            )
+            return {
+                "version": r.version,
+                "rounds": r.rounds,
+                "updates_applied": r.updates_applied,
+                "skipped_rounds": r.skipped_rounds,
+                "dropped_nonfinite": r.dropped_nonfinite,
+                "live_workers": r.live_workers,
+                "loss_scale": r.loss_scale,
+                "worker_clocks": list(r.worker_clocks),
+                "max_clock_gap": r.max_clock_gap,
+                "staleness_histogram": list(r.staleness_histogram),
+                "master_bytes": r.master_bytes,
+                "state_digest": r.state_digest,
+                "incarnation": r.incarnation,
+                "restores": r.restores,
+                "restored_step": r.restored_step,
+                "lease_expirations": r.lease_expirations,
+                "rejoins": r.rejoins,
+                "checkpoints_written": r.checkpoints_written,
+                "last_checkpoint_step": r.last_checkpoint_step,
+                "live_worker_ids": list(r.live_worker_ids),
+                "draining": r.draining,
+                "chunks_applied_early": r.chunks_applied_early,
+                "chunk_undos": r.chunk_undos,
+            }
+
+        return self._each(one)

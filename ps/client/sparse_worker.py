@@ -1,0 +1,202 @@
+"""The worker's side of sparse tables under the parameter server (docs/sparse.md).
+
+A sparse table is an ``nn.Embedding`` / ``nn.EmbeddingBag`` marked
+``psar_sparse_table = True`` with ``psar_init = (std, seed)`` (the recipe of
+ps/sparse_table.init_rows, so shards build their rows themselves). Such a table is
+left out of the dense slot plan, and the worker does not keep it: after setup the
+module's weight is an empty (0, dim) tensor. Each forward, a pre-hook
+
+1. deduplicates the batch's ids (``torch.unique``),
+2. pulls only those rows from the shards holding them (row r on shard r % S),
+3. installs them as the module's weight (a row cache) and remaps the ids to it.
+
+At ``step()`` the row gradients (summed over micro-batches) are pushed, in the wire
+dtype (fp16 by default), before the dense push of the same clock.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from typing import Any
+
+import torch
+from torch import nn
+
+from ps import wire
+from ps.client import sparse_client
+from ps.sparse_spec import TableSpec
+
+log = logging.getLogger("psar.sparse")
+
+
+def sparse_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """{parameter name of the weight: module} for every table marked for the PS."""
+    found = {}
+    for name, mod in model.named_modules():
+        if isinstance(mod, (nn.Embedding, nn.EmbeddingBag)) and getattr(
+            mod, "psar_sparse_table", False
+        ):
+            if getattr(mod, "padding_idx", None) is not None or mod.max_norm is not None:
+                raise ValueError(f"sparse table {name}: padding_idx / max_norm not supported")
+            if getattr(mod, "psar_init", None) is None:
+                raise ValueError(f"sparse table {name}: set psar_init = (std, seed)")
+            found[f"{name}.weight" if name else "weight"] = mod
+    return found
+
+
+class SparseSide:
+    """Row caches, pulls and pushes of every sparse table of one PS worker."""
+
+    def __init__(self, backend: Any, model: nn.Module) -> None:
+        self.b = backend
+        self.mods = sparse_modules(model)
+        self.names = set(self.mods)
+        ps = backend.cfg.ps
+        opt = backend.cfg.optimizer
+        self.wire = wire.dtype_from_name(ps.sparse_wire_dtype)
+        s = len(backend.addresses)
+        self.specs = {
+            name: TableSpec(
+                name=name,
+                rows=m.weight.shape[0],
+                dim=m.weight.shape[1],
+                optimizer=ps.sparse_optimizer,
+                lr=ps.sparse_lr or opt.lr,
+                eps=ps.sparse_eps,
+                beta1=opt.beta1,
+                beta2=opt.beta2,
+                init_std=float(m.psar_init[0]),
+                init_seed=int(m.psar_init[1]),
+                num_shards=s,
+            )
+            for name, m in self.mods.items()
+        }
+        self.state: dict[str, dict[str, Any]] = {}
+        self.staleness: dict[str, Counter[int]] = {n: Counter() for n in self.mods}
+        self.max_cached_rows: Counter[str] = Counter()
+        self.bytes_pulled = 0
+        self.bytes_pushed = 0
+
+    def __bool__(self) -> bool:
+        return bool(self.mods)
+
+    def setup(self) -> None:
+        """Create the tables on every shard, drop the local copies, install the hooks."""
+        n = len(self.b.addresses)
+        per_shard = [
+            [TableSpec(**{**vars(sp), "shard_index": i}) for sp in self.specs.values()]
+            for i in range(n)
+        ]
+        held = sparse_client.create_tables(self.b.client, per_shard)
+        log.info("sparse tables: %s; bytes per shard %s", sorted(self.specs), held)
+        for name, mod in self.mods.items():
+            dim = self.specs[name].dim
+            w = mod.weight
+            mod.weight = nn.Parameter(torch.empty(0, dim, dtype=w.dtype, device=w.device))
+            self.state[name] = {"ids": None, "acc": [], "versions": [0] * n}
+            mod.register_forward_pre_hook(self._hook(name))
+
+    def _hook(self, name: str) -> Any:
+        def hook(mod: nn.Module, args: tuple) -> tuple:
+            ids, rest = args[0], args[1:]
+            st = self.state[name]
+            self._stash(name)
+            uniq, inv = torch.unique(ids.detach().cpu().reshape(-1), return_inverse=True)
+            spec = self.specs[name]
+            w = mod.weight
+            rows, versions, nbytes = sparse_client.pull_rows(
+                self.b.client, name, uniq, spec.dim, self.b.precision.weights, w.dtype
+            )
+            self.bytes_pulled += nbytes
+            self.b.bytes_pulled += nbytes
+            if st["ids"] is None:
+                st["versions"] = versions
+            mod.weight = nn.Parameter(rows.to(w.device), requires_grad=w.requires_grad)
+            st["ids"] = uniq
+            self.max_cached_rows[name] = max(self.max_cached_rows[name], uniq.numel())
+            return (inv.reshape(ids.shape).to(ids.device), *rest)
+
+        return hook
+
+    def _stash(self, name: str) -> None:
+        """Keep the current micro-batch's row gradients (a later forward replaces rows)."""
+        st = self.state[name]
+        g = self.mods[name].weight.grad
+        if st["ids"] is not None and g is not None:
+            g = g.coalesce().to_dense() if g.is_sparse else g
+            st["acc"].append((st["ids"], g.detach().float().cpu()))
+        self.mods[name].weight.grad = None
+
+    def push(self, clock: int, finite: bool, loss_scale: float) -> bool:
+        """Push every table's row gradients for `clock`; returns whether they were finite."""
+        grads = {}
+        for name in self.mods:
+            self._stash(name)
+            acc = self.state[name]["acc"]
+            dim = self.specs[name].dim
+            if acc:
+                ids = torch.cat([a[0] for a in acc])
+                uniq, inv = torch.unique(ids, return_inverse=True)
+                g = torch.zeros(uniq.numel(), dim).index_add_(
+                    0, inv, torch.cat([a[1] for a in acc])
+                )
+            else:
+                uniq, g = torch.empty(0, dtype=torch.int64), torch.empty(0, dim)
+            grads[name] = (uniq, g)
+            finite = finite and bool(torch.isfinite(g.to(self.wire)).all())  # as sent
+        for name, (uniq, g) in grads.items():
+            st = self.state[name]
+            replies, nbytes = sparse_client.push_rows(
+                self.b.client,
+                table=name,
+                clock=clock,
+                ids=uniq,
+                grads=g,
+                dtype=self.wire,
+                base_versions=st["versions"],
+                loss_scale=loss_scale,
+                overflow=not finite,
+            )
+            self.bytes_pushed += nbytes
+            self.b.bytes_pushed += nbytes
+            for r in replies:
+                if r.applied and not r.already_applied:
+                    self.staleness[name][int(r.staleness)] += 1
+            st["acc"], st["ids"] = [], None
+        return finite
+
+    def fill_state(self, state: dict[str, Any], block: int = 200_000) -> dict[str, Any]:
+        """Replace the tables' (empty) entries of a state_dict with the shards' fp32 rows."""
+        out = dict(state)
+        for name, spec in self.specs.items():
+            full = torch.empty(spec.rows, spec.dim)
+            for lo in range(0, spec.rows, block):
+                ids = torch.arange(lo, min(spec.rows, lo + block))
+                rows, _, _ = sparse_client.pull_rows(
+                    self.b.client, name, ids, spec.dim, torch.float32
+                )
+                full[lo : lo + len(ids)] = rows
+            out[name] = full
+        return out
+
+    def report(self) -> dict[str, Any]:
+        dense = sum(p.numel() * p.element_size() for p in self.b.params.values())
+        cache = sum(
+            self.max_cached_rows[n] * sp.dim * self.b.precision.weights.itemsize
+            for n, sp in self.specs.items()
+        )
+        return {
+            "sparse_tables": {
+                n: {
+                    "rows": sp.rows,
+                    "dim": sp.dim,
+                    "optimizer": sp.optimizer,
+                    "staleness_histogram": dict(sorted(self.staleness[n].items())),
+                }
+                for n, sp in self.specs.items()
+            },
+            "sparse_bytes_pushed": self.bytes_pushed,
+            "sparse_bytes_pulled": self.bytes_pulled,
+            "worker_param_bytes": dense + cache,
+        }

@@ -1,0 +1,39 @@
+"""The headers of a push and a pull, and a push's outcome: what both sides of the wire
+speak (ps/serde.py maps them to and from the proto messages)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class PushHeader:
+    worker: int
+    clock: int
+    base_version: int
+    dtype: torch.dtype
+    loss_scale: float = 1.0
+    overflow: bool = False
+    retry: bool = False
+    verdict_follows: bool = False
+    """The data streams during backward; a verdict (finite or overflow) follows it."""
+
+
+@dataclass(slots=True)
+class PullHeader:
+    version: int
+    rounds: int
+    loss_scale: float
+    last_round_skipped: bool
+    skipped_rounds: int
+    dtype: torch.dtype
+    clock_gap: int
+
+
+@dataclass(slots=True)
+class PushOutcome:
+    applied: bool
+    dropped_nonfinite: bool
+    staleness: int

@@ -1,0 +1,304 @@
+"""Shard checkpoints: atomic files, what goes in them, and when they are written.
+
+A checkpoint holds everything a shard needs to carry on: the job (its configuration),
+the fp32 masters, the optimizer and LR-schedule state, the loss scale, the version,
+rounds and counters, every worker's clock and the live set.
+
+Writes are atomic: the bytes go to a temporary file in the same folder, which is
+fsync'ed, renamed over the final name, and the folder is fsync'ed. A process killed
+at any moment leaves either the previous checkpoints alone, or those plus a complete
+new one (and maybe a stray temporary file, ignored and removed on the next start).
+
+Files are named ckpt-s{shard}-{step:012d}.pt, where step is the round (sync) or the
+version (async/ssp) the state is at, so one folder may hold several shards' files and
+"newest" is the largest step. See docs/reliability.md.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import queue
+import re
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from trainkit.atomic import atomic_save
+
+if TYPE_CHECKING:
+    from ps.server.shard import ShardState
+
+log = logging.getLogger("psar.checkpoint")
+
+FORMAT = 1
+DEFAULT_EVERY = 100
+DEFAULT_KEEP = 3
+_NAME = re.compile(r"^ckpt-s(\d+)-(\d{12})\.pt$")
+
+
+def load(path: str | os.PathLike) -> dict[str, Any]:
+    """Load a checkpoint with weights_only=True: a planted pickle cannot run code."""
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def clean_temp(folder: str | os.PathLike, shard: int | None = None) -> int:
+    """Remove temporary files left by a writer of `shard` (any shard: None) that died."""
+    n = 0
+    pattern = ".ckpt-*.tmp" if shard is None else f".ckpt-s{shard}-*.tmp"
+    for p in Path(folder).glob(pattern):
+        p.unlink(missing_ok=True)
+        n += 1
+    return n
+
+
+def path_for(folder: str | os.PathLike, shard: int, step: int) -> Path:
+    return Path(folder) / f"ckpt-s{shard}-{step:012d}.pt"
+
+
+def list_checkpoints(folder: str | os.PathLike, shard: int) -> list[tuple[int, Path]]:
+    """(step, path) of this shard's checkpoints in `folder`, oldest first."""
+    out = []
+    if not Path(folder).is_dir():
+        return out
+    for p in Path(folder).iterdir():
+        m = _NAME.match(p.name)
+        if m and int(m.group(1)) == shard:
+            out.append((int(m.group(2)), p))
+    return sorted(out)
+
+
+def shards_in(folder: str | os.PathLike) -> set[int]:
+    """The shard indices that have checkpoints in `folder`."""
+    if not Path(folder).is_dir():
+        return set()
+    return {int(m.group(1)) for p in Path(folder).iterdir() if (m := _NAME.match(p.name))}
+
+
+def newest_loadable(
+    folder: str | os.PathLike, shard: int, max_step: int | None = None
+) -> tuple[int, dict[str, Any]] | None:
+    """The newest checkpoint (at a step <= max_step) that loads, or None."""
+    for step, path in reversed(list_checkpoints(folder, shard)):
+        if max_step is not None and step > max_step:
+            continue
+        try:
+            snap = load(path)
+        except Exception as e:  # noqa: BLE001 - a damaged file: fall back to an older one
+            log.warning("checkpoint %s does not load (%s); trying an older one", path, e)
+            continue
+        if snap.get("format") == FORMAT:
+            return step, snap
+        log.warning("checkpoint %s has format %r, want %d", path, snap.get("format"), FORMAT)
+    return None
+
+
+# ---- what goes in a checkpoint ----------------------------------------------------------
+
+
+def snapshot(st: ShardState) -> dict[str, Any]:
+    """A deep copy of the shard's state (call under the shard's lock)."""
+    from ps import serde
+
+    job = st.job
+    assert job is not None
+    st.policy.settle(st)  # per-chunk rounds: no slot of an open round in a checkpoint
+    return {
+        "format": FORMAT,
+        "job": serde.job_to_pb(job).SerializeToString(),
+        "step": st.checkpoint_step,
+        "time": time.time(),
+        "masters": {k: p.detach().clone() for k, p in st.masters.items()},
+        "optimizer": copy.deepcopy(st.optimizer.state_dict()),
+        "scheduler": copy.deepcopy(st.scheduler.state_dict()),
+        "loss_scale": [float(st.loss_scale.scale), int(st.loss_scale.clean_steps)],
+        "counters": {
+            "version": st.version,
+            "rounds": st.rounds,
+            "updates_applied": st.updates_applied,
+            "skipped_rounds": st.skipped_rounds,
+            "last_round_skipped": st.last_round_skipped,
+            "dropped_nonfinite": st.dropped_nonfinite,
+            "max_clock_gap": st.max_clock_gap,
+            "restores": st.restores,
+        },
+        "clocks": list(st.clocks),
+        "live": sorted(st.live),
+        "left": sorted(st.left),
+        "staleness": {int(k): int(v) for k, v in st.staleness_counts.items()},
+    }
+
+
+def job_of(snap: dict[str, Any]):  # noqa: ANN201 - ps.job.Job
+    from ps import serde
+    from ps._gen.psar.v1 import ps_pb2 as pb
+
+    spec = pb.JobSpec()
+    spec.ParseFromString(snap["job"])
+    return serde.job_from_pb(spec)
+
+
+def load_tensors(st: ShardState, snap: dict[str, Any]) -> None:
+    """Put a snapshot's masters, optimizer, schedule, loss scale and counters into `st`
+    (under its lock; st.job must already be the snapshot's job)."""
+    from ps.server.policy_for_mode import make_policy
+    from trainkit.optim import DynamicLossScale, build_optimizer, build_scheduler
+
+    job = st.job
+    assert job is not None
+    st.masters = {
+        s.key: torch.nn.Parameter(snap["masters"][s.key].clone().reshape(-1)) for s in job.slots
+    }
+    st.numel = {s.key: s.numel for s in job.slots}
+    st.optimizer = build_optimizer(st.masters.values(), job.optimizer)
+    st.optimizer.load_state_dict(snap["optimizer"])
+    st.scheduler = build_scheduler(st.optimizer, job.optimizer)
+    st.scheduler.load_state_dict(snap["scheduler"])
+    st.loss_scale = DynamicLossScale(job.loss_scale)
+    st.loss_scale.scale, st.loss_scale.clean_steps = snap["loss_scale"]
+    if getattr(st, "policy", None) is not None:
+        st.policy.close()  # a rollback: queued work of the old policy must not run
+    st.policy = make_policy(job.mode, job.staleness, chunk_rounds=st.chunk_rounds)
+    c = snap["counters"]
+    st.version, st.rounds = int(c["version"]), int(c["rounds"])
+    st.updates_applied, st.skipped_rounds = int(c["updates_applied"]), int(c["skipped_rounds"])
+    st.last_round_skipped = bool(c["last_round_skipped"])
+    st.dropped_nonfinite, st.max_clock_gap = int(c["dropped_nonfinite"]), int(c["max_clock_gap"])
+    st.staleness_counts.clear()
+    st.staleness_counts.update(snap["staleness"])
+    st._snapshots.clear()
+    st._staging.clear()
+
+
+# ---- when checkpoints are written -------------------------------------------------------
+
+
+class CheckpointManager:
+    """Writes a shard's checkpoints into one folder, from a background thread.
+
+    every:    checkpoint when the step (sync: round, else version) is a multiple of it.
+              In sync mode every shard therefore checkpoints at the same rounds.
+    interval: async/ssp: also checkpoint every this many seconds (ignored in sync mode,
+              where checkpoints must fall on the same round on every shard).
+    keep:     how many of the newest checkpoints to keep (>= 2).
+    """
+
+    def __init__(
+        self,
+        folder: str | os.PathLike,
+        *,
+        shard: int = 0,
+        every: int = 0,
+        interval_s: float = 0.0,
+        keep: int = DEFAULT_KEEP,
+        metrics: Any = None,
+    ) -> None:
+        if every < 0 or interval_s < 0:
+            raise ValueError("--checkpoint-every and --checkpoint-interval must be >= 0")
+        if keep < 2:
+            raise ValueError(f"--checkpoint-keep must be >= 2, got {keep}")
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        clean_temp(self.folder, shard)
+        self.shard = shard
+        self.interval_s = interval_s
+        self.every = every
+        self.keep = keep
+        self.metrics = metrics
+        self.written = 0
+        self.last_step: int | None = None
+        self._generation = 0
+        self._write_lock = threading.Lock()
+        self._queue: queue.Queue[tuple[int, dict[str, Any]] | None] = queue.Queue(maxsize=4)
+        self._writer = threading.Thread(target=self._run, name="psar-ckpt-writer", daemon=True)
+        self._writer.start()
+        self._timer: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    def every_for(self, mode: str) -> int:
+        """The step period in this mode (sync falls back to DEFAULT_EVERY without one)."""
+        if self.every:
+            return self.every
+        return DEFAULT_EVERY if mode == "sync" or not self.interval_s else 0
+
+    def due(self, step: int, mode: str) -> bool:
+        every = self.every_for(mode)
+        return bool(every) and step % every == 0 and step != self.last_step
+
+    def start_timer(self, state: ShardState) -> None:
+        """async/ssp: ask the shard for a checkpoint every interval_s seconds."""
+        if not self.interval_s or self._timer is not None:
+            return
+
+        def run() -> None:
+            while not self._stop.wait(self.interval_s):
+                state.checkpoint_now("interval")
+
+        self._timer = threading.Thread(target=run, name="psar-ckpt-timer", daemon=True)
+        self._timer.start()
+
+    def submit(self, step: int, snap: dict[str, Any]) -> None:
+        """Queue a snapshot for the writer thread (blocks if the writer is far behind)."""
+        self.last_step = step
+        self._queue.put((self._generation, snap))
+
+    def write_now(self, step: int, snap: dict[str, Any]) -> Path:
+        """Write synchronously (final checkpoint on SIGTERM); returns the file."""
+        self.last_step = step
+        self.flush()
+        return self._write(self._generation, snap)
+
+    def flush(self) -> None:
+        """Wait until every queued snapshot is on disk."""
+        self._queue.join()
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                self._write(*item)
+            except Exception:  # noqa: BLE001 - keep serving; the previous checkpoint stands
+                log.exception("checkpoint write failed")
+                if self.metrics is not None:
+                    self.metrics.checkpoint_failed()
+            finally:
+                self._queue.task_done()
+
+    def _write(self, generation: int, snap: dict[str, Any]) -> Path:
+        t0 = time.monotonic()
+        with self._write_lock:
+            path = path_for(self.folder, self.shard, int(snap["step"]))
+            if generation != self._generation:
+                return path  # taken before a rollback: belongs to an abandoned timeline
+            atomic_save(snap, path)
+            self.written += 1
+            for _, old in list_checkpoints(self.folder, self.shard)[: -self.keep]:
+                old.unlink(missing_ok=True)
+        if self.metrics is not None:
+            self.metrics.checkpoint_written(time.monotonic() - t0)
+        log.info("checkpoint %s (%.3fs)", path.name, time.monotonic() - t0)
+        return path
+
+    def newest(self, max_step: int | None = None) -> tuple[int, dict[str, Any]] | None:
+        return newest_loadable(self.folder, self.shard, max_step)
+
+    def discard_after(self, step: int) -> None:
+        """After a rollback to `step`: drop newer files and queued snapshots (they belong
+        to the timeline that was rolled back)."""
+        with self._write_lock:
+            self._generation += 1
+            for s, p in list_checkpoints(self.folder, self.shard):
+                if s > step:
+                    p.unlink(missing_ok=True)
+            self.last_step = step
+
+    def close(self) -> None:
+        self._stop.set()
+        self._queue.put(None)
+        self._writer.join(timeout=30)

@@ -1,0 +1,245 @@
+"""Per-chunk rounds (sync mode, `psar server --chunk-rounds`): a shard applies the
+optimizer to a slot as soon as every worker of the round has pushed that slot, while
+later slots are still arriving (issue #10; docs/architectures.md).
+
+Why it is speculative: whether a round is skipped (any worker's overflow) is known only
+when every worker's push has ended — a worker learns its gradient is finite after its
+last bucket, and sends that verdict last. So a slot applied early keeps an undo copy of
+its master and optimizer state until the round closes. Whatever changes what the round
+would apply restores the applied slots from those copies, bit for bit:
+- an overflow verdict (the round will be skipped on every shard, every slot);
+- a push refused or cut off after its slots counted (a refused push changes nothing);
+- a worker leaving mid-round without having pushed (fewer workers in the mean);
+- a checkpoint snapshot or an off-round pull (they must see the closed round).
+Slots restored this way are applied again when the round closes, from the staged
+gradients. The round itself (version, scheduler step, loss scale, clocks, checkpoint)
+closes as before, once every live worker's push is accepted.
+
+The early updates run on an applier thread of the policy, so the thread receiving a
+worker's stream never waits for them (torch releases the GIL while it computes). Every
+event above invalidates queued work by bumping a generation number under the apply
+lock, which an update in progress holds, so an undo never races an update.
+
+Results are bit-identical to the whole-round update: the same fp32 operations per
+element, in the same worker-rank order (torch.add(a, b, out=) is a.add_(b)), and torch's
+SGD/AdamW (foreach=False here) step each parameter on its own either way.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ps.server.policies import StagedPush, SyncPolicy
+
+if TYPE_CHECKING:
+    from ps.server.pushdata import PushTicket
+    from ps.server.shard import ShardState
+
+
+class ChunkedSyncPolicy(SyncPolicy):
+    """SyncPolicy whose update is applied slot by slot as the round's pushes stream in."""
+
+    applies_chunks = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tickets: dict[int, PushTicket] = {}
+        """This round's data-carrying push of each worker (kept once accepted)."""
+        self.applied: dict[str, tuple[int, ...]] = {}
+        """Slots applied early this round -> the workers whose mean they took."""
+        self._undo_master: dict[str, torch.Tensor] = {}
+        self._undo_state: dict[str, dict[str, Any] | None] = {}
+        self._state_bufs: dict[str, dict[str, torch.Tensor]] = {}
+        self._sums: dict[str, torch.Tensor] = {}
+        self.chunks_early = 0
+        """Slots applied before their round's last push was accepted."""
+        self.chunk_undos = 0
+        """Times the early slots of a round were restored (see the module docstring)."""
+        # The applier: queued (generation, key, workers, sources); `_apply_lock` is held
+        # by an update in progress and by whatever undoes or closes (shard lock first).
+        self._gen = 0
+        self._queue: collections.deque = collections.deque()
+        self._wake = threading.Condition()
+        self._apply_lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._busy = False
+
+    # ---- hooks (under the shard lock) -----------------------------------------------
+
+    def push_started(self, st: ShardState, ticket: PushTicket) -> None:
+        if ticket.duplicate:
+            return  # a retry of an accepted push: its data is dropped, the original counts
+        w = ticket.header.worker
+        if self.tickets.pop(w, None) is not None:
+            self._undo(st)  # defensive: a worker's earlier push ended without a drop
+        if not ticket.header.overflow:
+            self.tickets[w] = ticket
+
+    def slot_complete(self, st: ShardState, ticket: PushTicket, key: str) -> None:
+        if self.tickets.get(ticket.header.worker) is not ticket or key in self.applied:
+            return
+        workers = self._workers(st)
+        sources = []
+        for w in workers:
+            t = self.tickets.get(w)
+            if t is None or not t.unscaled.get(key, False) or t.verdict:
+                return  # not in yet, non-finite (refused at its end), or overflowing
+            sources.append(t.staging)
+        with self._wake:
+            self._queue.append((self._gen, key, workers, sources))
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, args=(st,), name="psar-chunk-apply", daemon=True
+                )
+                self._thread.start()
+            self._wake.notify()
+
+    def push_dropped(self, st: ShardState, ticket: PushTicket) -> None:
+        if self.tickets.get(ticket.header.worker) is ticket:
+            del self.tickets[ticket.header.worker]
+            self._undo(st)
+
+    def on_leave(self, st: ShardState, worker: int) -> None:
+        if worker not in self.pending:
+            # It had not pushed: the round's mean no longer counts it.
+            self.tickets.pop(worker, None)
+            self._undo(st)
+        super().on_leave(st, worker)
+
+    def settle(self, st: ShardState) -> None:
+        self._undo(st)
+
+    def quiesce(self) -> None:
+        """Wait until every queued early update has run or been dropped."""
+        with self._wake:
+            self._wake.wait_for(lambda: not self._queue and not self._busy)
+
+    def close(self) -> None:
+        """The shard is replacing this policy (restore, rollback): drop queued work."""
+        with self._apply_lock:
+            self._gen += 1
+
+    # ---- the applier thread -----------------------------------------------------------
+
+    def _run(self, st: ShardState) -> None:
+        while True:
+            with self._wake:
+                if not self._queue and not self._wake.wait_for(lambda: self._queue, 5.0):
+                    self._thread = None  # idle: a new one starts with the next slot
+                    return
+                gen, key, workers, sources = self._queue.popleft()
+                self._busy = True
+            try:
+                with self._apply_lock:
+                    if gen == self._gen and key not in self.applied:
+                        self._save(st, key)
+                        self._apply(st, key, sources)
+                        self.applied[key] = workers
+                        self.chunks_early += 1
+                        st.metrics.chunk_applied_early()
+            finally:
+                with self._wake:
+                    self._busy = False
+                    self._wake.notify_all()
+
+    # ---- closing the round ----------------------------------------------------------
+
+    def _close(self, st: ShardState, pushes: list[StagedPush]) -> None:
+        workers = tuple(p.worker for p in pushes)
+        self.tickets.clear()
+        if any(p.overflow for p in pushes):
+            self._undo(st)
+            st.skip_round("overflow")
+            return
+        sources = [p.grads for p in pushes]
+        with self._apply_lock:  # waits for an update in progress; drops queued ones
+            self._gen += 1
+            for key in st.masters:
+                done = self.applied.pop(key, None)
+                if done == workers:
+                    continue
+                if done is not None:  # taken with other workers: go back, then redo
+                    self._restore(st, key)
+                self._apply(st, key, sources)
+            self.applied.clear()
+        st.finish_update(staleness=[0] * len(pushes))
+
+    # ---- one slot -------------------------------------------------------------------
+
+    def _workers(self, st: ShardState) -> tuple[int, ...]:
+        """Whose gradients the round's mean takes if it closed now: every live worker,
+        and any that pushed and then left."""
+        return tuple(sorted(st.live | self.pending.keys()))
+
+    def _apply(self, st: ShardState, key: str, sources: list[dict[str, torch.Tensor]]) -> None:
+        """Mean of the sources' slot in rank order (as SyncPolicy sums), one step on it."""
+        if len(sources) == 1:
+            grad = sources[0][key]
+        else:
+            grad = self._sums.get(key)
+            if grad is None:
+                grad = self._sums[key] = torch.empty_like(sources[0][key])
+            torch.add(sources[0][key], sources[1][key], out=grad)
+            for s in sources[2:]:
+                grad.add_(s[key])
+            grad.div_(len(sources))
+        st.step_slot(key, grad)
+
+    def _undo(self, st: ShardState) -> None:
+        with self._apply_lock:
+            self._gen += 1  # queued updates were decided on what no longer holds
+            if not self.applied:
+                return
+            for key in self.applied:
+                self._restore(st, key)
+            self.applied.clear()
+        self.chunk_undos += 1
+        st.metrics.chunk_undo()
+
+    def _save(self, st: ShardState, key: str) -> None:
+        """Copy the slot's master and optimizer state into persistent undo buffers."""
+        p = st.masters[key]
+        buf = self._undo_master.get(key)
+        if buf is None:
+            buf = self._undo_master[key] = torch.empty_like(p.detach())
+        buf.copy_(p.detach())
+        state = st.optimizer.state.get(p)
+        if not state:
+            self._undo_state[key] = None
+            return
+        bufs = self._state_bufs.setdefault(key, {})
+        saved: dict[str, Any] = {}
+        for name, v in state.items():
+            if isinstance(v, torch.Tensor):
+                b = bufs.get(name)
+                if b is None or b.shape != v.shape or b.dtype != v.dtype:
+                    b = bufs[name] = torch.empty_like(v)
+                b.copy_(v)
+                saved[name] = b
+            else:
+                saved[name] = v
+        self._undo_state[key] = saved
+
+    def _restore(self, st: ShardState, key: str) -> None:
+        p = st.masters[key]
+        p.detach().copy_(self._undo_master[key])
+        saved = self._undo_state[key]
+        if saved is None:
+            st.optimizer.state.pop(p, None)  # the step created it
+            return
+        cur = st.optimizer.state[p]
+        for name in [n for n in cur if n not in saved]:
+            del cur[name]
+        for name, v in saved.items():
+            old = cur.get(name)
+            if isinstance(v, torch.Tensor):
+                if isinstance(old, torch.Tensor) and old.shape == v.shape:
+                    old.copy_(v)
+                else:
+                    cur[name] = v.clone()
+            else:
+                cur[name] = v

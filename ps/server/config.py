@@ -1,0 +1,108 @@
+"""`psar server`'s flags: one dataclass, validated on construction (worker/cli_gen.py
+builds the CLI from it). Light on purpose: the `psar` console script loads it in every
+process, workers included, so it imports no part of the shard's machinery."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ps import wire
+from ps.grpc_limits import DEFAULT_MAX_MESSAGE_BYTES
+from ps.server import checkpoint
+from ps.server.lease import DEFAULT_JOIN_GRACE_S, DEFAULT_LEASE_S
+
+
+@dataclass(kw_only=True)
+class ServerConfig:
+    """One parameter-server shard."""
+
+    bind: str = "127.0.0.1:50051"
+    """HOST:PORT to listen on (port 0 picks a free one; 0.0.0.0 listens on every interface)."""
+    threads: int = 64
+    """gRPC handler threads; each waiting pull (sync barrier, SSP) holds one."""
+    message_bytes: int = wire.DEFAULT_MESSAGE_BYTES
+    """Bytes of tensor data per streamed message (~1 MiB streams fastest here)."""
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    """Largest single message accepted or sent; bigger ones get RESOURCE_EXHAUSTED."""
+    metrics_port: int = 0
+    """Serve Prometheus /metrics on this port (0: no metrics endpoint)."""
+    metrics_addr: str = "127.0.0.1"
+    """Address the /metrics endpoint binds to."""
+    shard: int = -1
+    """Shard index for logs and metrics (default: env PSAR_SHARD, a StatefulSet pod
+    ordinal, SLURM_PROCID, else 0)."""
+    torch_threads: int = 1
+    """torch threads for the shard's copies and optimizer (0: torch's default). One is
+    fastest here: a 1 MiB copy took 0.12 ms with one thread, 0.63 ms with the default."""
+    lease_s: float = DEFAULT_LEASE_S
+    """A worker not heard from for this long leaves the live set (workers heartbeat every
+    lease_s / 3)."""
+    join_grace_s: float = DEFAULT_JOIN_GRACE_S
+    """First lease term of a worker at job start and after a restore (slow starts)."""
+    checkpoint_dir: str = ""
+    """Write checkpoints into this folder (off when empty)."""
+    checkpoint_every: int = 0
+    """Checkpoint when the round (sync) or version (async/ssp) is a multiple of this
+    (0: 100 in sync mode, or when no --checkpoint-interval is given)."""
+    checkpoint_interval: float = 0.0
+    """async/ssp: also checkpoint every this many seconds (0: off; sync mode uses rounds)."""
+    checkpoint_keep: int = checkpoint.DEFAULT_KEEP
+    """Keep this many newest checkpoints (>= 2; sync rollbacks need an older one)."""
+    restore: str = ""
+    """Resume from the newest checkpoint in this folder (starts fresh if it holds none);
+    checkpoints then go on into --checkpoint-dir, or this folder if that is empty."""
+    drain_timeout_s: float = 10.0
+    """On SIGTERM, wait up to this long for the sync round in flight before the final
+    checkpoint."""
+    tls_cert: str = ""
+    """Serve TLS with this PEM certificate (needs --tls-key)."""
+    tls_key: str = ""
+    """PEM private key of --tls-cert."""
+    tls_ca: str = ""
+    """Mutual TLS: only accept clients whose certificate this PEM CA signed."""
+    auth_token_file: str = ""
+    """Refuse calls without `authorization: Bearer <the token in this file>`."""
+    chunk_rounds: bool = False
+    """sync: apply the optimizer to each slot as soon as every worker's piece of it is in,
+    while later slots still arrive (undone if the round is skipped or a push refused;
+    ps/server/chunk_rounds.py). Bit-identical results either way. Off by default: the undo copy
+    of each slot's master and optimizer state costs about what the early update hides
+    (measured in docs/architectures.md)."""
+    data_port: int = 0
+    """TCP port of the data plane (push and pull as plain frames next to gRPC, on the
+    --bind host; docs/dataplane.md): 0 picks a free one, -1 turns it off. Workers learn
+    it from GetJob. Off when TLS is on (the data plane is plaintext)."""
+
+    def __post_init__(self) -> None:
+        if self.torch_threads < 0:
+            raise ValueError(f"--torch-threads must be >= 0, got {self.torch_threads}")
+        host, sep, port = self.bind.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ValueError(
+                f"--bind: expected HOST:PORT (e.g. 127.0.0.1:50051), got {self.bind!r}"
+            )
+        if self.threads < 2:
+            raise ValueError(f"--threads must be >= 2, got {self.threads}")
+        if not 1024 <= self.message_bytes <= self.max_message_bytes // 2:
+            raise ValueError("--message-bytes must be in [1024, max_message_bytes / 2]")
+        if not -1 <= self.data_port < 65536:
+            raise ValueError(
+                f"--data-port must be in [-1, 65535] (0: a free port, -1: off), got "
+                f"{self.data_port}"
+            )
+        if not 0 <= self.metrics_port < 65536:
+            raise ValueError(f"--metrics-port must be in [0, 65535], got {self.metrics_port}")
+        if not self.lease_s > 0 or self.join_grace_s < 0:
+            raise ValueError("--lease-s must be > 0 and --join-grace-s >= 0")
+        if self.checkpoint_every < 0 or self.checkpoint_interval < 0:
+            raise ValueError("--checkpoint-every and --checkpoint-interval must be >= 0")
+        if self.checkpoint_keep < 2:
+            raise ValueError(f"--checkpoint-keep must be >= 2, got {self.checkpoint_keep}")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("TLS needs both --tls-cert and --tls-key")
+        if self.tls_ca and not self.tls_cert:
+            raise ValueError("--tls-ca (mutual TLS) needs --tls-cert and --tls-key")
+
+    @property
+    def checkpoint_folder(self) -> str:
+        return self.checkpoint_dir or self.restore

@@ -1,0 +1,191 @@
+"""Consistency modes as pluggable update policies (ps-lite's request handler idea).
+
+A policy decides three things and nothing else:
+- what to do with a validated, unscaled push (`accept`): apply now, or hold it for a round;
+- when a pull may be answered (`pull_ready`);
+- what a departing worker changes (`on_leave`).
+The shard (ps/server/shard.py) owns the state, the locking and the validation, and calls the
+policy under its lock. tests/test_policy_contract.py runs one contract suite on each.
+
+Definitions used everywhere: a shard's *version* is the number of update rounds it has
+applied; a worker's *clock* is the number of gradients it has pushed; the *staleness* of
+an applied gradient is the shard's version when it is applied minus the version of the
+weights it was computed from.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from ps.errors import FailedPrecondition, InvalidArgument
+from ps.headers import PushOutcome
+
+if TYPE_CHECKING:
+    from ps.server.pushdata import PushTicket
+    from ps.server.shard import ShardState
+
+
+@dataclass(slots=True)
+class StagedPush:
+    """A push that passed validation: fp32 unscaled gradients per slot (or an overflow)."""
+
+    worker: int
+    clock: int
+    base_version: int
+    overflow: bool
+    grads: dict[str, torch.Tensor]
+
+
+class UpdatePolicy(ABC):
+    """How pushes turn into optimizer steps, and when pulls are answered."""
+
+    mode: str = ""
+    #: Sync holds gradients across a round, so each worker needs its own staging buffers.
+    holds_gradients: bool = False
+    #: Wants to hear of each push's slots as they complete (per-chunk rounds).
+    applies_chunks: bool = False
+
+    @abstractmethod
+    def check_push(self, st: ShardState, worker: int, clock: int, base_version: int) -> None:
+        """Refuse (raise) a push header this policy cannot take, before any byte is read."""
+
+    @abstractmethod
+    def accept(self, st: ShardState, push: StagedPush) -> PushOutcome:
+        """Take a validated push (called under the shard lock)."""
+
+    @abstractmethod
+    def pull_ready(self, st: ShardState, worker: int, clock: int) -> bool:
+        """May a pull from `worker` at `clock` be answered now?"""
+
+    def on_leave(self, st: ShardState, worker: int) -> None:  # noqa: B027 - optional hook
+        """A worker left the live set (finished, or its lease expired)."""
+
+    # Per-chunk hooks (called under the shard lock only when applies_chunks is set).
+
+    def push_started(self, st: ShardState, ticket: PushTicket) -> None:  # noqa: B027
+        """A push header passed its checks; its data follows."""
+
+    def slot_complete(self, st: ShardState, ticket: PushTicket, key: str) -> None:  # noqa: B027
+        """Every piece of slot `key` of this push arrived and was unscaled."""
+
+    def push_dropped(self, st: ShardState, ticket: PushTicket) -> None:  # noqa: B027
+        """This push's data no longer counts: refused, cut off, or an overflow verdict."""
+
+    def settle(self, st: ShardState) -> None:  # noqa: B027
+        """Make masters and optimizer state those of the last closed round (before a
+        checkpoint snapshot or an off-round pull)."""
+
+    def quiesce(self) -> None:  # noqa: B027
+        """Wait for work the policy does on threads of its own (before a digest)."""
+
+    def close(self) -> None:  # noqa: B027
+        """The shard replaces this policy (restore, rollback): stop what it runs."""
+
+
+class SyncPolicy(UpdatePolicy):
+    """One averaged update per round; a round closes when every live worker has pushed once.
+
+    The mean is summed in worker-rank order in fp32, so the result does not depend on
+    arrival order. A round with any overflow flag is skipped on every shard.
+    """
+
+    mode = "sync"
+    holds_gradients = True
+
+    def __init__(self) -> None:
+        self.pending: dict[int, StagedPush] = {}
+
+    def check_push(self, st: ShardState, worker: int, clock: int, base_version: int) -> None:
+        open_round = st.rounds + 1
+        if clock != open_round:
+            raise FailedPrecondition(
+                f"sync: worker {worker} pushed for round {clock} but round {open_round} is "
+                f"open; pull (clock {open_round - 1}) before computing the next gradient",
+                reason="out_of_order",
+            )
+        if base_version != st.version:
+            raise FailedPrecondition(
+                f"sync: gradient computed from version {base_version}, but round {open_round} "
+                f"needs version {st.version}; pull the current weights first",
+                reason="too_stale",
+            )
+
+    def accept(self, st: ShardState, push: StagedPush) -> PushOutcome:
+        self.pending[push.worker] = push
+        self._maybe_close(st)
+        return PushOutcome(applied=True, dropped_nonfinite=False, staleness=0)
+
+    def pull_ready(self, st: ShardState, worker: int, clock: int) -> bool:
+        return st.rounds >= clock
+
+    def on_leave(self, st: ShardState, worker: int) -> None:
+        self._maybe_close(st)
+
+    def _maybe_close(self, st: ShardState) -> None:
+        if not self.pending or not st.live.issubset(self.pending):
+            return
+        pushes = [self.pending[w] for w in sorted(self.pending)]
+        self.pending = {}
+        self._close(st, pushes)
+
+    def _close(self, st: ShardState, pushes: list[StagedPush]) -> None:
+        """Every live worker has pushed (`pushes`, in rank order): apply or skip."""
+        if any(p.overflow for p in pushes):
+            st.skip_round("overflow")
+            return
+        # Sum in place into the lowest rank's staging buffers (they are consumed by this
+        # round), always in rank order: the bits never depend on arrival order.
+        total = pushes[0].grads
+        for p in pushes[1:]:
+            for k, t in p.grads.items():
+                total[k].add_(t)
+        if len(pushes) > 1:
+            for t in total.values():
+                t.div_(len(pushes))
+        st.apply_update(total, staleness=[0] * len(pushes))
+
+
+class AsyncPolicy(UpdatePolicy):
+    """Every push is applied on arrival as its own optimizer step; staleness is recorded."""
+
+    mode = "async"
+
+    def check_push(self, st: ShardState, worker: int, clock: int, base_version: int) -> None:
+        if base_version > st.version:
+            raise InvalidArgument(
+                f"gradient claims base version {base_version}, but this shard is only at "
+                f"version {st.version}; send the version your last pull returned",
+                reason="bad_version",
+            )
+
+    def accept(self, st: ShardState, push: StagedPush) -> PushOutcome:
+        staleness = st.version - push.base_version
+        if push.overflow:
+            st.drop_nonfinite()
+            return PushOutcome(applied=False, dropped_nonfinite=True, staleness=staleness)
+        st.apply_update(push.grads, staleness=[staleness])
+        return PushOutcome(applied=True, dropped_nonfinite=False, staleness=staleness)
+
+    def pull_ready(self, st: ShardState, worker: int, clock: int) -> bool:
+        return True
+
+
+class SSPPolicy(AsyncPolicy):
+    """Bounded staleness (Bösen's SSP): async, but a worker whose clock is more than S ahead
+    of the slowest live worker waits on its pull until the slowest catches up.
+
+    Blocking the reader wastes no work; rejecting stale gradients would waste whole steps,
+    so no gradient inside the bound is ever thrown away.
+    """
+
+    mode = "ssp"
+
+    def __init__(self, staleness: int) -> None:
+        self.staleness = staleness
+
+    def pull_ready(self, st: ShardState, worker: int, clock: int) -> bool:
+        return clock - st.slowest_live_clock(default=clock) <= self.staleness

@@ -1,0 +1,207 @@
+"""`psar server`: one parameter-server shard as a gRPC server process.
+
+Besides the ParameterServer service it serves the standard gRPC health service
+(ps/server/health.py), writes checkpoints (--checkpoint-dir), resumes from them (--restore),
+expires worker leases (--lease-s), and can demand TLS and a bearer token (ps/auth.py).
+On SIGTERM it drains: NOT_SERVING, no new pushes, the sync round in flight finishes,
+a final checkpoint is written. docs/reliability.md describes all of it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from concurrent import futures
+from typing import Any
+
+import grpc
+import torch
+
+from ps import auth
+from ps._gen.psar.v1 import ps_pb2_grpc as pb_grpc
+from ps.grpc_limits import grpc_options
+from ps.server import checkpoint
+from ps.server.config import ServerConfig
+from ps.server.dataplane import DataPlaneServer, start_dataplane
+from ps.server.health import ShardHealth
+from ps.server.lease import Reaper
+from ps.server.shard import ShardState
+from ps.server.sparse_servicer import SparseServicer
+from trainkit.roles import resolve_shard
+
+log = logging.getLogger("psar.server")
+
+
+def build_state(cfg: ServerConfig, metrics: Any = None) -> ShardState:
+    """The shard state for `cfg`: leases, checkpoint manager, restored if asked."""
+    shard = resolve_shard(cfg.shard, os.environ)
+    manager = None
+    if cfg.checkpoint_folder:
+        manager = checkpoint.CheckpointManager(
+            cfg.checkpoint_folder,
+            shard=shard,
+            every=cfg.checkpoint_every,
+            interval_s=cfg.checkpoint_interval,
+            keep=cfg.checkpoint_keep,
+            metrics=metrics,
+        )
+    state = ShardState(
+        metrics=metrics,
+        message_bytes=cfg.message_bytes,
+        lease_s=cfg.lease_s,
+        join_grace_s=cfg.join_grace_s,
+        checkpoints=manager,
+        chunk_rounds=cfg.chunk_rounds,
+    )
+    if cfg.restore:
+        found = _find_restore(cfg.restore, shard)
+        if found is None:
+            log.warning(
+                "--restore %s: no checkpoint of shard %d; starting fresh", cfg.restore, shard
+            )
+        else:
+            step, snap = found
+            state.restore(step, snap)
+            log.info("restored shard %d from step %d of %s", shard, step, cfg.restore)
+            print(f"psar server restored step {step} from {cfg.restore}", flush=True)
+    if manager is not None:
+        manager.start_timer(state)
+    return state
+
+
+def _find_restore(folder: str, shard: int) -> tuple[int, dict[str, Any]] | None:
+    found = checkpoint.newest_loadable(folder, shard)
+    if found is not None:
+        return found
+    # Only one shard's files in the folder and no --shard given: take those.
+    present = checkpoint.shards_in(folder)
+    if len(present) == 1:
+        (only,) = present
+        log.warning("--restore: no files of shard %d; using shard %d's", shard, only)
+        return checkpoint.newest_loadable(folder, only)
+    return None
+
+
+def start_server(
+    cfg: ServerConfig, state: ShardState | None = None, *, metrics: Any = None
+) -> tuple[grpc.Server, int, ShardState]:
+    """Start a shard's gRPC server; returns (server, bound port, state). Non-blocking.
+
+    The server's health service is reachable as `server.psar_health` (ps/server/health.py),
+    its data plane (None when off) as `server.psar_dataplane` (ps/server/dataplane.py).
+    """
+    if state is None:
+        state = build_state(cfg, metrics)
+    interceptors = []
+    token = auth.read_token(cfg.auth_token_file) if cfg.auth_token_file else ""
+    if token:
+        interceptors.append(auth.TokenServerInterceptor(token, state.metrics))
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=cfg.threads, thread_name_prefix="psar-shard"),
+        options=grpc_options(cfg.max_message_bytes),
+        interceptors=interceptors,
+    )
+    servicer = SparseServicer(state)
+    pb_grpc.add_ParameterServerServicer_to_server(servicer, server)
+    health = ShardHealth(server)
+    if cfg.tls_cert:
+        creds = auth.server_credentials(cfg.tls_cert, cfg.tls_key, cfg.tls_ca)
+        port = server.add_secure_port(cfg.bind, creds)
+    else:
+        port = server.add_insecure_port(cfg.bind)
+    if port == 0:
+        raise OSError(f"could not bind {cfg.bind}; is the port in use?")
+    dataplane: DataPlaneServer | None = None
+    if cfg.data_port >= 0 and cfg.tls_cert:
+        log.warning("TLS is on: no data plane (it is plaintext); push and pull use gRPC")
+    elif cfg.data_port >= 0:
+        try:
+            dataplane = start_dataplane(
+                state,
+                bind=cfg.bind,
+                port=cfg.data_port,
+                token=token,
+                max_payload_bytes=cfg.max_message_bytes,
+            )
+        except OSError as e:
+            raise OSError(
+                f"could not bind the data plane on {cfg.bind.rpartition(':')[0]}:"
+                f"{cfg.data_port} ({e.strerror or e}); is the port in use? (--data-port)"
+            ) from None
+        servicer.data_port = dataplane.port
+    server.start()
+    health.serving()
+    server.psar_health = health  # type: ignore[attr-defined]
+    server.psar_dataplane = dataplane  # type: ignore[attr-defined]
+    if getattr(state, "_reaper", None) is None:
+        state._reaper = Reaper(state, period=min(1.0, state.leases.lease_s / 4))  # type: ignore[attr-defined]
+    return server, port, state
+
+
+def serve(cfg: ServerConfig) -> int:
+    """Run a shard until SIGTERM/SIGINT; returns the process exit code."""
+    cfg.shard = resolve_shard(cfg.shard, os.environ)
+    if cfg.torch_threads:
+        torch.set_num_threads(cfg.torch_threads)
+    metrics = _make_metrics(cfg)
+    server, port, state = start_server(cfg, metrics=metrics)
+    host = cfg.bind.rpartition(":")[0]
+    scheme = "TLS" if cfg.tls_cert else "plaintext"
+    log.info("psar shard %d listening on %s:%d (%s)", cfg.shard, host, port, scheme)
+    print(f"psar server listening on {host}:{port}", flush=True)
+    dataplane = server.psar_dataplane  # type: ignore[attr-defined]
+    if dataplane is not None:
+        log.info("data plane on %s:%d", host, dataplane.port)
+        print(f"psar server data plane on {host}:{dataplane.port}", flush=True)
+    stop = threading.Event()
+
+    def _on_signal(signum: int, _frame: object) -> None:
+        log.info("signal %d: draining", signum)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
+    stop.wait()
+    shutdown(server, state, cfg.drain_timeout_s)
+    return 0
+
+
+def stop_server(server: grpc.Server, grace: float | None = None) -> None:
+    """Stop a server from start_server at once: its data plane, then gRPC (tests, tools;
+    `shutdown` is the graceful path)."""
+    dataplane = getattr(server, "psar_dataplane", None)
+    if dataplane is not None:
+        dataplane.close()
+    server.stop(grace=grace).wait()
+
+
+def shutdown(server: grpc.Server, state: ShardState, drain_timeout_s: float) -> None:
+    """Graceful stop: NOT_SERVING, drain, final checkpoint, stop the server."""
+    health = getattr(server, "psar_health", None)
+    if health is not None:
+        health.not_serving()
+    state.drain()
+    if not state.wait_drained(drain_timeout_s):
+        log.warning("the sync round in flight did not finish in %.1fs", drain_timeout_s)
+    if state.checkpoint_now("shutdown", wait=True):
+        print(f"psar server final checkpoint at step {state.checkpoint_step}", flush=True)
+    if health is not None:
+        health.shutdown()
+    stop_server(server, grace=2)
+    if state.checkpoints is not None:
+        state.checkpoints.close()
+
+
+def _make_metrics(cfg: ServerConfig):  # noqa: ANN202 - metrics type is optional here
+    if not cfg.metrics_port:
+        return None
+    from ps.server.metrics import ShardMetrics, serve_metrics
+
+    metrics = ShardMetrics(shard=cfg.shard)
+    serve_metrics(metrics.registry, cfg.metrics_port, cfg.metrics_addr)
+    print(
+        f"psar server metrics on http://{cfg.metrics_addr}:{cfg.metrics_port}/metrics", flush=True
+    )
+    return metrics

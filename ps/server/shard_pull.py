@@ -1,0 +1,109 @@
+"""Pulls of a ShardState (a mixin; ps/server/shard.py): wait for the policy, then send a
+snapshot of the weights shared by every puller of a version."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ps import wire
+from ps.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
+from ps.headers import PullHeader
+
+if TYPE_CHECKING:
+    from ps.server.shard import ShardState
+
+
+class Pulls:
+    """Needs ShardState's lock (_cond), job, policy, masters, clocks and metrics."""
+
+    def pull(
+        self: ShardState,
+        worker: int,
+        clock: int,
+        dtype: torch.dtype,
+        timeout: float | None,
+        *,
+        incarnation: int = 0,
+        views: bool = False,
+    ) -> tuple[PullHeader, list[tuple[str, int, Any]]]:
+        """Wait until the policy lets `worker` at `clock` read, then snapshot the weights.
+
+        views=True (a transport that sends buffers as they are, the TCP data plane): in
+        sync mode fp32 pieces may be memoryviews of the masters instead of bytes copies."""
+        started = time.monotonic()
+        with self._cond:
+            job = self._require_job()
+            self.check_worker(worker)
+            if dtype not in wire.WIRE_FROM_DTYPE:
+                raise InvalidArgument(f"unsupported pull dtype {dtype}; ask for fp32, fp16 or bf16")
+            self.check_incarnation(incarnation)
+            if clock > self.clocks[worker]:
+                raise FailedPrecondition(
+                    f"worker {worker} pulls at clock {clock} but has pushed only "
+                    f"{self.clocks[worker]} gradients here",
+                    reason="out_of_order",
+                )
+            self.touch(worker)
+            inc = self.incarnation
+
+            def ready() -> bool:
+                return (
+                    self.policy.pull_ready(self, worker, clock)
+                    or self.incarnation != inc
+                    or (self.draining and not self.round_in_flight)
+                )
+
+            ok = self._cond.wait_for(ready, timeout)
+            waited = time.monotonic() - started
+            self.check_incarnation(inc)
+            if not self.policy.pull_ready(self, worker, clock):
+                if ok:
+                    raise Unavailable("draining: this shard is shutting down; retry later")
+                raise DeadlineExceeded(
+                    f"pull by worker {worker} at clock {clock} waited {waited:.1f}s ({job.mode}): "
+                    f"round {self.rounds}, worker clocks {self.clocks}, live {sorted(self.live)}. "
+                    "A worker is slow or gone; raise --pull-timeout or check the slowest worker",
+                )
+            if job.mode == "sync":
+                self.metrics.barrier_wait(waited)
+            elif job.mode == "ssp":
+                self.metrics.ssp_wait(waited)
+            gap = clock - self.slowest_live_clock(default=clock)
+            self.max_clock_gap = max(self.max_clock_gap, gap)
+            header = PullHeader(
+                version=self.version,
+                rounds=self.rounds,
+                loss_scale=self.loss_scale.scale,
+                last_round_skipped=self.last_round_skipped,
+                skipped_rounds=self.skipped_rounds,
+                dtype=dtype,
+                clock_gap=gap,
+            )
+            self.policy.settle(self)  # per-chunk rounds: the closed round's weights only
+            pieces = self._snapshot(dtype, views)
+        self.metrics.bytes_sent(sum(len(p[2]) for p in pieces))
+        return header, pieces
+
+    def _snapshot(self: ShardState, dtype: torch.dtype, views: bool) -> list[tuple[str, int, Any]]:
+        """Wire pieces of the current weights in `dtype`, shared by every pull of a version."""
+        views = views and dtype == torch.float32 and self.job is not None
+        views = views and self.job.mode == "sync"
+        cached = self._snapshots.get((dtype, views))
+        if cached is not None and cached[0] == (self.incarnation, self.version):
+            return cached[1]
+        pieces: list[tuple[str, int, Any]] = []
+        # Sync fp32: views of the masters themselves, no copy. They cannot change while
+        # a pull reads them: the next round needs this worker's next push, which it
+        # sends only once its pull has landed. (A worker whose lease ran out mid-pull,
+        # or a rollback, may see a torn copy; its next push is then refused and it
+        # resyncs and pulls again.) async/ssp apply on every push: they copy. gRPC needs
+        # bytes: its pullers share one copy per version.
+        for key, p in self.masters.items():
+            flat = p.detach() if dtype == torch.float32 else p.detach().to(dtype)
+            for off, data in wire.iter_pieces(flat, self.message_bytes, copy=not views):
+                pieces.append((key, off, data))
+        self._snapshots[(dtype, views)] = ((self.incarnation, self.version), pieces)
+        return pieces

@@ -1,0 +1,115 @@
+"""gRPC edge of the sparse tables (CreateTables, PullRows, PushRows): proto in, SparseTables
+call (ps/server/sparse_shard.py), proto out; PSError -> status code. Bad input is refused before
+anything is applied (INVALID_ARGUMENT naming the table and the ids)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import torch
+
+from ps import serde, wire
+from ps._gen.psar.v1 import ps_pb2 as pb
+from ps.errors import InvalidArgument, PSError
+from ps.server.servicer import ParameterServerServicer
+from ps.server.shard import ShardState
+from ps.server.sparse_shard import RowPush, SparseTables
+
+
+def decode_ids(data: bytes) -> torch.Tensor:
+    if len(data) % 8:
+        raise InvalidArgument(f"ids: {len(data)} bytes is not a whole number of int64")
+    return (
+        torch.frombuffer(bytearray(data), dtype=torch.int64)
+        if data
+        else torch.empty(0, dtype=torch.int64)
+    )
+
+
+class SparseServicer(ParameterServerServicer):
+    """The dense servicer plus the sparse-table RPCs (tables created lazily)."""
+
+    def __init__(self, state: ShardState) -> None:
+        super().__init__(state)
+        if not hasattr(state, "sparse"):
+            state.sparse = SparseTables(state)
+        self.sparse: SparseTables = state.sparse
+
+    def CreateTables(self, request: pb.CreateTablesRequest, context: grpc.ServicerContext) -> Any:
+        try:
+            specs = [serde.spec_from_pb(t) for t in request.tables]
+            already = self.sparse.create(specs)
+            return pb.CreateTablesReply(already_created=already, table_bytes=self.sparse.nbytes)
+        except PSError as e:
+            context.abort(e.code, e.args[0])
+
+    def PullRows(self, request: pb.PullRowsRequest, context: grpc.ServicerContext) -> Iterator[Any]:
+        t0 = time.monotonic()
+        try:
+            dtype = serde.dtype_from_pb(request.dtype)
+            version, rows = self.sparse.pull(request.worker, request.table, decode_ids(request.ids))
+        except PSError as e:
+            context.abort(e.code, e.args[0])
+            return
+        rows = rows.to(dtype).reshape(-1) if dtype != torch.float32 else rows.reshape(-1)
+        dim = max(1, self.sparse.tables[request.table].spec.dim)
+        per = max(1, self.state.message_bytes // (dim * rows.element_size())) * dim
+        sent = 0
+        if rows.numel() == 0:
+            yield pb.PullRowsChunk(version=version)
+        for off, data in wire.iter_pieces(rows, per * rows.element_size()):
+            sent += len(data)
+            yield pb.PullRowsChunk(version=version, offset=off // dim, data=data)
+        self.metrics.bytes_sent(sent)
+        self.metrics.rpc_observed("PullRows", time.monotonic() - t0)
+
+    def PushRows(self, request_iterator: Iterator[pb.PushRowsChunk], context: Any) -> Any:
+        t0 = time.monotonic()
+        try:
+            first = next(request_iterator, None)
+            if first is None or first.WhichOneof("kind") != "header":
+                raise InvalidArgument(
+                    "PushRows stream must start with a header", reason="malformed"
+                )
+            h = first.header
+            dtype = serde.dtype_from_pb(h.dtype)
+            ids_b, data_b = bytearray(), bytearray()
+            for msg in request_iterator:
+                kind = msg.WhichOneof("kind")
+                if kind == "ids" and not data_b:
+                    ids_b += msg.ids
+                elif kind == "data":
+                    data_b += msg.data
+                else:
+                    raise InvalidArgument("PushRows: one header, then ids, then data")
+            self.metrics.bytes_received(len(ids_b) + len(data_b))
+            ids = decode_ids(bytes(ids_b))
+            if ids.numel() != h.num_ids:
+                raise InvalidArgument(
+                    f"PushRows table {h.table!r}: header says {h.num_ids} ids, got {ids.numel()}"
+                )
+            item = wire.DTYPE_ITEMSIZE[dtype]
+            if len(data_b) % item:
+                raise InvalidArgument(f"PushRows table {h.table!r}: ragged gradient bytes")
+            grads = wire.decode(bytes(data_b), dtype).float() if data_b else torch.empty(0)
+            n = ids.numel()
+            if n and grads.numel() % n == 0:
+                grads = grads.reshape(n, -1)
+            elif n or grads.numel():
+                grads = grads.reshape(1, -1)  # refused by the width check
+            else:
+                grads = grads.reshape(0, self.sparse.table(h.table).spec.dim)
+            if h.loss_scale not in (0.0, 1.0):
+                grads = grads / h.loss_scale
+            push = RowPush(h.worker, h.clock, h.base_version, h.overflow, ids, grads)
+            applied, already, version, stale = self.sparse.push(h.table, push)
+            return pb.PushRowsReply(
+                applied=applied, already_applied=already, version=version, staleness=stale
+            )
+        except PSError as e:
+            context.abort(e.code, e.args[0])
+        finally:
+            self.metrics.rpc_observed("PushRows", time.monotonic() - t0)

@@ -1,0 +1,129 @@
+"""The walls between the packages (docs/architecture.md), held by tests.
+
+Each closure test imports every module of one package in a fresh interpreter and lists
+what got loaded: a shard must not load the worker, a worker's client must not load the
+shard, a DDP run must not load the parameter server, and the neutral package loads
+neither side. The cycle test reads the import statements themselves (module level and
+inside functions; ``if TYPE_CHECKING:`` blocks do not run, so they do not count).
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# package -> prefixes none of its modules may load
+WALLS = {
+    "ps.server": ("worker", "allreduce", "ps.client"),
+    "ps.client": ("ps.server", "allreduce"),
+    "allreduce": ("ps",),
+    "trainkit": ("ps", "worker", "allreduce"),
+}
+
+
+def modules_of(package: str, *, recursive: bool = True) -> list[str]:
+    folder = ROOT / package.replace(".", "/")
+    files = folder.rglob("*.py") if recursive else folder.glob("*.py")
+    out = []
+    for f in sorted(files):
+        if "_gen" in f.parts:
+            continue
+        rel = f.relative_to(ROOT).with_suffix("")
+        parts = list(rel.parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out.append(".".join(parts))
+    return out
+
+
+def loaded_after_importing(mods: list[str]) -> list[str]:
+    code = (
+        "import importlib, json, sys\n"
+        f"for m in {mods!r}: importlib.import_module(m)\n"
+        "print(json.dumps(sorted(sys.modules)))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("package", sorted(WALLS))
+def test_package_loads_nothing_across_its_wall(package: str) -> None:
+    mods = modules_of(package)
+    assert mods, f"no modules found under {package}"
+    loaded = loaded_after_importing(mods)
+    banned = WALLS[package]
+    crossed = [m for m in loaded if any(m == b or m.startswith(b + ".") for b in banned)]
+    assert not crossed, f"importing {package} loads {crossed} (forbidden: {banned})"
+
+
+def test_shared_ps_modules_load_neither_side() -> None:
+    mods = [m for m in modules_of("ps", recursive=False) if m != "ps"]
+    assert "ps.wire" in mods and "ps.serde" in mods
+    loaded = loaded_after_importing(mods)
+    banned = ("ps.server", "ps.client", "worker", "allreduce")
+    crossed = [m for m in loaded if any(m == b or m.startswith(b + ".") for b in banned)]
+    assert not crossed, f"the shared ps modules load {crossed}"
+
+
+def _imports(path: Path, package_of: str) -> set[str]:
+    """Modules `path` imports, TYPE_CHECKING blocks left out, relative imports resolved."""
+    tree = ast.parse(path.read_text())
+    skip: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skip.update(id(n) for b in node.body for n in ast.walk(b))
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found.add(node.module)
+            # `from ps.server import shard` imports the module ps.server.shard
+            found.update(f"{node.module}.{a.name}" for a in node.names)
+    return found
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(n: str) -> list[str] | None:
+        state[n] = 1
+        stack.append(n)
+        for m in sorted(graph.get(n, ())):
+            if state.get(m) == 1:
+                return stack[stack.index(m) :] + [m]
+            if m not in state and (found := visit(m)):
+                return found
+        stack.pop()
+        state[n] = 2
+        return None
+
+    for n in sorted(graph):
+        if n not in state and (found := visit(n)):
+            return found
+    return None
+
+
+@pytest.mark.parametrize("package", ["ps", "trainkit", "worker", "allreduce"])
+def test_no_import_cycles(package: str) -> None:
+    mods = set(modules_of(package))
+    graph = {}
+    for m in mods:
+        f = ROOT / (m.replace(".", "/") + ".py")
+        if not f.exists():
+            f = ROOT / m.replace(".", "/") / "__init__.py"
+        # a package's __init__ is loaded by its modules anyway: not an edge worth a cycle
+        graph[m] = {i for i in _imports(f, m) if i in mods and i != m and not m.startswith(i + ".")}
+    assert _cycle(graph) is None, f"import cycle: {' -> '.join(_cycle(graph) or [])}"
