@@ -3,32 +3,29 @@ overlap: push during backward from pinned buffers after CUDA events); prints thr
 
 Run on a machine with CUDA (a few minutes at most):
 
-    python bench/gpu_check.py [--steps 200] [--json]
+    python bench/gpu_check.py [--steps 200] [--json] [--timeout-s 300]
 
 It exits 0 with "skipped: no CUDA device" anywhere else, so it can never break CI.
 DDP uses as many ranks as there are GPUs (NCCL refuses two ranks on one GPU); with
 a single GPU it runs one NCCL rank, which still exercises the NCCL path end to end.
+
+Every job runs in its own process groups (bench/common.py `Procs`) with its output in a
+log file; a job that outlives --timeout-s, fails, or is interrupted (Ctrl-C, SIGTERM)
+stops every process this script started, and the script exits 1 with the log's tail.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import re
-import socket
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-PSAR = [sys.executable, "-m", "worker.cli"]
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from bench import common as c
 
 
 def train_args(steps: int, report: str) -> list[str]:
@@ -38,61 +35,35 @@ def train_args(steps: int, report: str) -> list[str]:
             "--eval-batches", "5", "--log-every", "50", "--report", report]  # fmt: skip
 
 
-def run_ddp(gpus: int, steps: int, tmp: Path) -> dict:
-    report = str(tmp / "ddp.json")
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={gpus}",
-           "--master-addr=127.0.0.1", f"--master-port={free_port()}", "-m", "worker.cli",
-           "train", "--arch", "allreduce", "--backend", "nccl", *train_args(steps, report)]  # fmt: skip
-    subprocess.run(cmd, check=True, timeout=300)
-    return json.loads(Path(report).read_text())
+def run_ddp(gpus: int, steps: int, tmp: Path, timeout: float) -> dict:
+    report = tmp / "ddp.json"
+    py = ["-m", "worker.cli", "train", "--arch", "allreduce", "--backend", "nccl",
+          *train_args(steps, str(report))]  # fmt: skip
+    c.ddp_job(tmp / "ddp", workers=gpus, py_args=py, timeout=timeout)
+    return json.loads(report.read_text())
 
 
-def run_ps(workers: int, steps: int, tmp: Path, *extra: str) -> list[dict]:
-    server = subprocess.Popen(
-        [*PSAR, "server", "--bind", "127.0.0.1:0"], stdout=subprocess.PIPE, text=True
-    )
-    try:
-        addr = None
-        for line in server.stdout:
-            m = re.search(r"listening on (\S+:\d+)", line)
-            if m:
-                addr = m.group(1)
-                break
-        procs = []
+def run_ps(workers: int, steps: int, tmp: Path, timeout: float, *extra: str) -> list[dict]:
+    name = "-".join(["ps", *(e.lstrip("-") for e in extra)])
+    with c.Procs(tmp / name) as procs:  # closing it kills every process group it started
+        (addr,) = c.start_shards(procs, 1, timeout=min(timeout, 120.0))
         for r in range(workers):
-            env = {**os.environ, "LOCAL_RANK": str(r)}
-            cmd = [*PSAR, "train", "--arch", "ps", "--servers", addr, "--rank", str(r),
-                   "--world-size", str(workers), *train_args(steps, str(tmp / f"ps-{r}.json")),
-                   *extra]  # fmt: skip
-            procs.append(subprocess.Popen(cmd, env=env))
-        for p in procs:
-            if p.wait(timeout=300) != 0:
-                raise SystemExit("a PS worker failed")
-        return [json.loads((tmp / f"ps-{r}.json").read_text()) for r in range(workers)]
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
+            # LOCAL_RANK picks the worker's GPU (cuda:LOCAL_RANK % device count).
+            cmd = [*c.PSAR, "train", "--arch", "ps", "--servers", addr, "--rank", str(r),
+                   "--world-size", str(workers),
+                   *train_args(steps, str(tmp / f"{name}-{r}.json")), *extra]  # fmt: skip
+            procs.start(f"worker{r}", cmd, env=c.child_env({"LOCAL_RANK": str(r)}))
+        procs.wait([f"worker{r}" for r in range(workers)], timeout)
+    return [json.loads((tmp / f"{name}-{r}.json").read_text()) for r in range(workers)]
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--json", action="store_true")
-    args = parser.parse_args()
+def check(gpus: int, steps: int, tmp: Path, timeout: float) -> dict:
     import torch
 
-    if not torch.cuda.is_available():
-        print("skipped: no CUDA device")
-        return 0
-    gpus = torch.cuda.device_count()
-    with tempfile.TemporaryDirectory() as d:
-        tmp = Path(d)
-        ddp = run_ddp(gpus, args.steps, tmp)
-        ps = run_ps(2, args.steps, tmp)  # overlap on: push during backward (CUDA events)
-        plain = run_ps(2, args.steps, tmp, "--no-overlap")
-    result = {
+    ddp = run_ddp(gpus, steps, tmp, timeout)
+    ps = run_ps(2, steps, tmp, timeout)  # overlap on: push during backward (CUDA events)
+    plain = run_ps(2, steps, tmp, timeout, "--no-overlap")
+    return {
         "gpu": torch.cuda.get_device_name(0),
         "gpus": gpus,
         "ddp_nccl_ranks": gpus,
@@ -106,9 +77,40 @@ def main() -> int:
         "ps_no_overlap_global_samples_per_sec": sum(r["samples_per_sec"] for r in plain),
         "ps_no_overlap_final_loss": plain[0]["final_train_loss"],
     }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--timeout-s", type=float, default=300.0,
+                        help="per job (DDP, each PS run), seconds (default: 300)")  # fmt: skip
+    parser.add_argument("--out", type=Path, default=None,
+                        help="keep the jobs' logs and reports here (default: a temp dir)")  # fmt: skip
+    args = parser.parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("skipped: no CUDA device")
+        return 0
+    c.install_sigterm()  # SIGTERM unwinds through every `with Procs`: no orphans
+    gpus = torch.cuda.device_count()
+    with tempfile.TemporaryDirectory() as d:
+        tmp = args.out or Path(d)
+        tmp.mkdir(parents=True, exist_ok=True)
+        try:
+            result = check(gpus, args.steps, tmp, args.timeout_s)
+        except (c.BenchError, OSError, ValueError, KeyError) as e:
+            print(f"gpu_check: failed: {e}", file=sys.stderr)
+            return 1
     print(json.dumps(result, indent=None if args.json else 2))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # every `with Procs` block has stopped its processes
+        sys.exit(130)

@@ -27,6 +27,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TextIO
 
+from worker.torchrun_compat import torchrun_flags, torchrun_options
+
 EXIT_USAGE, EXIT_TIMEOUT = 2, 124
 _LISTEN = re.compile(r"psar server listening on (\S+):(\d+)")
 _TEE = re.compile(r"^\[worker(\d+)\]:(.*)$")
@@ -130,12 +132,12 @@ def validate(spec: LaunchSpec) -> None:
         raise ValueError(
             f"{bad[0]} is set by launch (--servers N, --workers N, --metrics-base-port)"
         )
-    from worker import cli, cli_gen
+    from worker import cli_gen, cli_parser
     from worker.config import TrainConfig
 
     argv = ["train", "--arch", spec.arch, *spec.train_args, *_ps_flags(spec, "127.0.0.1:1", 0)]
     try:
-        args = cli.build_parser().parse_args(argv)
+        args = cli_parser.build_parser().parse_args(argv)
     except SystemExit:
         raise ValueError("unknown or bad train flag (see `psar train --help`)") from None
     cli_gen.build(TrainConfig, args, args.config)
@@ -253,11 +255,15 @@ class _Job:
         train = [*self._metrics(base), *s.train_args]
         if s.arch == "allreduce" and not self.direct:
             self.tmp = tempfile.mkdtemp(prefix="psar-launch-")
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
-                   "--nproc-per-node", str(s.workers), "--max-restarts", "0",
-                   "--master-addr", self.host, "--master-port", str(free_port(self.host)),
-                   "--role", "worker", "--tee", "3", "--log-dir", self.tmp,
-                   "--shutdown-timeout", str(max(1, int(s.grace / 2))),
+            # Without --shutdown-timeout, launch's own SIGKILL after --grace still bounds it.
+            flags, notes = torchrun_flags(
+                ["--nnodes", "1", "--nproc-per-node", str(s.workers), "--max-restarts", "0",
+                 "--master-addr", self.host, "--master-port", str(free_port(self.host)),
+                 "--role", "worker", "--tee", "3", "--log-dir", self.tmp,
+                 "--shutdown-timeout", str(max(1, int(s.grace / 2)))], torchrun_options())  # fmt: skip
+            for note in notes:
+                self.say(note)
+            cmd = [sys.executable, "-m", "torch.distributed.run", *flags,
                    "-m", "worker.cli", "train", "--arch", "allreduce", *train]  # fmt: skip
             self._spawn("torchrun", "torchrun", 0, cmd, {})
             return
