@@ -27,6 +27,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from allreduce.hooks import register_wire_dtype
 from trainkit.atomic import atomic_save
+from trainkit.device_io import state_to_host
 from trainkit.finite import all_finite
 from trainkit.optim import build_optimizer, build_scheduler, effective_loss_scale, with_run_length
 from worker.backend import StepOutcome
@@ -74,6 +75,37 @@ def init_process_group(cfg: TrainConfig, device: torch.device) -> None:
 class DDPBackend:
     arch = "allreduce"
     mode = "ddp"
+    reports_staleness = False  # every rank applies the same gradient to the same weights
+    per_rank_reports = False  # ranks run in lockstep: rank 0's report speaks for the job
+
+    @classmethod
+    def rank_flags(cls, cfg: TrainConfig) -> tuple[int, int]:
+        """None: torchrun's environment (RANK, WORLD_SIZE) is the only source (Backend)."""
+        return -1, 0
+
+    @classmethod
+    def from_config(
+        cls,
+        cfg: TrainConfig,
+        precision: PrecisionPolicy,
+        *,
+        rank: int,
+        world_size: int,
+        total_steps: int,
+        metrics: Any,
+        find_unused_parameters: bool,
+    ) -> DDPBackend:
+        """The loop's one way to build a backend (Backend protocol). `metrics` is unused:
+        DDP's traffic runs inside torch, and the loop's own series cover this worker."""
+        del metrics
+        return cls(
+            cfg,
+            precision,
+            rank=rank,
+            world_size=world_size,
+            total_steps=total_steps,
+            find_unused_parameters=find_unused_parameters,
+        )
 
     def __init__(
         self,
@@ -173,7 +205,8 @@ class DDPBackend:
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict(),
         }
-        atomic_save(snap, folder / f"ddp-{self.steps_done:012d}.pt")
+        # Host copies: the file loads anywhere, and map_location puts it back on the device.
+        atomic_save(state_to_host(snap), folder / f"ddp-{self.steps_done:012d}.pt")
         self._saved_step = self.steps_done
         self.checkpoints_written += 1
         for _, old in list_checkpoints(str(folder))[:-_KEEP]:
@@ -220,7 +253,7 @@ class DDPBackend:
         return {"bytes_allreduced": self.bytes_allreduced}
 
     def state_dict(self) -> dict[str, Any]:
-        return self.model.state_dict()
+        return state_to_host(self.model.state_dict())  # --save: loads without a GPU
 
     def shard_stats(self) -> list[dict[str, Any]]:
         return []

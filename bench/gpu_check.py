@@ -44,7 +44,7 @@ def run_ddp(gpus: int, steps: int, tmp: Path, timeout: float) -> dict:
 
 
 def run_ps(workers: int, steps: int, tmp: Path, timeout: float, *extra: str) -> list[dict]:
-    name = "-".join(["ps", *(e.lstrip("-") for e in extra)])
+    name = "-".join(["ps", *(e.lstrip("-") for e in extra if e.startswith("--"))])
     with c.Procs(tmp / name) as procs:  # closing it kills every process group it started
         (addr,) = c.start_shards(procs, 1, timeout=min(timeout, 120.0))
         for r in range(workers):
@@ -61,8 +61,11 @@ def check(gpus: int, steps: int, tmp: Path, timeout: float) -> dict:
     import torch
 
     ddp = run_ddp(gpus, steps, tmp, timeout)
-    ps = run_ps(2, steps, tmp, timeout)  # overlap on: push during backward (CUDA events)
+    saved = tmp / "ps-weights.pt"
+    # overlap on: push during backward (side stream), pull in forward order (per-slot copies)
+    ps = run_ps(2, steps, tmp, timeout, "--save", str(saved))
     plain = run_ps(2, steps, tmp, timeout, "--no-overlap")
+    weights = torch.load(saved, weights_only=True)  # no map_location: as saved
     return {
         "gpu": torch.cuda.get_device_name(0),
         "gpus": gpus,
@@ -76,6 +79,10 @@ def check(gpus: int, steps: int, tmp: Path, timeout: float) -> dict:
         "ps_final_loss_scale": ps[0]["final_loss_scale"],
         "ps_no_overlap_global_samples_per_sec": sum(r["samples_per_sec"] for r in plain),
         "ps_no_overlap_final_loss": plain[0]["final_train_loss"],
+        # The overlap changes when bytes move, never what is computed: same losses.
+        "ps_overlap_same_loss": ps[0]["final_train_loss"] == plain[0]["final_train_loss"],
+        # --save from CUDA workers writes host tensors: the file loads without a GPU.
+        "ps_save_on_host": all(t.device.type == "cpu" for t in weights.values()),
     }
 
 

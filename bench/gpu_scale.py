@@ -7,7 +7,9 @@ parameters), batch 16 per worker, fp16 with loss scaling, AdamW, 60 steps per ru
 
 Rows: no_comm (DDP with one rank: NCCL on CUDA, gloo on CPU, so nothing is exchanged),
 ps_sync_1shard / ps_sync_4shards / ps_sync_8shards (one worker, `--mode sync`) and
-ps_async_2workers (two workers on the same device, `--mode async`, --async-shards shards).
+ps_async_2workers (two workers on the same device, `--mode async`, --async-shards shards),
+and ps_sync_8shards_fp16w: 8 shards with `--worker-weights fp16` (the worker keeps fp16
+weights, the shards the fp32 masters: half the bytes pulled).
 
 - step ms: each worker's median step time over the second half of its steps (the
   first half holds start-up, CUDA warm-up and the PS overlap trial), averaged over
@@ -52,6 +54,12 @@ ROWS: dict[str, tuple[int, int, str]] = {
     "ps_sync_4shards": (4, 1, "sync"),
     "ps_sync_8shards": (8, 1, "sync"),
     "ps_async_2workers": (4, 2, "async"),  # shards: --async-shards
+    "ps_sync_8shards_fp16w": (8, 1, "sync"),
+}
+#: Rows that differ from their namesake by `psar train` flags of their own.
+ROW_FLAGS: dict[str, list[str]] = {
+    # fp16 weights on the worker (fp32 masters stay on the shards): half the pull bytes.
+    "ps_sync_8shards_fp16w": ["--worker-weights", "fp16"],
 }
 PHASES = ("data", "forward", "backward", "push", "wait", "pull", "optimizer")
 GPU_MODEL = {"seq_len": 256, "d_model": 768, "n_layers": 8, "n_heads": 12}
@@ -94,7 +102,7 @@ def run_job(name: str, out: Path, setup: Setup, *, shards: int, timeout: float,
             server: list[str]) -> c.Run:  # fmt: skip
     """One row's processes to completion (bench.common stops every process group)."""
     _, workers, mode = ROWS[name]
-    train = setup.train_flags()
+    train = [*setup.train_flags(), *ROW_FLAGS.get(name, [])]
     if name == "no_comm":
         py = [*c.psar_train_args(out, "allreduce"), *train]
         return c.ddp_job(out, workers=1, py_args=py, timeout=timeout)

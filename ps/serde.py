@@ -162,3 +162,23 @@ def spec_from_pb(m: pb.TableSpec) -> TableSpec:
         return TableSpec(**{f: getattr(m, f) for f in _SPEC_FIELDS})
     except ValueError as e:
         raise InvalidArgument(f"CreateTables: {e}") from None
+
+
+INIT_FAILED_PREFIX = "the worker of rank 0 could not initialise the shards"
+"""Starts the FAILED_PRECONDITION details a shard answers GetJob(wait) with once rank 0
+reported that its init failed (ReportInitFailure); the client knows InitFailed by it."""
+MAX_INIT_ERROR_CHARS = 2000
+"""Rank 0's error text is cut to this (it travels in status details, i.e. a header)."""
+
+
+def init_failure_to_pb(worker: int, error: str) -> pb.InitFailedRequest:
+    return pb.InitFailedRequest(worker=worker, error=error[:MAX_INIT_ERROR_CHARS])
+
+
+def init_failure_details(m: pb.InitFailedRequest) -> str:
+    """What workers waiting for the init are told: rank 0's own words, and what to do."""
+    error = m.error[:MAX_INIT_ERROR_CHARS] or "(no reason given)"
+    return (
+        f"{INIT_FAILED_PREFIX} (worker {m.worker} reported): {error} -- fix that and "
+        "start the workers again"
+    )

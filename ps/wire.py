@@ -32,6 +32,12 @@ def dtype_from_name(name: str) -> torch.dtype:
 
 def as_bytes_view(flat: torch.Tensor) -> memoryview:
     """A byte view of a contiguous CPU tensor, without copying (bf16 has no numpy dtype)."""
+    if flat.device.type != "cpu":
+        # Device tensors reach the wire through host buffers (trainkit/device_io.py).
+        raise ValueError(
+            f"a tensor on {flat.device} cannot go on the wire as it is; stage it in host "
+            "memory first (trainkit.device_io.to_host or DeviceIO.stage_out)"
+        )
     if flat.dtype in (torch.float16, torch.bfloat16):
         flat = flat.view(torch.int16)
     return memoryview(flat.detach().numpy()).cast("B")

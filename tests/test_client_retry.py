@@ -31,7 +31,7 @@ from tests.ps_fixtures import (
     stats_digest,
 )
 
-FAST = ClientConfig(timeout_s=10.0, pull_timeout_s=10.0, retry_timeout_s=10.0)
+FAST = ClientConfig(timeout_s=10.0, pull_timeout_s=10.0, reconnect_timeout_s=10.0)
 
 
 def shard_jobs(num_shards: int, mode: str = "sync", num_workers: int = 1) -> list[Job]:
@@ -236,7 +236,7 @@ def test_push_retries_unavailable_until_the_shard_is_up(late: LateServer) -> Non
 
 
 def test_give_up_after_retry_timeout() -> None:
-    cfg = ClientConfig(timeout_s=1.0, retry_timeout_s=0.3)
+    cfg = ClientConfig(timeout_s=1.0, reconnect_timeout_s=0.3)
     port = free_port()
     with PSClient([f"127.0.0.1:{port}"], worker=0, cfg=cfg) as client:
         client.set_slots(plan_slots(PARAMS, 1, chunk_bytes=32))

@@ -190,9 +190,15 @@ def test_dockerfile(path: Path) -> None:
     env = docker_env(instrs)
     assert env.get("PYTHONUNBUFFERED") == "1"
 
-    # torch: the version pyproject pins; the CPU image from the CPU index.
-    pin = re.search(r'"torch==([^"]+)"', (ROOT / "pyproject.toml").read_text()).group(1)
+    # torch: the tested version CI installs (pyproject accepts a range around it); the
+    # CPU image from the CPU index.
+    pin = re.search(r"torch==([0-9][^\s\"']*)", (ROOT / ".ci/run").read_text()).group(1)
     assert args["TORCH_VERSION"] == pin
+    low, high = re.search(
+        r'"torch>=([^,]+),<([^"]+)"', (ROOT / "pyproject.toml").read_text()
+    ).groups()
+    as_tuple = lambda v: tuple(int(x) for x in v.split(".")[:2])  # noqa: E731
+    assert as_tuple(low) <= as_tuple(pin) < as_tuple(high), (low, pin, high)
     if path.name == "Dockerfile.cpu":
         assert base == "python:3.11-slim"
         assert args["TORCH_INDEX_URL"] == "https://download.pytorch.org/whl/cpu"

@@ -97,3 +97,13 @@ def test_launch_runs_under_a_torchrun_without_shutdown_timeout(
     assert err.splitlines()[-1] == "psar launch: all 1 workers finished"
     assert (tmp_path / "report-0.json").exists()
     assert_all_gone(s.pids)
+
+
+def test_servers_auto_picks_shards_from_the_cores() -> None:
+    assert L.auto_servers(1, cores=16) == 7  # (16 - 1) // 2
+    assert L.auto_servers(2, cores=2) == 1  # never below one
+    assert L.auto_servers(1, cores=64) == 8  # capped
+    spec = L.parse(["--servers", "auto", "--workers", "1", "--steps", "3"])
+    assert spec.servers == L.auto_servers(1) >= 1
+    with pytest.raises(SystemExit):
+        L.parse(["--servers", "many"])

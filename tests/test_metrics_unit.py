@@ -34,7 +34,7 @@ SHARD_CONTRACT = {
     **dict.fromkeys(
         "psar_ps_updates_applied psar_ps_rounds_skipped psar_ps_pushes_rejected "
         "psar_ps_pushes_accepted psar_ps_nonfinite_dropped psar_ps_bytes_received "
-        "psar_ps_bytes_sent".split(),
+        "psar_ps_bytes_sent psar_ps_params_updated psar_ps_update_seconds".split(),
         "counter",
     ),
     **dict.fromkeys(
@@ -172,6 +172,8 @@ def test_shard_counters_move():
     m.chunk_undo()
     m.bytes_received(100)
     m.bytes_sent(250)
+    m.update_timed(1000, 0.25)
+    m.update_timed(1000, 0.25)
     m.rpc_observed("Push", 0.002)
     m.rpc_observed("Bogus", 0.002)
     m.barrier_wait(0.3)
@@ -197,6 +199,8 @@ def test_shard_counters_move():
     assert value(t, "psar_ps_chunk_undos_total") == 1
     assert value(t, "psar_ps_bytes_received_total") == 100
     assert value(t, "psar_ps_bytes_sent_total") == 250
+    assert value(t, "psar_ps_params_updated_total") == 2000
+    assert value(t, "psar_ps_update_seconds_total") == pytest.approx(0.5)
     assert value(t, "psar_ps_rpc_duration_seconds_count", method="Push") == 1
     assert value(t, "psar_ps_rpc_duration_seconds_count", method="other") == 1
     assert value(t, "psar_ps_rpc_duration_seconds_count", method="Pull") == 0

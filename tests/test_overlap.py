@@ -15,7 +15,8 @@ import time
 import pytest
 import torch
 
-from ps.client.overlap import PullGate, PushBuckets, bucket_params
+from ps.client.overlap import PushBuckets, bucket_params
+from ps.client.pull_gate import PullGate
 from ps.partition import plan_slots
 from ps.server.pushdata import PushHeader
 from ps.server.shard import ShardState

@@ -17,6 +17,7 @@ import torch
 from ps.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument
 from ps.job import Job
 from ps.server.shard import ShardState
+from tests.policy_decisions import DecisionContract
 from tests.ps_fixtures import (
     OPTIMIZERS,
     assert_weights_equal,
@@ -37,8 +38,10 @@ from trainkit.optim import LossScaleConfig
 Grads = dict[str, torch.Tensor]
 
 
-class PolicyContract:
-    """Behaviour every update policy must show. Subclasses set `mode`."""
+class PolicyContract(DecisionContract):
+    """Behaviour every update policy must show. Subclasses set `mode`. The decisions that
+    moved behind UpdatePolicy (rounds, checkpoints, rollback, rejoining, pull waits and
+    views, draining, sparse rows) come from DecisionContract (tests/policy_decisions.py)."""
 
     mode: str = ""
     staleness: int = 0
@@ -577,3 +580,4 @@ def test_every_mode_has_a_contract_suite() -> None:
     assert {c.mode for c in suites} == {"sync", "async", "ssp"}
     assert any(c.chunk_rounds for c in suites)
     assert all(issubclass(c, PolicyContract) for c in suites)
+    assert all(issubclass(c, DecisionContract) for c in suites)

@@ -1,17 +1,26 @@
-"""The small protocol the training loop talks to; each architecture implements it.
+"""The protocol the training loop talks to; each architecture implements it.
 
 The loop (worker/loop.py) never asks which architecture it runs on: `PSBackend`
 (ps/client/backend.py) and `DDPBackend` (allreduce/backend.py) both provide these calls,
-like ps-lite's push/pull/wait or torchtitan's parallelize_fn.
+like ps-lite's push/pull/wait or torchtitan's parallelize_fn. Everything the loop reads
+from a backend is declared here, and tests/test_backend_protocol.py holds both classes
+(and the loop's source) to it: a member the loop needs but only one backend has would
+otherwise surface as an AttributeError in the other architecture's runs only.
 """
 
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 import torch
+
+if TYPE_CHECKING:  # annotations only: this module stays free of config/precision imports
+    from typing import Self
+
+    from worker.config import TrainConfig
+    from worker.precision import PrecisionPolicy
 
 
 @dataclass
@@ -28,14 +37,52 @@ class StepOutcome:
     """Seconds spent in communication phases this step (push, pull, wait, allreduce, optimizer)."""
 
 
+@runtime_checkable
 class Backend(Protocol):
-    arch: str
-    """'ps' or 'allreduce'."""
+    # ---- what the class says before any instance exists -----------------------------
+    arch: ClassVar[str]
+    """'ps' or 'allreduce': the report's "arch", the metrics' arch label, log file names."""
+    reports_staleness: ClassVar[bool]
+    """StepOutcome.staleness means something here (ps: a gradient may be applied to newer
+    weights than it was computed on); the report then carries its percentiles."""
+    per_rank_reports: ClassVar[bool]
+    """Every rank writes its own --report (ps workers are separate processes with their
+    own staleness and faults); False: rank 0 writes the job's (DDP ranks are lockstep)."""
+
+    @classmethod
+    def rank_flags(cls, cfg: TrainConfig) -> tuple[int, int]:
+        """(rank, world_size) as this architecture's flags give them (-1 / 0: not given,
+        the launcher's environment decides; trainkit/roles.py)."""
+        ...
+
+    @classmethod
+    def from_config(
+        cls,
+        cfg: TrainConfig,
+        precision: PrecisionPolicy,
+        *,
+        rank: int,
+        world_size: int,
+        total_steps: int,
+        metrics: Any,
+        find_unused_parameters: bool,
+    ) -> Self:
+        """The backend for one worker. Same signature on every backend, so the loop builds
+        either without knowing which; each takes what it needs (DDP: find_unused_parameters,
+        the workload's hint; PS: metrics, for its transport series)."""
+        ...
+
+    # ---- per instance ---------------------------------------------------------------
     mode: str
     """'sync' | 'async' | 'ssp' for ps; 'ddp' for allreduce."""
     rank: int
     world_size: int
     device: torch.device
+    precision: PrecisionPolicy
+    """The worker's resolved precision; the report's "wire_dtype" comes from it."""
+    start_step: int
+    """Steps an earlier process of this worker already did (0 for a fresh run); valid
+    after setup(). The loop continues at start_step + 1 (docs/reliability.md)."""
 
     def setup(self, model: torch.nn.Module) -> torch.nn.Module:
         """Take the freshly built model (same seed everywhere); return the module to train.
@@ -56,6 +103,11 @@ class Backend(Protocol):
 
     def comm_bytes(self) -> dict[str, int]:
         """Cumulative bytes moved: bytes_pushed/bytes_pulled (ps) or bytes_allreduced."""
+        ...
+
+    def shard_stats(self) -> list[dict[str, Any]]:
+        """The report's "shards": each parameter-server shard's own figures ([] where
+        there are no shards). Asked on rank 0 only."""
         ...
 
     def report_extras(self) -> dict[str, Any]:

@@ -25,7 +25,18 @@ RENAMES = {("optimizer", "name"): "optimizer"}
 
 @cache
 def field_docs(cls: type) -> dict[str, str]:
-    """Docstrings written under dataclass fields: {field name: text}."""
+    """Docstrings written under dataclass fields: {field name: text}, those of inherited
+    fields too (PSConfig inherits trainkit.connection.ConnectionConfig's)."""
+    docs: dict[str, str] = {}
+    for base in reversed(cls.__mro__[1:]):
+        if dataclasses.is_dataclass(base):
+            docs.update(_own_field_docs(base))
+    docs.update(_own_field_docs(cls))
+    return docs
+
+
+def _own_field_docs(cls: type) -> dict[str, str]:
+    """The docstrings under the fields declared in `cls`'s own class body."""
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     except (OSError, TypeError):

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from worker import report
-from worker.launch import LaunchSpec, add_launch_flags, launch
+from worker.launch import LaunchSpec, add_launch_flags, auto_servers, launch
 
 RUNS: dict[str, tuple[str, str]] = {
     "allreduce": ("allreduce", "sync"),
@@ -256,6 +256,8 @@ def _plots(run_dir: Path, result: dict[str, Any]) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
+    if args.servers == 0:  # --servers auto
+        args.servers = auto_servers(args.workers)
     try:
         code, doc = compare(args, extra)
     except ValueError as e:

@@ -11,14 +11,20 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from trainkit.connection import ConnectionConfig
 from trainkit.optim import LossScaleConfig, OptimizerConfig
 
 ARCHS = ("ps", "allreduce")
 
 
 @dataclass(kw_only=True)
-class PSConfig:
-    """Parameter-server architecture (--arch ps)."""
+class PSConfig(ConnectionConfig):
+    """Parameter-server architecture (--arch ps).
+
+    The connection fields (--timeout-s, --pull-timeout-s, --data-plane,
+    --reconnect-timeout-s, --tls-*) and their checks are inherited from
+    trainkit.connection.ConnectionConfig, which the worker's ClientConfig inherits too:
+    declared once, so the two cannot drift apart (ps/client/client_config.py)."""
 
     servers: str = ""
     """Comma-separated HOST:PORT of every shard, in shard order (or env PSAR_SERVERS)."""
@@ -32,10 +38,6 @@ class PSConfig:
     """ssp: no worker runs more than this many clocks ahead of the slowest live worker."""
     chunk_mib: float = 4.0
     """Tensors larger than this (MiB of fp32) are cut into chunks spread over shards."""
-    timeout_s: float = 60.0
-    """Deadline of calls that never wait on other workers (init, push)."""
-    pull_timeout_s: float = 300.0
-    """Deadline of a pull, which may wait for a sync round or the slowest SSP worker."""
     job_id: str = "psar"
     """Job name sent to the shards; a shard refuses a second job with another name."""
     overlap: bool = True
@@ -44,7 +46,7 @@ class PSConfig:
     bucket_mib: float = 1.0
     """--overlap: gradients are pushed in buckets of about this many MiB."""
     pull_overlap: bool = True
-    """--overlap on CPU workers: let the next forward start while later layers are still
+    """--overlap: let the next forward start while later layers are still
     being pulled. Off: only the push overlaps (backward); step() waits for the whole pull.
     Where workers and shards share few cores the pulling thread takes its core from
     forward; --overlap-trial finds out (bench/README.md, step_throughput)."""
@@ -54,20 +56,6 @@ class PSConfig:
     time is kept for the rest of the run (results are the same bits whichever runs).
     0: no trial, run what --overlap/--pull-overlap say. Runs shorter than 5 + 2 x this
     skip the trial."""
-    data_plane: str = "auto"
-    """Where tensor bytes travel: tcp (the shards' plain-TCP data plane), grpc, or auto
-    (tcp where the shard offers it and TLS is off, else grpc). Control stays on gRPC."""
-    # -- faults and security (docs/reliability.md) --
-    reconnect_timeout_s: float = 120.0
-    """Keep retrying an unreachable shard (restarting, --restore) for this long."""
-    tls_ca: str = ""
-    """TLS to the shards: PEM CA that signed their certificates."""
-    tls_cert: str = ""
-    """Mutual TLS: this worker's PEM certificate."""
-    tls_key: str = ""
-    """Mutual TLS: this worker's PEM private key."""
-    tls_server_name: str = ""
-    """Expect this name in the shards' certificates instead of the --servers host."""
     auth_token_file: str = ""
     """Send `authorization: Bearer <the token in this file>` with every call."""
     # -- sparse embedding tables (docs/sparse.md) --
@@ -81,6 +69,7 @@ class PSConfig:
     """dtype of sparse row gradients on the wire: fp16 | bf16 | fp32."""
 
     def __post_init__(self) -> None:
+        super().__post_init__()  # the connection fields (timeouts, --data-plane with TLS)
         from ps.job import MODES
 
         if self.mode not in MODES:
@@ -89,17 +78,12 @@ class PSConfig:
             raise ValueError(f"--staleness must be >= 0, got {self.staleness}")
         if not self.chunk_mib > 0:
             raise ValueError(f"--chunk-mib must be > 0, got {self.chunk_mib}")
-        from ps.client.dataplane_calls import check_data_plane
-
-        check_data_plane(self.data_plane, bool(self.tls_ca or self.tls_cert or self.tls_key))
         if self.overlap_trial < 0:
             raise ValueError(
                 f"--overlap-trial must be >= 0 (0: no trial), got {self.overlap_trial}"
             )
         if not self.bucket_mib > 0:
             raise ValueError(f"--bucket-mib must be > 0, got {self.bucket_mib}")
-        if not (self.timeout_s > 0 and self.pull_timeout_s > 0):
-            raise ValueError("--timeout-s and --pull-timeout-s must be > 0")
         from ps.sparse_spec import OPTIMIZERS
 
         if self.sparse_optimizer not in OPTIMIZERS:

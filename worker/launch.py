@@ -74,14 +74,29 @@ def _count(text: str) -> int:
     raise argparse.ArgumentTypeError(f"expected a count >= 1, got {text!r} (launch picks ports)")
 
 
+def _servers(text: str) -> int:
+    """--servers: a count, or auto (0 here; parse() resolves it with auto_servers)."""
+    return 0 if text == "auto" else _count(text)
+
+
+def auto_servers(workers: int, cores: int | None = None) -> int:
+    """Shards for `--servers auto`: one per two cores left after one core per worker (a
+    shard's update then has two cores of its own), at least 1 and at most 8 (past that,
+    per-shard fixed costs outgrow the parallel update on one host)."""
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, min(8, (int(cores or 1) - workers) // 2))
+
+
 def add_launch_flags(p: argparse.ArgumentParser, *, job: bool = True) -> None:
     """Flags shared by `psar launch` and `psar compare` (job=False: without --arch, --mode)."""
     if job:
         p.add_argument("--arch", choices=("ps", "allreduce"), default="ps", help="(default: ps)")
         p.add_argument("--mode", choices=("sync", "async", "ssp"), default="sync",
                        help="ps consistency mode (default: sync)")  # fmt: skip
-    p.add_argument("--servers", type=_count, default=1, metavar="N",
-                   help="ps: number of shards to start (default: 1)")  # fmt: skip
+    p.add_argument("--servers", type=_servers, default=1, metavar="N|auto",
+                   help="ps: number of shards to start; auto: one per two cores left after "
+                   "one per worker, 1 to 8 (default: 1)")  # fmt: skip
     p.add_argument("--workers", type=_count, default=2, metavar="N",
                    help="number of training processes (default: 2)")  # fmt: skip
     p.add_argument("--staleness", type=int, default=1 if job else 2,
@@ -119,6 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
 def parse(argv: Sequence[str]) -> LaunchSpec:
     args, rest = build_parser().parse_known_args(list(argv))
     args.straggler = dict(args.straggler)
+    if args.servers == 0:
+        args.servers = auto_servers(args.workers)
     return LaunchSpec(**vars(args), train_args=rest)
 
 
@@ -247,7 +264,8 @@ class _Job:
         for i in range(s.servers):
             cmd = [sys.executable, "-m", "worker.cli", "server", "--bind", f"{s.bind_host}:0",
                    "--shard", str(i), *self._metrics(p + i)]  # fmt: skip
-            self._spawn(f"shard{i}", "shard", i, cmd, {})
+            # All on this host: `--torch-threads auto` splits the cores between them.
+            self._spawn(f"shard{i}", "shard", i, cmd, {"PSAR_SHARDS_PER_HOST": str(s.servers)})
 
     def _start_workers(self) -> None:
         s = self.spec

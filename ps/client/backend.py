@@ -35,6 +35,7 @@ from ps.client.psclient import ClientConfig, NeedsResync, PSClient
 from ps.headers import PullHeader
 from ps.job import Job
 from ps.partition import Slot, bytes_per_shard, plan_slots
+from trainkit.device_io import DeviceIO, state_to_host, to_host
 from trainkit.nullmetrics import NullMetrics
 from trainkit.optim import DynamicLossScale, LossScaleConfig, effective_loss_scale, with_run_length
 from worker.backend import StepOutcome
@@ -46,6 +47,31 @@ log = logging.getLogger("psar.ps")
 
 class PSBackend(OverlapMixin, ResyncMixin):
     arch = "ps"
+    reports_staleness = True  # async/ssp apply gradients to newer weights (sync: 0)
+    per_rank_reports = True  # each worker is its own process with its own staleness/faults
+
+    @classmethod
+    def rank_flags(cls, cfg: TrainConfig) -> tuple[int, int]:
+        """--rank/--world-size; -1/0 leave them to the launcher's environment (Backend)."""
+        return cfg.ps.rank, cfg.ps.world_size
+
+    @classmethod
+    def from_config(
+        cls,
+        cfg: TrainConfig,
+        precision: PrecisionPolicy,
+        *,
+        rank: int,
+        world_size: int,
+        total_steps: int,
+        metrics: Any,
+        find_unused_parameters: bool,
+    ) -> PSBackend:
+        """The loop's one way to build a backend (Backend protocol). A PS worker pushes
+        whichever gradients exist, so find_unused_parameters (a DDP need) is unused."""
+        del find_unused_parameters
+        sizes = {"rank": rank, "world_size": world_size, "total_steps": total_steps}
+        return cls(cfg, precision, metrics=metrics, **sizes)
 
     def __init__(
         self,
@@ -85,6 +111,7 @@ class PSBackend(OverlapMixin, ResyncMixin):
     # ---- setup ----------------------------------------------------------------------
 
     def setup(self, model: torch.nn.Module) -> torch.nn.Module:
+        self.io = DeviceIO(self.device)
         model.to(self.device)
         if self.precision.weights != torch.float32:
             model.to(self.precision.weights)
@@ -107,24 +134,20 @@ class PSBackend(OverlapMixin, ResyncMixin):
         self.client = PSClient(
             self.addresses,
             worker=self.rank,
-            cfg=ClientConfig(
-                timeout_s=ps.timeout_s,
-                pull_timeout_s=ps.pull_timeout_s,
-                retry_timeout_s=ps.reconnect_timeout_s,
-                tls_ca=ps.tls_ca,
-                tls_cert=ps.tls_cert,
-                tls_key=ps.tls_key,
-                tls_server_name=ps.tls_server_name,
-                auth_token=auth.read_token(ps.auth_token_file) if ps.auth_token_file else "",
-                data_plane=ps.data_plane,
+            cfg=ClientConfig.of(  # the [ps] connection fields, as they are
+                ps, auth_token=auth.read_token(ps.auth_token_file) if ps.auth_token_file else ""
             ),
         )
         self.client.set_slots(self.slots)
         if self.sparse:
             self.sparse.setup()  # before the dense init: a served job implies its tables
         if self.rank == 0:
-            values = {s.key: self._view(s).detach().float() for s in self.slots}
-            self.client.init(jobs, values)
+            values = {s.key: to_host(self._view(s), torch.float32) for s in self.slots}
+            try:
+                self.client.init(jobs, values)
+            except Exception as e:  # the waiting workers fail now, with this reason
+                self.client.report_init_failure(str(e))
+                raise
             per = bytes_per_shard(self.slots, len(self.addresses))
             log.info(
                 "bytes per shard: %s",
@@ -143,20 +166,18 @@ class PSBackend(OverlapMixin, ResyncMixin):
                     f"{have.num_workers} workers, {len(have.slots)} slots, id {have.job_id!r}); "
                     "check --servers order, --mode, --world-size and the model on every worker"
                 )
-        wire = self.precision.wire
-        pinned = self.device.type == "cuda"
-        self._send = {
-            s.key: torch.empty(s.numel, dtype=wire, pin_memory=pinned) for s in self.slots
-        }
+        io = self.io
+        self._send = {s.key: io.host_buffer(s.numel, self.precision.wire) for s in self.slots}
         # On CPU, pulled bytes land straight in the parameters; on CUDA they land in
-        # pinned host buffers and are copied to the device in one go.
-        if pinned:
+        # pinned host buffers and go to the device slot by slot (trainkit/device_io.py).
+        self._views = {s.key: self._view(s) for s in self.slots}
+        if io.cuda:
             self._recv = {
-                s.key: torch.empty(s.numel, dtype=self.precision.weights, pin_memory=True)
-                for s in self.slots
+                s.key: io.host_buffer(s.numel, self.precision.weights) for s in self.slots
             }
         else:
-            self._recv = {s.key: self._view(s) for s in self.slots}
+            self._recv = dict(self._views)
+        self._bwd_done = None
         self.versions = [0] * len(self.addresses)
         self._seen_versions = [0] * len(self.addresses)
         self._known_restores: list[int] | None = None
@@ -211,6 +232,9 @@ class PSBackend(OverlapMixin, ResyncMixin):
 
     def step(self) -> StepOutcome:
         t0 = time.perf_counter()
+        # Pulled weights may overwrite the parameters only once the compute stream is
+        # done with this step's backward (CUDA; None on a CPU).
+        self._bwd_done = self.io.mark()
         fwd_wait = self.gate.take_waited()
         if self._push_future is None:
             self._start_push()  # no hook fired (overlap off, or no gradient at all)
@@ -305,13 +329,11 @@ class PSBackend(OverlapMixin, ResyncMixin):
     def _pull(self) -> float:
         """Pull the newest weights this worker may see; returns seconds spent waiting."""
         self._await_pull()
+        self.gate.settle_host()  # CUDA: the last copies out of the host buffers are done
         dtype = self.precision.weights
         headers = self.client.pull(clock=self.clock, dtype=dtype, out=self._recv)
         self._took_headers(headers)
-        if self.device.type == "cuda":
-            for s in self.slots:
-                self._view(s).copy_(self._recv[s.key], non_blocking=True)
-        self.gate.complete()
+        self.gate.loaded_all()
         # The shards answer only once the round/bound allows: time to the first reply
         # message is the wait; the rest of the pull is the transfer.
         return self.client.last_pull_wait_s
@@ -327,9 +349,14 @@ class PSBackend(OverlapMixin, ResyncMixin):
         if self.mode == "sync":
             self.loss_scale = self._headers[0].loss_scale
 
+    def _load_slot(self, key: str) -> Any:
+        """A pulled slot is in its host buffer: copy it to its parameter (CUDA)."""
+        return self.io.load_in(self._views[key], self._recv[key], after=self._bwd_done)
+
     def state_dict(self) -> dict[str, Any]:
         self._await_pull()
-        state = self.model.state_dict()
+        self.gate.settle_device()
+        state = state_to_host(self.model.state_dict())
         if self.sparse:  # the worker holds no tables: fetch them from the shards
             state = self.sparse.fill_state(state)
         if self.precision.weights == torch.float32:

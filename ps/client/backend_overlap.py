@@ -16,8 +16,9 @@ from typing import Any
 import torch
 
 from ps.client.errors import NeedsResync
-from ps.client.overlap import PullGate, PushBuckets
+from ps.client.overlap import PushBuckets
 from ps.client.overlap_tuner import ARM_NAMES, Arm, OverlapTuner
+from ps.client.pull_gate import PullGate
 from ps.headers import PullHeader
 
 log = logging.getLogger("psar.ps")
@@ -37,7 +38,7 @@ class OverlapMixin:
         ps = self.cfg.ps
         # Sparse row pushes must precede the dense push of their clock, so with sparse
         # tables the dense push starts after backward (ps/client/sparse_worker.py).
-        self.overlap = ps.client.overlap and not self.sparse
+        self.overlap = ps.overlap and not self.sparse
         self.buckets = PushBuckets(
             self.params,
             self.slots,
@@ -45,15 +46,17 @@ class OverlapMixin:
             num_shards=len(self.addresses),
             bucket_bytes=int(ps.bucket_mib * (1 << 20)),
             on_first_bucket=self._first_bucket if self.overlap else lambda: None,
+            io=self.io,
         )
         if self.sparse:
             self.buckets.decide = lambda finite: self.sparse.push(
                 self.clock + 1, finite, self.loss_scale
             )
-        # On CUDA pulled bytes land in pinned buffers and are copied over at once.
-        self.gate = PullGate(self.slots)
+        # On CUDA pulled bytes land in pinned buffers; each slot goes to the device as
+        # soon as it is complete, and forward waits for exactly the slots it reaches.
+        self.gate = PullGate(self.slots, self.io, self._load_slot if self.io.cuda else None)
         self.gate.on_failure = self._recover_pull
-        self.overlap_pull = self.overlap and ps.pull_overlap and self.device.type == "cpu"
+        self.overlap_pull = self.overlap and ps.pull_overlap
         # The trial's arms: what is configured first, then the cheaper ones.
         arms: list[Arm] = [(True, True)] if self.overlap_pull else []
         arms += [(True, False), (False, False)] if self.overlap else [(False, False)]

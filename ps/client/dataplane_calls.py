@@ -1,9 +1,10 @@
-"""PSClient's choice of data plane per shard (mixin; ps/server/dataplane.py has the server).
+"""PSClient's choice of transport per shard (mixin; ps/client/transport.py has the contract).
 
-Tensor bytes travel over the shard's plain-TCP data plane where it offers one (its
-GetJob reply names the port) and TLS is off, else over gRPC; control calls always use
-gRPC. A shard that restarts may listen on another data port: a failed connection marks
-the port stale and the next attempt asks GetJob again.
+Tensor bytes travel over the shard's plain-TCP data plane (ps/client/tcp_transport.py)
+where it offers one (its GetJob reply names the port) and TLS is off, else over gRPC
+(ps/client/grpc_transport.py); both run the same push and pull logic. Control calls
+always use gRPC. A shard that restarts may listen on another data port: a failed
+connection marks the port stale and the next attempt asks GetJob again.
 """
 
 from __future__ import annotations
@@ -14,52 +15,42 @@ from typing import Any, TypeVar
 import grpc
 
 from ps._gen.psar.v1 import ps_pb2 as pb
-from ps.client.tcp_transport import DataPlaneClient, DataPlaneError
+from ps.client.errors import PSClientError
+from ps.client.grpc_transport import GrpcTransport
+from ps.client.tcp_transport import DataPlaneClient
+from ps.client.transport import Transport, TransportError
+from trainkit.connection import DATA_PLANES, check_data_plane
 
 T = TypeVar("T")
 
-DATA_PLANES = ("auto", "tcp", "grpc")
-
-
-def check_data_plane(data_plane: str, tls: bool) -> None:
-    """Refuse (ValueError naming the flag) an unknown --data-plane, or tcp with TLS on."""
-    if data_plane not in DATA_PLANES:
-        raise ValueError(
-            f"--data-plane: unknown {data_plane!r}; accepted: {', '.join(DATA_PLANES)}"
-        )
-    if data_plane == "tcp" and tls:
-        raise ValueError(
-            "--data-plane tcp sends tensors in plaintext, but TLS is on (--tls-*): use "
-            "--data-plane grpc (or auto) so tensors travel over TLS"
-        )
+__all__ = ["DATA_PLANES", "DataPlaneCalls", "check_data_plane"]
 
 
 class DataPlaneCalls:
-    """Needs PSClient's cfg, addresses, _stubs, _data, _data_ports, _data_stale."""
+    """Needs PSClient's cfg, addresses, _stubs, _grpc, _data, _data_ports, _data_stale."""
 
     cfg: Any
     addresses: list[str]
     _stubs: list[Any]
+    _grpc: list[GrpcTransport]
     _data: list[DataPlaneClient | None]
     _data_ports: list[int]
     _data_stale: list[bool]
 
-    def _data_plane(self, shard: int) -> DataPlaneClient | None:
-        """The shard's TCP data-plane client, or None to move tensors over gRPC."""
+    def _transport(self, shard: int) -> Transport:
+        """The shard's data plane where it applies, else its gRPC transport."""
         if self.cfg.data_plane == "grpc" or self.cfg.tls:
-            return None
+            return self._grpc[shard]
         if self._data_stale[shard]:  # a restarted shard may listen on another data port
             reply = self._stubs[shard].GetJob(pb.GetJobRequest(), timeout=self.cfg.timeout_s)
             self._use_data_port(shard, reply.data_port)
-        return self._data[shard]
+        return self._data[shard] or self._grpc[shard]
 
     def _use_data_port(self, shard: int, port: int) -> None:
         self._data_stale[shard] = False
         if self.cfg.data_plane == "grpc" or self.cfg.tls:
             return
         if not port and self.cfg.data_plane == "tcp":
-            from ps.client.errors import PSClientError
-
             raise PSClientError(
                 shard,
                 self.addresses[shard],
@@ -84,14 +75,13 @@ class DataPlaneCalls:
             )
         self._data_ports[shard] = port
 
-    def _via_data_plane(self, shard: int, call: Callable[[DataPlaneClient], T]) -> T:
-        """Run call on the shard's data plane; a connection failure marks its port for
-        re-discovery (GetJob) before the caller's retry."""
-        dp = self._data_plane(shard)
-        assert dp is not None
+    def _via(self, shard: int, call: Callable[[Transport], T]) -> T:
+        """Run call on the shard's transport; a data-plane connection failure marks its
+        port for re-discovery (GetJob) before the caller's retry."""
+        t = self._transport(shard)
         try:
-            return call(dp)
-        except DataPlaneError as e:
-            if e.code() == grpc.StatusCode.UNAVAILABLE:
+            return call(t)
+        except TransportError as e:
+            if isinstance(t, DataPlaneClient) and e.code() == grpc.StatusCode.UNAVAILABLE:
                 self._data_stale[shard] = True
             raise

@@ -1,4 +1,5 @@
-"""PSClient's membership calls: Register, Rollback, Heartbeat (docs/reliability.md).
+"""PSClient's membership calls: Register, Rollback, Heartbeat (docs/reliability.md), and
+rank 0's report that it could not initialise the shards (ReportInitFailure).
 
 A mixin of ps.client.psclient.PSClient, which provides the stubs, `_retrying`, `_each`,
 `incarnations`, `lease_s` and the heartbeat thread's stop event.
@@ -13,9 +14,18 @@ from typing import Any
 
 import grpc
 
+from ps import serde
 from ps._gen.psar.v1 import ps_pb2 as pb
+from ps.client.errors import PSClientError
 
 log = logging.getLogger("psar.client")
+
+INIT_FAILED_PREFIX = serde.INIT_FAILED_PREFIX
+
+
+class InitFailed(PSClientError):
+    """A shard says rank 0 could not initialise it (its details carry rank 0's error):
+    waiting longer for the job is pointless."""
 
 
 class MembershipCalls:
@@ -78,6 +88,23 @@ class MembershipCalls:
             "rolled_back": r.rolled_back,
         }
 
+    def report_init_failure(self, error: str) -> None:
+        """Rank 0: tell every shard that the init failed and why, so the other workers,
+        waiting for it in GetJob, fail now with this reason. Best effort, never raises:
+        it runs while rank 0 is already failing (a shard it cannot reach is logged)."""
+
+        def one(i: int) -> None:
+            req = serde.init_failure_to_pb(self.worker, error)
+            try:
+                self._stubs[i].ReportInitFailure(req, timeout=self.cfg.timeout_s)
+            except grpc.RpcError as e:
+                log.warning("could not tell shard %d that the init failed: %s", i, e)
+
+        try:
+            self._each(one)
+        except Exception:  # noqa: BLE001 - never hide the init's own error behind this
+            log.exception("could not tell the shards that the init failed")
+
     def heartbeat(self) -> list[bool | None]:
         """One heartbeat to every shard: live or not (None where it failed)."""
         out: list[bool | None] = []
@@ -136,6 +163,7 @@ class MembershipCalls:
                 "draining": r.draining,
                 "chunks_applied_early": r.chunks_applied_early,
                 "chunk_undos": r.chunk_undos,
+                "update_params_per_s": r.update_params_per_s,
             }
 
         return self._each(one)

@@ -9,10 +9,7 @@ travel while backward is still running. The worker knows whether its whole gradi
 finite only once the last bucket is in: that verdict travels last on every stream
 (PushVerdict; overflow=true makes every shard drop the push and, in sync, skip the round).
 
-Pull in forward order (`PullGate`): pulled pieces land straight in the parameters (CPU)
-while the next step's forward runs; a forward pre-hook on each module that owns
-parameters waits until exactly those parameters' slots have arrived. The shards send
-slots in parameter order, which is forward order for most models.
+Pull in forward order: ps/client/pull_gate.py.
 
 Neither changes what is computed: the same bytes reach the same slots, and the shards
 reduce each slot in worker-rank order, so overlapped and non-overlapped runs give
@@ -23,15 +20,15 @@ from __future__ import annotations
 
 import queue
 import threading
-import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import thread as _futures_thread
 from typing import Any
 
 import torch
 
 from ps.partition import Slot
-from trainkit.finite import all_finite
+from trainkit.device_io import DeviceIO, Event
 
 PushItem = tuple[Any, ...]
 """("data", slot key, element offset, 1-D tensor) or ("verdict", overflow)."""
@@ -68,8 +65,10 @@ class PushBuckets:
         num_shards: int,
         bucket_bytes: int,
         on_first_bucket: Callable[[], None],
+        io: DeviceIO | None = None,
     ) -> None:
         self.params = params
+        self.io = io if io is not None else DeviceIO(torch.device("cpu"))
         self.send = send
         """Per slot, what goes on the wire this step: a view of the gradient itself when
         it already has the wire dtype on the CPU (no copy), else the persistent buffer."""
@@ -91,6 +90,9 @@ class PushBuckets:
 
         self.active = False
         self._handles: list[Any] = []
+        # CUDA: one thread starts the buckets' copies, in the order their hooks fired.
+        self._stager = ThreadPoolExecutor(1, "psar-stage") if self.io.cuda else None
+        self._staged: list[Future] = []
         self._lock = threading.Lock()
         self._reset()
 
@@ -98,6 +100,7 @@ class PushBuckets:
         self._pending = list(self.sizes)
         self._filled = [False] * len(self.buckets)
         self._finite = True
+        self.io.begin_finite()
         self.verdict: bool | None = None
         """The overflow verdict once every bucket is in (None: not yet)."""
         self._queues: list[queue.SimpleQueue[PushItem | None]] = [
@@ -116,6 +119,8 @@ class PushBuckets:
         for h in self._handles:
             h.remove()
         self._handles = []
+        if self._stager is not None:
+            self._stager.shutdown(wait=False)
 
     def _hook(self, name: str) -> Callable[[torch.Tensor], None]:
         b = self.bucket_of[name]
@@ -137,7 +142,10 @@ class PushBuckets:
         self.active = True
 
     def fill(self, b: int) -> None:
-        """Cast bucket b's gradients into the send buffers and queue them (training thread)."""
+        """Stage bucket b's gradients for the wire and queue them (training or autograd
+        thread). On CUDA the hook only marks the compute stream and hands the bucket to
+        the stager thread, which starts its copy on a side stream (trainkit/device_io.py):
+        backward's thread does no more than that; senders wait for the copy."""
         with self._lock:
             if self._filled[b]:
                 return
@@ -146,7 +154,14 @@ class PushBuckets:
             self._started = True
         if first:
             self.on_first_bucket()
-        bufs = []
+        if self._stager is None:
+            self._stage(b, None)
+        else:
+            self._staged.append(self._stager.submit(self._stage, b, self.io.mark()))
+
+    def _stage(self, b: int, after: Event) -> None:
+        """Bucket b's gradients into the send buffers (cast on the device), queued."""
+        pieces = []
         for s in self.buckets[b]:
             g = self.params[s.param].grad
             buf = self._own[s.key]
@@ -156,19 +171,17 @@ class PushBuckets:
                 # Sent from the gradient's own memory: it stays alive (we hold the view)
                 # until the next step replaces it, which is after this push has ended.
                 buf = g.detach().view(-1)[s.start : s.start + s.numel]
+                pieces.append((buf, buf))
             else:
-                buf.copy_(g.reshape(-1)[s.start : s.start + s.numel], non_blocking=True)
+                pieces.append((g.detach().reshape(-1)[s.start : s.start + s.numel], buf))
             self.send[s.key] = buf
-            bufs.append(buf)
-        cuda = bool(bufs) and self._own[self.buckets[b][0].key].is_pinned()
-        if bufs and not cuda:
-            self._finite = self._finite and all_finite(bufs)
-        last = all(self._filled)
+        event = self.io.stage_out(pieces, after=after) if pieces else None
+        # On CUDA the verdict waits for the side stream's copies: finish() (in step())
+        # takes it, so backward's hooks never block on the device.
+        last = all(self._filled) and not self.io.cuda
         if last:
             self._decide()
-        if cuda:  # the copies are asynchronous: senders wait for them to land
-            event = torch.cuda.Event()
-            event.record()
+        if event is not None:  # the copies are asynchronous: senders wait for them
             for q in {s.shard for s in self.buckets[b]}:
                 self._queues[q].put(("_sync", event))
         for s in self.buckets[b]:
@@ -177,11 +190,8 @@ class PushBuckets:
             self._finish_queues()
 
     def _decide(self) -> None:
-        bufs = list(self.send.values())
-        if bufs and next(iter(self._own.values())).is_pinned():
-            # CUDA: the copies were asynchronous; check once they have all landed.
-            torch.cuda.synchronize()
-            self._finite = all_finite(bufs)
+        # On CUDA this waits for the side stream's copies and flag only.
+        self._finite = self.io.finite()
         self.verdict = not self.decide(self._finite)
         if self.verdict:  # overflow: the verdict goes first, no data after it
             for q in self._queues:
@@ -201,7 +211,10 @@ class PushBuckets:
         for b in range(len(self.buckets)):
             if not self._filled[b]:
                 self.fill(b)
-        if not self.buckets:
+        staged, self._staged = self._staged, []
+        for f in staged:
+            f.result()  # every bucket's copy has been started (errors surface here)
+        if self.verdict is None:  # no buckets at all, or CUDA (fill leaves it here)
             self._decide()
             self._finish_queues()
         self.active = False
@@ -256,98 +269,3 @@ class PushBuckets:
             yield item
             if item[0] == "verdict" and item[1]:
                 return
-
-
-class PullGate:
-    """Lets each module's forward start once its own parameters have been pulled."""
-
-    def __init__(self, slots: list[Slot]) -> None:
-        self.slots = slots
-        self._numel = {s.key: s.numel for s in slots}
-        self._got: dict[str, int] = {}
-        self._done: dict[str, threading.Event] = {s.key: threading.Event() for s in slots}
-        self._failed = threading.Event()
-        self.waited_s = 0.0
-        """Seconds forward spent waiting for weights since the last take_waited()."""
-        self.consumed = False
-        """A module's forward ran on weights of the pull in flight."""
-        self._lock = threading.Lock()
-        self.on_failure: Callable[[], None] = lambda: None
-        self._handles: list[Any] = []
-
-    def attach(self, model: torch.nn.Module, params: dict[str, torch.Tensor]) -> None:
-        """A forward pre-hook on every module that owns parameters of ours."""
-        by_param: dict[str, list[str]] = {}
-        for s in self.slots:
-            by_param.setdefault(s.param, []).append(s.key)
-        ours = {id(p): n for n, p in params.items()}
-        for module in model.modules():
-            keys = [
-                k
-                for p in module.parameters(recurse=False)
-                for k in by_param.get(ours.get(id(p), ""), [])
-            ]
-            if keys:
-                self._handles.append(module.register_forward_pre_hook(self._pre_hook(keys)))
-
-    def _pre_hook(self, keys: list[str]) -> Callable[..., None]:
-        def hook(_module: torch.nn.Module, _args: Any) -> None:
-            self.wait(keys)
-            self.consumed = True
-
-        return hook
-
-    def begin(self) -> None:
-        """A pull starts: every slot is outstanding."""
-        with self._lock:
-            self._got = {}
-            for e in self._done.values():
-                e.clear()
-            self._failed.clear()
-            self.consumed = False
-
-    def landed(self, key: str, offset: int, n: int) -> None:
-        """A piece of `key` landed (called by the pulling thread)."""
-        with self._lock:
-            got = self._got.get(key, 0) + n
-            self._got[key] = got
-        if got >= self._numel[key]:
-            self._done[key].set()
-
-    def fail(self) -> None:
-        """The pull in flight failed: waiters must recover (see PSBackend)."""
-        self._failed.set()
-        for e in self._done.values():
-            e.set()
-
-    def complete(self) -> None:
-        for e in self._done.values():
-            e.set()
-
-    def recovered(self) -> None:
-        """The failed pull was redone in full: every slot is in."""
-        self._failed.clear()
-        self.complete()
-
-    def wait(self, keys: list[str]) -> None:
-        """Block until these slots have arrived."""
-        t0 = None
-        for k in keys:
-            e = self._done[k]
-            if not e.is_set():
-                t0 = t0 or time.perf_counter()
-                e.wait()
-        if self._failed.is_set():
-            t0 = t0 or time.perf_counter()
-            self.on_failure()
-        if t0 is not None:
-            self.waited_s += time.perf_counter() - t0
-
-    def take_waited(self) -> float:
-        w, self.waited_s = self.waited_s, 0.0
-        return w
-
-    def detach(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []

@@ -1,7 +1,8 @@
 """The client a worker uses: push to and pull from every shard concurrently.
 
 Pushes and pulls go to all shards in parallel (one thread each); tensors are cut into
-~1 MiB pieces and reassembled straight into the caller's buffers. Every call has a
+pieces and reassembled straight into the caller's buffers by the transport contract
+(ps/client/transport.py), over gRPC or the shard's TCP data plane. Every call has a
 deadline; UNAVAILABLE is retried with backoff; a retried push carries retry=true and
 the shard's (worker, clock) key makes sure it is never applied twice.
 
@@ -19,7 +20,6 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
@@ -28,56 +28,23 @@ import torch
 from ps import auth, serde, wire
 from ps._gen.psar.v1 import ps_pb2 as pb
 from ps._gen.psar.v1 import ps_pb2_grpc as pb_grpc
-from ps.client.dataplane_calls import DataPlaneCalls, check_data_plane
+from ps.client.client_config import ClientConfig
+from ps.client.dataplane_calls import DataPlaneCalls
 from ps.client.errors import RESYNC_PREFIXES, NeedsResync, PSClientError
-from ps.client.membership_calls import MembershipCalls
+from ps.client.grpc_transport import GrpcTransport
+from ps.client.membership_calls import INIT_FAILED_PREFIX, InitFailed, MembershipCalls
 from ps.client.overlap import PushItem
-from ps.client.tcp_transport import DEFAULT_MAX_FRAME_BYTES, DataPlaneClient
-from ps.grpc_limits import DEFAULT_MAX_MESSAGE_BYTES, grpc_options
+from ps.client.tcp_transport import DataPlaneClient
+from ps.client.transport import PullStream
+from ps.grpc_limits import grpc_options
 from ps.headers import PullHeader, PushHeader
 from ps.job import Job
 from ps.partition import Slot
 
+__all__ = ["ClientConfig", "InitFailed", "NeedsResync", "PSClient", "PSClientError"]
+
 log = logging.getLogger("psar.client")
 T = TypeVar("T")
-
-
-@dataclass(kw_only=True)
-class ClientConfig:
-    """How a worker talks to the shards."""
-
-    timeout_s: float = 60.0
-    """Deadline for init, push and other calls that never wait on other workers."""
-    pull_timeout_s: float = 300.0
-    """Deadline for a pull, which may wait for a sync round or for the slowest SSP worker."""
-    retry_timeout_s: float = 60.0
-    """Keep retrying UNAVAILABLE (shard starting or restarting) for this long."""
-    message_bytes: int = wire.DEFAULT_MESSAGE_BYTES
-    """Bytes of tensor data per streamed message."""
-    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
-    """Largest message sent or accepted."""
-    tls_ca: str = ""
-    """PEM CA that signed the shards' certificates (TLS on when any tls_* is set)."""
-    tls_cert: str = ""
-    """Mutual TLS: this worker's PEM certificate."""
-    tls_key: str = ""
-    """Mutual TLS: this worker's PEM private key."""
-    tls_server_name: str = ""
-    """Expect this name in the shards' certificates instead of the address's host."""
-    auth_token: str = ""
-    """Bearer token sent with every call (empty: none)."""
-    data_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
-    """Data plane: tensor bytes per pushed frame (at most the shard's max message bytes)."""
-    data_plane: str = "auto"
-    """Where tensor bytes travel: tcp (the shards' plain-TCP data plane, ps/server/dataplane.py),
-    grpc, or auto (tcp where a shard offers it and TLS is off, else grpc)."""
-
-    def __post_init__(self) -> None:
-        check_data_plane(self.data_plane, self.tls)
-
-    @property
-    def tls(self) -> bool:
-        return bool(self.tls_ca or self.tls_cert or self.tls_key)
 
 
 class PSClient(DataPlaneCalls, MembershipCalls):
@@ -104,6 +71,12 @@ class PSClient(DataPlaneCalls, MembershipCalls):
             for a in self.addresses
         ]
         self._stubs = [pb_grpc.ParameterServerStub(c) for c in self._channels]
+        # The two doors of every shard (ps/client/transport.py): gRPC, and the TCP data
+        # plane once GetJob names its port (dataplane_calls.py picks per call).
+        self._grpc = [
+            GrpcTransport(self._stub_getter(i), a, piece_bytes=self.cfg.message_bytes)
+            for i, a in enumerate(self.addresses)
+        ]
         # Two calls per shard may be in flight: a push during backward and the pull
         # still landing from the step before (ps/client/overlap.py).
         self._pool = ThreadPoolExecutor(2 * len(self.addresses), thread_name_prefix="psar-client")
@@ -123,6 +96,9 @@ class PSClient(DataPlaneCalls, MembershipCalls):
     def num_shards(self) -> int:
         return len(self.addresses)
 
+    def _stub_getter(self, i: int) -> Callable[[], Any]:
+        return lambda: self._stubs[i]
+
     def set_slots(self, slots: Sequence[Slot]) -> None:
         """The partition plan (ps.partition.plan_slots) this worker pushes and pulls by."""
         self.slots_by_shard = [[] for _ in self.addresses]
@@ -138,12 +114,14 @@ class PSClient(DataPlaneCalls, MembershipCalls):
         fn: Callable[[int], T],
         shards: Sequence[int] | None = None,
         on_resync: Callable[[], None] | None = None,
+        cut_by: type[PSClientError] = NeedsResync,
     ) -> list[T]:
         """Run fn(shard) for every shard (or those given) concurrently; raise the first
         error, but only once every call has ended (so none is still in flight).
 
-        When a shard asks for a resync, `on_resync` may cut the other calls short (a
-        pull waiting for a sync round that cannot close until the worker resyncs)."""
+        When a shard raises `cut_by` (a resync, by default), `on_resync` may cut the other
+        calls short (a pull waiting for a sync round that cannot close until the worker
+        resyncs; a wait for an init that rank 0 said failed)."""
         idx = range(self.num_shards) if shards is None else shards
         futs = [self._pool.submit(fn, i) for i in idx]
         cut = False
@@ -151,21 +129,21 @@ class PSClient(DataPlaneCalls, MembershipCalls):
             pending = set(futs)
             while pending and not cut:
                 done, pending = wait(pending, return_when=FIRST_EXCEPTION)
-                if pending and any(isinstance(f.exception(), NeedsResync) for f in done):
+                if pending and any(isinstance(f.exception(), cut_by) for f in done):
                     on_resync()
                     cut = True
         errors = [f.exception() for f in futs]
-        resync = [e for e in errors if isinstance(e, NeedsResync)]
-        other = [e for e in errors if e is not None and not isinstance(e, NeedsResync)]
+        key = [e for e in errors if isinstance(e, cut_by)]
+        other = [e for e in errors if e is not None and not isinstance(e, cut_by)]
         if cut:  # the calls we cut short failed because of us
             other = []
-        if other or resync:
-            raise (other or resync)[0]
+        if other or key:
+            raise (other or key)[0]
         return [f.result() for f in futs]
 
     def _retrying(self, shard: int, call: Callable[[bool], T]) -> T:
         """call(is_retry) with backoff on UNAVAILABLE; other errors become PSClientError."""
-        deadline = time.monotonic() + self.cfg.retry_timeout_s
+        deadline = time.monotonic() + self.cfg.reconnect_timeout_s
         delay, attempt = 0.05, 0
         while True:
             try:
@@ -181,27 +159,51 @@ class PSClient(DataPlaneCalls, MembershipCalls):
                 cls = PSClientError
                 if code == grpc.StatusCode.ABORTED and details.startswith(RESYNC_PREFIXES):
                     cls = NeedsResync
+                elif code == grpc.StatusCode.FAILED_PRECONDITION and INIT_FAILED_PREFIX in details:
+                    cls = InitFailed
                 raise cls(shard, self.addresses[shard], code, details) from None
 
     # ---- job setup ------------------------------------------------------------------
 
     def get_jobs(self, *, wait: bool, timeout_s: float | None = None) -> list[Job | None]:
-        """Each shard's job (None where not initialised); with wait, block until it is."""
+        """Each shard's job (None where not initialised); with wait, block until it is.
+
+        A shard told by rank 0 that its init failed answers with that failure (InitFailed):
+        the waits on the other shards are cut short then, so the worker fails at once
+        with rank 0's reason instead of waiting out the deadline."""
         timeout = timeout_s if timeout_s is not None else self.cfg.timeout_s
+        calls: dict[int, Any] = {}
+        cut = threading.Event()
+
+        def ask(i: int) -> Any:
+            if cut.is_set():
+                raise grpc.FutureCancelledError()
+            call = self._stubs[i].GetJob.future(
+                pb.GetJobRequest(wait=wait), timeout=timeout, wait_for_ready=True
+            )
+            calls[i] = call
+            if cut.is_set():
+                call.cancel()
+            return call.result()
 
         def one(i: int) -> Job | None:
-            reply = self._retrying(
-                i,
-                lambda _r: self._stubs[i].GetJob(
-                    pb.GetJobRequest(wait=wait), timeout=timeout, wait_for_ready=True
-                ),
-            )
+            try:
+                reply = self._retrying(i, lambda _r: ask(i))
+            except grpc.FutureCancelledError:
+                raise PSClientError(
+                    i, self.addresses[i], grpc.StatusCode.CANCELLED, "cut short"
+                ) from None
             self.lease_s = max(self.lease_s, reply.lease_s)
             if reply.initialized:
                 self._use_data_port(i, reply.data_port)
             return serde.job_from_pb(reply.job) if reply.initialized else None
 
-        return self._each(one)
+        def cut_short() -> None:
+            cut.set()
+            for call in list(calls.values()):
+                call.cancel()
+
+        return self._each(one, on_resync=cut_short, cut_by=InitFailed)
 
     def init(self, jobs: Sequence[Job], values: dict[str, torch.Tensor]) -> list[bool]:
         """Initialise every shard (rank 0 does this). Returns, per shard, whether an
@@ -274,27 +276,11 @@ class PSClient(DataPlaneCalls, MembershipCalls):
                 msg.incarnation = self.incarnations[i]
                 return msg
 
-            def chunks(again: bool) -> Iterator[pb.PushChunk]:
-                yield pb.PushChunk(header=head(again))
-                for item in source(i, again):
-                    if item[0] == "verdict":
-                        yield pb.PushChunk(verdict=pb.PushVerdict(overflow=item[1]))
-                        continue
-                    _, key, base, flat = item
-                    for off, data in wire.iter_pieces(flat, self.cfg.message_bytes):
-                        yield pb.PushChunk(
-                            data=pb.TensorData(key=key, offset=base + off, data=data)
-                        )
-
             def call(again: bool) -> pb.PushReply:
-                if self._data_plane(i) is not None:
-                    return self._via_data_plane(
-                        i,
-                        lambda dp: dp.push(
-                            head(again), source(i, again), timeout_s=self.cfg.timeout_s
-                        ),
-                    )
-                return self._stubs[i].Push(chunks(again), timeout=self.cfg.timeout_s)
+                return self._via(
+                    i,
+                    lambda t: t.push(head(again), source(i, again), timeout_s=self.cfg.timeout_s),
+                )
 
             return self._retrying(i, call)
 
@@ -317,7 +303,7 @@ class PSClient(DataPlaneCalls, MembershipCalls):
         on_piece(key, offset, n) after each piece has landed in `out` (ps/client/overlap.py)."""
 
         waits = [0.0] * self.num_shards
-        streams: dict[int, Any] = {}
+        streams: dict[int, PullStream] = {}
         cut = threading.Event()
 
         def one(i: int) -> PullHeader:
@@ -331,44 +317,29 @@ class PSClient(DataPlaneCalls, MembershipCalls):
                 )
                 if cut.is_set():
                     raise PSClientError(i, self.addresses[i], None, "cut short for a resync")
-                if self._data_plane(i) is not None:
 
-                    def got_header(msg: pb.PullHeader) -> None:
-                        waits[i] = time.perf_counter() - t0
-                        if on_header is not None:
-                            on_header(i, serde.pull_header_from_pb(msg))
+                def opened(stream: PullStream) -> None:
+                    streams[i] = stream
+                    if cut.is_set():  # cut while it was opening: nobody else will cancel it
+                        stream.cancel()
 
-                    msg = self._via_data_plane(
-                        i,
-                        lambda dp: dp.pull(
-                            req,
-                            out,
-                            timeout_s=self.cfg.pull_timeout_s,
-                            on_header=got_header,
-                            on_piece=on_piece,
-                        ),
-                    )
-                    return serde.pull_header_from_pb(msg)
-                stream = self._stubs[i].Pull(req, timeout=self.cfg.pull_timeout_s)
-                streams[i] = stream
-                if cut.is_set():
-                    stream.cancel()
-                header: PullHeader | None = None
-                for msg in stream:
-                    if header is None:
-                        waits[i] = time.perf_counter() - t0
-                        header = serde.pull_header_from_pb(msg.header)
-                        if on_header is not None:
-                            on_header(i, header)
-                        continue
-                    d = msg.data
-                    src = wire.decode(d.data, dtype)
-                    out[d.key][d.offset : d.offset + src.numel()].copy_(src)
-                    if on_piece is not None:
-                        on_piece(d.key, d.offset, src.numel())
-                if header is None:
-                    raise PSClientError(i, self.addresses[i], None, "pull returned no header")
-                return header
+                def got_header(msg: pb.PullHeader) -> None:
+                    waits[i] = time.perf_counter() - t0
+                    if on_header is not None:
+                        on_header(i, serde.pull_header_from_pb(msg))
+
+                msg = self._via(
+                    i,
+                    lambda t: t.pull(
+                        req,
+                        out,
+                        timeout_s=self.cfg.pull_timeout_s,
+                        on_header=got_header,
+                        on_piece=on_piece,
+                        on_open=opened,
+                    ),
+                )
+                return serde.pull_header_from_pb(msg)
 
             return self._retrying(i, call)
 
@@ -376,9 +347,6 @@ class PSClient(DataPlaneCalls, MembershipCalls):
             cut.set()
             for stream in list(streams.values()):
                 stream.cancel()
-            for dp in self._data:
-                if dp is not None:
-                    dp.cancel_all()
 
         headers = self._each(one, shards, on_resync=cut_short)
         self.last_pull_wait_s = max(waits)
@@ -400,9 +368,9 @@ class PSClient(DataPlaneCalls, MembershipCalls):
     def close(self) -> None:
         self._beat_stop.set()
         self._pool.shutdown(wait=False)
-        for dp in self._data:
-            if dp is not None:
-                dp.close()
+        for t in [*self._grpc, *self._data]:
+            if t is not None:
+                t.close()
         for c in self._channels:
             c.close()
 

@@ -26,6 +26,7 @@ from torch import nn
 from ps import wire
 from ps.client import sparse_client
 from ps.sparse_spec import TableSpec
+from trainkit.device_io import to_device, to_host
 
 log = logging.getLogger("psar.sparse")
 
@@ -102,7 +103,7 @@ class SparseSide:
             ids, rest = args[0], args[1:]
             st = self.state[name]
             self._stash(name)
-            uniq, inv = torch.unique(ids.detach().cpu().reshape(-1), return_inverse=True)
+            uniq, inv = torch.unique(to_host(ids).reshape(-1), return_inverse=True)
             spec = self.specs[name]
             w = mod.weight
             rows, versions, nbytes = sparse_client.pull_rows(
@@ -112,10 +113,10 @@ class SparseSide:
             self.b.bytes_pulled += nbytes
             if st["ids"] is None:
                 st["versions"] = versions
-            mod.weight = nn.Parameter(rows.to(w.device), requires_grad=w.requires_grad)
+            mod.weight = nn.Parameter(to_device(rows, w.device), requires_grad=w.requires_grad)
             st["ids"] = uniq
             self.max_cached_rows[name] = max(self.max_cached_rows[name], uniq.numel())
-            return (inv.reshape(ids.shape).to(ids.device), *rest)
+            return (to_device(inv.reshape(ids.shape), ids.device), *rest)
 
         return hook
 
@@ -125,7 +126,7 @@ class SparseSide:
         g = self.mods[name].weight.grad
         if st["ids"] is not None and g is not None:
             g = g.coalesce().to_dense() if g.is_sparse else g
-            st["acc"].append((st["ids"], g.detach().float().cpu()))
+            st["acc"].append((st["ids"], to_host(g, torch.float32)))
         self.mods[name].weight.grad = None
 
     def push(self, clock: int, finite: bool, loss_scale: float) -> bool:

@@ -1,14 +1,16 @@
 """Worker side of the data plane (ps/server/dataplane.py): push and pull frames to one shard.
 
 One DataPlaneClient per shard, thread-safe: each call takes an idle pooled connection or
-opens one (hello with the token and protocol version first). Tensor bytes go out as
-memoryviews of the caller's tensors (no copy) and come back straight into the caller's
-buffers where the dtype matches (otherwise converted on copy, as PSClient.pull does).
+opens one (hello with the token and protocol version first). It is the TCP door of the
+transport contract (ps/client/transport.py, which has the push and pull logic and the
+checks of both doors): tensor bytes go out as memoryviews of the caller's tensors (no
+copy) and come back straight into the caller's buffers where the dtype matches.
 
-Errors are DataPlaneError, a grpc.RpcError with .code() and .details() like gRPC's, so
-retry logic written for gRPC handles both: connection refused, reset or closed mid-call
--> UNAVAILABLE; deadline -> DEADLINE_EXCEEDED; cancel_all() -> CANCELLED; a shard's
-refusal -> its status code and details verbatim (e.g. ABORTED "restored: ...").
+Errors are DataPlaneError (the contract's TransportError), a grpc.RpcError with .code()
+and .details() like gRPC's, so retry logic written for gRPC handles both: connection
+refused, reset or closed mid-call -> UNAVAILABLE; deadline -> DEADLINE_EXCEEDED;
+cancel_all() -> CANCELLED; a shard's refusal -> its status code and details verbatim
+(e.g. ABORTED "restored: ...").
 """
 
 from __future__ import annotations
@@ -18,15 +20,14 @@ import select
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
 import grpc
-import torch
 
 from ps import framing as fr
-from ps import wire
 from ps._gen.psar.v1 import ps_pb2 as pb
+from ps.client.transport import Incoming, Piece, PullStream, Transport, TransportError, Verdict
 
 DEFAULT_MAX_FRAME_BYTES = 4 << 20
 """Tensor bytes per piece frame sent; at most the shard's --max-message-bytes (16 MiB)."""
@@ -36,19 +37,8 @@ says who it waited for) before giving up locally."""
 
 SC = grpc.StatusCode
 
-
-class DataPlaneError(grpc.RpcError):
-    """A failed data-plane call, shaped like a grpc.RpcError (code(), details())."""
-
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(f"{code.name}: {details}")
-        self._code, self._details = code, details
-
-    def code(self) -> grpc.StatusCode:
-        return self._code
-
-    def details(self) -> str:
-        return self._details
+DataPlaneError = TransportError
+"""What a failed data-plane call raises (the contract's error, under its old name)."""
 
 
 class _Conn:
@@ -60,7 +50,7 @@ class _Conn:
         self.cancelled = False
 
 
-class DataPlaneClient:
+class DataPlaneClient(Transport):
     """Push and pull to one shard's data plane (HOST, GetJobReply.data_port)."""
 
     def __init__(
@@ -77,6 +67,7 @@ class DataPlaneClient:
         if max_frame_bytes < 4:
             raise ValueError(f"max_frame_bytes must be >= 4 (one element), got {max_frame_bytes}")
         self.host, self.port = host.strip("[]"), port
+        self.address = f"{self.host}:{self.port}"
         self.token = token
         self.connect_timeout_s = connect_timeout_s
         self.max_frame_bytes = max_frame_bytes
@@ -86,42 +77,28 @@ class DataPlaneClient:
         self._closed = False
 
     @property
-    def address(self) -> str:
-        return f"{self.host}:{self.port}"
+    def piece_bytes(self) -> int:
+        return self.max_frame_bytes
 
-    # ---- the calls ------------------------------------------------------------------
+    # ---- the primitives (push() and pull() are the contract's) ------------------------
 
-    def push(
-        self, header: pb.PushHeader, items: Iterable[tuple], *, timeout_s: float
+    def send_push(
+        self, header: pb.PushHeader, parts: Iterator[Piece | Verdict], *, timeout_s: float
     ) -> pb.PushReply:
-        """Stream one push: the header, then each item as it comes (the iterator may block
-        between items): ("data", key, offset, tensor) - a contiguous CPU tensor in the
-        header's dtype, sent from its own memory in frames of <= max_frame_bytes - or
-        ("verdict", overflow). Returns the shard's PushReply."""
         deadline = time.monotonic() + timeout_s
-        itemsize = wire.DTYPE_ITEMSIZE.get(wire.DTYPE_FROM_WIRE.get(header.dtype), 1)
-        per = max(1, self.max_frame_bytes // itemsize) * itemsize
         conn = self._acquire(deadline)
         reusable = False
         try:
             try:
                 self._send(conn, pb.DataFrame(push_header=header), None, deadline)
-                for item in items:
-                    if item[0] == "data":
-                        _, key, offset, t = item
-                        view = _tensor_bytes(t, header.dtype)
-                        for start in range(0, len(view), per):
-                            piece = pb.DataPiece(key=key, offset=offset + start // itemsize)
-                            chunk = view[start : start + per]
-                            self._send(conn, pb.DataFrame(piece=piece), chunk, deadline)
-                            self._refused_early(conn, deadline)
-                    elif item[0] == "verdict":
-                        verdict = pb.PushVerdict(overflow=bool(item[1]))
+                for part in parts:
+                    if isinstance(part, Verdict):
+                        verdict = pb.PushVerdict(overflow=part.overflow)
                         self._send(conn, pb.DataFrame(verdict=verdict), None, deadline)
-                    else:
-                        raise ValueError(
-                            f"push item must be ('data', ...) or ('verdict', ...): {item[0]!r}"
-                        )
+                        continue
+                    piece = pb.DataPiece(key=part.key, offset=part.offset)
+                    self._send(conn, pb.DataFrame(piece=piece), part.data, deadline)
+                    self._refused_early(conn, deadline)
                 self._send(conn, pb.DataFrame(end=pb.DataEnd()), None, deadline)
             except DataPlaneError as e:
                 if e.code() in (SC.UNAVAILABLE, SC.DEADLINE_EXCEEDED) and not conn.cancelled:
@@ -135,90 +112,23 @@ class DataPlaneClient:
         finally:
             self._release(conn, reusable)
 
-    def pull(
-        self,
-        req: pb.PullRequest,
-        out: dict[str, torch.Tensor],
-        *,
-        timeout_s: float,
-        on_piece: Callable[[str, int, int], None] | None = None,
-        on_header: Callable[[pb.PullHeader], None] | None = None,
-    ) -> pb.PullHeader:
-        """Pull the shard's weights into `out` (flat tensors keyed by slot; any float dtype,
-        converted on copy; a same-dtype contiguous CPU slice is received into directly).
-        on_piece(key, offset, n) runs after each piece has landed. Returns the header."""
+    def open_pull(self, req: pb.PullRequest, *, timeout_s: float) -> PullStream:
         deadline = time.monotonic() + timeout_s
         conn = self._acquire(deadline)
-        reusable = False
         try:
             ask = pb.DataPullRequest(request=req, timeout_s=timeout_s)
             self._send(conn, pb.DataFrame(pull_request=ask), None, deadline)
-            frame = self._recv_frame(conn, deadline + PULL_GRACE_S, "pull")
-            if frame.WhichOneof("kind") != "pull_header":
-                reusable = frame.WhichOneof("kind") == "status"
-                self._unexpected(frame, "pull_header")
-            header = frame.pull_header
-            if on_header is not None:
-                on_header(header)  # before the data: the round closed (ps/client/overlap.py)
-            dtype = wire.DTYPE_FROM_WIRE.get(header.dtype)
-            if dtype is None:
-                raise DataPlaneError(SC.INTERNAL, f"pull from {self.address}: dtype {header.dtype}")
-            itemsize = wire.DTYPE_ITEMSIZE[dtype]
-            while True:
-                frame, plen = self._io(
-                    conn, deadline + PULL_GRACE_S, "pull", self._read_header, conn
-                )
-                kind = frame.WhichOneof("kind")
-                if kind == "end":
-                    break
-                if kind != "piece":
-                    self._unexpected(frame, "piece")
-                key, offset = frame.piece.key, frame.piece.offset
-                dest = out.get(key)
-                n = plen // itemsize
-                if dest is None or plen % itemsize or offset + n > dest.numel():
-                    raise DataPlaneError(
-                        SC.INTERNAL,
-                        f"pull from {self.address}: piece {key!r} at {offset} of {plen} bytes "
-                        "does not fit the destination buffers",
-                    )
-                target = dest[offset : offset + n]
-                if target.dtype == dtype and target.device.type == "cpu" and target.is_contiguous():
-                    self._io(
-                        conn,
-                        deadline + PULL_GRACE_S,
-                        "pull",
-                        fr.recv_exact,
-                        conn.sock,
-                        wire.as_bytes_view(target),
-                    )
-                else:
-                    raw = self._io(
-                        conn,
-                        deadline + PULL_GRACE_S,
-                        "pull",
-                        fr.recv_payload,
-                        conn.sock,
-                        plen,
-                        conn.scratch,
-                    )
-                    target.copy_(wire.decode(raw, dtype))
-                    raw.release()
-                if on_piece is not None:
-                    on_piece(key, offset, n)
-            reusable = True
-            return header
-        finally:
-            self._release(conn, reusable)
+        except BaseException:
+            self._release(conn, False)
+            raise
+        return _TcpPull(self, conn, deadline + PULL_GRACE_S)
 
     def cancel_all(self) -> None:
         """Abort every call in flight (from another thread): they raise CANCELLED."""
         with self._lock:
             busy = list(self._busy)
         for c in busy:
-            c.cancelled = True
-            with contextlib.suppress(OSError):
-                c.sock.shutdown(socket.SHUT_RDWR)
+            _cancel(c)
 
     def close(self) -> None:
         """Close the pooled connections and abort calls in flight."""
@@ -355,11 +265,68 @@ class DataPlaneClient:
         )
 
 
-def _tensor_bytes(t: torch.Tensor, wire_dtype: int) -> memoryview:
-    want = wire.DTYPE_FROM_WIRE.get(wire_dtype)
-    if t.dtype != want or t.device.type != "cpu" or not t.is_contiguous():
-        raise ValueError(
-            f"push data must be contiguous CPU tensors of the header's dtype {want}; got "
-            f"{t.dtype} on {t.device} (contiguous: {t.is_contiguous()})"
-        )
-    return wire.as_bytes_view(t.reshape(-1))
+def _cancel(conn: _Conn) -> None:
+    """Abort the call on `conn` from another thread: its blocked send or recv fails, and
+    the call raises CANCELLED (conn.cancelled) instead of UNAVAILABLE."""
+    conn.cancelled = True
+    with contextlib.suppress(OSError):
+        conn.sock.shutdown(socket.SHUT_RDWR)
+
+
+class _TcpPull(PullStream):
+    """A pull on one pooled connection; the connection goes back to the pool only when
+    the pull ended cleanly (its end frame, or a refusal in place of the header)."""
+
+    def __init__(self, client: DataPlaneClient, conn: _Conn, deadline: float) -> None:
+        self._client, self._conn, self._deadline = client, conn, deadline
+        self._reusable = False
+        self._closed = False
+
+    def header(self) -> pb.PullHeader:
+        frame = self._client._recv_frame(self._conn, self._deadline, "pull")
+        if frame.WhichOneof("kind") != "pull_header":
+            self._reusable = frame.WhichOneof("kind") == "status"
+            self._client._unexpected(frame, "pull_header")
+        return frame.pull_header
+
+    def next_piece(self) -> Incoming | None:
+        c = self._client
+        frame, plen = c._io(self._conn, self._deadline, "pull", c._read_header, self._conn)
+        kind = frame.WhichOneof("kind")
+        if kind == "end":
+            self._reusable = True
+            return None
+        if kind != "piece":
+            c._unexpected(frame, "piece")
+        return _SocketPiece(self, frame.piece.key, frame.piece.offset, plen)
+
+    def read_into(self, view: memoryview) -> None:
+        c = self._client
+        c._io(self._conn, self._deadline, "pull", fr.recv_exact, self._conn.sock, view)
+
+    def read(self, n: int) -> memoryview:
+        c, conn = self._client, self._conn
+        return c._io(conn, self._deadline, "pull", fr.recv_payload, conn.sock, n, conn.scratch)
+
+    def cancel(self) -> None:
+        _cancel(self._conn)
+
+    def close(self) -> None:
+        if not self._closed:  # released once: twice would pool the connection twice
+            self._closed = True
+            self._client._release(self._conn, self._reusable)
+
+
+class _SocketPiece:
+    """A pulled piece whose payload is still in the socket (read it exactly once)."""
+
+    __slots__ = ("key", "offset", "nbytes", "_pull")
+
+    def __init__(self, pull: _TcpPull, key: str, offset: int, nbytes: int) -> None:
+        self._pull, self.key, self.offset, self.nbytes = pull, key, offset, nbytes
+
+    def read_into(self, view: memoryview) -> None:
+        self._pull.read_into(view)
+
+    def read(self) -> memoryview:
+        return self._pull.read(self.nbytes)

@@ -155,8 +155,10 @@ def load_tensors(st: ShardState, snap: dict[str, Any]) -> None:
     }
     st.numel = {s.key: s.numel for s in job.slots}
     st.optimizer = build_optimizer(st.masters.values(), job.optimizer)
-    st.optimizer.load_state_dict(snap["optimizer"])
+    # The scheduler first: building it sets the group's lr to the schedule's start, which
+    # the optimizer's saved param group (lr included) must then overwrite.
     st.scheduler = build_scheduler(st.optimizer, job.optimizer)
+    st.optimizer.load_state_dict(snap["optimizer"])
     st.scheduler.load_state_dict(snap["scheduler"])
     st.loss_scale = DynamicLossScale(job.loss_scale)
     st.loss_scale.scale, st.loss_scale.clean_steps = snap["loss_scale"]
@@ -219,14 +221,21 @@ class CheckpointManager:
         self._timer: threading.Thread | None = None
         self._stop = threading.Event()
 
-    def every_for(self, mode: str) -> int:
-        """The step period in this mode (sync falls back to DEFAULT_EVERY without one)."""
+    def period(self, *, rounds: bool) -> int:
+        """The step period; a policy in rounds (sync: its checkpoints must fall on the same
+        rounds on every shard) falls back to DEFAULT_EVERY without one."""
         if self.every:
             return self.every
-        return DEFAULT_EVERY if mode == "sync" or not self.interval_s else 0
+        return DEFAULT_EVERY if rounds or not self.interval_s else 0
 
-    def due(self, step: int, mode: str) -> bool:
-        every = self.every_for(mode)
+    def every_for(self, mode: str) -> int:
+        """period() for a mode name (tools and tests; the shard asks its policy)."""
+        from ps.server.policy_for_mode import make_policy
+
+        return self.period(rounds=make_policy(mode, 0).rounds)
+
+    def due(self, step: int, *, rounds: bool) -> bool:
+        every = self.period(rounds=rounds)
         return bool(every) and step % every == 0 and step != self.last_step
 
     def start_timer(self, state: ShardState) -> None:

@@ -158,14 +158,21 @@ class ChunkedSyncPolicy(SyncPolicy):
         sources = [p.grads for p in pushes]
         with self._apply_lock:  # waits for an update in progress; drops queued ones
             self._gen += 1
+            redo: dict[str, bool] = {}  # slots still to apply -> taken with other workers
             for key in st.masters:
                 done = self.applied.pop(key, None)
-                if done == workers:
-                    continue
-                if done is not None:  # taken with other workers: go back, then redo
+                if done != workers:
+                    redo[key] = done is not None
+            self.applied.clear()
+
+            def one(key: str) -> None:
+                if redo[key]:  # go back, then redo
                     self._restore(st, key)
                 self._apply(st, key, sources)
-            self.applied.clear()
+
+            # Slots are independent (own master, state, undo and sum buffers): the
+            # shard's update threads may take them in any order, same bits.
+            st.stepper.each(st, redo, one)
         st.finish_update(staleness=[0] * len(pushes))
 
     # ---- one slot -------------------------------------------------------------------

@@ -4,12 +4,17 @@ process, workers included, so it imports no part of the shard's machinery."""
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ps import wire
 from ps.grpc_limits import DEFAULT_MAX_MESSAGE_BYTES
 from ps.server import checkpoint
 from ps.server.lease import DEFAULT_JOIN_GRACE_S, DEFAULT_LEASE_S
+
+#: How many shards share this host (`psar server --torch-threads auto` divides its cores).
+SHARDS_PER_HOST_ENV = "PSAR_SHARDS_PER_HOST"
 
 
 @dataclass(kw_only=True)
@@ -31,9 +36,12 @@ class ServerConfig:
     shard: int = -1
     """Shard index for logs and metrics (default: env PSAR_SHARD, a StatefulSet pod
     ordinal, SLURM_PROCID, else 0)."""
-    torch_threads: int = 1
-    """torch threads for the shard's copies and optimizer (0: torch's default). One is
-    fastest here: a 1 MiB copy took 0.12 ms with one thread, 0.63 ms with the default."""
+    torch_threads: str = "1"
+    """Threads of the shard's optimizer update: N | auto | 0. N > 1: a pool of N threads
+    steps the slots, bit-identical to one (ps/server/slot_step.py); torch itself keeps one
+    thread, the fastest for the shard's copies (1 MiB: 0.12 ms vs 0.63 ms with its default).
+    auto: the cores this process may use divided by the shards on this host (env
+    PSAR_SHARDS_PER_HOST, else 1), at least 1. 0: torch's default threads, no pool."""
     lease_s: float = DEFAULT_LEASE_S
     """A worker not heard from for this long leaves the live set (workers heartbeat every
     lease_s / 3)."""
@@ -74,8 +82,7 @@ class ServerConfig:
     it from GetJob. Off when TLS is on (the data plane is plaintext)."""
 
     def __post_init__(self) -> None:
-        if self.torch_threads < 0:
-            raise ValueError(f"--torch-threads must be >= 0, got {self.torch_threads}")
+        self.torch_threads = _check_threads(self.torch_threads)
         host, sep, port = self.bind.rpartition(":")
         if not sep or not host or not port.isdigit():
             raise ValueError(
@@ -106,3 +113,28 @@ class ServerConfig:
     @property
     def checkpoint_folder(self) -> str:
         return self.checkpoint_dir or self.restore
+
+    def update_threads(self, env: Mapping[str, str] = os.environ) -> int:
+        """Threads of the optimizer update that --torch-threads asks for on this host."""
+        if self.torch_threads != "auto":
+            return max(1, int(self.torch_threads))  # 0: one pool thread, torch's own threads
+        shards = env.get(SHARDS_PER_HOST_ENV, "").strip() or "1"
+        if not shards.isdigit() or int(shards) < 1:
+            raise ValueError(f"{SHARDS_PER_HOST_ENV} must be a number >= 1, got {shards!r}")
+        return max(1, _cores() // int(shards))
+
+
+def _check_threads(value: object) -> str:
+    """--torch-threads as a string ("auto" or digits); ints (TOML, Python callers) kept."""
+    text = str(value).strip().lower()
+    if text == "auto" or text.isdigit():
+        return text if text == "auto" else str(int(text))
+    raise ValueError(f"--torch-threads: expected a number of threads >= 0 or 'auto', got {value!r}")
+
+
+def _cores() -> int:
+    """Cores this process may run on (its affinity mask: cgroups, taskset, Slurm)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1

@@ -3,9 +3,10 @@
 Python gRPC tops out at ~1.4-2 GB/s on loopback here (protobuf copies, 1 MiB messages
 through the C core); these frames (ps/framing.py, proto/psar/v1/ps.proto) carry the
 same push and pull with one copy on each end. It is a second door to the SAME shard:
-every decision is ShardState's (begin_push, add_data, add_verdict, finish_push, pull),
-errors map to the status codes and messages ps/server/servicer.py gives, and the same metrics
-are counted. gRPC keeps everything else (init, jobs, leases, stats, health).
+pushes and pulls are decoded and validated by the servicer's PushCall and start_pull
+(ps/server/servicer.py), which every decision then leaves to ShardState, so errors get
+the status codes and messages gRPC gives, and the same metrics are counted. gRPC keeps
+everything else (init, jobs, leases, stats, health).
 
 One thread per connection (workers keep a few pooled connections per shard). A refused
 push gets its status at once; the rest of that push is read and ignored up to its end
@@ -27,9 +28,9 @@ from typing import Any
 import grpc
 
 from ps import framing as fr
-from ps import serde
 from ps._gen.psar.v1 import ps_pb2 as pb
 from ps.errors import InvalidArgument, PSError
+from ps.server.servicer import PushCall, start_pull
 from ps.server.shard import ShardState
 
 log = logging.getLogger("psar.dataplane")
@@ -231,12 +232,11 @@ class _Connection:
 
     def _push(self, head: pb.PushHeader) -> None:
         t0 = time.monotonic()
-        state, ticket, refused = self.state, None, False
+        call: PushCall | None = None
+        refused = False
         try:
             try:
-                ticket = state.begin_push(
-                    serde.push_header_from_pb(head), incarnation=head.incarnation
-                )
+                call = PushCall(self.state, head)
             except PSError as e:
                 refused = self._refuse(e)
             while True:
@@ -249,45 +249,38 @@ class _Connection:
                         break
                     if refused:
                         continue
+                assert call is not None
                 try:
                     if kind == "piece":
-                        self._piece(ticket, frame.piece, plen)
+                        self._piece(call, frame.piece, plen)
                     elif kind == "verdict":
-                        state.add_verdict(ticket, frame.verdict.overflow)
+                        call.verdict(frame.verdict.overflow)
                     else:
-                        raise InvalidArgument(
-                            f"Push: a {kind} frame inside a push; only one header allowed, "
-                            "then pieces, one verdict and an end frame",
-                            reason="malformed",
-                        )
+                        call.misplaced(kind)
                 except PSError as e:
-                    ticket.release()
-                    ticket = None
+                    call.release()
                     refused = self._refuse(e)
             if refused:
                 return
-            incarnation = ticket.incarnation
+            assert call is not None
             try:
-                outcome, version, already = state.finish_push(ticket)
+                reply = call.finish()
             except PSError as e:
                 self._refuse(e)
                 return
-            finally:
-                ticket = None  # finish_push released it
-            reply = serde.push_reply_to_pb(outcome, version, already, incarnation)
             self._send(pb.DataFrame(push_reply=reply))
         finally:
-            if ticket is not None:
-                ticket.release()
+            if call is not None:
+                call.release()
             self.metrics.rpc_observed("Push", time.monotonic() - t0)
 
-    def _piece(self, ticket: Any, piece: pb.DataPiece, plen: int) -> None:
+    def _piece(self, call: PushCall, piece: pb.DataPiece, plen: int) -> None:
         """One pushed piece: checked from its description, then received straight into
         the staging buffer (fp32). A refusal still reads its payload (the stream goes on)."""
         read_into = lambda view: fr.recv_exact(self.sock, view)  # noqa: E731
         read = lambda n: fr.recv_payload(self.sock, n, self.scratch)  # noqa: E731
         try:
-            self.state.add_data_from(ticket, piece.key, piece.offset, plen, read_into, read)
+            call.piece(piece.key, piece.offset, plen, read_into, read)
         except PSError:
             fr.recv_payload(self.sock, plen, self.scratch)  # nothing was read yet
             raise
@@ -301,26 +294,16 @@ class _Connection:
 
     def _pull(self, req: pb.DataPullRequest) -> None:
         t0 = time.monotonic()
-        r = req.request
         try:
             if req.timeout_s < 0 or req.timeout_s != req.timeout_s:
                 raise InvalidArgument(f"pull timeout_s must be >= 0, got {req.timeout_s}")
-            dtype = serde.dtype_from_pb(r.dtype)
-            header, pieces = self.state.pull(
-                r.worker,
-                r.clock,
-                dtype,
-                req.timeout_s if req.timeout_s > 0 else None,
-                incarnation=r.incarnation,
-                views=True,  # sent as they are: no copy of the masters in sync fp32
-            )
-            incarnation = self.state.incarnation
+            timeout = req.timeout_s if req.timeout_s > 0 else None
+            # views: sent as they are, no copy of the masters in sync fp32
+            head, pieces = start_pull(self.state, req.request, timeout, views=True)
         except PSError as e:
             self.metrics.rpc_observed("Pull", time.monotonic() - t0)
             self._status(e.code, e.args[0])
             return
-        head = serde.pull_header_to_pb(header)
-        head.incarnation = incarnation
         self._send(pb.DataFrame(pull_header=head))
         for key, offset, data in pieces:
             self._send(pb.DataFrame(piece=pb.DataPiece(key=key, offset=offset)), data)

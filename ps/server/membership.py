@@ -175,7 +175,7 @@ class Membership:
                 was_live = worker in self.live
                 old = self.instances.get(worker, "")
                 lapsed = not was_live and (worker in self.expired or worker in self.left)
-                if job.mode == "sync":
+                if self.policy.rounds:  # join at a round boundary
                     self._register_sync(worker, clock)
                 else:
                     self.clocks[worker] = max(self.clocks[worker], clock)

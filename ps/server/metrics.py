@@ -201,6 +201,13 @@ class ShardMetrics:
             "sync --chunk-rounds: rounds whose early slot updates were undone (an overflow, "
             "a refused push, a worker leaving mid-round).",
         )
+        self._params_updated = counter(
+            "psar_ps_params_updated_total", "Parameters (fp32 elements) of applied updates."
+        )
+        self._update_seconds = counter(
+            "psar_ps_update_seconds_total",
+            "Wall seconds of optimizer steps; rate(params_updated) / rate(this) = params/s.",
+        )
         self._rx = counter(
             "psar_ps_bytes_received_total", "Payload bytes received from workers (pushes)."
         )
@@ -308,6 +315,11 @@ class ShardMetrics:
     def chunk_undo(self) -> None:
         """A round's early slot updates were undone (per-chunk rounds)."""
         self._chunk_undos.inc()
+
+    def update_timed(self, params: int, seconds: float) -> None:
+        """An update of ``params`` parameters took ``seconds`` of optimizer steps."""
+        self._params_updated.inc(params)
+        self._update_seconds.inc(seconds)
 
     def bytes_received(self, n: int) -> None:
         """``n`` payload bytes arrived from a worker."""

@@ -1,9 +1,16 @@
 """Consistency modes as pluggable update policies (ps-lite's request handler idea).
 
-A policy decides three things and nothing else:
+A policy makes every decision that differs between consistency modes, so no other module of
+ps/server compares mode names (tests/test_mode_wall.py holds that):
 - what to do with a validated, unscaled push (`accept`): apply now, or hold it for a round;
-- when a pull may be answered (`pull_ready`);
-- what a departing worker changes (`on_leave`).
+- when a pull may be answered (`pull_ready`), what its wait is recorded as (`pull_waited`),
+  and whether it may send views of the masters (`pull_views`);
+- what a departing worker changes (`on_leave`);
+- whether updates come in rounds (`rounds`): what closes them, how checkpoints are numbered
+  and when they fall, whether a restore must be followed by every shard (rollback), where a
+  (re)joining worker enters;
+- what a non-finite gradient without the overflow flag means (`nonfinite_unflagged`);
+- how a sparse table's row pushes are applied (`rows`, ps/server/sparse_policy.py).
 The shard (ps/server/shard.py) owns the state, the locking and the validation, and calls the
 policy under its lock. tests/test_policy_contract.py runs one contract suite on each.
 
@@ -23,6 +30,7 @@ import torch
 
 from ps.errors import FailedPrecondition, InvalidArgument
 from ps.headers import PushOutcome
+from ps.server.sparse_policy import RowPolicy, RowRounds, RowsOnArrival
 
 if TYPE_CHECKING:
     from ps.server.pushdata import PushTicket
@@ -48,6 +56,20 @@ class UpdatePolicy(ABC):
     holds_gradients: bool = False
     #: Wants to hear of each push's slots as they complete (per-chunk rounds).
     applies_chunks: bool = False
+    #: Updates come in rounds every live worker takes part in (sync). Then an update or a
+    #: skip closes the round; checkpoints are numbered by round and fall on the same rounds
+    #: on every shard (never off that grid), so a restored shard's peers can follow it back
+    #: (rollback); a (re)joining worker enters at a round boundary. Otherwise the version
+    #: numbers checkpoints, an interval timer may add some, and a worker rejoins at once.
+    rounds: bool = False
+    #: The masters cannot change while a worker reads its pull (the next update needs that
+    #: worker's next push), so a pull may send views of them instead of a copy.
+    pull_views: bool = False
+    #: How this policy applies a sparse table's row pushes (ps/server/sparse_policy.py).
+    rows: RowPolicy = RowsOnArrival()
+    #: Diagnostic counters of per-chunk rounds (Stats); zero for every other policy.
+    chunks_early: int = 0
+    chunk_undos: int = 0
 
     @abstractmethod
     def check_push(self, st: ShardState, worker: int, clock: int, base_version: int) -> None:
@@ -63,6 +85,21 @@ class UpdatePolicy(ABC):
 
     def on_leave(self, st: ShardState, worker: int) -> None:  # noqa: B027 - optional hook
         """A worker left the live set (finished, or its lease expired)."""
+
+    def pull_waited(self, st: ShardState, seconds: float) -> None:  # noqa: B027
+        """A pull was answered after waiting `seconds` for `pull_ready` (metrics)."""
+
+    def nonfinite_unflagged(self, st: ShardState, worker: int) -> None:  # noqa: B027
+        """A push holds inf/nan without the overflow flag: raise to refuse it; returning
+        lets the shard drop it as an overflow (counted)."""
+
+    def round_in_flight(self) -> bool:
+        """Some worker has pushed for a round that has not closed (draining waits for it)."""
+        return False
+
+    def checkpoint_step(self, st: ShardState) -> int:
+        """What checkpoints (and restores) are numbered by."""
+        return st.rounds if self.rounds else st.version
 
     # Per-chunk hooks (called under the shard lock only when applies_chunks is set).
 
@@ -95,6 +132,9 @@ class SyncPolicy(UpdatePolicy):
 
     mode = "sync"
     holds_gradients = True
+    rounds = True
+    pull_views = True
+    rows = RowRounds()
 
     def __init__(self) -> None:
         self.pending: dict[int, StagedPush] = {}
@@ -124,6 +164,19 @@ class SyncPolicy(UpdatePolicy):
 
     def on_leave(self, st: ShardState, worker: int) -> None:
         self._maybe_close(st)
+
+    def pull_waited(self, st: ShardState, seconds: float) -> None:
+        st.metrics.barrier_wait(seconds)
+
+    def nonfinite_unflagged(self, st: ShardState, worker: int) -> None:
+        raise InvalidArgument(
+            "non-finite gradient without the overflow flag: in sync mode a worker that sees "
+            "inf/nan must push overflow=true (no data) so every shard skips the round",
+            reason="nonfinite",
+        )
+
+    def round_in_flight(self) -> bool:
+        return bool(self.pending)
 
     def _maybe_close(self, st: ShardState) -> None:
         if not self.pending or not st.live.issubset(self.pending):
@@ -189,3 +242,6 @@ class SSPPolicy(AsyncPolicy):
 
     def pull_ready(self, st: ShardState, worker: int, clock: int) -> bool:
         return clock - st.slowest_live_clock(default=clock) <= self.staleness
+
+    def pull_waited(self, st: ShardState, seconds: float) -> None:
+        st.metrics.ssp_wait(seconds)

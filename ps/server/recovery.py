@@ -31,7 +31,7 @@ class Recovery:
     @property
     def round_in_flight(self: ShardState) -> bool:
         """sync: some worker has pushed for the open round."""
-        return bool(getattr(self.policy, "pending", None)) if self.job is not None else False
+        return self.policy.round_in_flight() if self.job is not None else False
 
     def _check_draining(self: ShardState, clock: int) -> None:
         """Draining: only pushes that finish the sync round already in flight get in."""
@@ -40,15 +40,16 @@ class Recovery:
 
     @property
     def checkpoint_step(self: ShardState) -> int:
-        """What checkpoints are numbered by: the round (sync) or the version."""
-        return self.rounds if self.job is not None and self.job.mode == "sync" else self.version
+        """What checkpoints are numbered by: the round (sync) or the version (the policy's
+        choice)."""
+        return self.policy.checkpoint_step(self) if self.job is not None else self.version
 
     def _maybe_checkpoint(self: ShardState, force: bool = False) -> None:
         m, job = self.checkpoints, self.job
         if m is None or job is None:
             return
         step = self.checkpoint_step
-        if force or m.due(step, job.mode):
+        if force or m.due(step, rounds=self.policy.rounds):
             m.submit(step, checkpoint.snapshot(self))
 
     def checkpoint_now(self: ShardState, reason: str, *, wait: bool = False) -> bool:
@@ -56,7 +57,7 @@ class Recovery:
         final (wait=True) checkpoint is taken off the round grid."""
         with self._cond:
             m, job = self.checkpoints, self.job
-            if m is None or job is None or (job.mode == "sync" and not wait):
+            if m is None or job is None or (self.policy.rounds and not wait):
                 return False
             step = self.checkpoint_step
             if not wait and step == m.last_step:
@@ -81,7 +82,7 @@ class Recovery:
             self.left = set(snap["left"])
             self.restores = int(snap["counters"]["restores"]) + 1
             self.restored_step = step
-            self.restored_pending = self.job.mode == "sync"
+            self.restored_pending = self.policy.rounds  # every shard must follow it back
             if self.checkpoints is not None:
                 self.checkpoints.last_step = step
             self._started(self.job)
@@ -92,7 +93,7 @@ class Recovery:
         live set and leases; every worker's clock becomes that round."""
         with self._cond:
             job = self._require_job()
-            if job.mode != "sync":
+            if not self.policy.rounds:
                 raise FailedPrecondition("rollback is for sync mode only", reason="malformed")
             if self.rounds <= max_round:
                 return self._rollback_reply(False)

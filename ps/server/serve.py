@@ -17,7 +17,6 @@ from concurrent import futures
 from typing import Any
 
 import grpc
-import torch
 
 from ps import auth
 from ps._gen.psar.v1 import ps_pb2_grpc as pb_grpc
@@ -28,6 +27,7 @@ from ps.server.dataplane import DataPlaneServer, start_dataplane
 from ps.server.health import ShardHealth
 from ps.server.lease import Reaper
 from ps.server.shard import ShardState
+from ps.server.slot_step import apply_torch_threads
 from ps.server.sparse_servicer import SparseServicer
 from trainkit.roles import resolve_shard
 
@@ -54,6 +54,7 @@ def build_state(cfg: ServerConfig, metrics: Any = None) -> ShardState:
         join_grace_s=cfg.join_grace_s,
         checkpoints=manager,
         chunk_rounds=cfg.chunk_rounds,
+        update_threads=cfg.update_threads(),
     )
     if cfg.restore:
         found = _find_restore(cfg.restore, shard)
@@ -143,8 +144,7 @@ def start_server(
 def serve(cfg: ServerConfig) -> int:
     """Run a shard until SIGTERM/SIGINT; returns the process exit code."""
     cfg.shard = resolve_shard(cfg.shard, os.environ)
-    if cfg.torch_threads:
-        torch.set_num_threads(cfg.torch_threads)
+    apply_torch_threads(cfg.torch_threads)  # one torch thread unless 0 (slot_step.py)
     metrics = _make_metrics(cfg)
     server, port, state = start_server(cfg, metrics=metrics)
     host = cfg.bind.rpartition(":")[0]

@@ -2,14 +2,21 @@
 
 No logic lives here (thin servicers, serde at the edge): every decision is made by
 ps/server/shard.py and ps/server/policies.py, which tests drive without a socket.
+
+A push and a pull arrive through two doors, this servicer and the TCP data plane
+(ps/server/dataplane.py). Both frame them with PushCall and start_pull below: one
+decode/validate path for a push's header, pieces and verdict (pieces go through
+ShardState.add_data_from whichever door: bytes in hand or still in a socket), one for a
+pull's request and header, so the two doors refuse the same things with the same words.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import time
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, NoReturn
 
 import grpc
 import torch
@@ -17,8 +24,12 @@ import torch
 from ps import serde
 from ps._gen.psar.v1 import ps_pb2 as pb
 from ps._gen.psar.v1 import ps_pb2_grpc as pb_grpc
-from ps.errors import InvalidArgument, PSError, ResourceExhausted
+from ps.errors import FailedPrecondition, InvalidArgument, PSError, ResourceExhausted
 from ps.server.shard import ShardState
+
+_INIT_WAIT_SLICE_S = 0.25
+"""GetJob(wait) re-checks for a reported init failure this often (it waits on the
+shard's own condition, which a report does not signal)."""
 
 
 def physical_memory_bytes() -> int:
@@ -29,12 +40,84 @@ def physical_memory_bytes() -> int:
         return 1 << 40
 
 
+class PushCall:
+    """One push as either door receives it: a header, then pieces and at most one
+    verdict in any order, then its end. Each door reads its own messages or frames and
+    calls these; a refusal raises the PSError both doors answer with."""
+
+    def __init__(self, state: ShardState, head: pb.PushHeader) -> None:
+        self.state = state
+        self.ticket: Any = state.begin_push(
+            serde.push_header_from_pb(head), incarnation=head.incarnation
+        )
+
+    def piece(
+        self,
+        key: str,
+        offset: int,
+        nbytes: int,
+        read_into: Callable[[memoryview], None],
+        read: Callable[[int], Any],
+    ) -> None:
+        """One piece: checked from its description (slot, offset, length) before a byte
+        is read, then read straight into the staging buffer (or converted)."""
+        self.state.add_data_from(self.ticket, key, offset, nbytes, read_into, read)
+
+    def piece_bytes(self, key: str, offset: int, data: bytes) -> None:
+        """A piece whose bytes are in hand (a gRPC message): the same path as piece()."""
+
+        def read_into(view: memoryview) -> None:
+            view[:] = data
+
+        self.piece(key, offset, len(data), read_into, lambda _n: data)
+
+    def verdict(self, overflow: bool) -> None:
+        self.state.add_verdict(self.ticket, overflow)
+
+    def misplaced(self, kind: str | None) -> NoReturn:
+        raise InvalidArgument(
+            f"Push: a {kind or 'empty'} message inside a push; only one header allowed, "
+            "then pieces, one verdict and the end",
+            reason="malformed",
+        )
+
+    def finish(self) -> pb.PushReply:
+        """Hand the complete push to the shard (which releases the ticket either way)."""
+        ticket, self.ticket = self.ticket, None
+        incarnation = ticket.incarnation
+        outcome, version, already = self.state.finish_push(ticket)
+        return serde.push_reply_to_pb(outcome, version, already, incarnation)
+
+    def release(self) -> None:
+        """Drop a push that will not finish (refused, or its stream broke)."""
+        if self.ticket is not None:
+            self.ticket.release()
+            self.ticket = None
+
+
+def start_pull(
+    state: ShardState, req: pb.PullRequest, timeout: float | None, *, views: bool = False
+) -> tuple[pb.PullHeader, list[tuple[str, int, Any]]]:
+    """A pull as either door serves it: wait as the mode requires, then the header (with
+    the incarnation it was served at) and the pieces (key, offset, bytes) to send."""
+    dtype = serde.dtype_from_pb(req.dtype)
+    header, pieces = state.pull(
+        req.worker, req.clock, dtype, timeout, incarnation=req.incarnation, views=views
+    )
+    head = serde.pull_header_to_pb(header)
+    head.incarnation = state.incarnation
+    return head, pieces
+
+
 class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     def __init__(self, state: ShardState) -> None:
         self.state = state
         self.metrics = state.metrics
         self.data_port = 0
         """Port of the shard's data plane (ps/server/dataplane.py) advertised by GetJob; 0: none."""
+        self._init_failure: pb.InitFailedRequest | None = None
+        """Rank 0's report that its init failed (ReportInitFailure); cleared by an Init."""
+        self._lock = threading.Lock()
 
     def _fail(self, context: grpc.ServicerContext, method: str, e: PSError) -> None:
         if method == "Push":
@@ -47,6 +130,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             first = next(request_iterator, None)
             if first is None or first.WhichOneof("kind") != "header":
                 raise InvalidArgument("Init stream must start with a header", reason="malformed")
+            with self._lock:
+                self._init_failure = None  # rank 0 tries again: its old failure is history
             job = serde.job_from_pb(first.header.job)
             # A conflicting job is refused before a byte is allocated for it; an identical
             # one (a retried init) is read and checked as before.
@@ -90,7 +175,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         t0 = time.monotonic()
         try:
             if request.wait:
-                self.state.wait_initialized(context.time_remaining())
+                self._wait_initialized(context)
             job = self.state.job
             if job is None:
                 return pb.GetJobReply(
@@ -105,56 +190,65 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
                 lease_s=self.state.leases.lease_s,
                 data_port=self.data_port,
             )
+        except PSError as e:
+            self._fail(context, "GetJob", e)
         finally:
             self.metrics.rpc_observed("GetJob", time.monotonic() - t0)
 
+    def ReportInitFailure(
+        self, request: pb.InitFailedRequest, context: grpc.ServicerContext
+    ) -> Any:
+        # An initialised shard keeps serving its job (rank 0 failed on another shard).
+        if self.state.job is None:
+            with self._lock:
+                self._init_failure = request
+        return pb.InitFailedReply()
+
+    def _wait_initialized(self, context: grpc.ServicerContext) -> None:
+        """GetJob(wait): block until initialised or the deadline, but refuse at once
+        (FAILED_PRECONDITION, rank 0's words) once rank 0 reported that its init failed."""
+        while context.is_active():  # a caller that gave up (cut short) frees the thread
+            with self._lock:
+                failure = self._init_failure
+            if failure is not None and self.state.job is None:
+                raise FailedPrecondition(serde.init_failure_details(failure), reason="init_failed")
+            remaining = context.time_remaining()
+            step = _INIT_WAIT_SLICE_S if remaining is None else min(remaining, _INIT_WAIT_SLICE_S)
+            if self.state.wait_initialized(step) or (remaining is not None and remaining <= step):
+                return
+
     def Push(self, request_iterator: Iterator[pb.PushChunk], context: grpc.ServicerContext) -> Any:
         t0 = time.monotonic()
-        ticket = None
+        call: PushCall | None = None
         try:
             first = next(request_iterator, None)
             if first is None or first.WhichOneof("kind") != "header":
                 raise InvalidArgument("Push stream must start with a header", reason="malformed")
-            ticket = self.state.begin_push(
-                serde.push_header_from_pb(first.header), incarnation=first.header.incarnation
-            )
+            call = PushCall(self.state, first.header)
             for msg in request_iterator:
                 kind = msg.WhichOneof("kind")
                 if kind == "data":
-                    self.state.add_data(ticket, msg.data.key, msg.data.offset, msg.data.data)
+                    call.piece_bytes(msg.data.key, msg.data.offset, msg.data.data)
                 elif kind == "verdict":
-                    self.state.add_verdict(ticket, msg.verdict.overflow)
+                    call.verdict(msg.verdict.overflow)
                 else:
-                    raise InvalidArgument("Push: only one header allowed", reason="malformed")
-            ticket_incarnation = ticket.incarnation
-            outcome, version, already = self.state.finish_push(ticket)
-            ticket = None
-            return serde.push_reply_to_pb(outcome, version, already, ticket_incarnation)
+                    call.misplaced(kind)
+            return call.finish()
         except PSError as e:
             self._fail(context, "Push", e)
         finally:
-            if ticket is not None:
-                ticket.release()
+            if call is not None:
+                call.release()
             self.metrics.rpc_observed("Push", time.monotonic() - t0)
 
     def Pull(self, request: pb.PullRequest, context: grpc.ServicerContext) -> Iterator[Any]:
         t0 = time.monotonic()
         try:
-            dtype = serde.dtype_from_pb(request.dtype)
-            header, pieces = self.state.pull(
-                request.worker,
-                request.clock,
-                dtype,
-                context.time_remaining(),
-                incarnation=request.incarnation,
-            )
-            incarnation = self.state.incarnation
+            head, pieces = start_pull(self.state, request, context.time_remaining())
         except PSError as e:
             self.metrics.rpc_observed("Pull", time.monotonic() - t0)
             self._fail(context, "Pull", e)
             return
-        head = serde.pull_header_to_pb(header)
-        head.incarnation = incarnation
         yield pb.PullChunk(header=head)
         for key, offset, data in pieces:
             yield pb.PullChunk(data=pb.TensorData(key=key, offset=offset, data=data))

@@ -44,6 +44,7 @@ from ps.server.pushdata import check_header as _check_header
 from ps.server.recovery import Recovery
 from ps.server.shard_inspect import Inspection
 from ps.server.shard_pull import Pulls
+from ps.server.slot_step import SlotStepper
 from trainkit.nullmetrics import NullMetrics
 from trainkit.optim import DynamicLossScale, build_optimizer, build_scheduler
 
@@ -66,6 +67,7 @@ class ShardState(Membership, Recovery, Inspection, Pulls):
         clock: Callable[[], float] = time.monotonic,
         checkpoints: checkpoint.CheckpointManager | None = None,
         chunk_rounds: bool = False,
+        update_threads: int = 1,
     ) -> None:
         self.chunk_rounds = chunk_rounds
         """sync: apply each slot as soon as every worker's piece of it is in
@@ -99,6 +101,8 @@ class ShardState(Membership, Recovery, Inspection, Pulls):
         self.restored_pending = False
         self.draining = False
         self.checkpoints = checkpoints
+        self.stepper = SlotStepper(update_threads)
+        """Runs and times the optimizer steps (ps/server/slot_step.py: --torch-threads)."""
         self._staging: dict[int, dict[str, torch.Tensor]] = {}
         self._worker_locks: dict[int, threading.Lock] = {}
         self._snapshots: dict[tuple[torch.dtype, bool], tuple[Any, list[tuple[str, int, Any]]]] = {}
@@ -290,16 +294,9 @@ class ShardState(Membership, Recovery, Inspection, Pulls):
                 check_complete(self.numel, ticket)
             grads = ticket.staging
             if not h.overflow and not unscale_rest(ticket):
-                with self._cond:
-                    sync = self.job is not None and self.job.mode == "sync"
-                if sync:
-                    raise InvalidArgument(
-                        "non-finite gradient without the overflow flag: in sync mode a "
-                        "worker that sees inf/nan must push overflow=true (no data) so "
-                        "every shard skips the round",
-                        reason="nonfinite",
-                    )
-                h.overflow = True  # async/ssp: dropped and counted below
+                with self._cond:  # sync refuses it; async/ssp drop and count it below
+                    self.policy.nonfinite_unflagged(self, h.worker)
+                h.overflow = True
             with self._cond:
                 # Re-check under the lock: another thread may have moved the round on,
                 # or a rollback may have replaced the state the push was checked against.
@@ -325,40 +322,31 @@ class ShardState(Membership, Recovery, Inspection, Pulls):
         """One optimizer step with these fp32 gradients (keyed by slot)."""
         for key, p in self.masters.items():
             p.grad = grads[key]
-        self.optimizer.step()
-        for p in self.masters.values():
-            p.grad = None
+        try:
+            self.stepper.step_all(self)
+        finally:
+            for p in self.masters.values():
+                p.grad = None
         self.finish_update(staleness)
 
     def step_slot(self, key: str, grad: torch.Tensor) -> None:
         """The optimizer step of one slot only (per-chunk rounds); finish_update ends the
         round (torch's optimizers step each parameter on its own: same bits)."""
-        p = self.masters[key]
-        groups = self.optimizer.param_groups
-        # One param group (trainkit/optim.py): for this step it holds this slot's parameter
-        # only, so torch does not walk every other parameter once per slot.
-        params = groups[0]["params"] if len(groups) == 1 else None
-        p.grad = grad
-        try:
-            if params is not None:
-                groups[0]["params"] = [p]
-            self.optimizer.step()
-        finally:
-            if params is not None:
-                groups[0]["params"] = params
-            p.grad = None
+        self.stepper.step_slot(self, key, grad)
 
     def finish_update(self, staleness: list[int]) -> None:
         """After the optimizer step(s) of an update: schedule, version, counters, round."""
         self.scheduler.step()
         self.version += 1
         self.updates_applied += 1
+        numel = sum(self.numel.values())
+        self.metrics.update_timed(numel, self.stepper.commit(numel))
         self.metrics.optimizer_step()
         self.metrics.set_version(self.version)
         for s in staleness:
             self.staleness_counts[s] += 1
             self.metrics.gradient_applied(s)
-        if self.job is not None and self.job.mode == "sync":
+        if self.policy.rounds:
             self._close_round(skipped=False)
         else:
             self._maybe_checkpoint()

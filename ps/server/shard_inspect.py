@@ -43,8 +43,9 @@ class Inspection:
                 "last_checkpoint_step": (m.last_step or 0) if m is not None else 0,
                 "live_worker_ids": sorted(self.live),
                 "draining": self.draining,
-                "chunks_applied_early": getattr(policy, "chunks_early", 0),
-                "chunk_undos": getattr(policy, "chunk_undos", 0),
+                "chunks_applied_early": policy.chunks_early if policy is not None else 0,
+                "chunk_undos": policy.chunk_undos if policy is not None else 0,
+                "update_params_per_s": self.stepper.rate(),
             }
 
     def state_digest(self) -> str:

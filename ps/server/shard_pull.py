@@ -67,10 +67,7 @@ class Pulls:
                     f"round {self.rounds}, worker clocks {self.clocks}, live {sorted(self.live)}. "
                     "A worker is slow or gone; raise --pull-timeout or check the slowest worker",
                 )
-            if job.mode == "sync":
-                self.metrics.barrier_wait(waited)
-            elif job.mode == "ssp":
-                self.metrics.ssp_wait(waited)
+            self.policy.pull_waited(self, waited)
             gap = clock - self.slowest_live_clock(default=clock)
             self.max_clock_gap = max(self.max_clock_gap, gap)
             header = PullHeader(
@@ -90,7 +87,7 @@ class Pulls:
     def _snapshot(self: ShardState, dtype: torch.dtype, views: bool) -> list[tuple[str, int, Any]]:
         """Wire pieces of the current weights in `dtype`, shared by every pull of a version."""
         views = views and dtype == torch.float32 and self.job is not None
-        views = views and self.job.mode == "sync"
+        views = views and self.policy.pull_views
         cached = self._snapshots.get((dtype, views))
         if cached is not None and cached[0] == (self.incarnation, self.version):
             return cached[1]
@@ -99,8 +96,9 @@ class Pulls:
         # a pull reads them: the next round needs this worker's next push, which it
         # sends only once its pull has landed. (A worker whose lease ran out mid-pull,
         # or a rollback, may see a torn copy; its next push is then refused and it
-        # resyncs and pulls again.) async/ssp apply on every push: they copy. gRPC needs
-        # bytes: its pullers share one copy per version.
+        # resyncs and pulls again.) async/ssp apply on every push: they copy (the
+        # policy's `pull_views` says which). gRPC needs bytes: its pullers share one copy
+        # per version.
         for key, p in self.masters.items():
             flat = p.detach() if dtype == torch.float32 else p.detach().to(dtype)
             for off, data in wire.iter_pieces(flat, self.message_bytes, copy=not views):

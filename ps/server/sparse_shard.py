@@ -1,16 +1,11 @@
-"""A shard's sparse tables: create, pull rows, push row gradients, per consistency mode.
+"""A shard's sparse tables: create, pull rows, push row gradients.
 
-Lives next to the dense ShardState (ps/server/shard.py) and reads its job (mode, workers) and
-live set, but keeps its own lock, versions and clocks per table.
-
-- **sync**: a table's round for clock c closes when every live worker has pushed its
-  rows for c (an empty push counts). The row gradients are summed per row in fp32 in
-  worker-rank order and divided by the number of workers that pushed, exactly as the
-  dense round does, then applied once. Workers push rows before their dense gradient
-  of the same clock, so by the time a dense sync pull returns, the table's round of
-  that clock has closed too. A round in which any worker overflowed is skipped.
-- **async / ssp**: each push is applied on arrival (SSP's bound is enforced by the
-  dense pull). Staleness = table version at apply - version the rows were pulled at.
+Lives next to the dense ShardState (ps/server/shard.py) and reads its job (workers), live
+set and update policy, but keeps its own lock, versions and clocks per table. What a
+validated push does is the policy's decision: its `rows` (ps/server/sparse_policy.py)
+holds sync pushes for a round, or applies async/ssp ones on arrival. Workers push rows
+before their dense gradient of the same clock, so by the time a dense sync pull returns,
+the table's round of that clock has closed too.
 
 Every push is validated completely (ids, widths, finiteness) before anything changes.
 """
@@ -25,6 +20,7 @@ from typing import Any
 import torch
 
 from ps.errors import FailedPrecondition, InvalidArgument, NotFound
+from ps.server.sparse_policy import RowPolicy
 from ps.server.sparse_table import SparseTable
 from ps.sparse_spec import TableSpec
 
@@ -84,17 +80,18 @@ class SparseTables:
             )
         return t
 
-    def _mode(self) -> tuple[str, set[int], int]:
+    def _policy(self) -> tuple[RowPolicy, set[int], int]:
+        """The shard's row policy, live set and number of workers, read under its lock."""
         st = self.state
         with st._cond:
             job = st._require_job()
-            return job.mode, set(st.live), job.num_workers
+            return st.policy.rows, set(st.live), job.num_workers
 
     # ---- pull -----------------------------------------------------------------------
 
     def pull(self, worker: int, name: str, ids: torch.Tensor) -> tuple[int, torch.Tensor]:
         """(table version, fp32 rows) for these global ids."""
-        _, _, n = self._mode()
+        _, _, n = self._policy()
         if not 0 <= worker < n:
             raise InvalidArgument(f"worker {worker} not in [0, {n})", reason="bad_worker")
         with self._lock:
@@ -125,7 +122,7 @@ class SparseTables:
 
     def push(self, name: str, p: RowPush) -> tuple[bool, bool, int, int]:
         """Returns (applied, already_applied, table version, staleness)."""
-        mode, live, n = self._mode()
+        rows, live, n = self._policy()
         if not 0 <= p.worker < n:
             raise InvalidArgument(f"worker {p.worker} not in [0, {n})", reason="bad_worker")
         with self._lock:
@@ -133,40 +130,9 @@ class SparseTables:
             key = (name, p.worker)
             if p.clock <= self.clocks.get(key, 0):
                 return False, True, t.version, 0
-            idx = p.ids // t.spec.num_shards
             self.clocks[key] = p.clock
-            if mode != "sync":
-                if p.overflow:
-                    self.skipped[name] += 1
-                    return False, False, t.version, 0
-                stale = max(0, t.version - p.base_version)
-                t.apply(idx, p.grads)
-                self.staleness[name][stale] += 1
-                return True, False, t.version, stale
-            rnd = self.pending.setdefault((name, p.clock), {})
-            rnd[p.worker] = p
-            # Rounds close in clock order; an older one still open closes here once the
-            # live set has shrunk to its pushers (a worker's lease ran out mid-round).
-            for key in sorted(k for k in self.pending if k[0] == name):
-                if not live <= set(self.pending[key]):
-                    break
-                self._close(t, name, key[1])
-            return True, False, t.version, 0
-
-    def _close(self, t: SparseTable, name: str, clock: int) -> None:
-        rnd = self.pending.pop((name, clock))
-        if any(q.overflow for q in rnd.values()):
-            self.skipped[name] += 1
-            t.version += 1
-            return
-        order = [rnd[w] for w in sorted(rnd)]
-        ids = torch.cat([q.ids for q in order])
-        grads = torch.cat([q.grads for q in order])
-        uniq, inv = torch.unique(ids, return_inverse=True)
-        summed = torch.zeros(uniq.numel(), t.spec.dim).index_add_(0, inv, grads)
-        summed.div_(len(order))
-        t.apply(uniq // t.spec.num_shards, summed)
-        self.staleness[name][0] += 1
+            applied, stale = rows.accept(self, name, t, p, live)
+            return applied, False, t.version, stale
 
     def stats(self) -> dict[str, Any]:
         with self._lock:

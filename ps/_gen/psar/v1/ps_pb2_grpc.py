@@ -44,6 +44,11 @@ class ParameterServerStub:
                 request_serializer=psar_dot_v1_dot_ps__pb2.GetJobRequest.SerializeToString,
                 response_deserializer=psar_dot_v1_dot_ps__pb2.GetJobReply.FromString,
                 _registered_method=True)
+        self.ReportInitFailure = channel.unary_unary(
+                '/psar.v1.ParameterServer/ReportInitFailure',
+                request_serializer=psar_dot_v1_dot_ps__pb2.InitFailedRequest.SerializeToString,
+                response_deserializer=psar_dot_v1_dot_ps__pb2.InitFailedReply.FromString,
+                _registered_method=True)
         self.Push = channel.stream_unary(
                 '/psar.v1.ParameterServer/Push',
                 request_serializer=psar_dot_v1_dot_ps__pb2.PushChunk.SerializeToString,
@@ -106,6 +111,12 @@ class ParameterServerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetJob(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReportInitFailure(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -183,6 +194,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.GetJob,
                     request_deserializer=psar_dot_v1_dot_ps__pb2.GetJobRequest.FromString,
                     response_serializer=psar_dot_v1_dot_ps__pb2.GetJobReply.SerializeToString,
+            ),
+            'ReportInitFailure': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportInitFailure,
+                    request_deserializer=psar_dot_v1_dot_ps__pb2.InitFailedRequest.FromString,
+                    response_serializer=psar_dot_v1_dot_ps__pb2.InitFailedReply.SerializeToString,
             ),
             'Push': grpc.stream_unary_rpc_method_handler(
                     servicer.Push,
@@ -289,6 +305,33 @@ class ParameterServer:
             '/psar.v1.ParameterServer/GetJob',
             psar_dot_v1_dot_ps__pb2.GetJobRequest.SerializeToString,
             psar_dot_v1_dot_ps__pb2.GetJobReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportInitFailure(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/psar.v1.ParameterServer/ReportInitFailure',
+            psar_dot_v1_dot_ps__pb2.InitFailedRequest.SerializeToString,
+            psar_dot_v1_dot_ps__pb2.InitFailedReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Everything a session lent a GPU machine runs there, in one go (about 7 minutes; each step has its own timeout):
+# the CUDA side of trainkit/device_io.py, bench/gpu_check.py, bench/gpu_scale.py and the
+# shard update benchmark on the machine's cores. Results go to $OUT (the device tool's
+# folder) or runs/gpu; copy the tables into bench/README.md with date, device and torch.
+#
+#   bash bench/gpu_session.sh            # from the repository root
+set -u
+out=${OUT:-runs/gpu}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
+py=${PYTHON:-python3}
+{
+  date -u
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  nproc
+  $py -c "import torch, grpc; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'grpc', grpc.__version__)"
+} > "$out/device.txt" 2>&1
+cat "$out/device.txt"
+
+step() {  # name, seconds, command...
+  local name=$1 secs=$2; shift 2
+  echo "== $name"
+  local t0=$SECONDS
+  timeout --kill-after=10 "$secs" "$@" > "$out/$name.out" 2> "$out/$name.err"
+  echo "rc=$? in $((SECONDS - t0)) s"
+  tail -c 1500 "$out/$name.out"; tail -n 5 "$out/$name.err"
+}
+step device_io 60 $py -m pytest -q -p no:cacheprovider tests/test_device_io_cuda.py
+step shard_update 40 $py bench/shard_update.py --json
+step gpu_check 120 $py bench/gpu_check.py --steps 60 --timeout-s 60 --json --out "$out/check"
+step gpu_scale 300 $py bench/gpu_scale.py --json --timeout-s 60 --out "$out/scale" \
+  --server-args "${SERVER_ARGS:---torch-threads auto}"
+# Everything in one file (the device tool brings back a few files only).
+tar czf "$out/runs.tgz" -C "$out" --exclude runs.tgz . && ls -la "$out/runs.tgz"

@@ -1,0 +1,187 @@
+"""Shard update rate: AdamW through the shard's own update path vs torch.optim.AdamW.
+
+One shard's slice of a transformer-shaped model (default 57M parameters, cut into slots
+as ps/partition.py cuts them, 4 MiB at most), one fp32 gradient per slot. Per thread
+count N the same update runs, alternated step by step (A B C D A B C D ...):
+
+- **shard**: `ShardState.apply_update` with `update_threads=N` (`psar server
+  --torch-threads N`: a pool of N threads over the slots, torch on one thread, as
+  `psar server` sets it; ps/server/slot_step.py), the path every push takes;
+- **shard intra-op** (N > 1): the same shard with one update thread and
+  `torch.set_num_threads(N)` instead (`--torch-threads 0` with OMP_NUM_THREADS=N):
+  torch's intra-op threads inside each op, the alternative to the pool;
+- **torch**: `torch.optim.AdamW` with `torch.set_num_threads(N)` on copies of the same
+  tensors: its CPU default (`foreach=False`, the per-parameter loop the shard runs too),
+  `foreach=True`, and `fused=True` (one fused kernel; not bit-identical to the others).
+
+Reported: parameters/s of each (median step time; the first step, which allocates the
+optimizer state, is left out) and shard / torch ratios at the same N. The goal of issue
+#16 is shard >= 0.5x torch's AdamW with the same threads. `identical` checks that the
+shard's weights equal torch's foreach=False AdamW's bit for bit after the same steps.
+
+    python -m bench.shard_update                      # 57M parameters, 1 thread and all cores
+    python -m bench.shard_update --threads 1,2,4 --json
+    python -m bench.shard_update --quick              # 2M parameters, CI-sized
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+
+from bench import common as c
+from ps.job import Job
+from ps.partition import plan_slots
+from ps.server.shard import ShardState
+from trainkit.optim import LossScaleConfig, OptimizerConfig
+
+OPT = OptimizerConfig(name="adamw", lr=1e-3, weight_decay=0.01)
+TORCH_VARIANTS = {"torch foreach=False": {"foreach": False}, "torch foreach": {"foreach": True},
+                  "torch fused": {"fused": True}}  # fmt: skip
+
+
+def model_params(total: int) -> list[tuple[str, int]]:
+    """Transformer blocks (width 768, narrower for small totals) plus an embedding that
+    makes up the rest: big matrices cut into slots, and small biases and norms."""
+    for d in (768, 256, 64, 16):
+        block = [("qkv.w", 3 * d * d), ("qkv.b", 3 * d), ("proj.w", d * d), ("proj.b", d),
+                 ("ln1", 2 * d), ("fc.w", 4 * d * d), ("fc.b", 4 * d), ("fc2.w", 4 * d * d),
+                 ("fc2.b", d), ("ln2", 2 * d)]  # fmt: skip
+        per = sum(n for _, n in block)
+        blocks = (total * 9 // 10) // per
+        if blocks >= 2 or d == 16:
+            break
+    out = [(f"h{i}.{name}", n) for i in range(blocks) for name, n in block]
+    return [("embed", total - blocks * per), *out]
+
+
+def shard_for(params: list[tuple[str, int]], threads: int, seed: int = 0):  # noqa: ANN201
+    """A shard holding every slot of `params`, and a fixed gradient per slot."""
+    slots = plan_slots(params, 1)
+    job = Job(mode="async", staleness=0, num_workers=1, optimizer=OPT,
+              loss_scale=LossScaleConfig(), shard_index=0, num_shards=1, slots=slots,
+              job_id="bench-shard-update")  # fmt: skip
+    g = torch.Generator().manual_seed(seed)
+    st = ShardState(update_threads=threads)
+    st.init(job, {s.key: torch.randn(s.numel, generator=g) for s in slots})
+    grads = {s.key: 0.01 * torch.randn(s.numel, generator=g) for s in slots}
+    return st, grads
+
+
+def measure(params: list[tuple[str, int]], threads: int, reps: int) -> dict:
+    """Every variant at `threads`, alternated; returns rates, ratios and the bit check."""
+    st, grads = shard_for(params, threads)
+    n = sum(st.numel.values())
+    refs: dict[str, tuple[torch.optim.Optimizer, list[torch.nn.Parameter]]] = {}
+    for name, kw in TORCH_VARIANTS.items():
+        ps = [torch.nn.Parameter(p.detach().clone()) for p in st.masters.values()]
+        for p, gr in zip(ps, grads.values(), strict=True):
+            p.grad = gr  # shared, read-only: AdamW (maximize=False) never writes a grad
+        try:
+            opt = torch.optim.AdamW(ps, lr=OPT.lr, betas=(OPT.beta1, OPT.beta2), eps=OPT.eps,
+                                    weight_decay=OPT.weight_decay, **kw)  # fmt: skip
+        except (RuntimeError, ValueError) as e:  # fused needs a torch that has it on CPU
+            c.log(f"{name}: not available here ({e})")
+            continue
+        refs[name] = (opt, ps)
+
+    def shard_step() -> None:
+        torch.set_num_threads(1)  # what `psar server` sets: the pool is the parallelism
+        st.apply_update(grads, staleness=[0])
+
+    intra = shard_for(params, 1) if threads > 1 else None
+
+    def intra_step() -> None:
+        assert intra is not None
+        torch.set_num_threads(threads)
+        intra[0].apply_update(intra[1], staleness=[0])
+
+    def torch_step(opt: torch.optim.Optimizer) -> Callable[[], None]:
+        def run() -> None:
+            torch.set_num_threads(threads)
+            opt.step()
+
+        return run
+
+    steps = {"shard": shard_step, **({"shard intra-op": intra_step} if intra else {})}
+    steps.update({k: torch_step(o) for k, (o, _) in refs.items()})
+    times: dict[str, list[float]] = {k: [] for k in steps}
+    for rep in range(reps + 1):
+        for name, fn in steps.items():
+            t0 = time.perf_counter()
+            fn()
+            if rep:  # rep 0 allocates the optimizer state: left out
+                times[name].append(time.perf_counter() - t0)
+    torch.set_num_threads(1)
+    rate = {k: n / statistics.median(v) for k, v in times.items()}
+    ref = refs.get("torch foreach=False")
+    identical = ref is not None and all(
+        torch.equal(a.detach(), b.detach())
+        for a, b in zip(st.masters.values(), ref[1], strict=True)
+    )
+    st.stepper.close()
+    return {
+        "threads": threads,
+        "params": n,
+        "slots": len(st.masters),
+        "steps_timed": reps,
+        "median_s": {k: statistics.median(v) for k, v in times.items()},
+        "min_s": {k: min(v) for k, v in times.items()},
+        "params_per_s": rate,
+        "shard_over": {k: rate["shard"] / rate[k] for k in rate if k != "shard"},
+        "shard_stats_params_per_s": st.stats()["update_params_per_s"],
+        "identical": identical,
+    }
+
+
+def parse_threads(text: str) -> list[int]:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    out = []
+    for part in text.split(","):
+        n = cores if part.strip() == "auto" else int(part)
+        if n < 1:
+            raise SystemExit(f"--threads: counts must be >= 1 (or auto), got {part!r}")
+        if n not in out:
+            out.append(n)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = c.parser("python -m bench.shard_update", __doc__)
+    p.add_argument("--params", type=float, default=57e6, help="parameters in the shard")
+    p.add_argument("--threads", default="1,auto", help="thread counts, e.g. 1,2,4 (auto: cores)")
+    p.add_argument("--reps", type=int, default=7, help="timed steps per variant")
+    a = p.parse_args(argv)
+    total, reps = (2_000_000, 3) if a.quick else (int(a.params), a.reps)
+    params = model_params(total)
+    results = []
+    for n in parse_threads(a.threads):
+        c.log(f"shard_update: {total / 1e6:.1f}M parameters, {n} thread(s), {reps} steps")
+        results.append(measure(params, n, reps))
+    goal = {str(r["threads"]): r["shard_over"].get("torch foreach=False") for r in results}
+    doc = {"params": total, "optimizer": "adamw", "results": results,
+           "goal": "shard >= 0.5x torch.optim.AdamW (CPU default) at the same threads",
+           "ratio_vs_torch_default": goal,
+           "goal_met": all(v is not None and v >= 0.5 for v in goal.values()),
+           "identical": all(r["identical"] for r in results)}  # fmt: skip
+    rows = [[r["threads"], k, r["median_s"][k] * 1e3, v / 1e6,
+             r["shard_over"].get(k) if k != "shard" else None]
+            for r in results for k, v in r["params_per_s"].items()]  # fmt: skip
+    md = (f"Shard update, AdamW, {total / 1e6:.1f}M parameters ({c.machine()})\n\n"
+          + c.md_table(["threads", "path", "median ms/step", "Mparams/s", "shard / this"], rows)
+          + f"\n\nbit-identical to torch foreach=False: {c.fmt(doc['identical'])}; goal "
+          f"(>= 0.5x torch's default AdamW): {c.fmt(doc['goal_met'])}")  # fmt: skip
+    return c.finish(a, c.out_dir(a, "shard_update"), "shard_update", doc, md)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,140 @@
+"""The loop talks to backends only through worker/backend.py's protocol.
+
+Three things keep "the loop never asks which architecture it runs on" true:
+- the loop reads cfg.arch in backend_class() only (its one dispatch point);
+- every member the loop and its records use on a backend is declared in the protocol;
+- both backends provide every declared member, with the same construction signature.
+A member used but undeclared would otherwise break only the architecture lacking it.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from worker.backend import Backend
+from worker.config import PSConfig, TrainConfig
+from worker.loop import backend_class, make_backend
+from worker.precision import resolve
+
+ROOT = Path(__file__).resolve().parents[1]
+LOOP_FILES = [ROOT / "worker" / "loop.py", ROOT / "worker" / "records.py"]
+ARCHS = ("ps", "allreduce")
+
+
+def _declared() -> dict[str, bool]:
+    """Every member the protocol declares -> whether it is a method (callable)."""
+    members = {name: False for name in Backend.__annotations__}
+    for name, value in vars(Backend).items():
+        if not name.startswith("_") and isinstance(value, classmethod | staticmethod):
+            members[name] = True
+        elif not name.startswith("_") and inspect.isfunction(value):
+            members[name] = True
+    return members
+
+
+def _functions_enclosing(tree: ast.AST) -> dict[int, str]:
+    """id(node) -> name of the top-level function it lies in."""
+    where: dict[int, str] = {}
+    for top in ast.iter_child_nodes(tree):
+        if isinstance(top, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            for n in ast.walk(top):
+                where[id(n)] = top.name
+    return where
+
+
+def _cfg(arch: str) -> TrainConfig:
+    # A shard address is required to build a PS backend; nothing connects before setup().
+    return TrainConfig(arch=arch, ps=PSConfig(servers="127.0.0.1:1"))
+
+
+def test_loop_reads_arch_only_where_it_picks_the_backend() -> None:
+    for path in LOOP_FILES:
+        tree = ast.parse(path.read_text())
+        where = _functions_enclosing(tree)
+        for node in ast.walk(tree):
+            reads_cfg_arch = (
+                isinstance(node, ast.Attribute)
+                and node.attr == "arch"
+                and ast.unparse(node.value).split(".")[-1] == "cfg"
+            )
+            if reads_cfg_arch:
+                place = where.get(id(node), "module level")
+                assert (path.name, place) == ("loop.py", "backend_class"), (
+                    f"{path.name}:{node.lineno} reads cfg.arch in {place}; ask the backend "
+                    "(a member declared in worker/backend.py) instead"
+                )
+            if isinstance(node, ast.Call) and ast.unparse(node.func) in ("getattr", "hasattr"):
+                pytest.fail(f"{path.name}:{node.lineno}: probing an object with getattr/hasattr")
+
+
+def test_loop_uses_only_declared_backend_members() -> None:
+    declared = _declared()
+    for path in LOOP_FILES:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and ast.unparse(node.value) in (
+                "backend",
+                "run.backend",
+                "self.backend",
+            ):
+                assert node.attr in declared, (
+                    f"{path.name}:{node.lineno} uses backend.{node.attr}, which the Backend "
+                    "protocol (worker/backend.py) does not declare"
+                )
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_backend_provides_every_declared_member(arch: str) -> None:
+    cls = backend_class(_cfg(arch))
+    precision = resolve(torch.device("cpu"), "fp32", "fp32", "fp32")
+    backend = make_backend(_cfg(arch), precision, rank=0, world_size=1, total_steps=3, metrics=None)
+    assert isinstance(backend, cls) and isinstance(backend, Backend)
+    assert cls.arch == arch == backend.arch
+    assert backend.precision is precision and backend.start_step == 0
+    assert cls.rank_flags(TrainConfig(arch=arch)) == (-1, 0)  # nothing given: the env decides
+    for name, is_method in _declared().items():
+        assert hasattr(backend, name), f"{cls.__name__} lacks {name}"
+        if is_method:
+            want = inspect.signature(getattr(Backend, name))
+            have = inspect.signature(getattr(cls, name))
+            assert list(have.parameters) == list(want.parameters), (
+                f"{cls.__name__}.{name}{have} differs from the protocol's {want}"
+            )
+            kinds = [p.kind for p in have.parameters.values()]
+            assert kinds == [p.kind for p in want.parameters.values()], name
+    for name in ("arch", "reports_staleness", "per_rank_reports", "rank_flags", "from_config"):
+        assert name in vars(cls) or any(name in vars(b) for b in cls.__mro__[1:-1]), (
+            f"{cls.__name__}.{name} must be known before any instance exists"
+        )
+
+
+def test_both_backends_are_built_the_same_way() -> None:
+    ps, ddp = (backend_class(_cfg(a)) for a in ARCHS)
+    # Parameters, names, kinds, defaults and annotations alike; each returns its own class.
+    params = [inspect.signature(c.from_config).parameters for c in (ps, ddp)]
+    assert params[0] == params[1]
+
+
+@pytest.mark.parametrize(
+    ("arch", "other"), [("ps", "allreduce.backend"), ("allreduce", "ps.client.backend")]
+)
+def test_picking_a_backend_loads_only_its_architecture(arch: str, other: str) -> None:
+    code = (
+        "import json, sys\n"
+        "from worker.config import PSConfig, TrainConfig\n"
+        "from worker.loop import backend_class\n"
+        f"backend_class(TrainConfig(arch={arch!r}, ps=PSConfig(servers='h:1')))\n"
+        "print(json.dumps(sorted(sys.modules)))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    loaded = json.loads(out.stdout.strip().splitlines()[-1])
+    assert other not in loaded, f"an {arch} run loaded {other}"

@@ -1,0 +1,63 @@
+"""How a worker reaches the shards: deadlines, reconnection, TLS and the data plane.
+
+Declared once, here, because two configs need the same fields: `psar train`'s [ps]
+section (worker/config.py PSConfig, whose flags --timeout-s, --reconnect-timeout-s,
+--tls-* and --data-plane are generated from these fields and docstrings) and the
+worker's client (ps/client/client_config.py ClientConfig). Both inherit this class, so
+a default or a check changes in one place. It lives in trainkit, not in ps/client,
+because worker/config.py is imported by the DDP side too, which must not load ps
+(tests/test_walls.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DATA_PLANES = ("auto", "tcp", "grpc")
+
+
+def check_data_plane(data_plane: str, tls: bool) -> None:
+    """Refuse (ValueError naming the flag) an unknown --data-plane, or tcp with TLS on."""
+    if data_plane not in DATA_PLANES:
+        raise ValueError(
+            f"--data-plane: unknown {data_plane!r}; accepted: {', '.join(DATA_PLANES)}"
+        )
+    if data_plane == "tcp" and tls:
+        raise ValueError(
+            "--data-plane tcp sends tensors in plaintext, but TLS is on (--tls-*): use "
+            "--data-plane grpc (or auto) so tensors travel over TLS"
+        )
+
+
+@dataclass(kw_only=True)
+class ConnectionConfig:
+    """Deadlines, reconnection, TLS and the data plane of a worker's calls to the shards."""
+
+    timeout_s: float = 60.0
+    """Deadline of calls that never wait on other workers (init, push)."""
+    pull_timeout_s: float = 300.0
+    """Deadline of a pull, which may wait for a sync round or the slowest SSP worker."""
+    data_plane: str = "auto"
+    """Where tensor bytes travel: tcp (the shards' plain-TCP data plane), grpc, or auto
+    (tcp where the shard offers it and TLS is off, else grpc). Control stays on gRPC."""
+    # -- faults and security (docs/reliability.md) --
+    reconnect_timeout_s: float = 120.0
+    """Keep retrying an unreachable shard (restarting, --restore) for this long."""
+    tls_ca: str = ""
+    """TLS to the shards: PEM CA that signed their certificates."""
+    tls_cert: str = ""
+    """Mutual TLS: this worker's PEM certificate."""
+    tls_key: str = ""
+    """Mutual TLS: this worker's PEM private key."""
+    tls_server_name: str = ""
+    """Expect this name in the shards' certificates instead of the --servers host."""
+
+    def __post_init__(self) -> None:
+        if not (self.timeout_s > 0 and self.pull_timeout_s > 0):
+            raise ValueError("--timeout-s and --pull-timeout-s must be > 0")
+        check_data_plane(self.data_plane, self.tls)
+
+    @property
+    def tls(self) -> bool:
+        """TLS is on when any --tls-* file is given."""
+        return bool(self.tls_ca or self.tls_cert or self.tls_key)
