@@ -27,7 +27,7 @@ step() {  # name, seconds, command...
   tail -c 1500 "$out/$name.out"; tail -n 5 "$out/$name.err"
 }
 step device_io 60 $py -m pytest -q -p no:cacheprovider tests/test_device_io_cuda.py
-step shard_update 40 $py bench/shard_update.py --json
+step shard_update 60 $py bench/shard_update.py --json --threads auto --reps 3
 step gpu_check 120 $py bench/gpu_check.py --steps 60 --timeout-s 60 --json --out "$out/check"
 step gpu_scale 300 $py bench/gpu_scale.py --json --timeout-s 60 --out "$out/scale" \
   --server-args "${SERVER_ARGS:---torch-threads auto}"
