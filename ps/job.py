@@ -5,9 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ps.partition import Slot
+from trainkit.choices import check_mode
 from trainkit.optim import LossScaleConfig, OptimizerConfig
-
-MODES = ("sync", "async", "ssp")
 
 
 @dataclass(kw_only=True)
@@ -34,8 +33,7 @@ class Job:
     """Free-form job name; two inits with different ids conflict."""
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"--mode: unknown {self.mode!r}; accepted: {', '.join(MODES)}")
+        check_mode(self.mode)
         if self.num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {self.num_workers}")
         if self.staleness < 0:

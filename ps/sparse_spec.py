@@ -7,7 +7,9 @@ from dataclasses import dataclass
 
 import torch
 
-OPTIMIZERS = ("sgd", "adagrad", "lazy_adam")
+from trainkit.choices import SPARSE_OPTIMIZERS
+
+OPTIMIZERS = SPARSE_OPTIMIZERS
 BLOCK_ROWS = 65536
 """Rows per generator block of :func:`init_rows` (one seeded generator per block)."""
 

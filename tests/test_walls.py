@@ -127,3 +127,19 @@ def test_no_import_cycles(package: str) -> None:
         # a package's __init__ is loaded by its modules anyway: not an edge worth a cycle
         graph[m] = {i for i in _imports(f, m) if i in mods and i != m and not m.startswith(i + ".")}
     assert _cycle(graph) is None, f"import cycle: {' -> '.join(_cycle(graph) or [])}"
+
+
+def test_a_ddp_process_loads_nothing_of_the_parameter_server() -> None:
+    """What a DDP worker imports and runs before training: its config (validated),
+    the backend the loop picks, the DDP backend. None of it may load ps/."""
+    code = (
+        "import json, sys\n"
+        "from worker.config import TrainConfig\n"
+        "from worker.loop import backend_class\n"
+        "backend_class(TrainConfig(arch='allreduce'))\n"
+        "print(json.dumps(sorted(m for m in sys.modules if m == 'ps' or m.startswith('ps.'))))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == []

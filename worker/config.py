@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from trainkit.choices import SPARSE_OPTIMIZERS, check_mode
 from trainkit.connection import ConnectionConfig
 from trainkit.optim import LossScaleConfig, OptimizerConfig
 
@@ -70,10 +71,7 @@ class PSConfig(ConnectionConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()  # the connection fields (timeouts, --data-plane with TLS)
-        from ps.job import MODES
-
-        if self.mode not in MODES:
-            raise ValueError(f"--mode: unknown {self.mode!r}; accepted: {', '.join(MODES)}")
+        check_mode(self.mode)
         if self.staleness < 0:
             raise ValueError(f"--staleness must be >= 0, got {self.staleness}")
         if not self.chunk_mib > 0:
@@ -84,12 +82,10 @@ class PSConfig(ConnectionConfig):
             )
         if not self.bucket_mib > 0:
             raise ValueError(f"--bucket-mib must be > 0, got {self.bucket_mib}")
-        from ps.sparse_spec import OPTIMIZERS
-
-        if self.sparse_optimizer not in OPTIMIZERS:
+        if self.sparse_optimizer not in SPARSE_OPTIMIZERS:
             raise ValueError(
                 f"--sparse-optimizer: unknown {self.sparse_optimizer!r}; "
-                f"accepted: {', '.join(OPTIMIZERS)}"
+                f"accepted: {', '.join(SPARSE_OPTIMIZERS)}"
             )
         if self.sparse_wire_dtype not in ("fp16", "bf16", "fp32"):
             raise ValueError("--sparse-wire-dtype: accepted: fp16, bf16, fp32")
