@@ -9,6 +9,30 @@ from __future__ import annotations
 
 import grpc
 
+QUOTE_CHARS = 200
+"""A client-supplied value (a key, a table name, ids) is quoted in an error message up to
+this many characters: the message travels in a gRPC trailer (a header, ~8-16 KiB at most
+before gRPC answers RESOURCE_EXHAUSTED instead of our code) or a data-plane status frame."""
+MAX_DETAILS_CHARS = 4096
+"""Final bound on every status message at the gRPC and data-plane edges (bound_details)."""
+
+
+def quote(value: object, limit: int = QUOTE_CHARS) -> str:
+    """repr(value), cut to `limit` characters with an ellipsis and the original length, so
+    an error naming a huge client-supplied value stays small."""
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text)} chars)"
+
+
+def bound_details(details: str, limit: int = MAX_DETAILS_CHARS) -> str:
+    """A status message cut to `limit` characters (a last guard for messages that quote
+    something unbounded without quote())."""
+    if len(details) <= limit:
+        return details
+    return f"{details[:limit]}... (message cut from {len(details)} chars)"
+
 
 class PSError(Exception):
     """Base class: a request refused with a status code and a metrics reason."""

@@ -6,12 +6,13 @@ Everything else in ps/ works on plain dataclasses; tests/test_serde.py round-tri
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
 from ps import wire
 from ps._gen.psar.v1 import ps_pb2 as pb
-from ps.errors import InvalidArgument
+from ps.errors import InvalidArgument, quote
 from ps.headers import PullHeader, PushHeader, PushOutcome
 from ps.job import Job
 from ps.partition import Slot
@@ -38,6 +39,50 @@ def dtype_from_pb(value: int) -> torch.dtype:
         raise InvalidArgument(
             f"unknown dtype enum {value}; send FLOAT32, FLOAT16 or BFLOAT16", reason="bad_dtype"
         ) from None
+
+
+MAX_WAIT_S = 24 * 3600.0
+"""The longest a shard waits for one request: a pull's timeout (data plane timeout_s, a
+gRPC deadline) longer than this, or none at all, waits this long. Condition.wait refuses
+timeouts past threading.TIMEOUT_MAX (OverflowError), so no wire value reaches it raw."""
+MAX_COUNT = 1 << 62
+"""Largest clock, version or round accepted from the wire: far beyond any job, and small
+enough that differences fit the int64 fields of replies (staleness, clock_gap)."""
+
+
+def wait_seconds(what: str, seconds: float, *, zero_means_max: bool = False) -> float:
+    """A timeout from the wire as the shard may wait on it: finite and >= 0, capped at
+    MAX_WAIT_S (zero_means_max: 0 means "no limit", i.e. the cap)."""
+    if not math.isfinite(seconds) or seconds < 0:
+        raise InvalidArgument(
+            f"{what} must be a finite number of seconds >= 0, got {seconds}; send 0 for the "
+            f"longest wait ({MAX_WAIT_S:.0f} s)",
+            reason="malformed",
+        )
+    if seconds == 0 and zero_means_max:
+        return MAX_WAIT_S
+    return min(seconds, MAX_WAIT_S)
+
+
+def check_count(what: str, value: int) -> int:
+    """A clock, version or round from the wire (unsigned on the wire, so >= 0 already)."""
+    if not 0 <= value <= MAX_COUNT:
+        raise InvalidArgument(
+            f"{what} {value} is out of range [0, 2**62]; a worker's clock counts its pushes "
+            "and versions count updates: send the value the shard told you",
+            reason="malformed",
+        )
+    return value
+
+
+def check_finite_fields(what: str, msg: object, names: list[str]) -> None:
+    """Every float field `names` of a proto message `msg` must be finite."""
+    for name in names:
+        value = getattr(msg, name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise InvalidArgument(
+                f"{what}.{name} must be a finite number, got {value}", reason="malformed"
+            )
 
 
 def _fields_of(cls: type, msg: object) -> dict[str, object]:
@@ -68,6 +113,8 @@ def job_from_pb(spec: pb.JobSpec) -> Job:
     if spec.mode not in _MODE_FROM_PB:
         raise InvalidArgument(f"job mode enum {spec.mode} unknown; use SYNC, ASYNC or SSP")
     o, ls = spec.optimizer, spec.loss_scale
+    check_finite_fields("optimizer", o, [f.name for f in dataclasses.fields(OptimizerConfig)])
+    check_finite_fields("loss_scale", ls, [f.name for f in dataclasses.fields(LossScaleConfig)])
     try:
         return Job(
             mode=_MODE_FROM_PB[spec.mode],
@@ -98,10 +145,11 @@ def push_header_to_pb(h: PushHeader) -> pb.PushHeader:
 
 
 def push_header_from_pb(m: pb.PushHeader) -> PushHeader:
+    """loss_scale is checked (finite, > 0) by the shard's check_header."""
     return PushHeader(
         worker=m.worker,
-        clock=m.clock,
-        base_version=m.base_version,
+        clock=check_count("push clock", m.clock),
+        base_version=check_count("push base_version", m.base_version),
         dtype=dtype_from_pb(m.dtype),
         loss_scale=m.loss_scale,
         overflow=m.overflow,
@@ -158,6 +206,7 @@ def spec_to_pb(s: TableSpec) -> pb.TableSpec:
 
 
 def spec_from_pb(m: pb.TableSpec) -> TableSpec:
+    check_finite_fields(f"table {quote(m.name)}", m, _SPEC_FIELDS)
     try:
         return TableSpec(**{f: getattr(m, f) for f in _SPEC_FIELDS})
     except ValueError as e:

@@ -35,7 +35,8 @@ SERVER_FLAGS = ["--bind", "--threads", "--message-bytes", "--max-message-bytes",
                 "--metrics-port", "--metrics-addr", "--shard", "--torch-threads", "--lease-s",
                 "--join-grace-s", "--checkpoint-dir", "--checkpoint-every", "--checkpoint-interval",
                 "--checkpoint-keep", "--restore", "--drain-timeout-s", "--tls-cert", "--tls-key",
-                "--tls-ca", "--auth-token-file", "--data-port", "--chunk-rounds"]  # fmt: skip
+                "--tls-ca", "--auth-token-file", "--data-port", "--chunk-rounds",
+                "--restore-or-fresh"]  # fmt: skip
 
 
 def test_flag_lists_are_frozen() -> None:

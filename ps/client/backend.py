@@ -158,7 +158,8 @@ class PSBackend(OverlapMixin, ResyncMixin):
             if have is None:
                 raise RuntimeError(
                     f"shard {i} ({self.addresses[i]}) was not initialised within "
-                    f"{self.cfg.ps.pull_timeout_s}s; is the worker of rank 0 running?"
+                    f"{self.cfg.ps.pull_timeout_s}s; is the worker of rank 0 running? (a shard "
+                    "restarted without --restore stays empty: rank 0 only initialises at start)"
                 )
             if have != want:
                 raise RuntimeError(

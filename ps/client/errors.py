@@ -24,3 +24,18 @@ class NeedsResync(PSClientError):
 
 
 RESYNC_PREFIXES = ("restored:", "expired:", "too late:")
+
+
+NOT_INITIALISED = "shard not initialised"
+
+
+def restarted_empty(incarnation: int, details: str) -> str:
+    """What a worker says when a shard it had synchronised with (`incarnation`) answers
+    that it is not initialised: the shard restarted without its state. The shard's own
+    words blame rank 0, which is right at job start but misleading here."""
+    return (
+        f"shard restarted empty: it served this job (incarnation {incarnation}) and now "
+        "holds no state; it was restarted without --restore, or with --restore-or-fresh "
+        "after none of its checkpoints verified. Restart it with --restore DIR (or start "
+        f"the job again). The shard said: {details}"
+    )

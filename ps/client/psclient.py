@@ -30,7 +30,13 @@ from ps._gen.psar.v1 import ps_pb2 as pb
 from ps._gen.psar.v1 import ps_pb2_grpc as pb_grpc
 from ps.client.client_config import ClientConfig
 from ps.client.dataplane_calls import DataPlaneCalls
-from ps.client.errors import RESYNC_PREFIXES, NeedsResync, PSClientError
+from ps.client.errors import (
+    NOT_INITIALISED,
+    RESYNC_PREFIXES,
+    NeedsResync,
+    PSClientError,
+    restarted_empty,
+)
 from ps.client.grpc_transport import GrpcTransport
 from ps.client.membership_calls import INIT_FAILED_PREFIX, InitFailed, MembershipCalls
 from ps.client.overlap import PushItem
@@ -161,6 +167,9 @@ class PSClient(DataPlaneCalls, MembershipCalls):
                     cls = NeedsResync
                 elif code == grpc.StatusCode.FAILED_PRECONDITION and INIT_FAILED_PREFIX in details:
                     cls = InitFailed
+                elif code == grpc.StatusCode.FAILED_PRECONDITION and NOT_INITIALISED in details:
+                    if self.incarnations[shard]:  # it had served this worker: restarted
+                        details = restarted_empty(self.incarnations[shard], details)
                 raise cls(shard, self.addresses[shard], code, details) from None
 
     # ---- job setup ------------------------------------------------------------------

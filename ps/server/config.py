@@ -57,8 +57,12 @@ class ServerConfig:
     checkpoint_keep: int = checkpoint.DEFAULT_KEEP
     """Keep this many newest checkpoints (>= 2; sync rollbacks need an older one)."""
     restore: str = ""
-    """Resume from the newest checkpoint in this folder (starts fresh if it holds none);
+    """Resume from the newest checkpoint in this folder that verifies (starts fresh if it
+    holds none of this shard; refuses to start if it holds some but none verifies);
     checkpoints then go on into --checkpoint-dir, or this folder if that is empty."""
+    restore_or_fresh: bool = False
+    """With --restore: start an empty shard when every checkpoint of this shard is damaged,
+    instead of refusing to start (workers must then be restarted: the job begins again)."""
     drain_timeout_s: float = 10.0
     """On SIGTERM, wait up to this long for the sync round in flight before the final
     checkpoint."""
@@ -105,6 +109,8 @@ class ServerConfig:
             raise ValueError("--checkpoint-every and --checkpoint-interval must be >= 0")
         if self.checkpoint_keep < 2:
             raise ValueError(f"--checkpoint-keep must be >= 2, got {self.checkpoint_keep}")
+        if self.restore_or_fresh and not self.restore:
+            raise ValueError("--restore-or-fresh needs --restore DIR")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("TLS needs both --tls-cert and --tls-key")
         if self.tls_ca and not self.tls_cert:

@@ -28,8 +28,9 @@ from typing import Any
 import grpc
 
 from ps import framing as fr
+from ps import serde
 from ps._gen.psar.v1 import ps_pb2 as pb
-from ps.errors import InvalidArgument, PSError
+from ps.errors import InvalidArgument, PSError, bound_details
 from ps.server.servicer import PushCall, start_pull
 from ps.server.shard import ShardState
 
@@ -180,7 +181,8 @@ class _Connection:
         fr.send(self.sock, frame, payload)
 
     def _status(self, code: grpc.StatusCode, details: str) -> None:
-        self._send(fr.status_frame(code, details))
+        # Bounded like gRPC's (servicer._fail): the same words on both doors.
+        self._send(fr.status_frame(code, bound_details(details)))
 
     def _close_with(self, code: grpc.StatusCode, details: str) -> None:
         """Answer with a status, then read (and drop) what the worker still sends for a
@@ -295,9 +297,9 @@ class _Connection:
     def _pull(self, req: pb.DataPullRequest) -> None:
         t0 = time.monotonic()
         try:
-            if req.timeout_s < 0 or req.timeout_s != req.timeout_s:
-                raise InvalidArgument(f"pull timeout_s must be >= 0, got {req.timeout_s}")
-            timeout = req.timeout_s if req.timeout_s > 0 else None
+            # Finite, >= 0, capped (inf or 1e10 used to overflow Condition.wait and kill
+            # the connection without a status); 0: no limit but the cap.
+            timeout = serde.wait_seconds("pull timeout_s", req.timeout_s, zero_means_max=True)
             # views: sent as they are, no copy of the masters in sync fp32
             head, pieces = start_pull(self.state, req.request, timeout, views=True)
         except PSError as e:

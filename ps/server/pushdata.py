@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from ps import wire
-from ps.errors import InvalidArgument, NotFound
+from ps.errors import InvalidArgument, NotFound, quote
 from ps.headers import PushHeader
 from trainkit.finite import all_finite
 
@@ -88,7 +88,7 @@ def check_piece(
     """Validate one piece of a push from its description; count it; returns its elements."""
     n_slot = numel.get(key)
     if n_slot is None:
-        raise NotFound(f"unknown slot key {key!r}: this shard holds {_some(numel)}")
+        raise NotFound(f"unknown slot key {quote(key)}: this shard holds {_some(numel)}")
     if ticket.header.overflow:
         raise InvalidArgument("a push flagged overflow must carry no data", reason="malformed")
     if ticket.verdict:
@@ -99,18 +99,18 @@ def check_piece(
     itemsize = wire.DTYPE_ITEMSIZE[ticket.header.dtype]
     if nbytes % itemsize:
         raise InvalidArgument(
-            f"slot {key!r}: {nbytes} bytes is not a whole number of {itemsize}-byte elements",
+            f"slot {quote(key)}: {nbytes} bytes is not a whole number of {itemsize}-byte elements",
         )
     n = nbytes // itemsize
     expected = ticket.received.get(key, 0)
     if offset != expected:
         raise InvalidArgument(
-            f"slot {key!r}: piece at offset {offset}, expected {expected} (send each "
+            f"slot {quote(key)}: piece at offset {offset}, expected {expected} (send each "
             f"slot's pieces once, in order)",
         )
     if offset + n > n_slot:
         raise InvalidArgument(
-            f"slot {key!r}: {offset + n} elements sent but it holds {n_slot} (wrong shape)",
+            f"slot {quote(key)}: {offset + n} elements sent but it holds {n_slot} (wrong shape)",
         )
     ticket.received[key] = offset + n
     ticket.bytes_in += nbytes
@@ -170,7 +170,7 @@ def check_complete(numel: dict[str, int], ticket: PushTicket) -> None:
     if short:
         k = short[0]
         raise InvalidArgument(
-            f"incomplete push: slot {k!r} got {ticket.received.get(k, 0)} of "
+            f"incomplete push: slot {quote(k)} got {ticket.received.get(k, 0)} of "
             f"{numel[k]} elements ({len(short)} slots short)",
         )
 
@@ -207,4 +207,4 @@ def unscale(grads: dict[str, torch.Tensor], loss_scale: float) -> bool:
 def _some(keys: dict[str, int]) -> str:
     names = list(keys)
     more = f" and {len(names) - 3} more" if len(names) > 3 else ""
-    return ", ".join(repr(k) for k in names[:3]) + more
+    return ", ".join(quote(k) for k in names[:3]) + more

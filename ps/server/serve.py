@@ -57,10 +57,10 @@ def build_state(cfg: ServerConfig, metrics: Any = None) -> ShardState:
         update_threads=cfg.update_threads(),
     )
     if cfg.restore:
-        found = _find_restore(cfg.restore, shard)
+        found = _find_restore(cfg.restore, shard, fresh_ok=cfg.restore_or_fresh)
         if found is None:
             log.warning(
-                "--restore %s: no checkpoint of shard %d; starting fresh", cfg.restore, shard
+                "--restore %s: no usable checkpoint of shard %d; starting fresh", cfg.restore, shard
             )
         else:
             step, snap = found
@@ -72,16 +72,32 @@ def build_state(cfg: ServerConfig, metrics: Any = None) -> ShardState:
     return state
 
 
-def _find_restore(folder: str, shard: int) -> tuple[int, dict[str, Any]] | None:
-    found = checkpoint.newest_loadable(folder, shard)
+def _find_restore(
+    folder: str, shard: int, *, fresh_ok: bool = False
+) -> tuple[int, dict[str, Any]] | None:
+    """The checkpoint to restore, or None for a folder without any of this shard (start
+    fresh). Checkpoints that exist but none of which verifies: refuse to start, naming
+    them (UnverifiedCheckpoints), unless fresh_ok (--restore-or-fresh)."""
+    found, rejected = checkpoint.newest_verified(folder, shard)
+    if found is None and not rejected:
+        # Only one shard's files in the folder and no --shard given: take those.
+        present = checkpoint.shards_in(folder)
+        if len(present) == 1:
+            (only,) = present
+            log.warning("--restore: no files of shard %d; using shard %d's", shard, only)
+            found, rejected = checkpoint.newest_verified(folder, only)
     if found is not None:
+        if rejected:
+            log.warning("--restore: skipped %d damaged checkpoint(s): %s", len(rejected),
+                        "; ".join(rejected))  # fmt: skip
         return found
-    # Only one shard's files in the folder and no --shard given: take those.
-    present = checkpoint.shards_in(folder)
-    if len(present) == 1:
-        (only,) = present
-        log.warning("--restore: no files of shard %d; using shard %d's", shard, only)
-        return checkpoint.newest_loadable(folder, only)
+    if rejected and not fresh_ok:
+        raise checkpoint.UnverifiedCheckpoints(
+            f"--restore {folder}: no checkpoint of shard {shard} verifies, refusing to start "
+            f"(--restore-or-fresh starts an empty shard instead): {'; '.join(rejected)}"
+        )
+    if rejected:
+        log.warning("--restore-or-fresh: every checkpoint is damaged: %s", "; ".join(rejected))
     return None
 
 

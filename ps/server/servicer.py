@@ -24,12 +24,39 @@ import torch
 from ps import serde
 from ps._gen.psar.v1 import ps_pb2 as pb
 from ps._gen.psar.v1 import ps_pb2_grpc as pb_grpc
-from ps.errors import FailedPrecondition, InvalidArgument, PSError, ResourceExhausted
+from ps.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    PSError,
+    ResourceExhausted,
+    bound_details,
+    quote,
+)
 from ps.server.shard import ShardState
 
 _INIT_WAIT_SLICE_S = 0.25
 """GetJob(wait) re-checks for a reported init failure this often (it waits on the
 shard's own condition, which a report does not signal)."""
+
+
+class StreamBroken(InvalidArgument):
+    """A request stream that did not end cleanly: a message gRPC could not decode (it
+    then ends the request iterator as if the stream were complete, having already
+    answered INTERNAL "Exception deserializing request!"), or a call cancelled meanwhile.
+    Nothing of it is applied."""
+
+    reason = "malformed"
+
+
+def require_clean_end(context: grpc.ServicerContext, method: str) -> None:
+    """Refuse a stream whose iterator ended without the client's clean half-close. grpc
+    marks such a call finished (a status already sent, or cancelled), so it is no longer
+    active; a stream that really ended is still active until we answer it."""
+    if not context.is_active():
+        raise StreamBroken(
+            f"{method}: the request stream did not end cleanly (a message could not be "
+            "decoded, or the call was cancelled); nothing was applied -- send it again"
+        )
 
 
 def physical_memory_bytes() -> int:
@@ -101,8 +128,11 @@ def start_pull(
     """A pull as either door serves it: wait as the mode requires, then the header (with
     the incarnation it was served at) and the pieces (key, offset, bytes) to send."""
     dtype = serde.dtype_from_pb(req.dtype)
+    clock = serde.check_count("pull clock", req.clock)
+    # None (no deadline) or a huge one waits at most MAX_WAIT_S (Condition.wait overflows).
+    wait = serde.wait_seconds("pull timeout", serde.MAX_WAIT_S if timeout is None else timeout)
     header, pieces = state.pull(
-        req.worker, req.clock, dtype, timeout, incarnation=req.incarnation, views=views
+        req.worker, clock, dtype, wait, incarnation=req.incarnation, views=views
     )
     head = serde.pull_header_to_pb(header)
     head.incarnation = state.incarnation
@@ -122,7 +152,11 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     def _fail(self, context: grpc.ServicerContext, method: str, e: PSError) -> None:
         if method == "Push":
             self.metrics.push_rejected(e.reason)
-        context.abort(e.code, e.args[0])
+        # A StreamBroken call was answered by grpc already: its status stands, and this
+        # abort only ends the handler quietly. Details are bounded: they travel in a
+        # trailer, and past gRPC's metadata limit the client would get RESOURCE_EXHAUSTED
+        # instead of this status.
+        context.abort(e.code, bound_details(e.args[0]))
 
     def Init(self, request_iterator: Iterator[pb.InitChunk], context: grpc.ServicerContext) -> Any:
         t0 = time.monotonic()
@@ -150,20 +184,25 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
                     raise InvalidArgument("Init: only one header allowed", reason="malformed")
                 d = msg.data
                 if d.key not in numel:
-                    raise InvalidArgument(f"Init: data for slot {d.key!r} not in the job's slots")
+                    raise InvalidArgument(
+                        f"Init: data for slot {quote(d.key)} not in the job's slots"
+                    )
                 n = len(d.data) // 4
                 if len(d.data) % 4 or d.offset != filled[d.key] or d.offset + n > numel[d.key]:
                     raise InvalidArgument(
-                        f"Init: slot {d.key!r} piece at {d.offset} of {n} fp32 elements does not "
+                        f"Init: slot {quote(d.key)} piece at {d.offset} of {n} fp32 elements does not "
                         f"continue the {filled[d.key]} received of {numel[d.key]}"
                     )
                 values[d.key][d.offset : d.offset + n].copy_(
                     serde.wire.decode(d.data, torch.float32)
                 )
                 filled[d.key] += n
+            require_clean_end(context, "Init")
             short = [k for k, n in numel.items() if filled[k] != n]
             if short:
-                raise InvalidArgument(f"Init: slot {short[0]!r} incomplete ({len(short)} short)")
+                raise InvalidArgument(
+                    f"Init: slot {quote(short[0])} incomplete ({len(short)} short)"
+                )
             already = self.state.init(job, values)
             return pb.InitReply(already_initialized=already, master_bytes=self.state.master_bytes)
         except PSError as e:
@@ -233,6 +272,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
                     call.verdict(msg.verdict.overflow)
                 else:
                     call.misplaced(kind)
+            require_clean_end(context, "Push")
             return call.finish()
         except PSError as e:
             self._fail(context, "Push", e)
@@ -273,8 +313,9 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     def Register(self, request: pb.RegisterRequest, context: grpc.ServicerContext) -> Any:
         t0 = time.monotonic()
         try:
+            clock = serde.check_count("register clock", request.clock)
             reply = self.state.register(
-                request.worker, request.clock, query=request.query, instance=request.instance
+                request.worker, clock, query=request.query, instance=request.instance
             )
             return pb.RegisterReply(**reply)
         except PSError as e:

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from ps import wire
-from ps.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument
+from ps.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, quote
 from ps.headers import PullHeader, PushHeader, PushOutcome
 from ps.job import Job
 from ps.server import checkpoint
@@ -130,7 +130,7 @@ class ShardState(Membership, Recovery, Inspection, Pulls):
             for key, t in values.items():
                 if t.numel() != numel[key] or t.dtype != torch.float32:
                     raise InvalidArgument(
-                        f"init slot {key!r}: expected {numel[key]} fp32 elements, got "
+                        f"init slot {quote(key)}: expected {numel[key]} fp32 elements, got "
                         f"{t.numel()} {t.dtype}"
                     )
             self.masters = {
@@ -158,7 +158,7 @@ class ShardState(Membership, Recovery, Inspection, Pulls):
         raise FailedPrecondition(
             f"shard already initialised for a different job (mode {self.job.mode}, "
             f"{self.job.num_workers} workers, {len(self.job.slots)} slots, id "
-            f"{self.job.job_id!r}); restart the shard to start a new job",
+            f"{quote(self.job.job_id)}); restart the shard to start a new job",
             reason="conflicting_init",
         )
 

@@ -4,6 +4,7 @@ anything is applied (INVALID_ARGUMENT naming the table and the ids)."""
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -13,8 +14,8 @@ import torch
 
 from ps import serde, wire
 from ps._gen.psar.v1 import ps_pb2 as pb
-from ps.errors import InvalidArgument, PSError
-from ps.server.servicer import ParameterServerServicer
+from ps.errors import InvalidArgument, PSError, bound_details, quote
+from ps.server.servicer import ParameterServerServicer, require_clean_end
 from ps.server.shard import ShardState
 from ps.server.sparse_shard import RowPush, SparseTables
 
@@ -44,7 +45,7 @@ class SparseServicer(ParameterServerServicer):
             already = self.sparse.create(specs)
             return pb.CreateTablesReply(already_created=already, table_bytes=self.sparse.nbytes)
         except PSError as e:
-            context.abort(e.code, e.args[0])
+            context.abort(e.code, bound_details(e.args[0]))
 
     def PullRows(self, request: pb.PullRowsRequest, context: grpc.ServicerContext) -> Iterator[Any]:
         t0 = time.monotonic()
@@ -52,7 +53,7 @@ class SparseServicer(ParameterServerServicer):
             dtype = serde.dtype_from_pb(request.dtype)
             version, rows = self.sparse.pull(request.worker, request.table, decode_ids(request.ids))
         except PSError as e:
-            context.abort(e.code, e.args[0])
+            context.abort(e.code, bound_details(e.args[0]))
             return
         rows = rows.to(dtype).reshape(-1) if dtype != torch.float32 else rows.reshape(-1)
         dim = max(1, self.sparse.tables[request.table].spec.dim)
@@ -76,6 +77,14 @@ class SparseServicer(ParameterServerServicer):
                 )
             h = first.header
             dtype = serde.dtype_from_pb(h.dtype)
+            serde.check_count("PushRows clock", h.clock)
+            serde.check_count("PushRows base_version", h.base_version)
+            if not (math.isfinite(h.loss_scale) and h.loss_scale >= 0):
+                raise InvalidArgument(
+                    f"PushRows table {quote(h.table)}: loss_scale must be a finite number "
+                    f">= 0 (0: not scaled), got {h.loss_scale}",
+                    reason="malformed",
+                )
             ids_b, data_b = bytearray(), bytearray()
             for msg in request_iterator:
                 kind = msg.WhichOneof("kind")
@@ -85,15 +94,16 @@ class SparseServicer(ParameterServerServicer):
                     data_b += msg.data
                 else:
                     raise InvalidArgument("PushRows: one header, then ids, then data")
+            require_clean_end(context, "PushRows")
             self.metrics.bytes_received(len(ids_b) + len(data_b))
             ids = decode_ids(bytes(ids_b))
             if ids.numel() != h.num_ids:
                 raise InvalidArgument(
-                    f"PushRows table {h.table!r}: header says {h.num_ids} ids, got {ids.numel()}"
+                    f"PushRows table {quote(h.table)}: header says {h.num_ids} ids, got {ids.numel()}"
                 )
             item = wire.DTYPE_ITEMSIZE[dtype]
             if len(data_b) % item:
-                raise InvalidArgument(f"PushRows table {h.table!r}: ragged gradient bytes")
+                raise InvalidArgument(f"PushRows table {quote(h.table)}: ragged gradient bytes")
             grads = wire.decode(bytes(data_b), dtype).float() if data_b else torch.empty(0)
             n = ids.numel()
             if n and grads.numel() % n == 0:
@@ -110,6 +120,6 @@ class SparseServicer(ParameterServerServicer):
                 applied=applied, already_applied=already, version=version, staleness=stale
             )
         except PSError as e:
-            context.abort(e.code, e.args[0])
+            context.abort(e.code, bound_details(e.args[0]))
         finally:
             self.metrics.rpc_observed("PushRows", time.monotonic() - t0)

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ps.errors import FailedPrecondition, InvalidArgument, NotFound
+from ps.errors import FailedPrecondition, InvalidArgument, NotFound, quote
 from ps.server.sparse_policy import RowPolicy
 from ps.server.sparse_table import SparseTable
 from ps.sparse_spec import TableSpec
@@ -75,7 +75,7 @@ class SparseTables:
         t = self.tables.get(name)
         if t is None:
             raise NotFound(
-                f"no sparse table {name!r} on this shard (tables: {sorted(self.tables)}); "
+                f"no sparse table {quote(name)} on this shard (tables: {quote(sorted(self.tables))}); "
                 "the worker of rank 0 creates them at start"
             )
         return t
@@ -110,12 +110,12 @@ class SparseTables:
         dim = t.spec.dim
         if p.grads.dim() != 2 or p.grads.shape != (p.ids.numel(), dim):
             raise InvalidArgument(
-                f"PushRows table {name!r}: expected {p.ids.numel()} x {dim} gradient values, "
+                f"PushRows table {quote(name)}: expected {p.ids.numel()} x {dim} gradient values, "
                 f"got shape {tuple(p.grads.shape)} (wrong embedding width?)"
             )
         if not bool(torch.isfinite(p.grads).all()):
             raise InvalidArgument(
-                f"PushRows table {name!r}: non-finite row gradient without the overflow flag",
+                f"PushRows table {quote(name)}: non-finite row gradient without the overflow flag",
                 reason="nonfinite",
             )
         return t

@@ -48,21 +48,21 @@ class SparseTable:
     def local_index(self, ids: torch.Tensor, *, what: str) -> torch.Tensor:
         """Validate global row ids (int64, 1-D) held here, without duplicates; returns
         their local indices. Raises InvalidArgument naming the table and the bad ids."""
-        from ps.errors import InvalidArgument  # grpc: kept out of DDP processes
+        from ps.errors import InvalidArgument, quote  # grpc: kept out of DDP processes
 
         s = self.spec
         if ids.dtype != torch.int64 or ids.dim() != 1:
-            raise InvalidArgument(f"{what} table {s.name!r}: ids must be a 1-D int64 list")
+            raise InvalidArgument(f"{what} table {quote(s.name)}: ids must be a 1-D int64 list")
         bad = ids[(ids < 0) | (ids >= s.rows)]
         if bad.numel():
             raise InvalidArgument(
-                f"{what} table {s.name!r}: row ids out of range [0, {s.rows}): {bad[:8].tolist()}",
+                f"{what} table {quote(s.name)}: row ids out of range [0, {s.rows}): {bad[:8].tolist()}",
                 reason="bad_ids",
             )
         wrong = ids[ids % s.num_shards != s.shard_index]
         if wrong.numel():
             raise InvalidArgument(
-                f"{what} table {s.name!r}: rows {wrong[:8].tolist()} are not held by shard "
+                f"{what} table {quote(s.name)}: rows {wrong[:8].tolist()} are not held by shard "
                 f"{s.shard_index} of {s.num_shards} (row r lives on shard r % {s.num_shards})",
                 reason="bad_ids",
             )
@@ -70,7 +70,7 @@ class SparseTable:
         if uniq.numel() != ids.numel():
             counts = torch.bincount(torch.searchsorted(uniq, ids), minlength=uniq.numel())
             raise InvalidArgument(
-                f"{what} table {s.name!r}: duplicate row ids {uniq[counts > 1][:8].tolist()}; "
+                f"{what} table {quote(s.name)}: duplicate row ids {uniq[counts > 1][:8].tolist()}; "
                 "deduplicate (sum their gradients) before sending",
                 reason="bad_ids",
             )
