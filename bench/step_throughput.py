@@ -20,13 +20,22 @@ training thread was blocked on communication (the rest was hidden behind compute
 Goals (issue #10, 2 workers): ps-sync >= 1.0x plain DDP and >= 1.3x the RPC pattern;
 psar allreduce >= 0.97x plain DDP. The JSON's `goals` says what was reached.
 
+--tls adds two rows with TLS on (a CA and a certificate for 127.0.0.1 made with the
+openssl CLI; shard --tls-cert/--tls-key, workers --tls-ca): ps-sync over the TLS data plane
+(psar-ps-sync-1-tls) and over gRPC (psar-ps-sync-1-tls-grpc, the only path before issue
+#18), each as a ratio to psar-ps-sync-1 (no TLS) of the same run; goal (#18): the TLS data
+plane >= 0.85x.
+
     python -m bench.step_throughput                  # 2 and 4 workers, 3 repeats
     python -m bench.step_throughput --quick --json   # 2 workers, 1 repeat
+    python -m bench.step_throughput --quick --tls --repeats 3   # with the TLS rows
+    python -m bench.step_throughput --tls-only --steps 60 --repeats 3   # only those 3 runs
 """
 
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -45,6 +54,27 @@ PS_DIRS = {"psar-ps-sync-1": "ps1", "psar-ps-sync-2": "ps2",
            "psar-ps-sync-1-no-overlap": "ps1-plain", "psar-ps-sync-1-grpc": "ps1-grpc",
            "psar-ps-sync-1-chunk-rounds": "ps1-chunks"}  # fmt: skip
 EXPOSED = ("push", "wait", "pull")
+TLS_CONFIGS = ("psar-ps-sync-1-tls", "psar-ps-sync-1-tls-grpc")
+PS_DIRS.update({"psar-ps-sync-1-tls": "ps1-tls", "psar-ps-sync-1-tls-grpc": "ps1-tls-grpc"})
+TLS_GOAL = 0.85
+"""Issue #18: ps-sync with TLS (the data plane) >= this x the same run without TLS."""
+
+
+def make_certs(d: Path) -> dict[str, str]:
+    """A throwaway CA and a server certificate for 127.0.0.1/localhost (openssl CLI)."""
+    d.mkdir(parents=True, exist_ok=True)
+
+    def run(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True)
+
+    (d / "san.ext").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
+    ec = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes")
+    run("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "1", "-subj", "/CN=ca")
+    run("req", *ec, "-keyout", "server.key", "-out", "server.csr", "-subj", "/CN=server")
+    run("x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+        "-CAcreateserial", "-out", "server.pem", "-days", "1", "-extfile", "san.ext")  # fmt: skip
+    return {k: str(d / f) for k, f in (("ca", "ca.pem"), ("cert", "server.pem"),
+                                       ("key", "server.key"))}  # fmt: skip
 
 
 def run_rpc(out: Path, workers: int, steps: int, timeout: float) -> c.Run:
@@ -73,7 +103,9 @@ def phase_ms(out: Path) -> dict[str, float]:
     return {k: sum(v) / len(v) for k, v in per.items() if v}
 
 
-def measure(out: Path, *, workers: int, steps: int, repeats: int, timeout: float) -> dict:
+def measure(
+    out: Path, *, workers: int, steps: int, repeats: int, timeout: float, tls: bool = False
+) -> dict:
     d = out / f"w{workers}"
     runs = {
         "no-comm": lambda i: run_plain(d / f"nocomm-{i}", workers, steps, timeout, local=True),
@@ -92,12 +124,23 @@ def measure(out: Path, *, workers: int, steps: int, repeats: int, timeout: float
         ),
         "rpc-ps": lambda i: run_rpc(d / f"rpc-{i}", workers, steps, timeout),
     }
+    if tls:
+        pem = make_certs(out / "certs")
+        on = ("--tls-cert", pem["cert"], "--tls-key", pem["key"])
+        ca = ("--tls-ca", pem["ca"])
+        runs["psar-ps-sync-1-tls"] = lambda i: run_ps(
+            d / f"ps1-tls-{i}", workers, 1, steps, timeout, *ca, "--data-plane", "tcp", server=on
+        )
+        runs["psar-ps-sync-1-tls-grpc"] = lambda i: run_ps(
+            d / f"ps1-tls-grpc-{i}", workers, 1, steps, timeout, *ca, "--data-plane", "grpc",
+            server=on,
+        )  # fmt: skip
     got = c.alternate(runs, repeats)
     rate = {k: c.median([c.robust_rate(r) for r in v]) for k, v in got.items()}
     step = {k: c.median([c.job_step_seconds(r) for r in v]) for k, v in got.items()}
     compute = step["no-comm"]
     rows = {}
-    for name in CONFIGS:
+    for name in (*CONFIGS, *(TLS_CONFIGS if tls else ())):
         rows[name] = {
             "samples_per_sec": rate[name],
             "ratio_to_plain_ddp": rate[name] / rate[BASELINE],
@@ -111,9 +154,64 @@ def measure(out: Path, *, workers: int, steps: int, repeats: int, timeout: float
                 k: c.median([p[k] for p in phases if k in p]) for k in (*EXPOSED, "exposed")
             }
             rows[name]["ratio_to_rpc"] = rate[name] / rate["rpc-ps"]
+        if name in TLS_CONFIGS:
+            rows[name]["ratio_to_ps_sync_1_no_tls"] = rate[name] / rate["psar-ps-sync-1"]
     return {"workers": workers, "steps": steps, "repeats": repeats,
             "compute_ms_no_comm": 1e3 * compute, "no_comm_samples_per_sec": rate["no-comm"],
             "runs": rows}  # fmt: skip
+
+
+def measure_tls(out: Path, *, workers: int, steps: int, repeats: int, timeout: float) -> dict:
+    """Only ps-sync 1 shard without TLS and the two TLS rows, alternated (--tls-only)."""
+    d = out / f"w{workers}"
+    pem = make_certs(out / "certs")
+    on = ("--tls-cert", pem["cert"], "--tls-key", pem["key"])
+    ca = ("--tls-ca", pem["ca"])
+    runs = {
+        "psar-ps-sync-1": lambda i: run_ps(d / f"ps1-{i}", workers, 1, steps, timeout),
+        "psar-ps-sync-1-tls": lambda i: run_ps(
+            d / f"ps1-tls-{i}", workers, 1, steps, timeout, *ca, "--data-plane", "tcp", server=on
+        ),
+        "psar-ps-sync-1-tls-grpc": lambda i: run_ps(
+            d / f"ps1-tls-grpc-{i}", workers, 1, steps, timeout, *ca, "--data-plane", "grpc",
+            server=on,
+        ),
+    }  # fmt: skip
+    got = c.alternate(runs, repeats)
+    rate = {k: c.median([c.robust_rate(r) for r in v]) for k, v in got.items()}
+    base = rate["psar-ps-sync-1"]
+    rows = {
+        name: {
+            "samples_per_sec": rate[name],
+            "ratio_to_ps_sync_1_no_tls": rate[name] / base,
+            "step_ms": 1e3 * c.median([c.job_step_seconds(r) for r in got[name]]),
+            "per_repeat_samples_per_sec": [c.robust_rate(r) for r in got[name]],
+        }
+        for name in runs
+    }
+    return {"workers": workers, "steps": steps, "repeats": repeats, "runs": rows}
+
+
+def tls_table(doc: dict) -> str:
+    head = ["workers", "run", "samples/s", "x ps-sync-1 without TLS", "step ms"]
+    rows = [[m["workers"], name, r["samples_per_sec"], r["ratio_to_ps_sync_1_no_tls"], r["step_ms"]]
+            for m in doc["results"] for name, r in m["runs"].items()]  # fmt: skip
+    m0 = doc["results"][0]
+    lines = [f"- {k}: {c.fmt(g['measured'])} (goal >= {g['goal']}: {'met' if g['met'] else 'not met'})"
+             for k, g in doc.get("goals", {}).items()]  # fmt: skip
+    return (
+        "## Step throughput with TLS (psar ps-sync, 1 shard)\n\n"
+        + c.md_table(head, rows)
+        + f"\n\nReference workload, {m0['steps']} steps per run, median of {m0['repeats']} "
+        "alternated repeats. -tls: shard --tls-cert/--tls-key, workers --tls-ca, the TLS data "
+        "plane (--data-plane tcp); -tls-grpc: the same over gRPC.\n\n" + "\n".join(lines)
+    )
+
+
+def tls_goals(results: list[dict]) -> dict:
+    two = [m for m in results if m["workers"] == 2] or results
+    v = two[0]["runs"]["psar-ps-sync-1-tls"]["ratio_to_ps_sync_1_no_tls"]
+    return {"ps_sync_tls_over_no_tls": {"measured": v, "goal": TLS_GOAL, "met": v >= TLS_GOAL}}
 
 
 def goals(results: list[dict]) -> dict:
@@ -132,6 +230,9 @@ def goals(results: list[dict]) -> dict:
         "ps_sync_over_rpc": 1.3,
         "allreduce_over_plain_ddp": 0.97,
     }
+    if "psar-ps-sync-1-tls" in runs:
+        got["ps_sync_tls_over_no_tls"] = runs["psar-ps-sync-1-tls"]["ratio_to_ps_sync_1_no_tls"]
+        want["ps_sync_tls_over_no_tls"] = TLS_GOAL
     return {k: {"measured": v, "goal": want[k], "met": v >= want[k]} for k, v in got.items()}
 
 
@@ -168,16 +269,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", default=None, help="comma-separated (default 2,4; quick 2)")
     p.add_argument("--steps", type=int, default=None, help="per run (default 100; quick 30)")
     p.add_argument("--repeats", type=int, default=None, help="(default 3; quick 1)")
+    p.add_argument("--tls", action="store_true", help="add the TLS rows (issue #18's ratio)")
+    p.add_argument("--tls-only", action="store_true",
+                   help="only ps-sync-1 without TLS and the TLS rows")  # fmt: skip
     args = p.parse_args(argv)
     c.install_sigterm()
     out = c.out_dir(args, "step_throughput")
     workers = [int(w) for w in (args.workers or ("2" if args.quick else "2,4")).split(",")]
     steps = args.steps or (30 if args.quick else 100)
     repeats = args.repeats or (1 if args.quick else 3)
+    if args.tls_only:
+        results = [measure_tls(out, workers=n, steps=steps, repeats=repeats, timeout=args.timeout)
+                   for n in workers]  # fmt: skip
+        doc = {"baseline": "psar-ps-sync-1", "results": results, "goals": tls_goals(results)}
+        return c.finish(args, out, "step_throughput_tls", doc, tls_table(doc))
     results = []
     for n in workers:
         c.log(f"step_throughput: {n} workers")
-        results.append(measure(out, workers=n, steps=steps, repeats=repeats, timeout=args.timeout))
+        results.append(measure(out, workers=n, steps=steps, repeats=repeats,
+                               timeout=args.timeout, tls=args.tls))  # fmt: skip
     doc = {"baseline": BASELINE, "results": results, "goals": goals(results)}
     return c.finish(args, out, "step_throughput", doc, table(doc))
 

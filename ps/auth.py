@@ -132,24 +132,26 @@ class TokenClientInterceptor(
         return continuation(self._details(details), requests)
 
 
-class TokenServerInterceptor(grpc.ServerInterceptor):
-    """Refuses calls without the right bearer token (UNAUTHENTICATED), and counts them."""
+class TokenServerInterceptor(grpc.aio.ServerInterceptor):
+    """Refuses calls without the right bearer token (UNAUTHENTICATED), and counts them.
+    For the shard's grpc.aio server (ps/server/aio_host.py); the refusal is a coroutine,
+    so a refused call never takes a handler thread."""
 
     def __init__(self, token: str, metrics: Any = None) -> None:
         self._want = f"Bearer {token}".encode()
         self._metrics = metrics
 
-    def intercept_service(self, continuation, handler_call_details):  # noqa: ANN001, ANN201
+    async def intercept_service(self, continuation, handler_call_details):  # noqa: ANN001, ANN201
         method = handler_call_details.method or ""
         if method.startswith(HEALTH_PREFIX):
-            return continuation(handler_call_details)
+            return await continuation(handler_call_details)
         got = ""
         for key, value in handler_call_details.invocation_metadata or ():
             if key == HEADER:
                 got = value if isinstance(value, str) else value.decode("latin-1")
         if hmac.compare_digest(got.encode(), self._want):
-            return continuation(handler_call_details)
-        handler = continuation(handler_call_details)
+            return await continuation(handler_call_details)
+        handler = await continuation(handler_call_details)
         if handler is None:
             return None
         if self._metrics is not None:
@@ -161,8 +163,10 @@ class TokenServerInterceptor(grpc.ServerInterceptor):
 def _refusing(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
     """A handler of the same kind as `handler` that aborts with UNAUTHENTICATED."""
 
-    def refuse(_request: Any, context: grpc.ServicerContext) -> Any:
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+    # A coroutine serves every kind: grpc.aio awaits it (for streaming replies as the
+    # reader/writer style handler), on the loop, without a thread.
+    async def refuse(_request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
     kw = {
         "request_deserializer": handler.request_deserializer,

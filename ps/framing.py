@@ -3,14 +3,23 @@
 A frame is a 16-byte little-endian prefix ``<4sIQ`` (magic b"PSD1", header length,
 payload length), a serialized ``DataFrame`` header, then the payload: raw tensor bytes,
 only in ``piece`` frames. Everything here moves buffers with ``sendmsg``/``recv_into``
-(no per-byte Python, no joining of payloads); the caller owns the sockets.
+(no per-byte Python, no joining of payloads); the caller owns the sockets, which may be
+plain TCP or TLS (``ssl.SSLSocket``: no sendmsg, no recv flags, so those take the plain
+sendall/recv_into path).
+
+Reading never trusts a length before its bytes arrive: buffers for headers and payloads
+(Scratch) grow as bytes are received, so a prefix that claims 16 MiB and then goes
+silent costs what was sent, not what was claimed. A `deadline` (time.monotonic()) bounds
+every read of a frame once it has started.
 """
 
 from __future__ import annotations
 
 import socket
+import ssl
 import struct
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
@@ -28,19 +37,62 @@ MAX_HEADER_BYTES = 64 << 10
 SOCKET_BUFFER_BYTES = 4 << 20
 """SO_SNDBUF/SO_RCVBUF asked for on both ends (the kernel may cap it)."""
 
+FIRST_GROWTH_BYTES = 64 << 10
+"""A Scratch that must grow starts from at most this many bytes, then doubles as bytes
+arrive (a payload's claimed length is never allocated up front)."""
+DISCARD_CHUNK_BYTES = 1 << 20
+"""Payload bytes that are read only to be dropped go through at most this much buffer."""
+KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_COUNT = 60, 15, 4
+"""TCP keepalive: a peer that vanished (no FIN, no RST) is found within ~2 minutes."""
+
 CODE_BY_NUMBER: dict[int, grpc.StatusCode] = {c.value[0]: c for c in grpc.StatusCode}
 
 
 class Scratch:
-    """A reusable receive buffer, replaced (never resized: views may be alive) to grow."""
+    """A reusable receive buffer, replaced (never resized: views may be alive) to grow.
 
-    def __init__(self) -> None:
+    `on_resize(delta)` (optional) hears every change of its size: the shard adds them
+    up into the bytes its connections hold buffered."""
+
+    def __init__(self, on_resize: Callable[[int], None] | None = None) -> None:
         self.buf = bytearray(0)
+        self._on_resize = on_resize
+
+    def _replace(self, buf: bytearray) -> None:
+        old, self.buf = len(self.buf), buf
+        if self._on_resize is not None:
+            self._on_resize(len(buf) - old)
 
     def view(self, n: int) -> memoryview:
+        """A view of n bytes, allocated at once (for payloads this end chose the size of)."""
         if len(self.buf) < n:
-            self.buf = bytearray(n)
+            self._replace(bytearray(n))
         return memoryview(self.buf)[:n]
+
+    def fill(self, sock: socket.socket, n: int, deadline: float | None = None) -> memoryview:
+        """Receive exactly n bytes into the buffer, growing it only as they arrive
+        (doubling from FIRST_GROWTH_BYTES, copying what came), never past n."""
+        if len(self.buf) >= n:
+            view = memoryview(self.buf)[:n]
+            recv_exact(sock, view, deadline=deadline)
+            return view
+        got = 0
+        size = min(n, max(len(self.buf), FIRST_GROWTH_BYTES))
+        if size > len(self.buf):
+            self._replace(bytearray(size))
+        while True:
+            target = min(n, len(self.buf))
+            recv_exact(sock, memoryview(self.buf)[got:target], deadline=deadline)
+            got = target
+            if got == n:
+                return memoryview(self.buf)[:n]
+            grown = bytearray(min(n, 2 * len(self.buf)))
+            grown[:got] = memoryview(self.buf)[:got]
+            self._replace(grown)
+
+    def release(self) -> None:
+        """Give the buffer back (the connection ended)."""
+        self._replace(bytearray(0))
 
 
 class ConnectionClosed(Exception):
@@ -60,13 +112,46 @@ class FramingError(PSError):
 
 
 def tune(sock: socket.socket) -> None:
-    """TCP_NODELAY and large buffers: frames go out as written, 1 MiB+ pieces stream."""
+    """TCP_NODELAY, large buffers and keepalive: frames go out as written, 1 MiB+ pieces
+    stream, and a peer that vanished without a FIN does not hold the connection forever."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
         try:
             sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER_BYTES)
         except OSError:  # pragma: no cover - a kernel that refuses the size
             pass
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (("TCP_KEEPIDLE", KEEPALIVE_IDLE_S), ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL_S),
+                        ("TCP_KEEPCNT", KEEPALIVE_COUNT)):  # fmt: skip
+        opt = getattr(socket, name, None)  # Linux names; other systems keep their defaults
+        if opt is not None:
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, opt, value)
+            except OSError:  # pragma: no cover
+                pass
+
+
+def hard_shutdown(sock: socket.socket) -> None:
+    """Shut both directions of the TCP connection under `sock` (from any thread): a
+    thread blocked in recv or send on it wakes with an error. On a TLS socket this
+    bypasses SSLSocket.shutdown, which would also drop the TLS state under that thread."""
+    try:
+        socket.socket.shutdown(sock, socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
+def is_tls(sock: socket.socket) -> bool:
+    return isinstance(sock, ssl.SSLSocket)
+
+
+def _set_deadline(sock: socket.socket, deadline: float | None) -> None:
+    if deadline is None:
+        return
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        raise TimeoutError("frame deadline passed")
+    sock.settimeout(remaining)
 
 
 def encode(frame: pb.DataFrame, payload_len: int = 0) -> bytes:
@@ -87,6 +172,10 @@ def send(sock: socket.socket, frame: pb.DataFrame, payload: Any = None) -> None:
 def send_buffers(sock: socket.socket, buffers: Sequence[Any]) -> None:
     """sendall for several buffers in one sendmsg call each round (no concatenation)."""
     views = [memoryview(b).cast("B") for b in buffers if len(b)]
+    if is_tls(sock):  # TLS has no sendmsg: one write each (OpenSSL makes the records)
+        for v in views:
+            sock.sendall(v)
+        return
     while views:
         sent = sock.sendmsg(views)
         while sent and views:
@@ -97,25 +186,72 @@ def send_buffers(sock: socket.socket, buffers: Sequence[Any]) -> None:
                 sent = 0
 
 
-def recv_exact(sock: socket.socket, view: memoryview, *, at_frame_start: bool = False) -> None:
-    """Fill `view` from the socket; ConnectionClosed when the peer closes first."""
+def recv_exact(
+    sock: socket.socket,
+    view: memoryview,
+    *,
+    at_frame_start: bool = False,
+    deadline: float | None = None,
+) -> None:
+    """Fill `view` from the socket; ConnectionClosed when the peer closes first,
+    TimeoutError when `deadline` (time.monotonic()) passes first."""
     n, got = len(view), 0
+    flags = 0 if is_tls(sock) else socket.MSG_WAITALL  # SSLSocket takes no flags
     while got < n:
-        r = sock.recv_into(view[got:], n - got, socket.MSG_WAITALL)
+        _set_deadline(sock, deadline)
+        r = sock.recv_into(view[got:], n - got, flags)
         if r == 0:
             raise ConnectionClosed(mid_frame=not (at_frame_start and got == 0))
         got += r
 
 
+class FrameClock:
+    """Read deadlines of one connection: at most `idle_s` waiting for a frame to begin,
+    then at most `frame_s` for the whole frame (prefix, header and payload). After
+    read_header, `deadline` is the current frame's (pass it to the payload reads)."""
+
+    def __init__(self, idle_s: float, frame_s: float) -> None:
+        self.idle_s, self.frame_s = idle_s, frame_s
+        self.deadline: float | None = None
+
+    def wait_first_byte(self, sock: socket.socket, prefix: memoryview) -> int:
+        """Block up to idle_s for the frame's first bytes (TimeoutError: idle too long)."""
+        self.deadline = None
+        sock.settimeout(self.idle_s)
+        r = sock.recv_into(prefix, len(prefix))
+        if r == 0:
+            raise ConnectionClosed(mid_frame=False)
+        self.deadline = time.monotonic() + self.frame_s
+        return r
+
+
+class IdleTimeout(Exception):
+    """No frame began within the connection's idle limit."""
+
+
 def read_header(
-    sock: socket.socket, *, max_payload_bytes: int, scratch: Scratch
+    sock: socket.socket,
+    *,
+    max_payload_bytes: int,
+    scratch: Scratch,
+    clock: FrameClock | None = None,
 ) -> tuple[pb.DataFrame, int]:
     """Read a frame's prefix and header; returns (header, payload length to read next).
 
     Refuses (FramingError) a bad magic, an undecodable header and lengths over the
-    limits, before allocating anything for them."""
+    limits, before allocating anything for them; the header's buffer grows as its bytes
+    arrive. With `clock`: IdleTimeout when no frame begins within its idle_s, TimeoutError
+    when the frame is not complete within its frame_s (clock.deadline)."""
     prefix = bytearray(PREFIX.size)
-    recv_exact(sock, memoryview(prefix), at_frame_start=True)
+    view = memoryview(prefix)
+    if clock is None:
+        recv_exact(sock, view, at_frame_start=True)
+    else:
+        try:
+            got = clock.wait_first_byte(sock, view)
+        except TimeoutError:
+            raise IdleTimeout(f"no frame for {clock.idle_s:g} s") from None
+        recv_exact(sock, view[got:], deadline=clock.deadline)
     magic, hlen, plen = PREFIX.unpack(prefix)
     if magic != MAGIC:
         raise FramingError(
@@ -141,8 +277,7 @@ def read_header(
                 "(or raise the shard's --max-message-bytes)"
             )
         )
-    view = scratch.view(hlen)
-    recv_exact(sock, view)
+    view = scratch.fill(sock, hlen, clock.deadline if clock else None)
     frame = pb.DataFrame()
     try:
         frame.ParseFromString(view)
@@ -171,11 +306,21 @@ def read_header(
     return frame, plen
 
 
-def recv_payload(sock: socket.socket, plen: int, scratch: Scratch) -> memoryview:
-    """Read `plen` payload bytes into `scratch` (grown as needed); a view of them."""
-    view = scratch.view(plen)
-    recv_exact(sock, view)
-    return view
+def recv_payload(
+    sock: socket.socket, plen: int, scratch: Scratch, deadline: float | None = None
+) -> memoryview:
+    """Read `plen` payload bytes into `scratch` (grown as they arrive); a view of them."""
+    return scratch.fill(sock, plen, deadline)
+
+
+def discard_payload(
+    sock: socket.socket, plen: int, scratch: Scratch, deadline: float | None = None
+) -> None:
+    """Read and drop `plen` payload bytes, through at most DISCARD_CHUNK_BYTES of buffer."""
+    while plen > 0:
+        n = min(plen, DISCARD_CHUNK_BYTES)
+        scratch.fill(sock, n, deadline).release()
+        plen -= n
 
 
 def status_frame(code: grpc.StatusCode, details: str) -> pb.DataFrame:

@@ -19,6 +19,9 @@ class PushHeader:
     retry: bool = False
     verdict_follows: bool = False
     """The data streams during backward; a verdict (finite or overflow) follows it."""
+    absent: tuple[str, ...] = ()
+    """Slots with no gradient this step (unused parameters; their data is zeros). A
+    streamed push sends them in its verdict instead: they are known after backward."""
 
 
 @dataclass(slots=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from ps.partition import Slot
@@ -14,7 +15,7 @@ class Job:
     """What the worker of rank 0 tells every shard at initialisation."""
 
     mode: str = "sync"
-    """Consistency mode: sync | async | ssp."""
+    """Consistency mode: sync | async | ssp | local."""
     staleness: int = 0
     """SSP bound S: no worker runs more than S clocks ahead of the slowest live worker."""
     num_workers: int = 1
@@ -31,11 +32,45 @@ class Job:
     """The slots this shard holds, in push/pull order."""
     job_id: str = ""
     """Free-form job name; two inits with different ids conflict."""
+    sync_every: int = 0
+    """local: inner steps each worker takes between pushes (H; every push is then a
+    pseudo-gradient and `optimizer` is the outer optimizer). 0 for every other mode."""
+
+    staleness_lr: bool = False
+    """async/ssp: apply a gradient `staleness` updates old with lr / (1 + staleness)
+    (Zhang et al., "Staleness-aware Async-SGD", IJCAI 2016; ps/server/staleness.py)."""
+    delay_compensation: float = 0.0
+    """async/ssp: DC-ASGD's lambda (Zheng et al., ICML 2017): each gradient g is applied as
+    g + lambda * g * g * (w_now - w_base); 0 disables it."""
+    momentum_correction: bool = True
+    """async/ssp with N > 1 workers: apply max(0, momentum - (1 - 1/N)) as SGD momentum /
+    AdamW beta1, since asynchrony adds about 1 - 1/N of its own (Mitliagkas et al. 2016);
+    False applies the configured momentum as given (a job spec without the field, e.g. in
+    a checkpoint written before it existed, reads False: what those shards applied)."""
+
+    buffer_slots: tuple[str, ...] = ()
+    """Slots that hold model buffers (BatchNorm running stats): never stepped; the shard
+    keeps rank 0's pushed values, or their mean over the round with buffers_average."""
+    buffers_average: bool = False
+    """sync: buffers become the mean of every worker's (--buffers average)."""
 
     def __post_init__(self) -> None:
         check_mode(self.mode)
+        self.buffer_slots = tuple(self.buffer_slots)
+        if self.buffers_average and self.mode != "sync":
+            raise ValueError(f"--buffers average needs --mode sync, not {self.mode}")
+        if not 0.0 <= self.delay_compensation < math.inf:
+            raise ValueError(
+                f"--delay-compensation must be a finite number >= 0 (DC-ASGD's lambda; "
+                f"0 disables it), got {self.delay_compensation}"
+            )
         if self.num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {self.num_workers}")
+        if (self.sync_every >= 1) != (self.mode == "local"):
+            raise ValueError(
+                f"--sync-every {self.sync_every} with --mode {self.mode}: --mode local needs "
+                "--sync-every H >= 1, and only --mode local takes it"
+            )
         if self.staleness < 0:
             raise ValueError(f"--staleness must be >= 0, got {self.staleness}")
         if not 0 <= self.shard_index < self.num_shards:
@@ -43,3 +78,6 @@ class Job:
         keys = [s.key for s in self.slots]
         if len(set(keys)) != len(keys):
             raise ValueError("slot keys must be unique")
+        stray = set(self.buffer_slots) - set(keys)
+        if stray:
+            raise ValueError(f"buffer slots not among the slots: {sorted(stray)[:3]}")

@@ -19,7 +19,7 @@ from ps.partition import Slot
 from ps.sparse_spec import TableSpec
 from trainkit.optim import LossScaleConfig, OptimizerConfig
 
-_MODE_TO_PB = {"sync": pb.SYNC, "async": pb.ASYNC, "ssp": pb.SSP}
+_MODE_TO_PB = {"sync": pb.SYNC, "async": pb.ASYNC, "ssp": pb.SSP, "local": pb.LOCAL}
 _MODE_FROM_PB = {v: k for k, v in _MODE_TO_PB.items()}
 
 
@@ -105,13 +105,19 @@ def job_to_pb(job: Job) -> pb.JobSpec:
             pb.SlotSpec(key=s.key, param=s.param, start=s.start, numel=s.numel) for s in job.slots
         ],
         job_id=job.job_id,
+        sync_every=job.sync_every,
+        buffer_slots=list(job.buffer_slots),
+        buffers_average=job.buffers_average,
+        staleness_lr=job.staleness_lr,
+        delay_compensation=job.delay_compensation,
+        momentum_correction=job.momentum_correction,
     )
 
 
 def job_from_pb(spec: pb.JobSpec) -> Job:
     """A validated Job; a malformed spec raises InvalidArgument naming the problem."""
     if spec.mode not in _MODE_FROM_PB:
-        raise InvalidArgument(f"job mode enum {spec.mode} unknown; use SYNC, ASYNC or SSP")
+        raise InvalidArgument(f"job mode enum {spec.mode} unknown; use SYNC, ASYNC, SSP or LOCAL")
     o, ls = spec.optimizer, spec.loss_scale
     check_finite_fields("optimizer", o, [f.name for f in dataclasses.fields(OptimizerConfig)])
     check_finite_fields("loss_scale", ls, [f.name for f in dataclasses.fields(LossScaleConfig)])
@@ -126,6 +132,12 @@ def job_from_pb(spec: pb.JobSpec) -> Job:
             num_shards=spec.num_shards,
             slots=[Slot(s.key, s.param, s.start, s.numel, spec.shard_index) for s in spec.slots],
             job_id=spec.job_id,
+            sync_every=spec.sync_every,
+            buffer_slots=tuple(spec.buffer_slots),
+            buffers_average=spec.buffers_average,
+            staleness_lr=spec.staleness_lr,
+            delay_compensation=spec.delay_compensation,
+            momentum_correction=spec.momentum_correction,
         )
     except ValueError as e:
         raise InvalidArgument(f"invalid job spec: {e}", reason="malformed") from None
@@ -141,6 +153,7 @@ def push_header_to_pb(h: PushHeader) -> pb.PushHeader:
         overflow=h.overflow,
         retry=h.retry,
         verdict_follows=h.verdict_follows,
+        absent=list(h.absent),
     )
 
 
@@ -155,6 +168,7 @@ def push_header_from_pb(m: pb.PushHeader) -> PushHeader:
         overflow=m.overflow,
         retry=m.retry,
         verdict_follows=m.verdict_follows,
+        absent=tuple(m.absent),
     )
 
 

@@ -60,6 +60,8 @@ def iter_pieces(
 
 def decode(data: bytes, dtype: torch.dtype) -> torch.Tensor:
     """A read-only 1-D tensor view of received bytes (no copy). Never write into it."""
+    if not len(data):  # torch.frombuffer refuses an empty buffer; a peer may send one
+        return torch.empty(0, dtype=dtype)
     with warnings.catch_warnings():
         # torch warns that `bytes` is not writable; we only ever read from this view.
         warnings.simplefilter("ignore", UserWarning)

@@ -25,18 +25,20 @@ TRAIN_FLAGS = [
     "--schedule", "--warmup-steps", "--total-steps", "--min-lr-ratio", "--loss-scale-enabled",
     "--loss-scale-init-scale", "--loss-scale-growth-factor", "--loss-scale-backoff-factor",
     "--loss-scale-growth-interval", "--servers", "--rank", "--world-size", "--mode",
-    "--staleness", "--chunk-mib", "--timeout-s", "--pull-timeout-s", "--job-id", "--overlap", "--bucket-mib", "--pull-overlap", "--overlap-trial", "--data-plane", "--backend",
+    "--staleness", "--chunk-mib", "--timeout-s", "--pull-timeout-s", "--job-id", "--buffers", "--overlap", "--bucket-mib", "--pull-overlap", "--overlap-trial", "--data-plane", "--backend",
     "--pg-timeout-s", "--bucket-cap-mb", "--find-unused-parameters",
     "--metrics-linger-s", "--emulate-compute-ms", "--reconnect-timeout-s", "--tls-ca",
     "--tls-cert", "--tls-key", "--tls-server-name", "--auth-token-file", "--sparse-optimizer",
     "--sparse-lr", "--sparse-eps", "--sparse-wire-dtype", "--checkpoint-dir", "--checkpoint-every",
+    "--sync-every", "--outer-optimizer", "--outer-lr", "--outer-momentum",
+    "--staleness-lr", "--delay-compensation", "--momentum-correction",
 ]  # fmt: skip
 SERVER_FLAGS = ["--bind", "--threads", "--message-bytes", "--max-message-bytes",
                 "--metrics-port", "--metrics-addr", "--shard", "--torch-threads", "--lease-s",
                 "--join-grace-s", "--checkpoint-dir", "--checkpoint-every", "--checkpoint-interval",
                 "--checkpoint-keep", "--restore", "--drain-timeout-s", "--tls-cert", "--tls-key",
                 "--tls-ca", "--auth-token-file", "--data-port", "--chunk-rounds",
-                "--restore-or-fresh"]  # fmt: skip
+                "--restore-or-fresh", "--data-idle-s", "--data-max-conns-per-peer"]  # fmt: skip
 
 
 def test_flag_lists_are_frozen() -> None:
@@ -75,12 +77,8 @@ def test_dry_run_resolves_flags_and_config_file(tmp_path, capsys) -> None:
     ("argv", "needle"),
     [
         (["--arch", "horovod"], "--arch: unknown 'horovod'; accepted: ps, allreduce"),
-        (["--mode", "eventual"], "--mode: unknown 'eventual'; accepted: sync, async, ssp"),
+        (["--mode", "eventual"], "--mode: unknown 'eventual'; accepted: sync, async, ssp, local"),
         (["--data-plane", "udp"], "--data-plane: unknown 'udp'; accepted: auto, tcp, grpc"),
-        (
-            ["--data-plane", "tcp", "--tls-ca", "ca.pem"],
-            "--data-plane tcp sends tensors in plaintext",
-        ),
         (["--bucket-mib", "0"], "--bucket-mib must be > 0"),
         (["--overlap-trial", "-1"], "--overlap-trial must be >= 0"),
         (["--optimizer", "lamb"], "--optimizer: unknown 'lamb'; accepted: sgd, adamw"),

@@ -48,7 +48,6 @@ def test_the_old_name_of_the_reconnect_timeout_still_constructs() -> None:
     ("kw", "needle"),
     [
         ({"data_plane": "udp"}, "--data-plane: unknown 'udp'; accepted: auto, tcp, grpc"),
-        ({"data_plane": "tcp", "tls_ca": "ca.pem"}, "plaintext"),
         ({"timeout_s": 0.0}, "--timeout-s and --pull-timeout-s must be > 0"),
     ],
 )

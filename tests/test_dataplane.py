@@ -5,7 +5,8 @@ frames next to gRPC, against real shards and sockets on loopback (no mocks).
   (state digest) and pull identical weights; a verdict overflow skips a sync round.
 - Every bad input gets the right status code and a message saying what to do, and leaves
   the shard's state and counters as they were; the shard keeps serving.
-- Token, TLS (gRPC only), --data-port -1, cancel_all, deadlines, unreachable shards.
+- Token, --data-port -1, cancel_all, deadlines, unreachable shards (TLS: test_dataplane_tls.py,
+  bounds per connection: test_dataplane_bounds.py).
 """
 
 from __future__ import annotations
@@ -41,11 +42,14 @@ from tests.ps_fixtures import (
     weights_digest,
     without_speculation,
 )
-from tests.test_security import certs  # noqa: F401 - the fixture
 
 SC = grpc.StatusCode
 MAX_MESSAGE = 64 << 10
 TIMEOUT = 10.0
+
+# The first optimizer a process builds imports torch._dynamo: seconds on a loaded machine,
+# which must not be spent inside the first test's Init deadline.
+torch.optim.AdamW([torch.zeros(1, requires_grad=True)])
 
 
 def config(**kw: object) -> ServerConfig:
@@ -431,25 +435,6 @@ def _data_port(port: int, token: str = "") -> int:
         )
     finally:
         channel.close()
-
-
-def test_tls_shard_has_no_data_plane(certs: Path) -> None:  # noqa: F811
-    cfg = config(tls_cert=str(certs / "server.pem"), tls_key=str(certs / "server.key"))
-    from ps.server.serve import start_server
-
-    server, port, _ = start_server(cfg)
-    try:
-        assert server.psar_dataplane is None
-        creds = grpc.ssl_channel_credentials((certs / "ca.pem").read_bytes())
-        with grpc.secure_channel(
-            f"localhost:{port}", creds, options=[("grpc.ssl_target_name_override", "localhost")]
-        ) as ch:
-            from ps._gen.psar.v1 import ps_pb2_grpc as pb_grpc
-
-            reply = pb_grpc.ParameterServerStub(ch).GetJob(pb.GetJobRequest(), timeout=TIMEOUT)
-        assert reply.data_port == 0
-    finally:
-        server.stop(grace=None).wait()
 
 
 def test_data_port_minus_one_turns_it_off_and_a_fixed_port_is_used() -> None:

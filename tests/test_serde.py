@@ -142,8 +142,8 @@ def test_pull_header_round_trip(header: PullHeader) -> None:
 @settings(max_examples=80, deadline=None, derandomize=True)
 @given(
     worker=st.integers(0, 2**32 - 1),
-    clock=st.integers(0, 2**64 - 1),
-    base_version=st.integers(0, 2**64 - 1),
+    clock=st.integers(0, serde.MAX_COUNT),
+    base_version=st.integers(0, serde.MAX_COUNT),
     dtype=st.sampled_from(DTYPES),
     loss_scale=st.floats(allow_nan=False),
     overflow=st.booleans(),
@@ -152,6 +152,13 @@ def test_pull_header_round_trip(header: PullHeader) -> None:
 def test_push_header_round_trip_any(**kw: object) -> None:
     h = PushHeader(**kw)  # type: ignore[arg-type]
     assert serde.push_header_from_pb(via_wire(serde.push_header_to_pb(h))) == h
+
+
+@pytest.mark.parametrize("field", ["clock", "base_version"])
+def test_push_header_counts_past_the_range_are_refused(field: str) -> None:
+    m = pb.PushHeader(**{"worker": 0, "clock": 1, "dtype": pb.FLOAT32, field: serde.MAX_COUNT + 1})
+    with pytest.raises(InvalidArgument, match=field):
+        serde.push_header_from_pb(via_wire(m))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -17,15 +17,12 @@ DATA_PLANES = ("auto", "tcp", "grpc")
 
 
 def check_data_plane(data_plane: str, tls: bool) -> None:
-    """Refuse (ValueError naming the flag) an unknown --data-plane, or tcp with TLS on."""
+    """Refuse (ValueError naming the flag) an unknown --data-plane. (`tls` is kept for
+    callers: under TLS the data plane is TLS too, so every choice is allowed.)"""
+    del tls
     if data_plane not in DATA_PLANES:
         raise ValueError(
             f"--data-plane: unknown {data_plane!r}; accepted: {', '.join(DATA_PLANES)}"
-        )
-    if data_plane == "tcp" and tls:
-        raise ValueError(
-            "--data-plane tcp sends tensors in plaintext, but TLS is on (--tls-*): use "
-            "--data-plane grpc (or auto) so tensors travel over TLS"
         )
 
 
@@ -38,8 +35,9 @@ class ConnectionConfig:
     pull_timeout_s: float = 300.0
     """Deadline of a pull, which may wait for a sync round or the slowest SSP worker."""
     data_plane: str = "auto"
-    """Where tensor bytes travel: tcp (the shards' plain-TCP data plane), grpc, or auto
-    (tcp where the shard offers it and TLS is off, else grpc). Control stays on gRPC."""
+    """Where tensor bytes travel: tcp (the shards' TCP data plane; TLS when --tls-* is
+    given), grpc, or auto (tcp where the shard offers it, else grpc). Control stays on
+    gRPC."""
     # -- faults and security (docs/reliability.md) --
     reconnect_timeout_s: float = 120.0
     """Keep retrying an unreachable shard (restarting, --restore) for this long."""

@@ -1,9 +1,10 @@
 """PSClient's choice of transport per shard (mixin; ps/client/transport.py has the contract).
 
-Tensor bytes travel over the shard's plain-TCP data plane (ps/client/tcp_transport.py)
-where it offers one (its GetJob reply names the port) and TLS is off, else over gRPC
-(ps/client/grpc_transport.py); both run the same push and pull logic. Control calls
-always use gRPC. A shard that restarts may listen on another data port: a failed
+Tensor bytes travel over the shard's TCP data plane (ps/client/tcp_transport.py)
+where it offers one (its GetJob reply names the port), else over gRPC
+(ps/client/grpc_transport.py); both run the same push and pull logic. Under TLS the data
+plane is TLS too, with the worker's --tls-* files and --tls-server-name, and carries the
+same token. Control calls always use gRPC. A shard that restarts may listen on another data port: a failed
 connection marks the port stale and the next attempt asks GetJob again.
 """
 
@@ -17,7 +18,7 @@ import grpc
 from ps._gen.psar.v1 import ps_pb2 as pb
 from ps.client.errors import PSClientError
 from ps.client.grpc_transport import GrpcTransport
-from ps.client.tcp_transport import DataPlaneClient
+from ps.client.tcp_transport import DataPlaneClient, client_ssl_context
 from ps.client.transport import Transport, TransportError
 from trainkit.connection import DATA_PLANES, check_data_plane
 
@@ -38,8 +39,8 @@ class DataPlaneCalls:
     _data_stale: list[bool]
 
     def _transport(self, shard: int) -> Transport:
-        """The shard's data plane where it applies, else its gRPC transport."""
-        if self.cfg.data_plane == "grpc" or self.cfg.tls:
+        """The shard's data plane where it applies (TLS too), else its gRPC transport."""
+        if self.cfg.data_plane == "grpc":
             return self._grpc[shard]
         if self._data_stale[shard]:  # a restarted shard may listen on another data port
             reply = self._stubs[shard].GetJob(pb.GetJobRequest(), timeout=self.cfg.timeout_s)
@@ -48,7 +49,7 @@ class DataPlaneCalls:
 
     def _use_data_port(self, shard: int, port: int) -> None:
         self._data_stale[shard] = False
-        if self.cfg.data_plane == "grpc" or self.cfg.tls:
+        if self.cfg.data_plane == "grpc":
             return
         if not port and self.cfg.data_plane == "tcp":
             raise PSClientError(
@@ -56,7 +57,7 @@ class DataPlaneCalls:
                 self.addresses[shard],
                 None,
                 "--data-plane tcp, but this shard serves no data plane (started with "
-                "--data-port -1 or with TLS); use --data-plane auto or grpc",
+                "--data-port -1); use --data-plane auto or grpc",
             )
         old = self._data[shard]
         if old is not None and old.port == port:
@@ -72,8 +73,20 @@ class DataPlaneCalls:
                 token=self.cfg.auth_token,
                 connect_timeout_s=self.cfg.timeout_s,
                 max_frame_bytes=self.cfg.data_frame_bytes,
+                ssl_context=self._data_tls(),
+                server_name=self.cfg.tls_server_name,
             )
         self._data_ports[shard] = port
+
+    def _data_tls(self) -> Any:
+        """The TLS context of the data plane (one, shared by every shard), None without TLS."""
+        if not self.cfg.tls:
+            return None
+        ctx = getattr(self, "_data_ssl", None)
+        if ctx is None:
+            c = self.cfg
+            ctx = self._data_ssl = client_ssl_context(c.tls_ca, c.tls_cert, c.tls_key)
+        return ctx
 
     def _via(self, shard: int, call: Callable[[Transport], T]) -> T:
         """Run call on the shard's transport; a data-plane connection failure marks its

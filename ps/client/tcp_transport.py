@@ -11,13 +11,17 @@ and .details() like gRPC's, so retry logic written for gRPC handles both: connec
 refused, reset or closed mid-call -> UNAVAILABLE; deadline -> DEADLINE_EXCEEDED;
 cancel_all() -> CANCELLED; a shard's refusal -> its status code and details verbatim
 (e.g. ABORTED "restored: ...").
+
+Under TLS (`ssl_context`, from client_ssl_context: the same --tls-ca, --tls-cert and
+--tls-key as the worker's gRPC channels) every connection is TLS, the shard's certificate
+checked against `server_name` (--tls-server-name, else the host).
 """
 
 from __future__ import annotations
 
-import contextlib
 import select
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -41,6 +45,18 @@ DataPlaneError = TransportError
 """What a failed data-plane call raises (the contract's error, under its old name)."""
 
 
+def client_ssl_context(ca: str = "", cert: str = "", key: str = "") -> ssl.SSLContext:
+    """TLS to a shard's data plane, as ps/auth.py's channel_credentials for gRPC: trust
+    `ca` (the system roots without one) and present cert/key when given (mutual TLS)."""
+    if bool(cert) != bool(key):
+        raise ValueError("a client certificate needs both --tls-cert and --tls-key")
+    ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=ca or None)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    if cert:
+        ctx.load_cert_chain(cert, key)
+    return ctx
+
+
 class _Conn:
     __slots__ = ("sock", "scratch", "cancelled")
 
@@ -61,6 +77,8 @@ class DataPlaneClient(Transport):
         token: str = "",
         connect_timeout_s: float = 10.0,
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+        ssl_context: ssl.SSLContext | None = None,
+        server_name: str = "",
     ) -> None:
         if not 0 < port < 65536:
             raise ValueError(f"data-plane port must be in [1, 65535], got {port}")
@@ -71,6 +89,8 @@ class DataPlaneClient(Transport):
         self.token = token
         self.connect_timeout_s = connect_timeout_s
         self.max_frame_bytes = max_frame_bytes
+        self.ssl_context = ssl_context
+        self.server_name = server_name or self.host
         self._idle: list[_Conn] = []
         self._busy: set[_Conn] = set()
         self._lock = threading.Lock()
@@ -93,7 +113,7 @@ class DataPlaneClient(Transport):
                 self._send(conn, pb.DataFrame(push_header=header), None, deadline)
                 for part in parts:
                     if isinstance(part, Verdict):
-                        verdict = pb.PushVerdict(overflow=part.overflow)
+                        verdict = pb.PushVerdict(overflow=part.overflow, absent=part.absent)
                         self._send(conn, pb.DataFrame(verdict=verdict), None, deadline)
                         continue
                     piece = pb.DataPiece(key=part.key, offset=part.offset)
@@ -159,8 +179,9 @@ class DataPlaneClient(Transport):
                     self._busy.add(conn)
             if conn is None:
                 break
-            # An idle connection with something to read was closed (or broken) by the shard.
-            if not select.select([conn.sock], [], [], 0)[0]:
+            # An idle connection with something to read was closed (or broken) by the
+            # shard (its idle limit, a restart).
+            if not _readable(conn.sock):
                 return conn
             self._release(conn, False)
         conn = self._connect(deadline)
@@ -188,9 +209,15 @@ class DataPlaneClient(Transport):
             raise DataPlaneError(
                 SC.UNAVAILABLE, f"data plane of {self.address} unreachable: {e.strerror or e}"
             ) from None
-        conn = _Conn(sock)
         try:
             fr.tune(sock)
+            if self.ssl_context is not None:
+                sock = self._handshake(sock, deadline)
+        except BaseException:
+            sock.close()
+            raise
+        conn = _Conn(sock)
+        try:
             hello = pb.DataHello(token=self.token, version=fr.VERSION)
             self._send(conn, pb.DataFrame(hello=hello), None, deadline)
             frame = self._recv_frame(conn, deadline, "hello")
@@ -200,6 +227,23 @@ class DataPlaneClient(Transport):
             sock.close()
             raise
         return conn
+
+    def _handshake(self, sock: socket.socket, deadline: float) -> socket.socket:
+        assert self.ssl_context is not None
+        sock.settimeout(max(0.001, min(self.connect_timeout_s, deadline - time.monotonic())))
+        try:
+            return self.ssl_context.wrap_socket(sock, server_hostname=self.server_name)
+        except ssl.SSLCertVerificationError as e:
+            raise DataPlaneError(
+                SC.UNAVAILABLE,
+                f"data plane of {self.address}: TLS certificate not trusted "
+                f"({e.verify_message}); is --tls-ca the CA that signed the shard's "
+                "certificate, and --tls-server-name the name in it?",
+            ) from None
+        except (OSError, ssl.SSLError) as e:
+            raise DataPlaneError(
+                SC.UNAVAILABLE, f"data plane of {self.address}: TLS handshake failed: {e}"
+            ) from None
 
     # ---- frames, with deadlines and error mapping -----------------------------------
 
@@ -241,7 +285,7 @@ class DataPlaneClient(Transport):
 
     def _refused_early(self, conn: _Conn, deadline: float) -> None:
         """Between pieces: has the shard already refused this push? Then stop sending."""
-        if select.select([conn.sock], [], [], 0)[0]:
+        if _readable(conn.sock):
             frame = self._recv_frame(conn, deadline, "push")
             self._unexpected(frame, "nothing before the end of the push")
 
@@ -269,8 +313,14 @@ def _cancel(conn: _Conn) -> None:
     """Abort the call on `conn` from another thread: its blocked send or recv fails, and
     the call raises CANCELLED (conn.cancelled) instead of UNAVAILABLE."""
     conn.cancelled = True
-    with contextlib.suppress(OSError):
-        conn.sock.shutdown(socket.SHUT_RDWR)
+    fr.hard_shutdown(conn.sock)
+
+
+def _readable(sock: socket.socket) -> bool:
+    """Something to read now (TLS: decrypted bytes buffered, or raw bytes waiting)."""
+    if fr.is_tls(sock) and sock.pending():  # type: ignore[attr-defined]
+        return True
+    return bool(select.select([sock], [], [], 0)[0])
 
 
 class _TcpPull(PullStream):

@@ -24,7 +24,8 @@ class ServerConfig:
     bind: str = "127.0.0.1:50051"
     """HOST:PORT to listen on (port 0 picks a free one; 0.0.0.0 listens on every interface)."""
     threads: int = 64
-    """gRPC handler threads; each waiting pull (sync barrier, SSP) holds one."""
+    """gRPC handler threads. A pull waiting for its round (sync barrier, SSP) holds none:
+    it parks on the server's event loop (ps/server/parking.py)."""
     message_bytes: int = wire.DEFAULT_MESSAGE_BYTES
     """Bytes of tensor data per streamed message (~1 MiB streams fastest here)."""
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
@@ -83,7 +84,15 @@ class ServerConfig:
     data_port: int = 0
     """TCP port of the data plane (push and pull as plain frames next to gRPC, on the
     --bind host; docs/dataplane.md): 0 picks a free one, -1 turns it off. Workers learn
-    it from GetJob. Off when TLS is on (the data plane is plaintext)."""
+    it from GetJob. Under TLS it is TLS too (the same --tls-* files and token as gRPC)."""
+    data_idle_s: float = 300.0
+    """Close a data-plane connection that starts no frame for this long (a pooled idle
+    connection, or a push gone silent between its pieces: it applies nothing). A new
+    connection gets min(this, 30 s) for its TLS handshake and hello, and every frame
+    must arrive whole within that long of its first byte."""
+    data_max_conns_per_peer: int = 256
+    """Data-plane connections one peer address may hold at once; more are refused with
+    RESOURCE_EXHAUSTED (a worker keeps ~2 per shard: raise it for many workers per host)."""
 
     def __post_init__(self) -> None:
         self.torch_threads = _check_threads(self.torch_threads)
@@ -100,6 +109,12 @@ class ServerConfig:
             raise ValueError(
                 f"--data-port must be in [-1, 65535] (0: a free port, -1: off), got "
                 f"{self.data_port}"
+            )
+        if not 0 < self.data_idle_s <= 86400:
+            raise ValueError(f"--data-idle-s must be in (0, 86400], got {self.data_idle_s}")
+        if self.data_max_conns_per_peer < 1:
+            raise ValueError(
+                f"--data-max-conns-per-peer must be >= 1, got {self.data_max_conns_per_peer}"
             )
         if not 0 <= self.metrics_port < 65536:
             raise ValueError(f"--metrics-port must be in [0, 65535], got {self.metrics_port}")

@@ -12,7 +12,18 @@ One thread per connection (workers keep a few pooled connections per shard). A r
 push gets its status at once; the rest of that push is read and ignored up to its end
 frame, so the connection stays usable. A frame that cannot be read (bad magic, lengths
 over the limits, an unknown kind) gets its status, then the connection is closed.
-Plaintext only: start_server turns it off when the shard serves TLS.
+
+Bounds per connection, so a peer cannot hold more than it sends (docs/dataplane.md):
+buffers grow as bytes arrive (ps/framing.py Scratch; a piece's fp32 bytes go straight
+into the staging buffer) and never past the largest frame; a frame must be complete
+within `frame_s` of its first byte; a connection with no frame for `idle_s` (the TLS
+handshake and the hello included) is closed; TCP keepalive; at most `max_conns_per_peer`
+connections per peer address (more get RESOURCE_EXHAUSTED); and a push header of worker
+W supersedes W's push still streaming on another connection (that connection is cut, its
+push released unapplied), so a stalled connection cannot make W's retry wait.
+
+Under TLS (`ssl_context`: the shard's --tls-cert/--tls-key, --tls-ca for mutual TLS) every
+connection is TLS from its first byte; the token is checked in the hello as before.
 """
 
 from __future__ import annotations
@@ -21,6 +32,7 @@ import contextlib
 import hmac
 import logging
 import socket
+import ssl
 import threading
 import time
 from typing import Any
@@ -37,6 +49,12 @@ from ps.server.shard import ShardState
 log = logging.getLogger("psar.dataplane")
 
 _DRAIN_AFTER_ERROR_S = 2.0
+DEFAULT_IDLE_S = 300.0
+"""Close a data-plane connection with no frame for this long (psar server --data-idle-s)."""
+DEFAULT_FRAME_S = 30.0
+"""A frame (16 MiB at most) must arrive within this long of its first byte."""
+DEFAULT_MAX_CONNS_PER_PEER = 256
+"""Connections one peer address may hold (psar server --data-max-conns-per-peer)."""
 
 
 class _Refused(PSError):
@@ -58,11 +76,24 @@ class DataPlaneServer:
         port: int = 0,
         token: str = "",
         max_payload_bytes: int = 16 << 20,
+        idle_s: float = DEFAULT_IDLE_S,
+        frame_s: float = DEFAULT_FRAME_S,
+        max_conns_per_peer: int = DEFAULT_MAX_CONNS_PER_PEER,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
+        if not (idle_s > 0 and frame_s > 0 and max_conns_per_peer >= 1):
+            raise ValueError("data plane: idle_s, frame_s > 0 and max_conns_per_peer >= 1")
         self.state = state
         self.metrics = state.metrics
         self.token = token
         self.max_payload_bytes = max_payload_bytes
+        self.idle_s, self.frame_s = idle_s, frame_s
+        self.max_conns_per_peer = max_conns_per_peer
+        self.ssl_context = ssl_context
+        self._per_peer: dict[str, int] = {}
+        self._pushing: dict[int, _Connection] = {}
+        """Worker -> the connection whose push of that worker is streaming."""
+        self._counts = dict.fromkeys(STAT_KEYS, 0)
         host = host.strip("[]")
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._listener = socket.create_server((host, port), family=family, backlog=128)
@@ -79,6 +110,48 @@ class DataPlaneServer:
         self._acceptor.start()
         return self
 
+    @property
+    def tls(self) -> bool:
+        return self.ssl_context is not None
+
+    def stats(self) -> dict[str, int]:
+        """Counters of this data plane (tests, tools): connections accepted and open,
+        bytes their buffers hold now and at most, pushes and pulls served, connections
+        refused or closed by the bounds."""
+        with self._lock:
+            out = dict(self._counts)
+            out["connections"] = len(self._conns)
+        return out
+
+    def _count(self, key: str, n: int = 1) -> None:
+        with self._lock:
+            self._counts[key] += n
+            if key == "buffered_bytes":
+                peak = self._counts["peak_buffered_bytes"]
+                self._counts["peak_buffered_bytes"] = max(peak, self._counts[key])
+
+    def _supersede(self, worker: int, conn: _Connection) -> None:
+        """conn starts a push of `worker`: cut the connection still streaming an accepted
+        push of it (the worker gave up on that one: a retry, or a stalled peer), so that
+        push is released unapplied and this one need not wait for its worker lock."""
+        with self._lock:
+            old = self._pushing.pop(worker, None)
+        if old is not None and old is not conn:
+            log.warning("data plane: a new push of worker %d supersedes its stalled one", worker)
+            self._count("superseded")
+            old.superseded = True
+            fr.hard_shutdown(old.sock)
+
+    def _push_began(self, worker: int, conn: _Connection) -> None:
+        """conn's push of `worker` was accepted (it holds the worker's push lock)."""
+        with self._lock:
+            self._pushing[worker] = conn
+
+    def _push_ended(self, worker: int, conn: _Connection) -> None:
+        with self._lock:
+            if self._pushing.get(worker) is conn:
+                del self._pushing[worker]
+
     def close(self, timeout_s: float = 5.0) -> None:
         """Stop accepting, end every connection (calls in flight fail), join the threads."""
         with self._lock:
@@ -90,8 +163,7 @@ class DataPlaneServer:
             self._listener.shutdown(socket.SHUT_RDWR)  # wakes accept()
         self._listener.close()
         for c in conns:
-            with contextlib.suppress(OSError):
-                c.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked in recv
+            fr.hard_shutdown(c)  # wakes a thread blocked in recv
         deadline = time.monotonic() + timeout_s
         for t in [self._acceptor, *list(self._threads)]:
             if t.ident is not None:
@@ -102,31 +174,76 @@ class DataPlaneServer:
     def _accept_loop(self) -> None:
         while True:
             try:
-                sock, _ = self._listener.accept()
+                sock, addr = self._listener.accept()
             except OSError:
                 return  # closed
+            peer = str(addr[0])
             with self._lock:
                 if self._closed:
                     sock.close()
                     return
+                n = self._per_peer.get(peer, 0) + 1
+                self._per_peer[peer] = n
+                self._counts["accepted"] += 1
                 self._conns.add(sock)
                 t = threading.Thread(
-                    target=self._serve, args=(sock,), name="psar-data-conn", daemon=True
+                    target=self._serve,
+                    args=(sock, peer, n > self.max_conns_per_peer),
+                    name="psar-data-conn",
+                    daemon=True,
                 )
                 self._threads.add(t)
             t.start()
 
-    def _serve(self, sock: socket.socket) -> None:
+    def _serve(self, sock: socket.socket, peer: str, over_cap: bool) -> None:
+        raw = sock
+        conn: _Connection | None = None
         try:
             fr.tune(sock)
-            _Connection(self, sock).run()
+            sock = self._wrap(sock)
+            if sock is not raw:
+                sock.do_handshake()  # type: ignore[attr-defined]
+            conn = _Connection(self, sock)
+            if over_cap:
+                self._count("refused_peer_cap")
+                conn._close_with(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"too many data-plane connections from {peer} (the limit is "
+                    f"{self.max_conns_per_peer} per peer address): close idle ones, or raise "
+                    "the shard's --data-max-conns-per-peer",
+                )
+            else:
+                conn.run()
+        except (OSError, ssl.SSLError, TimeoutError) as e:
+            log.info("data-plane connection from %s ended: %s", peer, e)
         except Exception:  # noqa: BLE001 - one bad connection must never stop the shard
             log.exception("data-plane connection failed")
         finally:
+            if conn is not None:
+                conn.scratch.release()
             with self._lock:
+                self._conns.discard(raw)
                 self._conns.discard(sock)
                 self._threads.discard(threading.current_thread())
+                left = self._per_peer.get(peer, 1) - 1
+                if left > 0:
+                    self._per_peer[peer] = left
+                else:
+                    self._per_peer.pop(peer, None)
             sock.close()
+            raw.close()
+
+    def _wrap(self, sock: socket.socket) -> socket.socket:
+        """The TLS socket over `sock` (the caller does the handshake, within the frame
+        deadline: a peer that never completes it holds its thread no longer than that)."""
+        if self.ssl_context is None:
+            return sock
+        sock.settimeout(min(self.frame_s, self.idle_s))
+        tls = self.ssl_context.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+        with self._lock:  # close() must shut the socket that owns the descriptor now
+            self._conns.discard(sock)
+            self._conns.add(tls)
+        return tls
 
 
 class _Connection:
@@ -135,11 +252,18 @@ class _Connection:
         self.state = server.state
         self.metrics = server.metrics
         self.sock = sock
-        self.scratch = fr.Scratch()
+        self.scratch = fr.Scratch(lambda delta: server._count("buffered_bytes", delta))
+        # The hello must come within the frame deadline, not the (long) idle limit.
+        idle = min(server.idle_s, server.frame_s)
+        self.clock = fr.FrameClock(idle, server.frame_s)
+        self.superseded = False
+        self.greeted = False
 
     def run(self) -> None:
         try:
             self._hello()
+            self.greeted = True
+            self.clock.idle_s = self.server.idle_s
             while True:
                 try:
                     frame, plen = self._read()
@@ -147,6 +271,14 @@ class _Connection:
                     if e.mid_frame:
                         raise
                     return  # the worker closed an idle connection
+                except fr.IdleTimeout:
+                    self.server._count("idle_closed")
+                    self._close_with(
+                        grpc.StatusCode.UNAVAILABLE,
+                        f"data-plane connection idle for {self.clock.idle_s:g} s, closed "
+                        "(psar server --data-idle-s); open a new one",
+                    )
+                    return
                 kind = frame.WhichOneof("kind")
                 if kind == "push_header":
                     self._push(frame.push_header)
@@ -162,7 +294,29 @@ class _Connection:
                     )
         except (fr.FramingError, _Refused) as e:
             self._close_with(e.code, e.args[0])
+        except fr.IdleTimeout:  # before the hello, or between the frames of a push
+            self.server._count("idle_closed")
+            if self.greeted:
+                why = "no frame of the push in flight"
+            else:
+                why = "no hello frame (which must open a data-plane connection)"
+            self._close_with(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"{why} within {self.clock.idle_s:g} s; the connection is closed (a push "
+                "in it applies nothing; psar server --data-idle-s)",
+            )
+        except TimeoutError:
+            if self.superseded:
+                return
+            self.server._count("deadline_closed")
+            self._close_with(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"a frame did not arrive whole (or was not read) within {self.server.frame_s:g} "
+                "s of its first byte; the connection is closed (a push in it applies nothing)",
+            )
         except fr.ConnectionClosed as e:
+            if self.superseded:
+                return
             if not e.mid_frame:
                 return  # closed between frames (a port probe, or a worker giving up a call)
             self._close_with(
@@ -174,10 +328,17 @@ class _Connection:
 
     def _read(self) -> tuple[pb.DataFrame, int]:
         return fr.read_header(
-            self.sock, max_payload_bytes=self.server.max_payload_bytes, scratch=self.scratch
+            self.sock,
+            max_payload_bytes=self.server.max_payload_bytes,
+            scratch=self.scratch,
+            clock=self.clock,
         )
 
+    def _discard(self, plen: int) -> None:
+        fr.discard_payload(self.sock, plen, self.scratch, self.clock.deadline)
+
     def _send(self, frame: pb.DataFrame, payload: Any = None) -> None:
+        self.sock.settimeout(self.server.frame_s)  # a peer that stops reading is cut
         fr.send(self.sock, frame, payload)
 
     def _status(self, code: grpc.StatusCode, details: str) -> None:
@@ -189,13 +350,16 @@ class _Connection:
         moment before closing, so the status is not lost to a reset."""
         try:
             self._status(code, details)
-            self.sock.shutdown(socket.SHUT_WR)
-            self.sock.settimeout(_DRAIN_AFTER_ERROR_S)
+            socket.socket.shutdown(self.sock, socket.SHUT_WR)  # TCP FIN (TLS: no close_notify)
             deadline = time.monotonic() + _DRAIN_AFTER_ERROR_S
-            sink = self.scratch.view(1 << 20)
-            while time.monotonic() < deadline and self.sock.recv_into(sink):
-                pass
-        except OSError:
+            while True:  # small reads, dropped: no buffer of the peer's choosing
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                self.sock.settimeout(remaining)
+                if not self.sock.recv(64 << 10):
+                    break
+        except (OSError, ValueError):
             pass
 
     def _hello(self) -> None:
@@ -236,9 +400,12 @@ class _Connection:
         t0 = time.monotonic()
         call: PushCall | None = None
         refused = False
+        self.server._supersede(head.worker, self)
+        self.server._count("pushes")
         try:
             try:
                 call = PushCall(self.state, head)
+                self.server._push_began(head.worker, self)
             except PSError as e:
                 refused = self._refuse(e)
             while True:
@@ -246,7 +413,7 @@ class _Connection:
                 kind = frame.WhichOneof("kind")
                 if refused or kind != "piece":
                     if plen:  # the rest of a refused push is read and dropped
-                        fr.recv_payload(self.sock, plen, self.scratch)
+                        self._discard(plen)
                     if kind == "end":
                         break
                     if refused:
@@ -256,7 +423,7 @@ class _Connection:
                     if kind == "piece":
                         self._piece(call, frame.piece, plen)
                     elif kind == "verdict":
-                        call.verdict(frame.verdict.overflow)
+                        call.verdict(frame.verdict.overflow, tuple(frame.verdict.absent))
                     else:
                         call.misplaced(kind)
                 except PSError as e:
@@ -274,17 +441,19 @@ class _Connection:
         finally:
             if call is not None:
                 call.release()
+            self.server._push_ended(head.worker, self)
             self.metrics.rpc_observed("Push", time.monotonic() - t0)
 
     def _piece(self, call: PushCall, piece: pb.DataPiece, plen: int) -> None:
         """One pushed piece: checked from its description, then received straight into
         the staging buffer (fp32). A refusal still reads its payload (the stream goes on)."""
-        read_into = lambda view: fr.recv_exact(self.sock, view)  # noqa: E731
-        read = lambda n: fr.recv_payload(self.sock, n, self.scratch)  # noqa: E731
+        deadline = self.clock.deadline
+        read_into = lambda view: fr.recv_exact(self.sock, view, deadline=deadline)  # noqa: E731
+        read = lambda n: fr.recv_payload(self.sock, n, self.scratch, deadline)  # noqa: E731
         try:
             call.piece(piece.key, piece.offset, plen, read_into, read)
         except PSError:
-            fr.recv_payload(self.sock, plen, self.scratch)  # nothing was read yet
+            self._discard(plen)  # nothing was read yet
             raise
 
     def _refuse(self, e: PSError) -> bool:
@@ -296,6 +465,7 @@ class _Connection:
 
     def _pull(self, req: pb.DataPullRequest) -> None:
         t0 = time.monotonic()
+        self.server._count("pulls")
         try:
             # Finite, >= 0, capped (inf or 1e10 used to overflow Condition.wait and kill
             # the connection without a status); 0: no limit but the cap.
@@ -313,14 +483,53 @@ class _Connection:
         self.metrics.rpc_observed("Pull", time.monotonic() - t0)
 
 
+def server_ssl_context(cert: str, key: str, ca: str = "") -> ssl.SSLContext:
+    """TLS of the data plane from the shard's gRPC TLS files (ps/auth.py): its
+    certificate and key; with `ca`, clients must present a certificate that CA signed."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        ctx.load_cert_chain(cert, key)
+        if ca:
+            ctx.load_verify_locations(cafile=ca)
+            ctx.verify_mode = ssl.CERT_REQUIRED
+    except (OSError, ssl.SSLError) as e:
+        raise ValueError(
+            f"data plane TLS: cannot load --tls-cert/--tls-key/--tls-ca: {e}"
+        ) from None
+    # No session tickets: sent after the handshake, they would read as data on an idle
+    # pooled connection, which the worker takes for a connection the shard closed.
+    ctx.num_tickets = 0
+    return ctx
+
+
 def start_dataplane(
-    state: ShardState, *, bind: str, port: int, token: str, max_payload_bytes: int
+    state: ShardState,
+    *,
+    bind: str,
+    port: int,
+    token: str,
+    max_payload_bytes: int,
+    idle_s: float = DEFAULT_IDLE_S,
+    max_conns_per_peer: int = DEFAULT_MAX_CONNS_PER_PEER,
+    ssl_context: ssl.SSLContext | None = None,
 ) -> DataPlaneServer:
     """Listen on the host of `bind` (HOST:PORT of the gRPC server) at `port` (0: free)."""
     host = bind.rpartition(":")[0]
     return DataPlaneServer(
-        state, host=host, port=port, token=token, max_payload_bytes=max_payload_bytes
+        state,
+        host=host,
+        port=port,
+        token=token,
+        max_payload_bytes=max_payload_bytes,
+        idle_s=idle_s,
+        frame_s=min(DEFAULT_FRAME_S, idle_s),
+        max_conns_per_peer=max_conns_per_peer,
+        ssl_context=ssl_context,
     ).start()
 
 
-__all__ = ["DataPlaneServer", "start_dataplane"]
+STAT_KEYS = ("accepted", "buffered_bytes", "peak_buffered_bytes", "pushes", "pulls",
+             "superseded", "idle_closed", "deadline_closed", "refused_peer_cap")  # fmt: skip
+
+__all__ = ["DataPlaneServer", "server_ssl_context", "start_dataplane"]

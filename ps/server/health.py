@@ -9,21 +9,34 @@ Status, for the whole server ("") and for "psar.v1.ParameterServer":
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+if TYPE_CHECKING:
+    from ps.server.aio_host import ShardServer
 
 SERVICE = "psar.v1.ParameterServer"
 
 
 class ShardHealth:
-    def __init__(self, server: grpc.Server) -> None:
-        self.servicer = health.HealthServicer(experimental_non_blocking=True)
+    """The health service of a shard's grpc.aio server (ps/server/aio_host.py): its asyncio
+    servicer, so a Watch parks on the loop instead of holding a handler thread; status
+    changes are made on that loop from whichever thread asks."""
+
+    def __init__(self, server: ShardServer) -> None:
+        self._server = server
+        self.servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.servicer, server)
         self._set(health_pb2.HealthCheckResponse.NOT_SERVING)
 
     def _set(self, status: int) -> None:
-        for name in ("", SERVICE):
-            self.servicer.set(name, status)
+        async def set_all() -> None:
+            for name in ("", SERVICE):
+                await self.servicer.set(name, status)
+
+        self._server.run(set_all())
 
     def serving(self) -> None:
         self._set(health_pb2.HealthCheckResponse.SERVING)
@@ -33,7 +46,7 @@ class ShardHealth:
 
     def shutdown(self) -> None:
         """Final state: NOT_SERVING, and watchers are told no more changes will come."""
-        self.servicer.enter_graceful_shutdown()
+        self._server.run(self.servicer.enter_graceful_shutdown())
 
 
 def check(channel: grpc.Channel, service: str = "", timeout: float = 5.0) -> str:

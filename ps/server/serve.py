@@ -16,14 +16,13 @@ import threading
 from concurrent import futures
 from typing import Any
 
-import grpc
-
 from ps import auth
 from ps._gen.psar.v1 import ps_pb2_grpc as pb_grpc
 from ps.grpc_limits import grpc_options
 from ps.server import checkpoint
+from ps.server.aio_host import ShardServer
 from ps.server.config import ServerConfig
-from ps.server.dataplane import DataPlaneServer, start_dataplane
+from ps.server.dataplane import DataPlaneServer, server_ssl_context, start_dataplane
 from ps.server.health import ShardHealth
 from ps.server.lease import Reaper
 from ps.server.shard import ShardState
@@ -103,9 +102,11 @@ def _find_restore(
 
 def start_server(
     cfg: ServerConfig, state: ShardState | None = None, *, metrics: Any = None
-) -> tuple[grpc.Server, int, ShardState]:
+) -> tuple[ShardServer, int, ShardState]:
     """Start a shard's gRPC server; returns (server, bound port, state). Non-blocking.
 
+    The server is grpc.aio with --threads handler threads (ps/server/aio_host.py): calls
+    that wait (Pull, GetJob(wait)) park on its event loop and hold none of them.
     The server's health service is reachable as `server.psar_health` (ps/server/health.py),
     its data plane (None when off) as `server.psar_dataplane` (ps/server/dataplane.py).
     """
@@ -115,12 +116,13 @@ def start_server(
     token = auth.read_token(cfg.auth_token_file) if cfg.auth_token_file else ""
     if token:
         interceptors.append(auth.TokenServerInterceptor(token, state.metrics))
-    server = grpc.server(
+    server = ShardServer(
         futures.ThreadPoolExecutor(max_workers=cfg.threads, thread_name_prefix="psar-shard"),
         options=grpc_options(cfg.max_message_bytes),
         interceptors=interceptors,
     )
     servicer = SparseServicer(state)
+    servicer.executor = server.executor
     pb_grpc.add_ParameterServerServicer_to_server(servicer, server)
     health = ShardHealth(server)
     if cfg.tls_cert:
@@ -131,9 +133,9 @@ def start_server(
     if port == 0:
         raise OSError(f"could not bind {cfg.bind}; is the port in use?")
     dataplane: DataPlaneServer | None = None
-    if cfg.data_port >= 0 and cfg.tls_cert:
-        log.warning("TLS is on: no data plane (it is plaintext); push and pull use gRPC")
-    elif cfg.data_port >= 0:
+    if cfg.data_port >= 0:
+        # Under TLS the data plane is TLS with the same files (and the same token).
+        tls = server_ssl_context(cfg.tls_cert, cfg.tls_key, cfg.tls_ca) if cfg.tls_cert else None
         try:
             dataplane = start_dataplane(
                 state,
@@ -141,6 +143,9 @@ def start_server(
                 port=cfg.data_port,
                 token=token,
                 max_payload_bytes=cfg.max_message_bytes,
+                idle_s=cfg.data_idle_s,
+                max_conns_per_peer=cfg.data_max_conns_per_peer,
+                ssl_context=tls,
             )
         except OSError as e:
             raise OSError(
@@ -184,7 +189,7 @@ def serve(cfg: ServerConfig) -> int:
     return 0
 
 
-def stop_server(server: grpc.Server, grace: float | None = None) -> None:
+def stop_server(server: ShardServer, grace: float | None = None) -> None:
     """Stop a server from start_server at once: its data plane, then gRPC (tests, tools;
     `shutdown` is the graceful path)."""
     dataplane = getattr(server, "psar_dataplane", None)
@@ -193,7 +198,7 @@ def stop_server(server: grpc.Server, grace: float | None = None) -> None:
     server.stop(grace=grace).wait()
 
 
-def shutdown(server: grpc.Server, state: ShardState, drain_timeout_s: float) -> None:
+def shutdown(server: ShardServer, state: ShardState, drain_timeout_s: float) -> None:
     """Graceful stop: NOT_SERVING, drain, final checkpoint, stop the server."""
     health = getattr(server, "psar_health", None)
     if health is not None:

@@ -3,6 +3,10 @@
 No logic lives here (thin servicers, serde at the edge): every decision is made by
 ps/server/shard.py and ps/server/policies.py, which tests drive without a socket.
 
+The server is grpc.aio (ps/server/aio_host.py): most handlers are plain functions run in
+the --threads pool as they always were; the ones that wait (Pull, GetJob(wait)) are
+coroutines that park on the event loop (ps/server/parking.py) and hold no thread.
+
 A push and a pull arrive through two doors, this servicer and the TCP data plane
 (ps/server/dataplane.py). Both frame them with PushCall and start_pull below: one
 decode/validate path for a push's header, pieces and verdict (pieces go through
@@ -15,7 +19,8 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import Executor
 from typing import Any, NoReturn
 
 import grpc
@@ -32,31 +37,53 @@ from ps.errors import (
     bound_details,
     quote,
 )
+from ps.server.aio_host import Undecodable
+from ps.server.parking import wait_until
 from ps.server.shard import ShardState
-
-_INIT_WAIT_SLICE_S = 0.25
-"""GetJob(wait) re-checks for a reported init failure this often (it waits on the
-shard's own condition, which a report does not signal)."""
 
 
 class StreamBroken(InvalidArgument):
-    """A request stream that did not end cleanly: a message gRPC could not decode (it
-    then ends the request iterator as if the stream were complete, having already
-    answered INTERNAL "Exception deserializing request!"), or a call cancelled meanwhile.
-    Nothing of it is applied."""
+    """A request stream that did not end cleanly: a message gRPC could not decode, or a
+    call cancelled meanwhile. Nothing of it is applied. (grpc.aio raises the decode error
+    from the request iterator, see `decoded`; the sync server instead ends the iterator
+    as if the stream were complete, having answered INTERNAL "Exception deserializing
+    request!", which `require_clean_end` catches.)"""
 
     reason = "malformed"
 
 
-def require_clean_end(context: grpc.ServicerContext, method: str) -> None:
-    """Refuse a stream whose iterator ended without the client's clean half-close. grpc
-    marks such a call finished (a status already sent, or cancelled), so it is no longer
-    active; a stream that really ended is still active until we answer it."""
-    if not context.is_active():
-        raise StreamBroken(
-            f"{method}: the request stream did not end cleanly (a message could not be "
-            "decoded, or the call was cancelled); nothing was applied -- send it again"
-        )
+def _broken(method: str) -> StreamBroken:
+    return StreamBroken(
+        f"{method}: the request stream did not end cleanly (a message could not be "
+        "decoded, or the call was cancelled); nothing was applied -- send it again"
+    )
+
+
+def decoded(request_iterator: Iterator[Any], method: str) -> Iterator[Any]:
+    """The messages of a request stream; a message gRPC could not decode (an Undecodable
+    from ps/server/aio_host.py, or an error raised by the iterator) ends it with
+    StreamBroken, INVALID_ARGUMENT."""
+    it = iter(request_iterator)
+    while True:
+        try:
+            msg = next(it)
+        except StopIteration:
+            return
+        except Exception as e:  # noqa: BLE001 - DecodeError, or the call ended under us
+            raise _broken(method) from e
+        if isinstance(msg, Undecodable):  # aio_host.guard's stand-in for it
+            raise _broken(method) from msg.error
+        yield msg
+
+
+def require_clean_end(context: Any, method: str) -> None:
+    """Refuse a stream whose iterator ended without the client's clean half-close. The
+    sync server marks such a call finished (a status already sent, or cancelled), so it
+    is no longer active; a stream that really ended is still active until we answer it.
+    (grpc.aio's context for sync handlers has no is_active: there `decoded` catches it.)"""
+    is_active = getattr(context, "is_active", None)
+    if is_active is not None and not is_active():
+        raise _broken(method)
 
 
 def physical_memory_bytes() -> int:
@@ -98,8 +125,8 @@ class PushCall:
 
         self.piece(key, offset, len(data), read_into, lambda _n: data)
 
-    def verdict(self, overflow: bool) -> None:
-        self.state.add_verdict(self.ticket, overflow)
+    def verdict(self, overflow: bool, absent: tuple[str, ...] = ()) -> None:
+        self.state.add_verdict(self.ticket, overflow, absent)
 
     def misplaced(self, kind: str | None) -> NoReturn:
         raise InvalidArgument(
@@ -122,21 +149,43 @@ class PushCall:
             self.ticket = None
 
 
-def start_pull(
-    state: ShardState, req: pb.PullRequest, timeout: float | None, *, views: bool = False
-) -> tuple[pb.PullHeader, list[tuple[str, int, Any]]]:
-    """A pull as either door serves it: wait as the mode requires, then the header (with
-    the incarnation it was served at) and the pieces (key, offset, bytes) to send."""
+def _pull_args(req: pb.PullRequest, timeout: float | None) -> tuple[torch.dtype, int, float]:
+    """A pull request's dtype, clock and how long it may wait, checked."""
     dtype = serde.dtype_from_pb(req.dtype)
     clock = serde.check_count("pull clock", req.clock)
     # None (no deadline) or a huge one waits at most MAX_WAIT_S (Condition.wait overflows).
     wait = serde.wait_seconds("pull timeout", serde.MAX_WAIT_S if timeout is None else timeout)
+    return dtype, clock, wait
+
+
+def _pull_head(state: ShardState, header: Any) -> pb.PullHeader:
+    head = serde.pull_header_to_pb(header)
+    head.incarnation = state.incarnation
+    return head
+
+
+def start_pull(
+    state: ShardState, req: pb.PullRequest, timeout: float | None, *, views: bool = False
+) -> tuple[pb.PullHeader, list[tuple[str, int, Any]]]:
+    """A pull as either door serves it: wait as the mode requires, then the header (with
+    the incarnation it was served at) and the pieces (key, offset, bytes) to send. This
+    one holds the calling thread while it waits; the gRPC door uses start_pull_parked."""
+    dtype, clock, wait = _pull_args(req, timeout)
     header, pieces = state.pull(
         req.worker, clock, dtype, wait, incarnation=req.incarnation, views=views
     )
-    head = serde.pull_header_to_pb(header)
-    head.incarnation = state.incarnation
-    return head, pieces
+    return _pull_head(state, header), pieces
+
+
+async def start_pull_parked(
+    state: ShardState, req: pb.PullRequest, timeout: float | None, executor: Executor | None
+) -> tuple[pb.PullHeader, list[tuple[str, int, Any]]]:
+    """start_pull on the event loop: a pull that has to wait holds no thread meanwhile."""
+    dtype, clock, wait = _pull_args(req, timeout)
+    header, pieces = await state.pull_parked(
+        req.worker, clock, dtype, wait, incarnation=req.incarnation, executor=executor
+    )
+    return _pull_head(state, header), pieces
 
 
 class ParameterServerServicer(pb_grpc.ParameterServerServicer):
@@ -148,19 +197,22 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         self._init_failure: pb.InitFailedRequest | None = None
         """Rank 0's report that its init failed (ReportInitFailure); cleared by an Init."""
         self._lock = threading.Lock()
+        self.executor: Executor | None = None
+        """The server's handler pool (ps/server/serve.py): the short locked steps of the
+        async handlers (Pull, GetJob) run there, never on the event loop."""
 
     def _fail(self, context: grpc.ServicerContext, method: str, e: PSError) -> None:
         if method == "Push":
             self.metrics.push_rejected(e.reason)
-        # A StreamBroken call was answered by grpc already: its status stands, and this
-        # abort only ends the handler quietly. Details are bounded: they travel in a
-        # trailer, and past gRPC's metadata limit the client would get RESOURCE_EXHAUSTED
-        # instead of this status.
+        # Details are bounded: they travel in a trailer, and past gRPC's metadata limit
+        # the client would get RESOURCE_EXHAUSTED instead of this status. (Under the sync
+        # server a StreamBroken call was answered by grpc already: its status stands.)
         context.abort(e.code, bound_details(e.args[0]))
 
     def Init(self, request_iterator: Iterator[pb.InitChunk], context: grpc.ServicerContext) -> Any:
         t0 = time.monotonic()
         try:
+            request_iterator = decoded(request_iterator, "Init")
             first = next(request_iterator, None)
             if first is None or first.WhichOneof("kind") != "header":
                 raise InvalidArgument("Init stream must start with a header", reason="malformed")
@@ -210,11 +262,11 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         finally:
             self.metrics.rpc_observed("Init", time.monotonic() - t0)
 
-    def GetJob(self, request: pb.GetJobRequest, context: grpc.ServicerContext) -> Any:
+    async def GetJob(self, request: pb.GetJobRequest, context: grpc.aio.ServicerContext) -> Any:
         t0 = time.monotonic()
         try:
             if request.wait:
-                self._wait_initialized(context)
+                await self._wait_initialized(context)
             job = self.state.job
             if job is None:
                 return pb.GetJobReply(
@@ -230,7 +282,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
                 data_port=self.data_port,
             )
         except PSError as e:
-            self._fail(context, "GetJob", e)
+            await context.abort(e.code, bound_details(e.args[0]))
         finally:
             self.metrics.rpc_observed("GetJob", time.monotonic() - t0)
 
@@ -243,23 +295,32 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
                 self._init_failure = request
         return pb.InitFailedReply()
 
-    def _wait_initialized(self, context: grpc.ServicerContext) -> None:
-        """GetJob(wait): block until initialised or the deadline, but refuse at once
-        (FAILED_PRECONDITION, rank 0's words) once rank 0 reported that its init failed."""
-        while context.is_active():  # a caller that gave up (cut short) frees the thread
+    async def _wait_initialized(self, context: grpc.aio.ServicerContext) -> None:
+        """GetJob(wait): wait (parked, no thread held) until initialised or the deadline,
+        but refuse at once (FAILED_PRECONDITION, rank 0's words) once rank 0 reported that
+        its init failed. A caller that gives up cancels the wait."""
+        remaining = context.time_remaining()
+        deadline = None if remaining is None else time.monotonic() + remaining
+        state = self.state
+
+        def ready() -> bool:  # the parking watcher re-checks it every few 100 ms
+            return state.job is not None or self._init_failure is not None
+
+        while True:
             with self._lock:
                 failure = self._init_failure
-            if failure is not None and self.state.job is None:
+            if failure is not None and state.job is None:
                 raise FailedPrecondition(serde.init_failure_details(failure), reason="init_failed")
-            remaining = context.time_remaining()
-            step = _INIT_WAIT_SLICE_S if remaining is None else min(remaining, _INIT_WAIT_SLICE_S)
-            if self.state.wait_initialized(step) or (remaining is not None and remaining <= step):
+            left = serde.MAX_WAIT_S if deadline is None else deadline - time.monotonic()
+            if state.job is not None or left <= 0:
                 return
+            await wait_until(state, ready, min(left, serde.MAX_WAIT_S), self.executor)
 
     def Push(self, request_iterator: Iterator[pb.PushChunk], context: grpc.ServicerContext) -> Any:
         t0 = time.monotonic()
         call: PushCall | None = None
         try:
+            request_iterator = decoded(request_iterator, "Push")
             first = next(request_iterator, None)
             if first is None or first.WhichOneof("kind") != "header":
                 raise InvalidArgument("Push stream must start with a header", reason="malformed")
@@ -269,7 +330,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
                 if kind == "data":
                     call.piece_bytes(msg.data.key, msg.data.offset, msg.data.data)
                 elif kind == "verdict":
-                    call.verdict(msg.verdict.overflow)
+                    call.verdict(msg.verdict.overflow, tuple(msg.verdict.absent))
                 else:
                     call.misplaced(kind)
             require_clean_end(context, "Push")
@@ -281,13 +342,19 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
                 call.release()
             self.metrics.rpc_observed("Push", time.monotonic() - t0)
 
-    def Pull(self, request: pb.PullRequest, context: grpc.ServicerContext) -> Iterator[Any]:
+    async def Pull(
+        self, request: pb.PullRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[Any]:
+        # async: a pull waiting for its round parks on the event loop (ps/server/parking.py)
+        # instead of holding one of the --threads handler threads.
         t0 = time.monotonic()
         try:
-            head, pieces = start_pull(self.state, request, context.time_remaining())
+            head, pieces = await start_pull_parked(
+                self.state, request, context.time_remaining(), self.executor
+            )
         except PSError as e:
             self.metrics.rpc_observed("Pull", time.monotonic() - t0)
-            self._fail(context, "Pull", e)
+            await context.abort(e.code, bound_details(e.args[0]))
             return
         yield pb.PullChunk(header=head)
         for key, offset, data in pieces:

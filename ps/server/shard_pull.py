@@ -1,9 +1,12 @@
 """Pulls of a ShardState (a mixin; ps/server/shard.py): wait for the policy, then send a
-snapshot of the weights shared by every puller of a version."""
+snapshot of the weights shared by every puller of a version. A pull waits holding its
+thread (pull, the data plane) or parked on the event loop (pull_parked, gRPC)."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from concurrent.futures import Executor
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -11,6 +14,8 @@ import torch
 from ps import wire
 from ps.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
 from ps.headers import PullHeader
+from ps.job import Job
+from ps.server.parking import Wake, in_pool, parking_of
 
 if TYPE_CHECKING:
     from ps.server.shard import ShardState
@@ -30,59 +35,134 @@ class Pulls:
         views: bool = False,
     ) -> tuple[PullHeader, list[tuple[str, int, Any]]]:
         """Wait until the policy lets `worker` at `clock` read, then snapshot the weights.
+        This holds the calling thread while it waits (the data plane's socket threads);
+        the gRPC door parks the call instead (pull_parked).
 
         views=True (a transport that sends buffers as they are, the TCP data plane): in
         sync mode fp32 pieces may be memoryviews of the masters instead of bytes copies."""
         started = time.monotonic()
         with self._cond:
-            job = self._require_job()
-            self.check_worker(worker)
-            if dtype not in wire.WIRE_FROM_DTYPE:
-                raise InvalidArgument(f"unsupported pull dtype {dtype}; ask for fp32, fp16 or bf16")
-            self.check_incarnation(incarnation)
-            if clock > self.clocks[worker]:
-                raise FailedPrecondition(
-                    f"worker {worker} pulls at clock {clock} but has pushed only "
-                    f"{self.clocks[worker]} gradients here",
-                    reason="out_of_order",
-                )
-            self.touch(worker)
-            inc = self.incarnation
-
-            def ready() -> bool:
-                return (
-                    self.policy.pull_ready(self, worker, clock)
-                    or self.incarnation != inc
-                    or (self.draining and not self.round_in_flight)
-                )
-
-            ok = self._cond.wait_for(ready, timeout)
-            waited = time.monotonic() - started
-            self.check_incarnation(inc)
-            if not self.policy.pull_ready(self, worker, clock):
-                if ok:
-                    raise Unavailable("draining: this shard is shutting down; retry later")
-                raise DeadlineExceeded(
-                    f"pull by worker {worker} at clock {clock} waited {waited:.1f}s ({job.mode}): "
-                    f"round {self.rounds}, worker clocks {self.clocks}, live {sorted(self.live)}. "
-                    "A worker is slow or gone; raise --pull-timeout or check the slowest worker",
-                )
-            self.policy.pull_waited(self, waited)
-            gap = clock - self.slowest_live_clock(default=clock)
-            self.max_clock_gap = max(self.max_clock_gap, gap)
-            header = PullHeader(
-                version=self.version,
-                rounds=self.rounds,
-                loss_scale=self.loss_scale.scale,
-                last_round_skipped=self.last_round_skipped,
-                skipped_rounds=self.skipped_rounds,
-                dtype=dtype,
-                clock_gap=gap,
-            )
-            self.policy.settle(self)  # per-chunk rounds: the closed round's weights only
-            pieces = self._snapshot(dtype, views)
+            job, inc = self._admit_pull(worker, clock, dtype, incarnation)
+            ok = self._cond.wait_for(self._pull_ready(worker, clock, inc), timeout)
+            header, pieces = self._serve_pull(job, worker, clock, dtype, inc, views, ok, started)
         self.metrics.bytes_sent(sum(len(p[2]) for p in pieces))
         return header, pieces
+
+    async def pull_parked(
+        self: ShardState,
+        worker: int,
+        clock: int,
+        dtype: torch.dtype,
+        timeout: float,
+        *,
+        incarnation: int = 0,
+        views: bool = False,
+        executor: Executor | None = None,
+    ) -> tuple[PullHeader, list[tuple[str, int, Any]]]:
+        """pull() for an asyncio server: the same checks, answers and errors, but a pull
+        that has to wait parks (ps/server/parking.py) and holds no thread meanwhile. The
+        short locked steps run in `executor`, never on the event loop."""
+        started = time.monotonic()
+        deadline = started + timeout
+        parking = parking_of(self)
+        wake = Wake()
+
+        def step(waiter: Any, job: Any, inc: int) -> tuple[Any, Any, int, Any]:
+            """Under the lock: serve the pull if it may read (or its time is up), else
+            park it again. Returns (waiter, job, incarnation, served or None)."""
+            with self._cond:
+                parking.unpark(waiter)
+                if job is None:  # the first step: admit it
+                    job, inc = self._admit_pull(worker, clock, dtype, incarnation)
+                ready = self._pull_ready(worker, clock, inc)
+                ok = ready()
+                if ok or time.monotonic() >= deadline:
+                    served = self._serve_pull(job, worker, clock, dtype, inc, views, ok, started)
+                    return None, job, inc, served
+                return parking.park(ready, wake), job, inc, None
+
+        waiter, job, inc, served = None, None, 0, None
+        try:
+            waiter, job, inc, served = await in_pool(executor, step, None, None, 0)
+            while served is None:
+                await wake.wait(max(0.0, deadline - time.monotonic()))
+                waiter, job, inc, served = await in_pool(executor, step, waiter, job, inc)
+        finally:
+            wake.closed = True  # cancelled (caller gone, server stopping): unpark for good
+            parking.unpark(waiter)
+        header, pieces = served
+        self.metrics.bytes_sent(sum(len(p[2]) for p in pieces))
+        return header, pieces
+
+    def _admit_pull(
+        self: ShardState, worker: int, clock: int, dtype: torch.dtype, incarnation: int
+    ) -> tuple[Job, int]:
+        """Under the lock: refuse a pull that can never be served; (job, incarnation)."""
+        job = self._require_job()
+        self.check_worker(worker)
+        if dtype not in wire.WIRE_FROM_DTYPE:
+            raise InvalidArgument(f"unsupported pull dtype {dtype}; ask for fp32, fp16 or bf16")
+        self.check_incarnation(incarnation)
+        if clock > self.clocks[worker]:
+            raise FailedPrecondition(
+                f"worker {worker} pulls at clock {clock} but has pushed only "
+                f"{self.clocks[worker]} gradients here",
+                reason="out_of_order",
+            )
+        self.touch(worker)
+        return job, self.incarnation
+
+    def _pull_ready(self: ShardState, worker: int, clock: int, inc: int) -> Callable[[], bool]:
+        """When a waiting pull is to be looked at again (under the lock): it may read, the
+        shard was restored or rolled back, or it drains with no round left to finish."""
+
+        def ready() -> bool:
+            return (
+                self.policy.pull_ready(self, worker, clock)
+                or self.incarnation != inc
+                or (self.draining and not self.round_in_flight)
+            )
+
+        return ready
+
+    def _serve_pull(
+        self: ShardState,
+        job: Job,
+        worker: int,
+        clock: int,
+        dtype: torch.dtype,
+        inc: int,
+        views: bool,
+        ok: bool,
+        started: float,
+    ) -> tuple[PullHeader, list[tuple[str, int, Any]]]:
+        """Under the lock, once the wait ended (`ok`: ready() held): the header and pieces,
+        or why not (restored, draining, deadline)."""
+        waited = time.monotonic() - started
+        self.check_incarnation(inc)
+        if not self.policy.pull_ready(self, worker, clock):
+            if ok:
+                raise Unavailable("draining: this shard is shutting down; retry later")
+            raise DeadlineExceeded(
+                f"pull by worker {worker} at clock {clock} waited {waited:.1f}s ({job.mode}): "
+                f"round {self.rounds}, worker clocks {self.clocks}, live {sorted(self.live)}. "
+                "A worker is slow or gone; raise --pull-timeout or check the slowest worker",
+            )
+        self.policy.pull_waited(self, waited)
+        gap = clock - self.slowest_live_clock(default=clock)
+        self.max_clock_gap = max(self.max_clock_gap, gap)
+        header = PullHeader(
+            version=self.version,
+            rounds=self.rounds,
+            loss_scale=self.loss_scale.scale,
+            last_round_skipped=self.last_round_skipped,
+            skipped_rounds=self.skipped_rounds,
+            dtype=dtype,
+            clock_gap=gap,
+        )
+        self.policy.settle(self)  # per-chunk rounds: the closed round's weights only
+        self.policy.served(self, worker)  # async/ssp delay compensation keeps them
+        return header, self._snapshot(dtype, views)
 
     def _snapshot(self: ShardState, dtype: torch.dtype, views: bool) -> list[tuple[str, int, Any]]:
         """Wire pieces of the current weights in `dtype`, shared by every pull of a version."""

@@ -15,7 +15,7 @@ import torch
 from ps import serde, wire
 from ps._gen.psar.v1 import ps_pb2 as pb
 from ps.errors import InvalidArgument, PSError, bound_details, quote
-from ps.server.servicer import ParameterServerServicer, require_clean_end
+from ps.server.servicer import ParameterServerServicer, decoded, require_clean_end
 from ps.server.shard import ShardState
 from ps.server.sparse_shard import RowPush, SparseTables
 
@@ -70,6 +70,7 @@ class SparseServicer(ParameterServerServicer):
     def PushRows(self, request_iterator: Iterator[pb.PushRowsChunk], context: Any) -> Any:
         t0 = time.monotonic()
         try:
+            request_iterator = decoded(request_iterator, "PushRows")
             first = next(request_iterator, None)
             if first is None or first.WhichOneof("kind") != "header":
                 raise InvalidArgument(

@@ -20,6 +20,7 @@ class Mode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SYNC: _ClassVar[Mode]
     ASYNC: _ClassVar[Mode]
     SSP: _ClassVar[Mode]
+    LOCAL: _ClassVar[Mode]
 DTYPE_UNSPECIFIED: DType
 FLOAT32: DType
 FLOAT16: DType
@@ -28,6 +29,7 @@ MODE_UNSPECIFIED: Mode
 SYNC: Mode
 ASYNC: Mode
 SSP: Mode
+LOCAL: Mode
 
 class TensorData(_message.Message):
     __slots__ = ("key", "offset", "data")
@@ -94,7 +96,7 @@ class LossScaleSpec(_message.Message):
     def __init__(self, enabled: _Optional[bool] = ..., init_scale: _Optional[float] = ..., growth_factor: _Optional[float] = ..., backoff_factor: _Optional[float] = ..., growth_interval: _Optional[int] = ...) -> None: ...
 
 class JobSpec(_message.Message):
-    __slots__ = ("mode", "staleness", "num_workers", "optimizer", "loss_scale", "shard_index", "num_shards", "slots", "job_id")
+    __slots__ = ("mode", "staleness", "num_workers", "optimizer", "loss_scale", "shard_index", "num_shards", "slots", "job_id", "sync_every", "staleness_lr", "delay_compensation", "momentum_correction", "buffer_slots", "buffers_average")
     MODE_FIELD_NUMBER: _ClassVar[int]
     STALENESS_FIELD_NUMBER: _ClassVar[int]
     NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
@@ -104,6 +106,12 @@ class JobSpec(_message.Message):
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    SYNC_EVERY_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_LR_FIELD_NUMBER: _ClassVar[int]
+    DELAY_COMPENSATION_FIELD_NUMBER: _ClassVar[int]
+    MOMENTUM_CORRECTION_FIELD_NUMBER: _ClassVar[int]
+    BUFFER_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    BUFFERS_AVERAGE_FIELD_NUMBER: _ClassVar[int]
     mode: Mode
     staleness: int
     num_workers: int
@@ -113,7 +121,13 @@ class JobSpec(_message.Message):
     num_shards: int
     slots: _containers.RepeatedCompositeFieldContainer[SlotSpec]
     job_id: str
-    def __init__(self, mode: _Optional[_Union[Mode, str]] = ..., staleness: _Optional[int] = ..., num_workers: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., loss_scale: _Optional[_Union[LossScaleSpec, _Mapping]] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., slots: _Optional[_Iterable[_Union[SlotSpec, _Mapping]]] = ..., job_id: _Optional[str] = ...) -> None: ...
+    sync_every: int
+    staleness_lr: bool
+    delay_compensation: float
+    momentum_correction: bool
+    buffer_slots: _containers.RepeatedScalarFieldContainer[str]
+    buffers_average: bool
+    def __init__(self, mode: _Optional[_Union[Mode, str]] = ..., staleness: _Optional[int] = ..., num_workers: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., loss_scale: _Optional[_Union[LossScaleSpec, _Mapping]] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., slots: _Optional[_Iterable[_Union[SlotSpec, _Mapping]]] = ..., job_id: _Optional[str] = ..., sync_every: _Optional[int] = ..., staleness_lr: _Optional[bool] = ..., delay_compensation: _Optional[float] = ..., momentum_correction: _Optional[bool] = ..., buffer_slots: _Optional[_Iterable[str]] = ..., buffers_average: _Optional[bool] = ...) -> None: ...
 
 class InitHeader(_message.Message):
     __slots__ = ("job",)
@@ -174,7 +188,7 @@ class GetJobReply(_message.Message):
     def __init__(self, initialized: _Optional[bool] = ..., job: _Optional[_Union[JobSpec, _Mapping]] = ..., version: _Optional[int] = ..., incarnation: _Optional[int] = ..., rounds: _Optional[int] = ..., lease_s: _Optional[float] = ..., data_port: _Optional[int] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("worker", "clock", "base_version", "dtype", "loss_scale", "overflow", "retry", "incarnation", "verdict_follows")
+    __slots__ = ("worker", "clock", "base_version", "dtype", "loss_scale", "overflow", "retry", "incarnation", "verdict_follows", "absent")
     WORKER_FIELD_NUMBER: _ClassVar[int]
     CLOCK_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -184,6 +198,7 @@ class PushHeader(_message.Message):
     RETRY_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     VERDICT_FOLLOWS_FIELD_NUMBER: _ClassVar[int]
+    ABSENT_FIELD_NUMBER: _ClassVar[int]
     worker: int
     clock: int
     base_version: int
@@ -193,13 +208,16 @@ class PushHeader(_message.Message):
     retry: bool
     incarnation: int
     verdict_follows: bool
-    def __init__(self, worker: _Optional[int] = ..., clock: _Optional[int] = ..., base_version: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., loss_scale: _Optional[float] = ..., overflow: _Optional[bool] = ..., retry: _Optional[bool] = ..., incarnation: _Optional[int] = ..., verdict_follows: _Optional[bool] = ...) -> None: ...
+    absent: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, worker: _Optional[int] = ..., clock: _Optional[int] = ..., base_version: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., loss_scale: _Optional[float] = ..., overflow: _Optional[bool] = ..., retry: _Optional[bool] = ..., incarnation: _Optional[int] = ..., verdict_follows: _Optional[bool] = ..., absent: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PushVerdict(_message.Message):
-    __slots__ = ("overflow",)
+    __slots__ = ("overflow", "absent")
     OVERFLOW_FIELD_NUMBER: _ClassVar[int]
+    ABSENT_FIELD_NUMBER: _ClassVar[int]
     overflow: bool
-    def __init__(self, overflow: _Optional[bool] = ...) -> None: ...
+    absent: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, overflow: _Optional[bool] = ..., absent: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PushChunk(_message.Message):
     __slots__ = ("header", "data", "verdict")
