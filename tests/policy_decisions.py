@@ -41,6 +41,7 @@ PROMISES = {
     "sync": Promises(rounds=True, pull_wait="barrier_wait"),
     "async": Promises(rounds=False, pull_wait=None),
     "ssp": Promises(rounds=False, pull_wait="ssp_wait"),
+    "local": Promises(rounds=True, pull_wait="barrier_wait"),  # sync rounds of pseudo-gradients
 }
 
 

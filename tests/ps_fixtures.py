@@ -8,6 +8,7 @@ fp32 values in the same order as a shard does, so results compare bit for bit.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import socket
 from collections.abc import Iterator, Sequence
@@ -63,8 +64,11 @@ def make_job(
     shard_index: int = 0,
     num_shards: int = 1,
     job_id: str = "test",
+    sync_every: int | None = None,
 ) -> Job:
     opt = optimizer if isinstance(optimizer, OptimizerConfig) else optimizer_config(optimizer)
+    if sync_every is None:  # --mode local needs H; the shard's behaviour does not depend on it
+        sync_every = 4 if mode == "local" else 0
     return Job(
         mode=mode,
         staleness=staleness,
@@ -75,6 +79,7 @@ def make_job(
         num_shards=num_shards,
         slots=slots if slots is not None else make_slots(),
         job_id=job_id,
+        sync_every=sync_every,
     )
 
 
@@ -199,12 +204,25 @@ def reference_weights(
     params = {
         s.key: torch.nn.Parameter(values[s.key].detach().clone().reshape(-1)) for s in job.slots
     }
-    opt = build_optimizer(params.values(), job.optimizer)
+    opt = build_optimizer(params.values(), applied_optimizer(job))
     for g in updates:
         for k, p in params.items():
             p.grad = g[k].clone()
         opt.step()
     return {k: p.detach().clone() for k, p in params.items()}
+
+
+def applied_optimizer(job: Job) -> OptimizerConfig:
+    """The optimizer an async/ssp shard applies: the momentum rule for asynchrony
+    (docs/architectures.md): momentum (AdamW: beta1) minus 1 - 1/N, floored at 0, where
+    N > 1 workers push alone; written out here, not taken from the shard's code."""
+    cfg = job.optimizer
+    if job.mode not in ("async", "ssp") or not job.momentum_correction or job.num_workers < 2:
+        return cfg
+    implicit = 1.0 - 1.0 / job.num_workers
+    if cfg.name == "adamw":
+        return dataclasses.replace(cfg, beta1=max(0.0, cfg.beta1 - implicit))
+    return dataclasses.replace(cfg, momentum=max(0.0, cfg.momentum - implicit))
 
 
 def assert_weights_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:

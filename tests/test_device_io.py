@@ -194,7 +194,8 @@ def test_cuda_branch_stages_on_a_thread_and_decides_in_finish() -> None:
         assert buckets.finish() is want
         streams = [list(buckets.items(shard, replay=False)) for shard in range(2)]
         data = {it[1]: it[3] for st in streams for it in st if it[0] == "data"}
-        assert all(st[-1] == ("verdict", not want) for st in streams)
+        # The verdict ends every shard's stream (a finite one names its absent slots).
+        assert all(st[-1][:2] == ("verdict", not want) for st in streams)
         if want:
             assert sorted(data) == sorted(s.key for s in slots)
             for s in slots:

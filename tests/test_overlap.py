@@ -49,7 +49,7 @@ RUNS = {
 SERVER = {"chunk-rounds": ["--chunk-rounds"]}  # the others: whole rounds (the default)
 
 
-@pytest.mark.parametrize("num_shards", [1, 2])
+@pytest.mark.parametrize("num_shards", [pytest.param(1, marks=pytest.mark.slow), 2])
 def test_overlapped_and_plain_steps_give_identical_weights(tmp_path, num_shards: int) -> None:
     reports = {}
     for name, extra in RUNS.items():

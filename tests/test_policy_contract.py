@@ -78,7 +78,7 @@ class PolicyContract(DecisionContract):
 
     def updates_for(self, rounds: list[dict[int, Grads]]) -> list[Grads]:
         """The optimizer steps a correct shard applies for these pushes (in push order)."""
-        if self.mode == "sync":
+        if self.mode in ("sync", "local"):  # local: rounds of pseudo-gradients
             return [mean_in_rank_order(r) for r in rounds]
         return [g for r in rounds for g in r.values()]
 
@@ -244,7 +244,7 @@ class PolicyContract(DecisionContract):
             for fut in [ex.submit(worker, w) for w in range(job.num_workers)]:
                 fut.result(timeout=60.0)
         assert st.clocks == [clocks] * job.num_workers
-        if self.mode == "sync":
+        if self.promises.rounds:
             one_at_a_time = self.new_state(job, values)
             for c in range(1, clocks + 1):
                 self.push_clock(one_at_a_time, job, c)
@@ -444,6 +444,13 @@ class TestChunkedSyncContract(TestSyncContract):
     bit for bit; tests/test_chunk_rounds.py covers what only it does (early slots, undo)."""
 
     chunk_rounds = True
+
+
+class TestLocalContract(TestSyncContract):
+    """--mode local (ps/server/local_policy.py): pushes are pseudo-gradients and the job's
+    optimizer is the outer one, but the shard keeps every promise of a sync round."""
+
+    mode = "local"
 
 
 # ---- async and ssp ------------------------------------------------------------------------

@@ -7,9 +7,10 @@ whichever architecture runs it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -169,3 +170,78 @@ class DynamicLossScale:
         if self.clean_steps >= self.cfg.growth_interval:
             self.scale *= self.cfg.growth_factor
             self.clean_steps = 0
+
+
+# ---- staleness-aware updates (PS async / ssp; ps/server/staleness.py applies them) ----
+
+
+def async_momentum(momentum: float, num_workers: int) -> float:
+    """The explicit momentum an async/ssp shard applies so the *total* matches `momentum`.
+
+    Asynchrony is itself momentum: Mitliagkas et al. ("Asynchrony begets momentum", 2016)
+    show that with N workers pushing in turn (each gradient computed on weights about N-1
+    updates old) the expected update follows momentum SGD with an implicit momentum of
+    1 - 1/N. The configured momentum, tuned for sync, comes on top of it: with 0.9 and 4
+    workers the total is about 1.65 (> 1: the weights oscillate with growing amplitude,
+    which is how the LM diverged, bench/README.md). The rule: explicit = max(0, momentum -
+    (1 - 1/N)), so explicit + implicit is what sync applies (0.9 -> 0.15 for N = 4,
+    0.4 for N = 2, unchanged for N = 1). Used for SGD's momentum and AdamW's beta1."""
+    if num_workers < 1:
+        raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+    return max(0.0, momentum - (1.0 - 1.0 / num_workers))
+
+
+def staleness_lr_factor(staleness: int) -> float:
+    """Staleness-aware learning rate (Zhang et al., "Staleness-aware Async-SGD", IJCAI
+    2016): a gradient `staleness` updates old is applied with lr / (1 + staleness)."""
+    if staleness < 0:
+        raise ValueError(f"staleness must be >= 0, got {staleness}")
+    return 1.0 / (1.0 + staleness)
+
+
+def delay_compensate_(
+    grad: torch.Tensor, lam: float, w_now: torch.Tensor, w_base: torch.Tensor
+) -> torch.Tensor:
+    """DC-ASGD (Zheng et al., ICML 2017), in place: g + lam * g * g * (w_now - w_base).
+
+    A gradient g computed at w_base but applied at w_now is corrected by a first-order
+    Taylor term, g(w_now) ~ g(w_base) + H (w_now - w_base), with the Hessian H
+    approximated by lam * g g^T's diagonal (the paper's cheap, unbiased-in-expectation
+    estimate of the Fisher information), element by element."""
+    if lam:
+        grad.addcmul_(grad * grad, w_now - w_base, value=lam)
+    return grad
+
+
+@dataclass(frozen=True, slots=True)
+class StepAdjust:
+    """Hyperparameters of one optimizer step that differ from the configured ones."""
+
+    lr_scale: float = 1.0
+    """Multiply every group's (scheduled) learning rate by this for this step."""
+    momentum: float | None = None
+    """SGD momentum / AdamW beta1 for this step (None: as configured)."""
+
+
+@contextlib.contextmanager
+def adjusted(optimizer: torch.optim.Optimizer, adjust: StepAdjust | None) -> Iterator[None]:
+    """Run an optimizer step with `adjust` applied to its param groups, restored after
+    (the scheduler and checkpoints see the configured values, never the adjusted ones)."""
+    if adjust is None or (adjust.lr_scale == 1.0 and adjust.momentum is None):
+        yield
+        return
+    saved = [dict(g) for g in optimizer.param_groups]
+    try:
+        for g in optimizer.param_groups:
+            g["lr"] = g["lr"] * adjust.lr_scale
+            if adjust.momentum is not None:
+                if "betas" in g:
+                    g["betas"] = (adjust.momentum, g["betas"][1])
+                else:
+                    g["momentum"] = adjust.momentum
+        yield
+    finally:
+        for g, old in zip(optimizer.param_groups, saved, strict=True):
+            for name in ("lr", "betas", "momentum"):
+                if name in old:
+                    g[name] = old[name]

@@ -18,7 +18,7 @@ import torch
 from ps.client.errors import NeedsResync
 from ps.client.overlap import PushBuckets
 from ps.client.overlap_tuner import ARM_NAMES, Arm, OverlapTuner
-from ps.client.pull_gate import PullGate
+from ps.client.pull_gate import PullGate, ungateable_reason
 from ps.headers import PullHeader
 
 log = logging.getLogger("psar.ps")
@@ -47,6 +47,7 @@ class OverlapMixin:
             bucket_bytes=int(ps.bucket_mib * (1 << 20)),
             on_first_bucket=self._first_bucket if self.overlap else lambda: None,
             io=self.io,
+            buffers=self.buffers,
         )
         if self.sparse:
             self.buckets.decide = lambda finite: self.sparse.push(
@@ -57,6 +58,17 @@ class OverlapMixin:
         self.gate = PullGate(self.slots, self.io, self._load_slot if self.io.cuda else None)
         self.gate.on_failure = self._recover_pull
         self.overlap_pull = self.overlap and ps.pull_overlap
+        why = ungateable_reason(model) if self.overlap_pull else ""
+        if why:
+            # The gate could not make forward wait for every weight it reads: pulling
+            # before forward keeps the bits those of a run without pull overlap.
+            log.warning(
+                "worker %d: pull overlap off: %s, so forward's parameter reads cannot be "
+                "gated; pulling before each forward instead",
+                self.rank,
+                why,
+            )
+            self.overlap_pull = False
         # The trial's arms: what is configured first, then the cheaper ones.
         arms: list[Arm] = [(True, True)] if self.overlap_pull else []
         arms += [(True, False), (False, False)] if self.overlap else [(False, False)]
@@ -67,7 +79,7 @@ class OverlapMixin:
         if self.overlap:
             self.buckets.attach()
         if self.overlap_pull:
-            self.gate.attach(model, self.params)
+            self.gate.attach(model, {**self.params, **self.buffers})
         self._push_pool = ThreadPoolExecutor(1, thread_name_prefix="psar-push")
         self._pull_pool = ThreadPoolExecutor(1, thread_name_prefix="psar-pull")
         self._push_future: Future | None = None

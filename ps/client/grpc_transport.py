@@ -43,7 +43,8 @@ class GrpcTransport(Transport):
             try:
                 for part in parts:
                     if isinstance(part, Verdict):
-                        yield pb.PushChunk(verdict=pb.PushVerdict(overflow=part.overflow))
+                        verdict = pb.PushVerdict(overflow=part.overflow, absent=part.absent)
+                        yield pb.PushChunk(verdict=verdict)
                     else:
                         data = pb.TensorData(
                             key=part.key, offset=part.offset, data=bytes(part.data)

@@ -31,7 +31,7 @@ from ps.partition import Slot
 from trainkit.device_io import DeviceIO, Event
 
 PushItem = tuple[Any, ...]
-"""("data", slot key, element offset, 1-D tensor) or ("verdict", overflow)."""
+"""("data", slot key, element offset, 1-D tensor) or ("verdict", overflow, absent keys)."""
 
 
 def bucket_params(
@@ -66,8 +66,12 @@ class PushBuckets:
         bucket_bytes: int,
         on_first_bucket: Callable[[], None],
         io: DeviceIO | None = None,
+        buffers: dict[str, torch.Tensor] | None = None,
     ) -> None:
         self.params = params
+        self.buffers = buffers or {}
+        """Model buffers on the shards: their values go last, after backward (forward
+        has updated them by then), in a bucket no gradient hook completes."""
         self.io = io if io is not None else DeviceIO(torch.device("cpu"))
         self.send = send
         """Per slot, what goes on the wire this step: a view of the gradient itself when
@@ -76,6 +80,8 @@ class PushBuckets:
         self.num_shards = num_shards
         itemsize = next(iter(send.values())).element_size() if send else 4
         names = bucket_params(params, bucket_bytes, itemsize)
+        if self.buffers:
+            names.append(list(self.buffers))
         by_param: dict[str, list[Slot]] = {}
         for s in slots:
             by_param.setdefault(s.param, []).append(s)
@@ -100,6 +106,9 @@ class PushBuckets:
         self._pending = list(self.sizes)
         self._filled = [False] * len(self.buckets)
         self._finite = True
+        self.absent: set[str] = set()
+        """Slots whose parameter got no gradient this step (unused in the loss): sent
+        as zeros and named in the verdict, so the shards step them as DDP would."""
         self.io.begin_finite()
         self.verdict: bool | None = None
         """The overflow verdict once every bucket is in (None: not yet)."""
@@ -163,10 +172,19 @@ class PushBuckets:
         """Bucket b's gradients into the send buffers (cast on the device), queued."""
         pieces = []
         for s in self.buckets[b]:
-            g = self.params[s.param].grad
             buf = self._own[s.key]
+            if s.param in self.buffers:  # a value, copied: its memory takes the next pull
+                src = self.buffers[s.param].detach().reshape(-1)[s.start : s.start + s.numel]
+                pieces.append((src, buf))
+                self.send[s.key] = buf
+                continue
+            g = self.params[s.param].grad
             if g is None:
-                buf.zero_()  # no gradient this step: contributes zero
+                # No gradient this step (the parameter took no part in the loss): zeros
+                # on the wire, and the verdict names the slot absent (DDP's semantics).
+                buf.zero_()
+                with self._lock:
+                    self.absent.add(s.key)
             elif g.dtype == buf.dtype and g.device == buf.device and g.is_contiguous():
                 # Sent from the gradient's own memory: it stays alive (we hold the view)
                 # until the next step replaces it, which is after this push has ended.
@@ -197,10 +215,16 @@ class PushBuckets:
             for q in self._queues:
                 q.put(("verdict", True))
 
+    def absent_on(self, shard: int) -> tuple[str, ...]:
+        """This step's absent slots held by `shard`, in slot order."""
+        return tuple(
+            s.key for b in self.buckets for s in b if s.shard == shard and s.key in self.absent
+        )
+
     def _finish_queues(self) -> None:
         if not self.verdict:
-            for q in self._queues:
-                q.put(("verdict", False))
+            for i, q in enumerate(self._queues):
+                q.put(("verdict", False, self.absent_on(i)))
         for q in self._queues:
             q.put(None)
         self._all_in.set()
@@ -256,7 +280,7 @@ class PushBuckets:
                 for s in bucket:
                     if s.shard == shard:
                         yield ("data", s.key, 0, self.send[s.key])
-            yield ("verdict", False)
+            yield ("verdict", False, self.absent_on(shard))
             return
         q = self._queues[shard]
         while True:

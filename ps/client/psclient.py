@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from typing import Any, TypeVar
 
@@ -250,6 +250,7 @@ class PSClient(DataPlaneCalls, MembershipCalls):
         retry: bool = False,
         shards: Sequence[int] | None = None,
         items: Callable[[int, bool], Iterable[PushItem]] | None = None,
+        absent: Collection[str] = (),
     ) -> list[pb.PushReply]:
         """Push one gradient (flat tensors in `dtype`, keyed by slot) to every shard
         (or to `shards`; replies then come in that order).
@@ -260,6 +261,8 @@ class PSClient(DataPlaneCalls, MembershipCalls):
 
         `items(shard, is_retry)` instead of `grads`: the shard's stream as it becomes
         ready (push during backward, ps/client/overlap.py), ending with a verdict item.
+        `absent`: slots with no gradient this step (zeros in `grads`), named in each
+        shard's header (a streamed push names them in its verdict item instead).
         """
 
         def source(i: int, again: bool) -> Iterable[PushItem]:
@@ -280,6 +283,7 @@ class PSClient(DataPlaneCalls, MembershipCalls):
                     overflow=overflow,
                     retry=retry or again,
                     verdict_follows=items is not None,
+                    absent=tuple(s.key for s in self.slots_by_shard[i] if s.key in absent),
                 )
                 msg = serde.push_header_to_pb(header)
                 msg.incarnation = self.incarnations[i]

@@ -34,7 +34,7 @@ from ps import wire
 from ps._gen.psar.v1 import ps_pb2 as pb
 
 Item = tuple[Any, ...]
-"""A push item: ("data", key, offset, tensor) or ("verdict", overflow)."""
+"""A push item: ("data", key, offset, tensor) or ("verdict", overflow[, absent keys])."""
 
 
 class TransportError(grpc.RpcError):
@@ -66,6 +66,8 @@ class Verdict:
     """A push's finiteness verdict (its header announced it with verdict_follows)."""
 
     overflow: bool
+    absent: tuple[str, ...] = ()
+    """Slots of this shard with no gradient this step (their data was zeros)."""
 
 
 class Incoming(Protocol):
@@ -193,7 +195,7 @@ def push_parts(
             for start in range(0, len(view), per):
                 yield Piece(key, offset + start // itemsize, view[start : start + per])
         elif item[0] == "verdict":
-            yield Verdict(bool(item[1]))
+            yield Verdict(bool(item[1]), tuple(item[2]) if len(item) > 2 else ())
         else:
             raise ValueError(f"push item must be ('data', ...) or ('verdict', ...): {item[0]!r}")
 

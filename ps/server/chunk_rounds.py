@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ps.server.policies import StagedPush, SyncPolicy
+from ps.server.policies import StagedPush, SyncPolicy, unused_by_all
 
 if TYPE_CHECKING:
     from ps.server.pushdata import PushTicket
@@ -82,6 +82,8 @@ class ChunkedSyncPolicy(SyncPolicy):
     def slot_complete(self, st: ShardState, ticket: PushTicket, key: str) -> None:
         if self.tickets.get(ticket.header.worker) is not ticket or key in self.applied:
             return
+        if key in st.buffer_keys:
+            return  # a buffer's value, taken when the round closes (never stepped)
         workers = self._workers(st)
         sources = []
         for w in workers:
@@ -156,22 +158,30 @@ class ChunkedSyncPolicy(SyncPolicy):
             st.skip_round("overflow")
             return
         sources = [p.grads for p in pushes]
+        # A slot some push had no gradient for was applied early from bytes the verdict
+        # then declared zeros (the shard zeroed them since): redo it from the zeros; a
+        # slot no push used is only restored, never stepped (docs/architectures.md).
+        absent = frozenset().union(*(p.absent for p in pushes))
+        unused = unused_by_all(pushes)
+        buffers = st.buffer_values(sources)
         with self._apply_lock:  # waits for an update in progress; drops queued ones
             self._gen += 1
             redo: dict[str, bool] = {}  # slots still to apply -> taken with other workers
             for key in st.masters:
                 done = self.applied.pop(key, None)
-                if done != workers:
+                if done != workers or key in absent:
                     redo[key] = done is not None
             self.applied.clear()
 
             def one(key: str) -> None:
                 if redo[key]:  # go back, then redo
                     self._restore(st, key)
-                self._apply(st, key, sources)
+                if key not in unused and key not in buffers:
+                    self._apply(st, key, sources)
 
             # Slots are independent (own master, state, undo and sum buffers): the
             # shard's update threads may take them in any order, same bits.
+            st.set_buffers(buffers)
             st.stepper.each(st, redo, one)
         st.finish_update(staleness=[0] * len(pushes))
 

@@ -31,6 +31,7 @@ import torch
 from ps.errors import FailedPrecondition, InvalidArgument
 from ps.headers import PushOutcome
 from ps.server.sparse_policy import RowPolicy, RowRounds, RowsOnArrival
+from ps.server.staleness import ServedWeights, step_adjust
 
 if TYPE_CHECKING:
     from ps.server.pushdata import PushTicket
@@ -46,6 +47,8 @@ class StagedPush:
     base_version: int
     overflow: bool
     grads: dict[str, torch.Tensor]
+    absent: frozenset[str] = frozenset()
+    """Slots this push had no gradient for (zeros in `grads` when held for a round)."""
 
 
 class UpdatePolicy(ABC):
@@ -88,6 +91,10 @@ class UpdatePolicy(ABC):
 
     def pull_waited(self, st: ShardState, seconds: float) -> None:  # noqa: B027
         """A pull was answered after waiting `seconds` for `pull_ready` (metrics)."""
+
+    def served(self, st: ShardState, worker: int) -> None:  # noqa: B027
+        """`worker`'s pull is answered with the weights of st.version (under the lock;
+        async/ssp delay compensation keeps them, ps/server/staleness.py)."""
 
     def nonfinite_unflagged(self, st: ShardState, worker: int) -> None:  # noqa: B027
         """A push holds inf/nan without the overflow flag: raise to refuse it; returning
@@ -190,6 +197,7 @@ class SyncPolicy(UpdatePolicy):
         if any(p.overflow for p in pushes):
             st.skip_round("overflow")
             return
+        buffers = st.buffer_values([p.grads for p in pushes])  # before the sum below
         # Sum in place into the lowest rank's staging buffers (they are consumed by this
         # round), always in rank order: the bits never depend on arrival order.
         total = pushes[0].grads
@@ -199,13 +207,30 @@ class SyncPolicy(UpdatePolicy):
         if len(pushes) > 1:
             for t in total.values():
                 t.div_(len(pushes))
+        # DDP (find_unused_parameters): a slot some worker used is the mean over every
+        # worker, the others counting zeros (done above); one no worker used is not stepped.
+        unused = unused_by_all(pushes)
+        if unused or buffers:
+            total = {k: t for k, t in total.items() if k not in unused and k not in buffers}
+        st.set_buffers(buffers)
         st.apply_update(total, staleness=[0] * len(pushes))
 
 
+def unused_by_all(pushes: list[StagedPush]) -> frozenset[str]:
+    """The slots no push of a round has a gradient for."""
+    return frozenset.intersection(*(p.absent for p in pushes)) if pushes else frozenset()
+
+
 class AsyncPolicy(UpdatePolicy):
-    """Every push is applied on arrival as its own optimizer step; staleness is recorded."""
+    """Every push is applied on arrival as its own optimizer step; staleness is recorded.
+
+    Each step is staleness-aware (ps/server/staleness.py): the momentum rule for
+    asynchrony (on by default), and on request lr / (1 + staleness) and DC-ASGD."""
 
     mode = "async"
+
+    def __init__(self) -> None:
+        self.bases = ServedWeights()
 
     def check_push(self, st: ShardState, worker: int, clock: int, base_version: int) -> None:
         if base_version > st.version:
@@ -220,11 +245,21 @@ class AsyncPolicy(UpdatePolicy):
         if push.overflow:
             st.drop_nonfinite()
             return PushOutcome(applied=False, dropped_nonfinite=True, staleness=staleness)
-        st.apply_update(push.grads, staleness=[staleness])
+        assert st.job is not None
+        if st.job.delay_compensation:
+            self.bases.compensate(st, push.worker, push.base_version, push.grads)
+        st.apply_update(push.grads, staleness=[staleness], adjust=step_adjust(st.job, staleness))
         return PushOutcome(applied=True, dropped_nonfinite=False, staleness=staleness)
 
     def pull_ready(self, st: ShardState, worker: int, clock: int) -> bool:
         return True
+
+    def served(self, st: ShardState, worker: int) -> None:
+        if st.job is not None and st.job.delay_compensation:
+            self.bases.served(st, worker)
+
+    def on_leave(self, st: ShardState, worker: int) -> None:
+        self.bases.forget(worker)
 
 
 class SSPPolicy(AsyncPolicy):
@@ -238,6 +273,7 @@ class SSPPolicy(AsyncPolicy):
     mode = "ssp"
 
     def __init__(self, staleness: int) -> None:
+        super().__init__()
         self.staleness = staleness
 
     def pull_ready(self, st: ShardState, worker: int, clock: int) -> bool:

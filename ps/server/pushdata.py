@@ -38,6 +38,12 @@ class PushTicket:
     each is finite. finish_push unscales only the rest."""
     accepted: bool = False
     """The push went to the update policy; releasing it then drops nothing."""
+    raw: frozenset[str] = frozenset()
+    """Slots holding values, not gradients (model buffers): never unscaled."""
+    absent: frozenset[str] = frozenset()
+    """Slots the worker had no gradient for (its header's, then its verdict's list):
+    their data counts as zeros, and a slot absent from every push of a round is not
+    stepped (DDP's find_unused_parameters semantics, docs/architectures.md)."""
     on_drop: Callable[[PushTicket], None] | None = None
     """Called on release of a push that was never accepted (refused, cut off, or a
     duplicate), before its worker may push again (per-chunk rounds undo with it)."""
@@ -149,7 +155,26 @@ def add_piece_streamed(
         dst.copy_(wire.decode(read(nbytes), ticket.header.dtype))
 
 
-def add_verdict(ticket: PushTicket, overflow: bool) -> None:
+def check_absent(numel: dict[str, int], keys: tuple[str, ...] | list[str]) -> frozenset[str]:
+    """The slots a push says carry no gradient: each must be one of this shard's."""
+    for k in keys:
+        if k not in numel:
+            raise NotFound(
+                f"absent slot {quote(k)} is not on this shard (it holds {_some(numel)}); "
+                "list only this shard's slots as absent"
+            )
+    return frozenset(keys)
+
+
+def zero_absent(ticket: PushTicket) -> None:
+    """The slots the worker had no gradient for count as zeros, whatever bytes came for
+    them (DDP sums a zero-filled bucket for a rank that did not use a parameter)."""
+    for k in ticket.absent:
+        ticket.staging[k].zero_()
+        ticket.unscaled[k] = True
+
+
+def add_verdict(ticket: PushTicket, overflow: bool, absent: frozenset[str] = frozenset()) -> None:
     """Record a push's finiteness verdict (once, and only where its header announced it)."""
     if not ticket.header.verdict_follows:
         raise InvalidArgument(
@@ -158,6 +183,7 @@ def add_verdict(ticket: PushTicket, overflow: bool) -> None:
     if ticket.verdict is not None:
         raise InvalidArgument("a push carries one verdict only", reason="malformed")
     ticket.verdict = overflow
+    ticket.absent = ticket.absent | absent
 
 
 def check_complete(numel: dict[str, int], ticket: PushTicket) -> None:
@@ -183,13 +209,18 @@ def slot_complete(numel: dict[str, int], ticket: PushTicket, key: str) -> bool:
 def unscale_slot(ticket: PushTicket, key: str) -> None:
     """Unscale one complete slot in place (once) and record whether it is finite."""
     if key not in ticket.unscaled:
+        if key in ticket.raw:  # a buffer's value: the loss scale never touched it
+            ticket.unscaled[key] = True
+            return
         ticket.unscaled[key] = unscale({key: ticket.staging[key]}, ticket.header.loss_scale)
 
 
 def unscale_rest(ticket: PushTicket) -> bool:
     """Unscale the slots not unscaled yet; returns whether the whole push is finite.
     Per slot or all at once, it is the same multiplication per element: same bits."""
-    rest = {k: t for k, t in ticket.staging.items() if k not in ticket.unscaled}
+    rest = {
+        k: t for k, t in ticket.staging.items() if k not in ticket.unscaled and k not in ticket.raw
+    }
     finite = unscale(rest, ticket.header.loss_scale)
     return finite and all(ticket.unscaled.values())
 

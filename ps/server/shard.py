@@ -26,6 +26,7 @@ from ps.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, quo
 from ps.headers import PullHeader, PushHeader, PushOutcome
 from ps.job import Job
 from ps.server import checkpoint
+from ps.server.buffers import round_buffers
 from ps.server.lease import DEFAULT_JOIN_GRACE_S, DEFAULT_LEASE_S, LeaseTable
 from ps.server.membership import Membership, Restored, new_incarnation
 from ps.server.policies import StagedPush
@@ -35,10 +36,12 @@ from ps.server.pushdata import (
     add_piece,
     add_piece_streamed,
     add_verdict,
+    check_absent,
     check_complete,
     slot_complete,
     unscale_rest,
     unscale_slot,
+    zero_absent,
 )
 from ps.server.pushdata import check_header as _check_header
 from ps.server.recovery import Recovery
@@ -46,7 +49,7 @@ from ps.server.shard_inspect import Inspection
 from ps.server.shard_pull import Pulls
 from ps.server.slot_step import SlotStepper
 from trainkit.nullmetrics import NullMetrics
-from trainkit.optim import DynamicLossScale, build_optimizer, build_scheduler
+from trainkit.optim import DynamicLossScale, StepAdjust, build_optimizer, build_scheduler
 
 __all__ = ["PullHeader", "PushHeader", "PushTicket", "ShardState"]
 
@@ -225,6 +228,8 @@ class ShardState(Membership, Recovery, Inspection, Pulls):
                     duplicate=duplicate,
                     lock=lock,
                     incarnation=self.incarnation,
+                    absent=check_absent(self.numel, header.absent),
+                    raw=self.buffer_keys,
                 )
                 if self.policy.applies_chunks:
                     ticket.on_drop = self._push_dropped
@@ -268,9 +273,10 @@ class ShardState(Membership, Recovery, Inspection, Pulls):
         with self._cond:
             self.policy.push_dropped(self, ticket)
 
-    def add_verdict(self, ticket: PushTicket, overflow: bool) -> None:
-        """The finiteness verdict of a push that streamed during backward."""
-        add_verdict(ticket, overflow)
+    def add_verdict(self, ticket: PushTicket, overflow: bool, absent: tuple[str, ...] = ()) -> None:
+        """The finiteness verdict of a push that streamed during backward (and the
+        slots it had no gradient for, known only then)."""
+        add_verdict(ticket, overflow, check_absent(self.numel, absent))
         if overflow and self.policy.applies_chunks:
             with self._cond:  # the round will be skipped: nothing of it may stay applied
                 self.policy.push_dropped(self, ticket)
@@ -292,6 +298,7 @@ class ShardState(Membership, Recovery, Inspection, Pulls):
                 h.overflow = True  # data already staged is ignored, like a header overflow
             if not h.overflow:
                 check_complete(self.numel, ticket)
+                zero_absent(ticket)
             grads = ticket.staging
             if not h.overflow and not unscale_rest(ticket):
                 with self._cond:  # sync refuses it; async/ssp drop and count it below
@@ -304,9 +311,19 @@ class ShardState(Membership, Recovery, Inspection, Pulls):
                     raise Restored("restored: the shard was rolled back during this push")
                 self._check_clock(h)
                 self.policy.check_push(self, h.worker, h.clock, h.base_version)
-                staged = StagedPush(h.worker, h.clock, h.base_version, h.overflow, grads)
+                staged = StagedPush(
+                    h.worker, h.clock, h.base_version, h.overflow, grads, ticket.absent
+                )
                 if h.overflow and not self.policy.holds_gradients:
                     staged.grads = {}
+                elif (ticket.absent or ticket.raw) and not self.policy.holds_gradients:
+                    # Applied alone (async/ssp): a slot this push has no gradient for
+                    # is left alone, not stepped with zeros (apply_update skips it);
+                    # buffers are values, taken from rank 0 as DDP broadcasts them.
+                    if h.worker == 0:
+                        self.set_buffers({k: grads[k] for k in ticket.raw})
+                    skip = ticket.absent | ticket.raw
+                    staged.grads = {k: g for k, g in grads.items() if k not in skip}
                 self.clocks[h.worker] = h.clock
                 ticket.accepted = True
                 outcome = self.policy.accept(self, staged)
@@ -318,16 +335,36 @@ class ShardState(Membership, Recovery, Inspection, Pulls):
 
     # ---- called by policies, under the lock -------------------------------------------
 
-    def apply_update(self, grads: dict[str, torch.Tensor], staleness: list[int]) -> None:
-        """One optimizer step with these fp32 gradients (keyed by slot)."""
+    def apply_update(
+        self, grads: dict[str, torch.Tensor], staleness: list[int], adjust: StepAdjust | None = None
+    ) -> None:
+        """One optimizer step with these fp32 gradients (keyed by slot); `adjust`: this
+        step's learning-rate scale / momentum (async/ssp, ps/server/staleness.py). A slot missing
+        from `grads` (no gradient: an unused parameter) is not stepped at all: torch's
+        optimizers skip a parameter whose .grad is None, state and weight decay included,
+        as they do for a DDP parameter no rank used."""
         for key, p in self.masters.items():
-            p.grad = grads[key]
+            p.grad = grads.get(key)
         try:
-            self.stepper.step_all(self)
+            self.stepper.step_all(self, adjust)
         finally:
             for p in self.masters.values():
                 p.grad = None
         self.finish_update(staleness)
+
+    @property
+    def buffer_keys(self) -> frozenset[str]:
+        """The slots holding model buffers (values, never stepped)."""
+        return frozenset(self.job.buffer_slots) if self.job is not None else frozenset()
+
+    def buffer_values(self, grads: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """A sync round's buffer values (ps/server/buffers.py)."""
+        return round_buffers(self.job, grads) if self.job is not None else {}
+
+    def set_buffers(self, values: dict[str, torch.Tensor]) -> None:
+        """Overwrite buffer slots with these values (they are never optimizer-stepped)."""
+        for k, v in values.items():
+            self.masters[k].detach().copy_(v)
 
     def step_slot(self, key: str, grad: torch.Tensor) -> None:
         """The optimizer step of one slot only (per-chunk rounds); finish_update ends the

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from trainkit.optim import build_optimizer
+from trainkit.optim import StepAdjust, adjusted, build_optimizer
 
 if TYPE_CHECKING:
     from ps.server.shard import ShardState
@@ -68,13 +68,16 @@ class SlotStepper:
 
     # ---- stepping --------------------------------------------------------------------
 
-    def step_all(self, st: ShardState) -> None:
-        """One optimizer step of every slot; each master's .grad is already set."""
+    def step_all(self, st: ShardState, adjust: StepAdjust | None = None) -> None:
+        """One optimizer step of every slot; each master's .grad is already set. `adjust`
+        changes this step's lr / momentum (async/ssp staleness-aware updates); the per-slot
+        optimizers take the adjusted values from the shard optimizer's group."""
         t0 = time.perf_counter()
-        if self._parallel(st, st.masters.values()):
-            self._run(st)
-        else:
-            st.optimizer.step()
+        with adjusted(st.optimizer, adjust):
+            if self._parallel(st, st.masters.values()):
+                self._run(st)
+            else:
+                st.optimizer.step()
         self._add(time.perf_counter() - t0)
 
     def step_slot(self, st: ShardState, key: str, grad: torch.Tensor) -> None:
