@@ -13,6 +13,7 @@ torchrun relaunches (--max-restarts) continues instead of starting over.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
@@ -29,6 +30,7 @@ from allreduce.hooks import register_wire_dtype
 from trainkit.atomic import atomic_save
 from trainkit.device_io import state_to_host
 from trainkit.finite import all_finite
+from trainkit.local_sgd import LocalSteps, outer_optimizer_config
 from trainkit.optim import build_optimizer, build_scheduler, effective_loss_scale, with_run_length
 from worker.backend import StepOutcome
 from worker.config import TrainConfig
@@ -130,11 +132,17 @@ class DDPBackend:
         self.steps_done = 0
         self.checkpoints_written = 0
         self._saved_step = -1
+        self.local: LocalSteps | None = None
+        """--mode local: the inner optimizer and anchor (trainkit/local_sgd.py)."""
+        if cfg.local_sgd:
+            self.mode = "local"
 
     def setup(self, model: torch.nn.Module) -> torch.nn.Module:
         init_process_group(self.cfg, self.device)
         model.to(self.device)
         self.model = model
+        if self.cfg.local_sgd:
+            return self._setup_local(model)
         resume = self._load_newest()
         if resume is not None:
             model.load_state_dict(resume["model"])
@@ -168,6 +176,73 @@ class DDPBackend:
             log.info("rank %d resumed from step %d", self.rank, self.start_step)
         self.loss_scale = self.scaler.get_scale() if self.scaler.is_enabled() else 1.0
         return self.ddp
+
+    def _setup_local(self, model: torch.nn.Module) -> torch.nn.Module:
+        """--mode local: a plain module (no per-step gradient allreduce), the inner
+        optimizer on every rank's own weights, and the outer optimizer every rank applies
+        to the allreduced pseudo-gradients (the same step on the same numbers everywhere)."""
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        for t in model.state_dict().values():  # every rank starts from rank 0's weights
+            if dist.is_initialized() and self.world_size > 1:
+                dist.broadcast(t, src=0)
+        ls = effective_loss_scale(self.cfg.loss_scale, self.precision.loss_scaling)
+        self.local = LocalSteps(
+            self.params,
+            self.cfg.optimizer,
+            sync_every=self.cfg.local.sync_every,
+            total_steps=self.total_steps,
+            loss_scale=ls,
+            device=self.device,
+        )
+        self.optimizer, self.scheduler = self.local.optimizer, self.local.scheduler
+        self.scaler = self.local.scaler
+        lc = self.cfg.local
+        outer = outer_optimizer_config(lc.outer_optimizer, lc.effective_lr(), lc.outer_momentum)
+        self.outer = build_optimizer(self.params, outer)
+        self._step_bytes = sum(p.numel() for p in self.params) * self.precision.wire.itemsize
+        self.loss_scale = self.local.loss_scale
+        return model
+
+    def _local_step(self, local: LocalSteps) -> StepOutcome:
+        """An inner step; every H steps also the outer round: allreduce the pseudo-
+        gradients (in the wire dtype, divided by the world size first, as hooks.py does)
+        and apply the outer optimizer from the anchor weights."""
+        t0 = time.perf_counter()
+        skipped = local.inner_step()
+        self.loss_scale = local.loss_scale
+        self.steps_done += 1
+        t1 = time.perf_counter()
+        if not local.due():
+            return StepOutcome(skipped, self.loss_scale, phases={"optimizer": t1 - t0})
+        pseudo, drift, _ = local.pseudo_gradients()
+        flat = torch.cat([g.reshape(-1) for g in pseudo])
+        wire = flat.div(self.world_size).to(self.precision.wire)
+        if dist.is_initialized() and self.world_size > 1:
+            dist.all_reduce(wire)
+        mean = wire.float()
+        self.bytes_allreduced += self._step_bytes
+        t2 = time.perf_counter()
+        # A non-finite mean (some rank's weights went inf/nan) skips the round on every
+        # rank alike: the shared weights stay those of the last sync (as the shards do).
+        finite = all_finite([mean])
+        local.restore_anchor()
+        if finite:
+            offset = 0
+            for p in self.params:
+                p.grad = mean[offset : offset + p.numel()].view_as(p)
+                offset += p.numel()
+            self.outer.step()
+            for p in self.params:
+                p.grad = None
+        local.rebase(self._step_bytes, drift, skipped=not finite)
+        return StepOutcome(
+            skipped=skipped or not finite,
+            loss_scale=self.loss_scale,
+            phases={"optimizer": t1 - t0 + time.perf_counter() - t2, "allreduce": t2 - t1},
+            outer_round=True,
+            round_bytes=self._step_bytes,
+            drift=drift,
+        )
 
     # ---- checkpoints ----------------------------------------------------------------
 
@@ -213,10 +288,13 @@ class DDPBackend:
             old.unlink(missing_ok=True)
 
     def report_extras(self) -> dict[str, Any]:
-        """Fault figures for the run's report (Backend protocol)."""
-        return {"start_step": self.start_step, "checkpoints_written": self.checkpoints_written}
+        """Fault figures (and --mode local's rounds) for the run's report (Backend protocol)."""
+        extras = {"start_step": self.start_step, "checkpoints_written": self.checkpoints_written}
+        return {**extras, **(self.local.report() if self.local is not None else {})}
 
     def no_sync(self):  # noqa: ANN201 - DDP's own context manager
+        if self.local is not None:
+            return contextlib.nullcontext()  # a plain module: nothing to hold back
         return self.ddp.no_sync()
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
@@ -225,6 +303,8 @@ class DDPBackend:
     def step(self) -> StepOutcome:
         # Gradients were allreduced during backward (DDP's bucket hooks), so every rank
         # sees the same gradients and reaches the same skip decision with no collective.
+        if self.local is not None:
+            return self._local_step(self.local)
         t0 = time.perf_counter()
         self.bytes_allreduced += self._step_bytes
         if self.scaler.is_enabled():

@@ -50,12 +50,18 @@ SHARD_CONTRACT = {
 }
 WORKER_CONTRACT = {
     **dict.fromkeys(
-        "psar_worker_samples psar_worker_steps psar_worker_overflow_steps".split(), "counter"
+        "psar_worker_samples psar_worker_steps psar_worker_overflow_steps "
+        "psar_worker_outer_rounds".split(),
+        "counter",
     ),
     **dict.fromkeys(
         "psar_worker_step_phase_seconds psar_worker_observed_staleness".split(), "histogram"
     ),
-    **dict.fromkeys("psar_worker_loss psar_worker_loss_scale psar_build_info".split(), "gauge"),
+    **dict.fromkeys(
+        "psar_worker_loss psar_worker_loss_scale psar_build_info psar_worker_outer_round_bytes "
+        "psar_worker_sync_drift".split(),
+        "gauge",
+    ),
 }
 CONTRACT_REJECT = (
     "bad_shape bad_dtype unknown_key duplicate out_of_order too_stale nonfinite "

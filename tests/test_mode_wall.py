@@ -17,9 +17,15 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVER = ROOT / "ps" / "server"
-MODES = {"sync", "async", "ssp"}
+MODES = {"sync", "async", "ssp", "local"}
 # The policy modules: the only ones that decide by mode.
-POLICY_MODULES = {"policies.py", "policy_for_mode.py", "chunk_rounds.py", "sparse_policy.py"}
+POLICY_MODULES = {
+    "policies.py",
+    "policy_for_mode.py",
+    "chunk_rounds.py",
+    "sparse_policy.py",
+    "local_policy.py",
+}
 # Calls that may take a mode as an argument: build the policy, label the metrics.
 MODE_SINKS = {"make_policy", "set_mode"}
 # metrics.py keeps the mode as a metrics label (its own `mode` attribute, validated).

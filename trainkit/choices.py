@@ -4,8 +4,11 @@ process, which validates the same config, loads nothing of the parameter server.
 
 from __future__ import annotations
 
-MODES: tuple[str, ...] = ("sync", "async", "ssp")
-"""PS consistency modes (--mode)."""
+MODES: tuple[str, ...] = ("sync", "async", "ssp", "local")
+"""PS consistency modes (--mode); local: local SGD / DiLoCo (also under --arch allreduce)."""
+
+OUTER_OPTIMIZERS: tuple[str, ...] = ("sgd", "nesterov")
+"""--mode local: the optimizer applied to the averaged pseudo-gradients (--outer-optimizer)."""
 
 SPARSE_OPTIMIZERS: tuple[str, ...] = ("sgd", "adagrad", "lazy_adam")
 """Row-wise optimizers of sparse embedding tables (--sparse-optimizer)."""

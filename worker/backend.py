@@ -35,6 +35,13 @@ class StepOutcome:
     """PS: staleness of this worker's gradient as the shards applied it (max over shards)."""
     phases: dict[str, float] = field(default_factory=dict)
     """Seconds spent in communication phases this step (push, pull, wait, allreduce, optimizer)."""
+    outer_round: bool = False
+    """--mode local: this step ended an outer round (the workers synchronised)."""
+    round_bytes: int = 0
+    """--mode local, outer_round: bytes this worker moved for the round."""
+    drift: float = 0.0
+    """--mode local, outer_round: L2 norm of this worker's weights minus the shared weights
+    of the last sync, at this sync (how far the inner steps took it)."""
 
 
 @runtime_checkable
@@ -74,7 +81,7 @@ class Backend(Protocol):
 
     # ---- per instance ---------------------------------------------------------------
     mode: str
-    """'sync' | 'async' | 'ssp' for ps; 'ddp' for allreduce."""
+    """'sync' | 'async' | 'ssp' | 'local' for ps; 'ddp' or 'local' for allreduce."""
     rank: int
     world_size: int
     device: torch.device

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from trainkit.choices import SPARSE_OPTIMIZERS, check_mode
+from trainkit.choices import OUTER_OPTIMIZERS, SPARSE_OPTIMIZERS, check_mode
 from trainkit.connection import ConnectionConfig
 from trainkit.optim import LossScaleConfig, OptimizerConfig
 
@@ -34,13 +34,31 @@ class PSConfig(ConnectionConfig):
     world_size: int = 0
     """Number of workers (default: env WORLD_SIZE, else 1)."""
     mode: str = "sync"
-    """Consistency mode: sync | async | ssp."""
+    """Consistency mode: sync | async | ssp | local (local SGD / DiLoCo: --sync-every;
+    local also applies to --arch allreduce)."""
     staleness: int = 1
     """ssp: no worker runs more than this many clocks ahead of the slowest live worker."""
+    staleness_lr: bool = False
+    """async/ssp: the shards apply a gradient `staleness` updates old with
+    lr / (1 + staleness) (Zhang et al., "Staleness-aware Async-SGD", IJCAI 2016)."""
+    delay_compensation: float = 0.0
+    """async/ssp: DC-ASGD's LAMBDA (Zheng et al., ICML 2017): the shards apply each
+    gradient g as g + LAMBDA * g * g * (w_now - w_base), w_base the weights the worker
+    computed it on (the shards keep them: up to one copy per worker); 0: off."""
+    momentum_correction: bool = True
+    """async/ssp with N > 1 workers: the shards apply max(0, --momentum - (1 - 1/N)) as
+    momentum (AdamW: --beta1), since asynchrony itself adds about 1 - 1/N (Mitliagkas et
+    al., "Asynchrony begets momentum", 2016; docs/architectures.md). --no-momentum-correction:
+    as given."""
     chunk_mib: float = 4.0
     """Tensors larger than this (MiB of fp32) are cut into chunks spread over shards."""
     job_id: str = "psar"
     """Job name sent to the shards; a shard refuses a second job with another name."""
+    buffers: str = "rank0"
+    """Model buffers (BatchNorm running stats, any registered float buffer) live on the
+    shards and come back with every pull: rank0 | average. rank0: rank 0's, as DDP
+    broadcasts them before every forward; average (sync only): the mean over the workers
+    of each round."""
     overlap: bool = True
     """Push gradient buckets while backward runs and start the next forward on the first
     layers while later ones are still being pulled (same results, bit for bit)."""
@@ -74,6 +92,17 @@ class PSConfig(ConnectionConfig):
         check_mode(self.mode)
         if self.staleness < 0:
             raise ValueError(f"--staleness must be >= 0, got {self.staleness}")
+        if self.buffers not in ("rank0", "average"):
+            raise ValueError(f"--buffers: unknown {self.buffers!r}; accepted: rank0, average")
+        if self.buffers == "average" and self.mode != "sync":
+            raise ValueError(
+                f"--buffers average needs --mode sync (a round to average over), not {self.mode}"
+            )
+        if not 0.0 <= self.delay_compensation < float("inf"):
+            raise ValueError(
+                "--delay-compensation must be a finite number >= 0 (DC-ASGD's lambda; 0: off), "
+                f"got {self.delay_compensation}"
+            )
         if not self.chunk_mib > 0:
             raise ValueError(f"--chunk-mib must be > 0, got {self.chunk_mib}")
         if self.overlap_trial < 0:
@@ -130,6 +159,51 @@ class DDPConfig:
             raise ValueError(f"--backend: unknown {self.backend!r}; accepted: auto, nccl, gloo")
         if not self.pg_timeout_s > 0 or not self.bucket_cap_mb > 0:
             raise ValueError("--pg-timeout-s and --bucket-cap-mb must be > 0")
+
+
+OUTER_LR_DEFAULTS = {"nesterov": 0.7, "sgd": 1.0}
+"""--outer-lr 0 means these (DiLoCo's 0.7 for nesterov; plain averaging for sgd)."""
+
+
+@dataclass(kw_only=True)
+class LocalConfig:
+    """--mode local: local SGD / DiLoCo (either architecture).
+
+    Every worker runs --optimizer (the inner optimizer) on its own weights for
+    --sync-every steps, then the pseudo-gradients (weights at the last sync minus weights
+    now) are averaged over the workers and the outer optimizer applies the average to the
+    shared weights (on the shards for ps, on every rank for allreduce)."""
+
+    sync_every: int = 0
+    """--mode local: inner steps between synchronisations (H; required there, refused
+    with any other mode)."""
+    outer_optimizer: str = "nesterov"
+    """--mode local: optimizer of the averaged pseudo-gradients: nesterov (DiLoCo) | sgd
+    (no momentum; with --outer-lr 1 this is plain model averaging)."""
+    outer_lr: float = 0.0
+    """--mode local: outer learning rate (0: 0.7 for nesterov, 1.0 for sgd)."""
+    outer_momentum: float = 0.9
+    """--mode local, --outer-optimizer nesterov: the outer momentum."""
+
+    def __post_init__(self) -> None:
+        if self.sync_every < 0:
+            raise ValueError(f"--sync-every must be >= 1, got {self.sync_every}")
+        if self.outer_optimizer not in OUTER_OPTIMIZERS:
+            raise ValueError(
+                f"--outer-optimizer: unknown {self.outer_optimizer!r}; "
+                f"accepted: {', '.join(OUTER_OPTIMIZERS)}"
+            )
+        if not 0 <= self.outer_lr < float("inf"):
+            raise ValueError(
+                f"--outer-lr must be a finite number > 0 (0: the outer optimizer's default), "
+                f"got {self.outer_lr}"
+            )
+        if not 0 < self.outer_momentum < 1:
+            raise ValueError(f"--outer-momentum must be in (0, 1), got {self.outer_momentum}")
+
+    def effective_lr(self) -> float:
+        """--outer-lr, or the outer optimizer's default when 0."""
+        return self.outer_lr or OUTER_LR_DEFAULTS[self.outer_optimizer]
 
 
 @dataclass(kw_only=True)
@@ -194,6 +268,8 @@ class TrainConfig:
     """Parameter-server settings."""
     ddp: DDPConfig = field(default_factory=DDPConfig)
     """AllReduce settings."""
+    local: LocalConfig = field(default_factory=LocalConfig)
+    """Local SGD / DiLoCo settings (--mode local)."""
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:
@@ -225,9 +301,36 @@ class TrainConfig:
                 raise ValueError(
                     f"{flag}: unknown {getattr(self, name)!r}; accepted: {', '.join(accepted)}"
                 )
+        self._check_local()
         for opt in self.workload_option:
             if "=" not in opt:
                 raise ValueError(f"--workload-option: expected key=value, got {opt!r}")
+
+    @property
+    def local_sgd(self) -> bool:
+        """--mode local: workers step on their own and synchronise every --sync-every."""
+        return self.ps.mode == "local"
+
+    def _check_local(self) -> None:
+        """--sync-every belongs to --mode local, and local mode needs fp32 worker weights
+        (the inner optimizer steps them on the worker)."""
+        if self.local_sgd and self.local.sync_every < 1:
+            raise ValueError("--mode local needs --sync-every H (inner steps per sync, >= 1)")
+        if not self.local_sgd and self.local.sync_every:
+            raise ValueError(
+                f"--sync-every {self.local.sync_every} needs --mode local (got --mode "
+                f"{self.ps.mode}); accepted with --mode local only"
+            )
+        if self.local_sgd and self.ddp.checkpoint_dir:
+            raise ValueError(
+                "--checkpoint-dir with --mode local: DDP checkpoints do not hold the outer "
+                "optimizer and anchor weights yet; leave --checkpoint-dir out"
+            )
+        if self.local_sgd and self.worker_weights != "fp32":
+            raise ValueError(
+                f"--worker-weights {self.worker_weights} with --mode local: the inner "
+                "optimizer steps the worker's own weights, which must be fp32; accepted: fp32"
+            )
 
     def workload_options(self) -> dict[str, str]:
         return dict(opt.split("=", 1) for opt in self.workload_option)

@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TextIO
 
+from trainkit.choices import MODES
 from worker.torchrun_compat import torchrun_flags, torchrun_options
 
 EXIT_USAGE, EXIT_TIMEOUT = 2, 124
@@ -92,7 +93,7 @@ def add_launch_flags(p: argparse.ArgumentParser, *, job: bool = True) -> None:
     """Flags shared by `psar launch` and `psar compare` (job=False: without --arch, --mode)."""
     if job:
         p.add_argument("--arch", choices=("ps", "allreduce"), default="ps", help="(default: ps)")
-        p.add_argument("--mode", choices=("sync", "async", "ssp"), default="sync",
+        p.add_argument("--mode", choices=MODES, default="sync",
                        help="ps consistency mode (default: sync)")  # fmt: skip
     p.add_argument("--servers", type=_servers, default=1, metavar="N|auto",
                    help="ps: number of shards to start; auto: one per two cores left after "
@@ -161,8 +162,8 @@ def validate(spec: LaunchSpec) -> None:
 
 
 def _ps_flags(spec: LaunchSpec, servers: str, rank: int) -> list[str]:
-    if spec.arch != "ps":
-        return []
+    if spec.arch != "ps":  # of the modes only local SGD (--mode local) applies to allreduce
+        return ["--mode", spec.mode] if spec.mode == "local" else []
     return ["--servers", servers, "--rank", str(rank), "--world-size", str(spec.workers),
             "--mode", spec.mode, "--staleness", str(spec.staleness)]  # fmt: skip
 
@@ -282,7 +283,8 @@ class _Job:
             for note in notes:
                 self.say(note)
             cmd = [sys.executable, "-m", "torch.distributed.run", *flags,
-                   "-m", "worker.cli", "train", "--arch", "allreduce", *train]  # fmt: skip
+                   "-m", "worker.cli", "train", "--arch", "allreduce", *train,
+                   *_ps_flags(s, "", 0)]  # fmt: skip
             self._spawn("torchrun", "torchrun", 0, cmd, {})
             return
         servers = ",".join(self.addrs[i] for i in sorted(self.addrs))

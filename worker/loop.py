@@ -254,6 +254,8 @@ def _observe(run: _Run, step_loss: float, outcome: StepOutcome, phases: dict[str
         metrics.overflow_step()
     if outcome.staleness is not None:
         metrics.observed_staleness(outcome.staleness)
+    if outcome.outer_round:
+        metrics.outer_round(outcome.round_bytes, outcome.drift)
 
 
 def _finish(run: _Run, tally: _Tally, wall: float) -> dict[str, Any]:

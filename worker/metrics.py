@@ -101,6 +101,25 @@ class WorkerMetrics:
             buckets=STALENESS_BUCKETS,
             registry=reg,
         ).labels(arch)
+        self._outer_rounds = Counter(
+            "psar_worker_outer_rounds_total",
+            "--mode local: outer rounds (synchronisations of pseudo-gradients) finished.",
+            base,
+            registry=reg,
+        ).labels(arch)
+        self._outer_round_bytes = Gauge(
+            "psar_worker_outer_round_bytes",
+            "--mode local: bytes this worker moved for the latest outer round.",
+            base,
+            registry=reg,
+        ).labels(arch)
+        self._sync_drift = Gauge(
+            "psar_worker_sync_drift",
+            "--mode local: L2 norm of this worker's weights minus the shared weights of the "
+            "last sync, at the latest sync.",
+            base,
+            registry=reg,
+        ).labels(arch)
         build_info(reg, arch)
 
     def step_done(self, samples: int) -> None:
@@ -136,6 +155,12 @@ class WorkerMetrics:
         """Staleness the server reported for a push; ``None`` (allreduce) is ignored."""
         if s is not None:
             self._staleness.observe(s)
+
+    def outer_round(self, nbytes: int, drift: float) -> None:
+        """--mode local: an outer round moved ``nbytes``; the weights had drifted ``drift``."""
+        self._outer_rounds.inc()
+        self._outer_round_bytes.set(nbytes)
+        self._sync_drift.set(drift)
 
     def exposition(self) -> bytes:
         """The registry in Prometheus text format (what a scrape returns)."""

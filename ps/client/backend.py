@@ -20,6 +20,7 @@ gradient is never pushed, so no gradient of mixed weights is ever applied.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import secrets
 import time
@@ -29,6 +30,7 @@ from typing import Any
 import torch
 
 from ps import auth
+from ps.client.backend_local import LocalMixin
 from ps.client.backend_overlap import OverlapMixin
 from ps.client.backend_resync import _MAX_RESYNCS, ResyncMixin
 from ps.client.psclient import ClientConfig, NeedsResync, PSClient
@@ -45,7 +47,7 @@ from worker.precision import PrecisionPolicy
 log = logging.getLogger("psar.ps")
 
 
-class PSBackend(OverlapMixin, ResyncMixin):
+class PSBackend(OverlapMixin, ResyncMixin, LocalMixin):
     arch = "ps"
     reports_staleness = True  # async/ssp apply gradients to newer weights (sync: 0)
     per_rank_reports = True  # each worker is its own process with its own staleness/faults
@@ -83,6 +85,10 @@ class PSBackend(OverlapMixin, ResyncMixin):
         total_steps: int,
         metrics: Any = None,
     ) -> None:
+        if cfg.local_sgd:  # pseudo-gradients go after the H-th backward: nothing to overlap
+            cfg = dataclasses.replace(cfg, ps=dataclasses.replace(cfg.ps, overlap=False))
+        self.local = None
+        """--mode local: the inner optimizer and anchor (ps/client/backend_local.py)."""
         self.cfg = cfg
         self.precision = precision
         self.mode = cfg.ps.mode
@@ -125,9 +131,20 @@ class PSBackend(OverlapMixin, ResyncMixin):
             if p.requires_grad and p.is_floating_point() and n not in self.sparse.names
         ]
         self.params = dict(params)
+        # Buffers (BatchNorm running stats) live on the shards too, as slots that are
+        # never stepped: rank 0's values (or the mean, --buffers average) come back with
+        # every pull, as DDP broadcasts rank 0's before every forward. Local SGD keeps
+        # each worker's own (its pushes are pseudo-gradients of the parameters only).
+        self.buffers = {
+            n: b
+            for n, b in model.named_buffers()
+            if b.is_floating_point() and b.numel() and not self.cfg.local_sgd
+        }
         chunk = int(self.cfg.ps.chunk_mib * (1 << 20))
         self.slots: list[Slot] = plan_slots(
-            [(n, p.numel()) for n, p in params], len(self.addresses), chunk_bytes=chunk
+            [(n, t.numel()) for n, t in [*params, *self.buffers.items()]],
+            len(self.addresses),
+            chunk_bytes=chunk,
         )
         jobs = self._jobs()
         ps = self.cfg.ps
@@ -190,10 +207,14 @@ class PSBackend(OverlapMixin, ResyncMixin):
         self.client.start_heartbeats()
         self._pull_resyncing()
         self.buckets.begin_step()
+        if self.cfg.local_sgd:
+            self._setup_local()
         return model
 
     def _jobs(self) -> list[Job]:
         opt = with_run_length(self.cfg.optimizer, self.total_steps)
+        if self.cfg.local_sgd:  # the shards apply the outer optimizer
+            opt = self._outer_config()
         return [
             Job(
                 mode=self.mode,
@@ -205,12 +226,20 @@ class PSBackend(OverlapMixin, ResyncMixin):
                 num_shards=len(self.addresses),
                 slots=[s for s in self.slots if s.shard == i],
                 job_id=self.cfg.ps.job_id,
+                staleness_lr=self.cfg.ps.staleness_lr,
+                delay_compensation=self.cfg.ps.delay_compensation,
+                momentum_correction=self.cfg.ps.momentum_correction,
+                sync_every=self.cfg.local.sync_every,
+                buffer_slots=tuple(
+                    s.key for s in self.slots if s.shard == i and s.param in self.buffers
+                ),
+                buffers_average=self.cfg.ps.buffers == "average",
             )
             for i in range(len(self.addresses))
         ]
 
     def _view(self, s: Slot) -> torch.Tensor:
-        p = self.params[s.param]
+        p = self.params[s.param] if s.param in self.params else self.buffers[s.param]
         if not p.is_contiguous():
             raise ValueError(f"parameter {s.param} is not contiguous; call .contiguous() on it")
         return p.data.view(-1)[s.start : s.start + s.numel]
@@ -229,9 +258,13 @@ class PSBackend(OverlapMixin, ResyncMixin):
             self.buckets.accumulating = False
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        if self.local is not None:
+            return self.local.scale_loss(loss)  # the inner steps' own loss scale
         return loss * self.loss_scale if self.loss_scale != 1.0 else loss
 
     def step(self) -> StepOutcome:
+        if self.local is not None:
+            return self._local_step(self.local)
         t0 = time.perf_counter()
         # Pulled weights may overwrite the parameters only once the compute stream is
         # done with this step's backward (CUDA; None on a CPU).
@@ -252,6 +285,7 @@ class PSBackend(OverlapMixin, ResyncMixin):
             "dtype": self.precision.wire,
             "loss_scale": self.loss_scale,
             "overflow": not finite,
+            "absent": frozenset(self.buckets.absent),
         }
         self._pushed = None
         replies = None
@@ -372,7 +406,7 @@ class PSBackend(OverlapMixin, ResyncMixin):
 
     def report_extras(self) -> dict[str, Any]:
         """For the run's report (Backend protocol): fault figures and the overlap run."""
-        return {**self.fault_report(), **self.overlap_report()}
+        return {**self.fault_report(), **self.overlap_report(), **self.local_report()}
 
     def shard_stats(self) -> list[dict[str, Any]]:
         return self.client.stats()

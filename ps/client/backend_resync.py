@@ -27,6 +27,12 @@ class ResyncMixin:
     rank: int
     clock: int
 
+    @property
+    def _in_rounds(self) -> bool:
+        """The shards update in rounds every worker joins (sync, and local SGD's outer
+        rounds): a restore is followed by every shard, and clocks count rounds."""
+        return self.mode in ("sync", "local")
+
     def _resync(
         self, *, fresh: bool, cause: Exception | None = None, pushed: int | None = None
     ) -> None:
@@ -47,7 +53,7 @@ class ResyncMixin:
         old_inc, old_clock = list(self.client.incarnations), self.clock
         for _ in range(_MAX_RESYNCS):
             q = self.client.register(query=True)
-            if self.mode == "sync":
+            if self._in_rounds:
                 flagged = [r["rounds"] for r in q if r["restored"]]
                 ahead = [r["shard"] for r in q if flagged and r["rounds"] > min(flagged)]
                 if ahead:
@@ -58,7 +64,7 @@ class ResyncMixin:
             else:
                 clock = max(r["clock"] for r in q) if fresh else self.clock
             lost = []
-            if self.mode == "sync" and pushed is not None and pushed == clock:
+            if self._in_rounds and pushed is not None and pushed == clock:
                 lost = [r["shard"] for r in q if r["clock"] < clock and r["rounds"] == clock - 1]
             try:
                 regs = self._register(clock, lost)
@@ -112,7 +118,7 @@ class ResyncMixin:
         if fresh or known is None:
             return
         if any(r["restores"] > k for r, k in zip(regs, known, strict=True)):
-            if self.mode == "sync":
+            if self._in_rounds:
                 lost = max(0, old_clock - self.clock)
             else:
                 lost = max(

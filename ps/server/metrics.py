@@ -93,7 +93,7 @@ RPC_METHODS: tuple[str, ...] = (
     OTHER,
 )
 
-SHARD_MODES: tuple[str, ...] = ("sync", "async", "ssp")
+SHARD_MODES: tuple[str, ...] = ("sync", "async", "ssp", "local")
 
 
 class _StampMode(Collector):

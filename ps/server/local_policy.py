@@ -1,0 +1,39 @@
+"""Local SGD / DiLoCo on the shard (--mode local): rounds of pseudo-gradients.
+
+Each worker takes H inner steps with its own inner optimizer, then pushes its
+pseudo-gradient (the weights of the last sync minus its weights now) as clock r. A round
+closes when every live worker has pushed: the shard averages the pseudo-gradients in rank
+order and applies its optimizer -- which in this mode is the *outer* optimizer (the job's
+`optimizer`: Nesterov momentum for DiLoCo, plain SGD at lr 1.0 for model averaging) --
+then the workers pull the new masters and start the next H inner steps from them.
+
+That is a sync round with other tensors in it, so the policy is SyncPolicy's with its
+own name (metrics label, checkpoints, rollbacks and joins work the same way) and its own
+refusal message. Per-chunk rounds are not used: a pseudo-gradient push arrives once every
+H steps, after backward, so there is no backward to overlap it with.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ps.errors import InvalidArgument
+from ps.server.policies import SyncPolicy
+
+if TYPE_CHECKING:
+    from ps.server.shard import ShardState
+
+
+class LocalPolicy(SyncPolicy):
+    """Sync rounds of pseudo-gradients; the shard's optimizer is the outer optimizer."""
+
+    mode = "local"
+
+    def nonfinite_unflagged(self, st: ShardState, worker: int) -> None:
+        raise InvalidArgument(
+            f"non-finite pseudo-gradient from worker {worker} without the overflow flag: in "
+            "local mode a worker whose weights went inf/nan must push overflow=true (no "
+            "data) so every shard skips the outer round and the worker restarts from the "
+            "masters",
+            reason="nonfinite",
+        )
