@@ -1,9 +1,11 @@
 """DDP communication hooks that put fp16/bf16 gradients on the wire.
 
-On CUDA, torch's own `fp16_compress_hook` / `bf16_compress_hook` are used. torch's
-bf16 hook refuses to run without CUDA/NCCL, yet gloo reduces bf16 tensors fine, so on
-CPU one hook with the same semantics serves both dtypes: divide by the world size
-first (so the sum cannot overflow where the mean would not), cast, allreduce, cast back.
+torch's own `fp16_compress_hook` is used for fp16 on CUDA and CPU alike, and its
+`bf16_compress_hook` for bf16 on CUDA: a comparison of psar's PS pushing fp16/bf16 with
+DDP then measures DDP as users run it (issue #19). torch's bf16 hook refuses to run
+without CUDA/NCCL, yet gloo reduces bf16 tensors fine, so on CPU bf16 takes a hook with
+the same semantics: divide by the world size first (so the sum cannot overflow where the
+mean would not), cast, allreduce, cast back.
 """
 
 # No `from __future__ import annotations`: DDP inspects the hook's annotations at
@@ -39,7 +41,7 @@ def register_wire_dtype(ddp: torch.nn.parallel.DistributedDataParallel, dtype: t
     if dtype == torch.float32:
         return
     on_cuda = next(ddp.module.parameters()).is_cuda
-    if on_cuda and dtype == torch.float16:
+    if dtype == torch.float16:  # gloo runs torch's fp16 hook on CPU too
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
     elif on_cuda and dtype == torch.bfloat16:
         ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)

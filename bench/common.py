@@ -269,10 +269,11 @@ def robust_rate(run: Run) -> float:
                for s in run.series)  # fmt: skip
 
 
-def window_rate(run: Run) -> tuple[float, float]:
+def window_rate(run: Run, skip: int = 0) -> tuple[float, float]:
     """(samples/s, seconds) over the window in which every rank was training: from the last
-    rank's first step to the first rank's last step, on the shared wall clock."""
-    t0 = max(s.start_wall + s.time[0] for s in run.series)
+    rank's first step (after its first `skip` steps: warm-up) to the first rank's last step,
+    on the shared wall clock."""
+    t0 = max(s.start_wall + s.time[min(skip, len(s.time) - 1)] for s in run.series)
     t1 = min(s.start_wall + s.time[-1] for s in run.series)
     if t1 <= t0:
         return math.nan, 0.0

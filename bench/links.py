@@ -17,6 +17,8 @@ measured / predicted, goal within +-30%; comm = step - C.
 
     python -m bench.links                     # 10000, 3000, 1000 Mbit/s, 2 workers
     python -m bench.links --quick --json      # 1000 Mbit/s only
+    python -m bench.links --grid small        # n workers x k shard hosts (bench/links_grid.py)
+    python -m bench.links --grid full         # n in 2,4,8 x k in 0,n/2,n x 1, 10 Gbit/s
 """
 
 from __future__ import annotations
@@ -60,19 +62,22 @@ else:
     for _ in range(200):
         t = time.perf_counter(); s.sendall(b"p"); recv_exact(s, 1); rtt.append(time.perf_counter() - t)
     n = int(sys.argv[4]); payload = bytearray(b"z") * n; gbps = []
-    for _ in range(3):
+    for _ in range(int(sys.argv[5]) if len(sys.argv) > 5 else 3):
         t = time.perf_counter(); s.sendall(b"b" + struct.pack("!Q", n)); s.sendall(payload)
         recv_exact(s, 1); gbps.append(n / (time.perf_counter() - t) / 1e9)
     s.sendall(b"x")
-    print(json.dumps({"rtt_us": 1e6 * statistics.median(rtt), "gbps": statistics.median(gbps)}))
+    print(json.dumps({"rtt_us": 1e6 * statistics.median(rtt), "gbps": statistics.median(gbps),
+                      "gbps_best": max(gbps)}))
 """
 
 
-def probe_link(procs: c.Procs, src, dst, nbytes: int) -> dict:  # noqa: ANN001
-    """Median small-message RTT and one-way raw TCP GB/s from host src to host dst."""
+def probe_link(procs: c.Procs, src, dst, nbytes: int, repeats: int = 3) -> dict:  # noqa: ANN001
+    """Median small-message RTT and one-way raw TCP GB/s (median and best of `repeats`
+    transfers) from host src to host dst."""
     procs.start("nettool", [c.PY, "-c", _NETTOOL, "serve", dst.addr], host=dst)
     port = procs.wait_line("nettool", _PORT, 60).group(1)
-    p = src.run([c.PY, "-c", _NETTOOL, "send", dst.addr, port, str(nbytes)], timeout=300)
+    argv = [c.PY, "-c", _NETTOOL, "send", dst.addr, port, str(nbytes), str(repeats)]
+    p = src.run(argv, timeout=300)
     procs.wait(["nettool"], 30)
     if p.returncode != 0:
         raise c.BenchError(f"link probe failed: {p.stderr[-1000:]}")
@@ -205,7 +210,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--delay-ms", type=float, default=0.0, help="added one-way delay (needs netem)")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--steps", type=int, default=None, help="(default 40; quick 15)")
+    p.add_argument("--grid", choices=("small", "full"), default=None,
+                   help="the crossover instead: n workers x k shard hosts (bench/links_grid.py); "
+                   "small: n=4 at 1 Gbit/s, full: n in 2,4,8 x 1, 10 Gbit/s")  # fmt: skip
+    p.add_argument("--compute-ms", type=float, default=30.0,
+                   help="--grid: emulated compute per step, ms (default 30)")  # fmt: skip
+    p.add_argument("--grid-workers", default=None,
+                   help="--grid: worker counts instead of the grid's (e.g. 2,4); "
+                   "--bandwidths likewise replaces its links")  # fmt: skip
     args = p.parse_args(argv)
+    if args.grid:
+        return main_grid(args)
     args.bandwidths = [
         float(x)
         for x in (args.bandwidths or ("1000" if args.quick else "10000,3000,1000")).split(",")
@@ -221,6 +236,20 @@ def main(argv: list[str] | None = None) -> int:
         doc = measure(out, args, netns)
         write_plot(out, doc)
     return c.finish(args, out, "links", doc, table(doc))
+
+
+def main_grid(args) -> int:  # noqa: ANN001
+    """The n x k x link crossover (bench/links_grid.py) into its own run folder."""
+    from bench import links_grid
+
+    args.steps = args.steps or (12 if args.quick else 30)
+    c.install_sigterm()
+    out = c.out_dir(args, "links-grid")
+    netns, reason = unavailable(0.0)
+    doc = {"skipped": reason} if reason else links_grid.measure(out, args, netns)
+    if reason:
+        c.log(f"links grid: skipped: {reason}")
+    return c.finish(args, out, "links_grid", doc, links_grid.table(doc))
 
 
 if __name__ == "__main__":

@@ -1,11 +1,21 @@
-"""A plain parameter server written the PyTorch RPC tutorial's way (torch.distributed.rpc).
+"""A parameter server on torch.distributed.rpc (TensorPipe), the strongest way a user would
+write one: --style async (default), or the PyTorch RPC tutorial's way (--style tutorial).
 
-Rank 0 is the server: like the tutorial's batch-updating parameter server
-(`@rpc.functions.async_execution`), it adds up one gradient from every trainer, then
-averages them, takes one SGD step and answers every trainer with the whole model. Ranks
-1..N are trainers: compute forward and backward, then one `rpc_sync` that sends the
-gradients and returns the new weights; nothing is overlapped. Model, data, batches and
-optimizer are bench/plain_ddp.py's, so it does the same work as plain DDP.
+Rank 0 is the server, ranks 1..N trainers. Model, data, batches and optimizer are
+bench/plain_ddp.py's, so it does the same work as plain DDP.
+
+- tutorial: like the tutorial's batch-updating parameter server
+  (`@rpc.functions.async_execution`), the server adds up one gradient from every trainer,
+  averages them, takes one SGD step and answers every trainer with the whole model. A
+  trainer computes forward and backward, then one `rpc_sync` sends the gradients and
+  returns the new weights; nothing is overlapped.
+- async: per-parameter batched updates with futures. A post-accumulate-grad hook on each
+  parameter sends its gradient with `rpc_async` the moment backward has made it, so the
+  sends overlap the rest of backward; the server keeps one round per parameter and, when
+  every trainer's gradient for it is in, averages, steps that parameter's own SGD
+  (momentum) and completes the round's future with the new weights. The trainer waits on
+  all its futures after backward and copies the weights in. Per-parameter SGD is the same
+  arithmetic as one SGD over all parameters.
 
     torchrun --nproc-per-node 3 bench/rpc_ps_baseline.py --steps 100 --out DIR   # 2 trainers
 
@@ -62,6 +72,71 @@ class BatchUpdatePS:
         return fut
 
 
+class ParamRoundsPS:
+    """One batched round per parameter: the async style's server."""
+
+    def __init__(self, a, trainers: int) -> None:  # noqa: ANN001
+        self.params = [p.detach() for p in build(a)[0].parameters()]
+        self.sums = [torch.zeros_like(p) for p in self.params]
+        self.opts = []
+        for p in self.params:
+            p.grad = torch.zeros_like(p)
+            self.opts.append(torch.optim.SGD([p], lr=a.lr, momentum=a.momentum))
+        self.trainers = trainers
+        self.counts = [0] * len(self.params)
+        self.locks = [threading.Lock() for _ in self.params]
+        self.futures = [torch.futures.Future() for _ in self.params]
+
+    @staticmethod
+    @rpc.functions.async_execution
+    def push_param(ps_rref: rpc.RRef, i: int, grad: torch.Tensor) -> torch.futures.Future:
+        self = ps_rref.local_value()
+        with self.locks[i]:
+            self.sums[i] += grad
+            self.counts[i] += 1
+            fut = self.futures[i]
+            if self.counts[i] == self.trainers:
+                p = self.params[i]
+                torch.div(self.sums[i], self.trainers, out=p.grad)
+                self.opts[i].step()
+                self.sums[i].zero_()
+                self.counts[i], self.futures[i] = 0, torch.futures.Future()
+                fut.set_result(p.clone())
+        return fut
+
+
+def run_trainer_async(ps_rref: rpc.RRef, a, trank: int, trainers: int) -> None:  # noqa: ANN001
+    torch.set_num_threads(1)
+    model, x, y, order = build(a)
+    params = list(model.parameters())
+    futs: dict[int, torch.futures.Future] = {}
+    owner = ps_rref.owner()
+
+    def sender(i: int):  # noqa: ANN202
+        def hook(p: torch.Tensor) -> None:
+            futs[i] = rpc.rpc_async(owner, ParamRoundsPS.push_param, args=(ps_rref, i, p.grad))
+
+        return hook
+
+    for i, p in enumerate(params):
+        p.register_post_accumulate_grad_hook(sender(i))
+    path = os.path.join(a.out, f"steps-rpc-rank{trank}.jsonl")
+    with open(path, "w", buffering=1) as log:
+        start = time.perf_counter()
+        for step in range(1, a.steps + 1):
+            idx = indices(a, order, step, trank, trainers)
+            loss = F.cross_entropy(model(x[idx]), y[idx])
+            model.zero_grad(set_to_none=True)
+            futs.clear()
+            loss.backward()  # the hooks send each gradient as soon as it is made
+            with torch.no_grad():
+                for i, p in enumerate(params):
+                    p.copy_(futs[i].wait())
+            rec = dict(step=step, time=time.perf_counter() - start, samples=step * a.batch_size,
+                       loss=loss.item(), wall=time.time(), rank=trank, arch="rpc", mode="sync")  # fmt: skip
+            log.write(json.dumps(rec) + "\n")
+
+
 def run_trainer(ps_rref: rpc.RRef, a, trank: int, trainers: int) -> None:  # noqa: ANN001
     torch.set_num_threads(1)
     model, x, y, order = build(a)
@@ -85,6 +160,13 @@ def run_trainer(ps_rref: rpc.RRef, a, trank: int, trainers: int) -> None:  # noq
 
 
 def main() -> None:
+    style = "async"
+    if "--style" in sys.argv:  # plain_ddp.args() knows only the shared flags
+        at = sys.argv.index("--style")
+        style = sys.argv[at + 1]
+        del sys.argv[at : at + 2]
+    if style not in ("async", "tutorial"):
+        raise SystemExit(f"--style: unknown {style!r}; accepted: async, tutorial")
     a = args()
     torch.set_num_threads(1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -92,8 +174,10 @@ def main() -> None:
     rpc.init_rpc("ps" if rank == 0 else f"trainer{rank}", rank=rank, world_size=world,
                  rpc_backend_options=opts)  # fmt: skip
     if rank == 0:
-        ps_rref = rpc.RRef(BatchUpdatePS(a, world - 1))
-        futs = [rpc.rpc_async(f"trainer{r}", run_trainer, args=(ps_rref, a, r - 1, world - 1))
+        server, trainer = ((ParamRoundsPS, run_trainer_async) if style == "async"
+                           else (BatchUpdatePS, run_trainer))  # fmt: skip
+        ps_rref = rpc.RRef(server(a, world - 1))
+        futs = [rpc.rpc_async(f"trainer{r}", trainer, args=(ps_rref, a, r - 1, world - 1))
                 for r in range(1, world)]  # fmt: skip
         torch.futures.wait_all(futs)
     rpc.shutdown()

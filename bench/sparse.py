@@ -1,16 +1,24 @@
-"""Sparse embedding tables: PS-sparse vs allreduce-dense vs allreduce-sparse (docs/sparse.md).
+"""Sparse embedding tables: PS-sparse vs allreduce-sparse (and allreduce-dense) (docs/sparse.md).
 
 Runs the `recsys` workload (a `rows` x 64 table plus a 100k x 64 one, Zipf ids) with
 2 workers on this machine, three ways, and reports per step and per worker: bytes on
 the wire, samples/s (all workers), touched rows, and memory of the model per worker.
 
 - ps-sparse: 2 `psar server` shards + 2 `psar train --arch ps --mode sync` workers;
-  only the batch's rows are pulled and pushed (fp16 row gradients, fp16 dense wire).
-- allreduce-dense: DDP (gloo) as users run it today: the whole table's gradient is
-  allreduced every step (fp16 compression hook, same bytes per value as the PS).
-- allreduce-sparse: DDP with nn.EmbeddingBag(sparse=True): gloo allreduces sparse
-  gradients (index + value allgather). psar counts no bytes for those, so the figure
-  is an estimate: per rank, the rows of every rank's batch x (dim x 4 + 8) bytes.
+  only the batch's rows are pulled and pushed (fp32 on the wire, as DDP-sparse).
+- allreduce-sparse, **the baseline**: DDP with nn.EmbeddingBag(sparse=True), what a user
+  who knows the table is sparse writes: gloo allreduces sparse gradients (index + value
+  allgather). psar counts no bytes for those, so the figure is an estimate: per rank,
+  the rows of every rank's batch x (dim x 4 + 8) bytes. Every rank holds the whole table.
+- allreduce-dense: DDP (gloo) with dense gradients: the whole table's gradient is
+  allreduced every step (fp32); skipped above --dense-max-rows.
+TorchRec's row-wise sharding would be the next baseline; it is used only where it imports
+(`torchrec_available` in the output says whether it did here; it is not run yet).
+
+Rates are total samples over the window in which every worker trains, after each one's
+first steps (bench/common.py window_rate; `--run-dir` step logs). Goals (issue #19): at
+1M rows PS-sparse >= 1.0x DDP-sparse samples/s; at 10M rows PS-sparse >= 2x DDP-sparse,
+or DDP-sparse does not fit (`ddp_sparse_fits` says which, from this machine's memory).
 
     python bench/sparse.py --quick          # 100k rows, seconds
     python bench/sparse.py --out sparse.json  # 1M and 10M rows
@@ -30,6 +38,11 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench import common as c
 
 PSAR = [sys.executable, "-m", "worker.cli"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -140,9 +153,13 @@ def bench(rows: int, steps: int, batch: int, bag: int, timeout: float, dense_max
                     "--world-size",
                     str(WORLD),
                     "--wire-dtype",
-                    "fp16",
+                    "fp32",
+                    "--sparse-wire-dtype",  # rows in fp32 too: DDP-sparse's bytes per value
+                    "fp32",
                     "--report",
                     str(t / f"ps{r}.json"),
+                    "--run-dir",
+                    str(t / "ps"),
                 ]  # fmt: skip
                 for r in range(WORLD)
             ]
@@ -150,19 +167,20 @@ def bench(rows: int, steps: int, batch: int, bag: int, timeout: float, dense_max
         ps = json.loads((t / "ps0.json").read_text())
         out["ps_sparse"] = {
             "bytes_per_step": (ps["bytes_pushed"] + ps["bytes_pulled"]) / steps,
-            "samples_per_sec": ps["global_samples_per_sec"],
+            **_window(t / "ps", ps["global_samples_per_sec"]),
             "worker_model_bytes": ps["worker_param_bytes"],
             "final_loss": ps["final_train_loss"],
         }
-        for name, sparse, wire in (("allreduce_dense", "false", "fp16"),
-                                   ("allreduce_sparse", "true", "fp32")):  # fmt: skip
+        for name, sparse, wire in (("allreduce_sparse", "true", "fp32"),
+                                   ("allreduce_dense", "false", "fp32")):  # fmt: skip
             if sparse == "false" and rows > dense_max_rows:
                 out[name] = {"skipped": f"rows > --dense-max-rows {dense_max_rows} (memory)"}
                 continue
             tr = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD),
                   "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
                   "-m", "worker.cli", *common, "--arch", "allreduce", "--wire-dtype", wire,
-                  "--workload-option", f"sparse={sparse}", "--report", str(t / f"{name}.json")]  # fmt: skip
+                  "--workload-option", f"sparse={sparse}", "--report", str(t / f"{name}.json"),
+                  "--run-dir", str(t / name)]  # fmt: skip
             for attempt in range(2):
                 try:
                     _run([tr], timeout)
@@ -174,7 +192,7 @@ def bench(rows: int, steps: int, batch: int, bag: int, timeout: float, dense_max
             rep = json.loads((t / f"{name}.json").read_text())
             out[name] = {
                 "bytes_per_step": rep["bytes_allreduced"] / steps,
-                "samples_per_sec": rep["global_samples_per_sec"],
+                **_window(t / name, rep["global_samples_per_sec"]),
                 # weights + dense gradient of every table (DDP keeps both on every rank)
                 "worker_model_bytes": 2 * table_bytes if sparse == "false" else table_bytes,
                 "final_loss": rep["final_train_loss"],
@@ -188,13 +206,43 @@ def bench(rows: int, steps: int, batch: int, bag: int, timeout: float, dense_max
         dense_mlp = out["allreduce_sparse"]["bytes_per_step"] - table_bytes
         out["allreduce_sparse"]["bytes_per_step"] = sparse_est + max(0.0, dense_mlp)
         out["allreduce_sparse"]["bytes_is_estimate"] = True
-    d = out.get("allreduce_dense", {})
-    if "bytes_per_step" in d:
-        out["ps_vs_allreduce_dense"] = {
-            "bytes_ratio": d["bytes_per_step"] / out["ps_sparse"]["bytes_per_step"],
-            "speedup": out["ps_sparse"]["samples_per_sec"] / d["samples_per_sec"],
-        }
+    for name in ("allreduce_sparse", "allreduce_dense"):
+        d = out.get(name, {})
+        if "bytes_per_step" in d:
+            out[f"ps_vs_{name}"] = {
+                "bytes_ratio": d["bytes_per_step"] / out["ps_sparse"]["bytes_per_step"],
+                "speedup": out["ps_sparse"]["samples_per_sec"] / d["samples_per_sec"],
+            }
+    out["ddp_sparse_fits"] = _fits(table_bytes, out.get("allreduce_sparse", {}))
+    out["goal"] = _goal(rows, out)
     return out
+
+
+def _window(run_dir: Path, report_rate: float) -> dict:
+    """samples/s over the window every worker trains in (the report's whole-run figure too)."""
+    run = c.load_run(run_dir)
+    n = min(len(s.time) for s in run.series)
+    rate, window = c.window_rate(run, skip=c.warmup_steps(n))
+    return {"samples_per_sec": rate, "window_s": window, "report_samples_per_sec": report_rate}
+
+
+def _fits(table_bytes: int, run: dict) -> dict:
+    """Whether DDP-sparse fits: every rank holds the whole tables (weights; momentum 0)."""
+    need = WORLD * table_bytes
+    avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    failed = "error" in run and ("-9" in run["error"] or "MemoryError" in run["error"])
+    return {"bytes_all_ranks": need, "available_bytes_at_end": avail,
+            "fits": not failed, "oom": failed}  # fmt: skip
+
+
+def _goal(rows: int, out: dict) -> dict:
+    """Issue #19's goal for this table size, met or not."""
+    got = out.get("ps_vs_allreduce_sparse", {}).get("speedup")
+    need = 1.0 if rows < 10_000_000 else 2.0
+    if out["ddp_sparse_fits"]["oom"]:
+        return {"need_speedup": need, "speedup": None, "met": True, "why": "DDP-sparse did not fit"}
+    return {"need_speedup": need, "speedup": got, "met": got is not None and got >= need,
+            "why": "PS-sparse / DDP-sparse samples/s"}  # fmt: skip
 
 
 def main() -> int:
@@ -217,8 +265,11 @@ def main() -> int:
     steps, batch = (3, 512) if a.quick else (a.steps, a.batch)
     t0 = time.time()
     results = [bench(n, steps, batch, a.bag, a.timeout, a.dense_max_rows) for n in sizes]
+    import importlib.util
+
     doc = {"benchmark": "sparse", "quick": a.quick, "seconds": time.time() - t0,
-           "results": results}  # fmt: skip
+           "machine": c.machine(), "results": results,
+           "torchrec_available": importlib.util.find_spec("torchrec") is not None}  # fmt: skip
     text = json.dumps(doc, indent=2)
     print(text)
     if a.out:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from worker.compare import RUNS, TABLE_KEYS, main, smoothed, table, time_to
+from worker.compare import DEFAULT_RUNS, RUNS, TABLE_KEYS, main, smoothed, table, time_to
 
 
 def test_smoothed_is_a_trailing_mean_that_skips_non_finite_losses() -> None:
@@ -65,7 +65,7 @@ def test_compare_end_to_end_small(tmp_path: Path, capsys) -> None:
             "--eval-batches", "2", "--log-every", "5"]  # fmt: skip
     assert main(argv) == 0
     doc = json.loads((out / "compare.json").read_text())
-    assert list(doc["runs"]) == list(RUNS)
+    assert list(doc["runs"]) == list(DEFAULT_RUNS)
     assert doc["table_keys"] == list(TABLE_KEYS)
     assert math.isfinite(doc["target_loss"]) and not doc["target_given"]
     for name, row in doc["runs"].items():
@@ -84,3 +84,87 @@ def test_compare_end_to_end_small(tmp_path: Path, capsys) -> None:
     assert (out / "compare.md").exists()
     printed = capsys.readouterr().out
     assert f"time to loss<{doc['target_loss']:.4g} (s)" in printed
+
+
+# --- --repeats: mean ± 95% interval (issue #19) -----------------------------------------
+
+from worker import compare_repeats  # noqa: E402
+from worker.intervals import format_interval, mean_interval, t975  # noqa: E402
+
+
+def test_mean_interval_is_students_t() -> None:
+    mean, half = mean_interval([10.0, 12.0, 14.0])
+    assert mean == 12.0
+    assert half == pytest.approx(4.303 * 2.0 / math.sqrt(3))  # s = 2, df = 2
+    assert mean_interval([5.0, None, math.nan]) == (5.0, None)
+    assert mean_interval([]) is None
+    assert t975(11) == t975(10) and t975(1000) == 1.96
+    with pytest.raises(ValueError):
+        t975(0)
+
+
+def test_format_interval() -> None:
+    assert format_interval((1234.5, 56.7)) == "1,234 ± 57"
+    assert format_interval((0.51234, 0.0123), 3) == "0.512 ± 0.012"
+    assert format_interval((3.0, None)) == "3" and format_interval(None) == "-"
+
+
+def test_aggregate_means_intervals_and_each_repeat() -> None:
+    reps = [
+        dict.fromkeys(TABLE_KEYS) | {"exit_code": 0, "samples_per_sec": 100.0,
+                                     "time_to_target_s": 2.0, "final_train_loss": 0.5},
+        dict.fromkeys(TABLE_KEYS) | {"exit_code": 0, "samples_per_sec": 110.0,
+                                     "time_to_target_s": None, "final_train_loss": 0.7},
+        dict.fromkeys(TABLE_KEYS) | {"exit_code": 1, "samples_per_sec": 120.0,
+                                     "time_to_target_s": 4.0, "final_train_loss": 0.6},
+    ]  # fmt: skip
+    row = compare_repeats.aggregate(reps)
+    assert row["samples_per_sec"] == 110.0 and row["exit_code"] == 1
+    assert row["final_train_loss"] == pytest.approx(0.6)
+    assert row["samples_per_sec_interval"] == pytest.approx([110.0, 4.303 * 10 / math.sqrt(3)])
+    assert row["time_to_target_s_interval"] == pytest.approx([3.0, 12.706])  # s = sqrt(2), n = 2
+    assert row["time_to_target_reached"] == "2/3"
+    assert [r["samples_per_sec"] for r in row["repeats"]] == [100.0, 110.0, 120.0]
+    assert compare_repeats.aggregate(reps[:1]) is reps[0]  # one repeat: the row as before
+
+
+def test_table_prints_mean_plus_minus_half_width() -> None:
+    row = dict.fromkeys(TABLE_KEYS) | {"exit_code": 0, "samples_per_sec": 1000.0,
+                                       "samples_per_sec_interval": [1000.0, 25.0],
+                                       "time_to_target_s": 1.5,
+                                       "time_to_target_s_interval": [1.5, 0.2]}  # fmt: skip
+    doc = {"target_loss": 0.5, "target_given": True, "smooth_window": 10, "repeats": 3,
+           "runs": {"ps-sync": row},
+           "config": {"workload": "mlp", "workers": 2, "batch_size": 32, "steps": 5,
+                      "precision": "fp32", "seed": 0, "servers": 1, "staleness": 2,
+                      "straggler": {}}}  # fmt: skip
+    text = table(doc)
+    assert "| ps-sync | 1,000 ± 25 | 1.5 ± 0.2 |" in text
+    assert "3 times" in text and "95% interval" in text
+
+
+def test_repeats_must_be_positive(tmp_path: Path, capsys) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(["--repeats", "0", "--out", str(tmp_path)])
+    assert e.value.code == 2
+    assert "--repeats: must be a whole number >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_compare_repeats_end_to_end(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "rep"
+    argv = ["--steps", "6", "--workers", "2", "--out", str(out), "--smooth", "2",
+            "--eval-batches", "0", "--runs", "allreduce,ps-sync", "--repeats", "2"]  # fmt: skip
+    assert main(argv) == 0
+    doc = json.loads((out / "compare.json").read_text())
+    assert doc["repeats"] == 2
+    for name in ("allreduce", "ps-sync"):
+        row = doc["runs"][name]
+        each = [r["samples_per_sec"] for r in row["repeats"]]
+        assert len(each) == 2 and all(v > 0 for v in each)
+        mean, half = row["samples_per_sec_interval"]
+        assert mean == pytest.approx(sum(each) / 2) and half >= 0
+        assert row["time_to_target_reached"] == "2/2"
+        for rep in ("r1", "r2"):
+            assert (out / name / rep / "report-0.json").exists()
+    assert " ± " in capsys.readouterr().out

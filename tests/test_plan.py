@@ -279,7 +279,9 @@ EXAMPLE = [
 
 def test_json_keys_and_values(capsys: pytest.CaptureFixture[str]) -> None:
     d = run_json(capsys, *EXAMPLE, "--compute-ms", "120")
-    assert set(d) == {"allreduce", "ps", "winner", "reason", "inputs"}
+    assert set(d) == {
+        "allreduce", "ps", "winner", "reason", "byteps_bound_seconds", "margin", "inputs"
+    }  # fmt: skip
     common = {
         "bytes_sent_per_worker_per_step",
         "bytes_received_per_worker_per_step",
@@ -397,3 +399,120 @@ def test_table_is_aligned(capsys: pytest.CaptureFixture[str]) -> None:
     start = next(i for i, line in enumerate(lines) if "allreduce (ring)" in line)
     body = lines[start : lines.index("", start)]
     assert len({len(line) for line in body}) == 1  # right-aligned columns end together
+
+
+# --- shards on hosts of their own (--shard-hosts) and the BytePS bound (issue #19) -------
+
+
+def _ps(n: int, s: int, k: int | None, m_params: int = 1_000_000) -> tuple:
+    r = plan(
+        PlanInputs(
+            m_params, n, s, bandwidth_bytes_per_second=1e9, latency_seconds=0.0, shard_hosts=k
+        )
+    )
+    return r, 4 * m_params  # fp32: M bytes
+
+
+@pytest.mark.parametrize(("n", "k"), [(2, 0), (4, 0), (4, 2), (4, 4), (8, 0), (8, 4), (8, 8)])
+def test_byteps_bound_formula(n: int, k: int) -> None:
+    r, m = _ps(n, max(k, 1) if k else n, k)
+    assert r.byteps_bound_seconds == pytest.approx(2 * n * (n - 1) * m / ((n * n + k * n - 2 * k) * 1e9))
+
+
+def test_byteps_bound_ends_ring_and_m_over_b() -> None:
+    """K = 0 gives the ring's bandwidth term, K = N gives M/B: the 2(N-1)/N speed-up."""
+    for n in (2, 4, 8):
+        r0, m = _ps(n, n, 0)
+        assert r0.byteps_bound_seconds == pytest.approx(r0.allreduce.worker_comm.bandwidth_seconds)
+        rn, _ = _ps(n, n, n)
+        assert rn.byteps_bound_seconds == pytest.approx(m / 1e9)
+        assert r0.byteps_bound_seconds / rn.byteps_bound_seconds == pytest.approx(2 * (n - 1) / n)
+
+
+def test_default_shard_hosts_is_one_host_per_shard() -> None:
+    for n, s in ((4, 1), (4, 4), (8, 2)):
+        a, _ = _ps(n, s, None)
+        b, _ = _ps(n, s, s)
+        assert a.ps.comm_seconds_per_step == b.ps.comm_seconds_per_step
+        assert a.inputs.hosts_of_shards == s
+
+
+@pytest.mark.parametrize(("n", "s", "k"), [(4, 4, 2), (4, 8, 2), (8, 8, 4), (8, 3, 2)])
+def test_shards_sharing_hosts_load_the_busiest_host(n: int, s: int, k: int) -> None:
+    """K shard hosts: the busiest holds ceil(S/K) shards and takes N*M*ceil(S/K)/S each way."""
+    r, m = _ps(n, s, k)
+    busiest = -(-s // k)
+    shard = 2 * n * m * busiest / s / 1e9
+    assert r.ps.comm_seconds_per_step == pytest.approx(max(2 * m / 1e9, shard))
+
+
+@pytest.mark.parametrize(("n", "s"), [(2, 2), (4, 4), (8, 8), (4, 2), (4, 8), (8, 1)])
+def test_shards_on_worker_hosts(n: int, s: int) -> None:
+    """K = 0: in the push a host sends its gradient's off-host share and takes the other
+    workers' pieces for its shards; the pull mirrors it. One shard per host ties the ring."""
+    r, m = _ps(n, s, 0)
+    per_phase = []
+    for c in {s // n, -(-s // n)}:
+        per_phase.append(max(m * (s - c) / s, (n - 1) * m * c / s))
+    assert r.ps.comm_seconds_per_step == pytest.approx(2 * max(per_phase) / 1e9)
+    assert r.ps.bottleneck == "worker_nic"
+    if s == n:
+        assert r.ps.comm_seconds_per_step == pytest.approx(r.allreduce.comm_seconds_per_step)
+
+
+def test_shards_on_worker_hosts_one_worker_moves_nothing() -> None:
+    r, _ = _ps(1, 2, 0)
+    assert r.ps.comm_seconds_per_step == 0 and r.byteps_bound_seconds == 0
+
+
+def test_push_then_pull_ps_on_own_hosts_loses_to_the_ring_in_bandwidth() -> None:
+    """psar's sync PS pushes, then pulls: at K = N it needs 2M/B, above the ring's
+    2(N-1)/N*M/B, though BytePS's pipelined optimum is M/B (see docs/cost-model.md)."""
+    r, m = _ps(4, 4, 4)
+    assert r.ps.comm_seconds_per_step == pytest.approx(2 * m / 1e9)
+    assert r.allreduce.comm_seconds_per_step == pytest.approx(1.5 * m / 1e9)
+    assert r.winner == "allreduce"
+
+
+def test_shard_hosts_cli_json_and_table(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--params", "1M", "--workers", "4", "--servers", "4", "--bandwidth", "1GB/s"]
+    d = run_json(capsys, *argv, "--shard-hosts", "2")
+    assert d["winner"] in ("allreduce", "ps")  # the contract key stays
+    assert d["inputs"]["shard_hosts"] == 2 and d["inputs"]["hosts_of_shards"] == 2
+    assert d["byteps_bound_seconds"] == pytest.approx(2 * 4 * 3 * 4e6 / ((16 + 8 - 4) * 1e9))
+    assert d["ps"]["shard_comm_seconds_per_step"] == pytest.approx(2 * 5e-6 + 2 * 8e6 / 1e9)
+    assert main([*argv, "--shard-hosts", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "4 PS shards on the worker hosts" in out
+    assert "BytePS bound, N = 4, K = 0" in out
+    assert out.rstrip().splitlines()[-1].startswith(("allreduce wins", "ps wins"))
+
+
+@pytest.mark.parametrize("value", ["-1", "x", "1.5"])
+def test_shard_hosts_cli_rejects(value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(["--params", "1M", "--workers", "4", "--shard-hosts", value])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--shard-hosts" in err and ">= 0" in err
+
+
+def test_more_shard_hosts_than_shards_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(ValueError, match="between 0 .* and the number of shards"):
+        PlanInputs(1000, 4, 2, shard_hosts=3)
+    with pytest.raises(SystemExit) as e:
+        main(["--params", "1M", "--workers", "4", "--servers", "2", "--shard-hosts", "3"])
+    assert e.value.code == 2
+    assert "number of shards (2)" in capsys.readouterr().err
+
+
+def test_near_tie_is_called_one() -> None:
+    """K = 0 with one shard per worker host ties the ring on bandwidth; PS is ahead by
+    2(N-2) latencies only, so the verdict says to treat it as a tie (winner key unchanged)."""
+    r = plan(PlanInputs(1_863_690, 4, 4, bandwidth_bytes_per_second=1.25e8,
+                        latency_seconds=13e-6, compute_seconds=0.03, shard_hosts=0))  # fmt: skip
+    d = r.to_dict()
+    assert d["winner"] == "ps" and 0 < d["margin"] < 0.001
+    assert "treat it as a tie" in r.reason
+    far = plan(PlanInputs(1_863_690, 4, 1, bandwidth_bytes_per_second=1.25e8))
+    assert far.to_dict()["margin"] > 1 and "treat it as a tie" not in far.reason

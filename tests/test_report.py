@@ -129,3 +129,78 @@ def test_parser():
     p = report.build_parser()
     assert p.prog == "psar report"
     assert p.parse_args(["d"]).run_dir == Path("d")
+
+
+# --- smoothed curves and intervals (issue #19) ----------------------------------------
+
+
+def test_smooth_losses_is_a_trailing_mean_over_a_twentieth() -> None:
+    losses = [float(i % 2) for i in range(100)]  # 0, 1, 0, 1 ...: window 5
+    got = report.smooth_losses(losses)
+    assert got[0] == 0.0 and got[1] == 0.5
+    assert got[-1] == pytest.approx(sum(losses[-5:]) / 5)
+    assert report.smooth_losses([1.0, math.inf, 3.0], 2) == [1.0, 1.0, 2.0]
+    assert math.isnan(report.smooth_losses([math.nan])[0])
+
+
+@pytest.mark.skipif(not HAVE_MPL, reason="matplotlib not installed")
+def test_loss_plot_draws_raw_faint_and_smoothed_on_top(run_dir: Path, monkeypatch) -> None:
+    from matplotlib.axes import Axes
+
+    calls: list[dict] = []
+    real = Axes.plot
+
+    def spy(self, *args, **kw):  # noqa: ANN001, ANN202
+        calls.append(kw)
+        return real(self, *args, **kw)
+
+    monkeypatch.setattr(Axes, "plot", spy)
+    series, _ = report.load_run(run_dir)
+    report.write_plots(series, run_dir)
+    loss_calls = calls[: 2 * 2 * len(series)]  # two loss plots, raw + smoothed per series
+    raw = [k for k in loss_calls if k.get("alpha")]
+    smooth = [k for k in loss_calls if "label" in k]
+    assert len(raw) == len(smooth) == 2 * len(series)
+    assert all(k["alpha"] < 0.5 for k in raw)
+    assert all(k["color"] for k in smooth)  # the same colour as its raw curve
+
+
+def _compare_folder(path: Path, repeats: int) -> Path:
+    rows = {
+        "allreduce": {"samples_per_sec": 100.0, "samples_per_sec_interval": [100.0, 7.5],
+                      "time_to_target_s": 2.0, "time_to_target_s_interval": [2.0, 0.25]},
+        "ps-sync": {"samples_per_sec": 90.0, "samples_per_sec_interval": [90.0, None],
+                    "time_to_target_s": None, "time_to_target_s_interval": None},
+    }  # fmt: skip
+    path.mkdir()
+    (path / "compare.json").write_text(json.dumps({"runs": rows, "repeats": repeats}))
+    (path / "compare.md").write_text("# psar compare\n\n| run | samples/s |\n")
+    return path
+
+
+@pytest.mark.skipif(not HAVE_MPL, reason="matplotlib not installed")
+def test_report_on_a_compare_folder_draws_the_intervals(tmp_path: Path, capsys) -> None:
+    folder = _compare_folder(tmp_path / "cmp", 3)
+    assert report.main([str(folder)]) == 0
+    out = capsys.readouterr().out
+    assert "| run | samples/s |" in out and "intervals.png" in out
+    assert (folder / "intervals.png").stat().st_size > 0
+
+
+@pytest.mark.skipif(not HAVE_MPL, reason="matplotlib not installed")
+def test_interval_plot_error_bars_are_the_half_widths(tmp_path: Path, monkeypatch) -> None:
+    from matplotlib.axes import Axes
+
+    bars: list[tuple] = []
+    real = Axes.bar
+
+    def spy(self, x, height, *args, **kw):  # noqa: ANN001, ANN202
+        bars.append((list(x), list(height), list(kw["yerr"])))
+        return real(self, x, height, *args, **kw)
+
+    monkeypatch.setattr(Axes, "bar", spy)
+    rows = json.loads((_compare_folder(tmp_path / "c", 3) / "compare.json").read_text())["runs"]
+    assert report.write_interval_plot(rows, tmp_path / "i.png", repeats=3) == tmp_path / "i.png"
+    assert bars[0] == (["allreduce", "ps-sync"], [100.0, 90.0], [7.5, 0.0])
+    assert bars[1] == (["allreduce"], [2.0], [0.25])  # ps-sync never reached the target
+    assert report.write_interval_plot({"x": {}}, tmp_path / "none.png", repeats=1) is None

@@ -1,5 +1,6 @@
 """`psar compare`: one workload, seed, global batch and precision under allreduce, ps-sync,
-ps-async and ps-ssp, optionally with one emulated straggler; a side-by-side table.
+ps-async and ps-ssp (and, asked for, ps-local / allreduce-local: local SGD / DiLoCo every
+--sync-every steps), optionally with one emulated straggler; a side-by-side table.
 
 Each run is a `psar launch` job (worker.launch.run_job) writing into OUT/<run>/: the
 summaries (report-<rank>.json), the per-step logs (steps-<arch>-rank<R>.jsonl), the
@@ -21,7 +22,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from worker import report
+from worker import compare_repeats, report
+from worker.intervals import format_interval
 from worker.launch import LaunchSpec, add_launch_flags, auto_servers, launch
 
 RUNS: dict[str, tuple[str, str]] = {
@@ -29,7 +31,11 @@ RUNS: dict[str, tuple[str, str]] = {
     "ps-sync": ("ps", "sync"),
     "ps-async": ("ps", "async"),
     "ps-ssp": ("ps", "ssp"),
+    "ps-local": ("ps", "local"),
+    "allreduce-local": ("allreduce", "local"),
 }
+DEFAULT_RUNS = ("allreduce", "ps-sync", "ps-async", "ps-ssp")
+"""What --runs means when not given; the local-SGD runs (--sync-every) are asked for."""
 TABLE_KEYS = (
     "samples_per_sec",
     "time_to_target_s",
@@ -42,6 +48,10 @@ TABLE_KEYS = (
     "skipped_steps",
 )
 _OWN = ("--arch", "--mode", "--report", "--run-dir", "--metrics-port")
+#: The default workload's size when no --workload-option is given: big enough that the
+#: loss curves show a trend above the batch noise (the mlp's own 32-64-64 default on
+#: 4096 samples is done in ~1.5 s a run), near a minute for the four runs on a laptop.
+DEFAULT_MLP_OPTIONS = ("in_dim=256", "hidden=512", "samples=65536")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,12 +63,16 @@ def build_parser() -> argparse.ArgumentParser:
         "finished, 1 when one failed (its row says so), 2 on bad flags, 128+N on signal N.",
     )
     add_launch_flags(p, job=False)
-    p.add_argument("--steps", type=int, default=300, help="steps per worker (default: 300)")
+    p.add_argument("--steps", type=int, default=1000, help="steps per worker (default: 1000)")
     p.add_argument("--workload", default="mlp", help="(default: mlp)")
     p.add_argument("--precision", default="fp32", help="(default: fp32)")
-    p.add_argument("--batch-size", type=int, default=32, help="per worker (default: 32)")
+    p.add_argument("--batch-size", type=int, default=64, help="per worker (default: 64)")
     p.add_argument("--seed", type=int, default=0, help="(default: 0)")
-    p.add_argument("--runs", default=",".join(RUNS), help="subset of %(default)s")
+    p.add_argument("--runs", default=",".join(DEFAULT_RUNS),
+                   help=f"subset of {','.join(RUNS)} (default: %(default)s)")  # fmt: skip
+    p.add_argument("--sync-every", type=compare_repeats.positive_int, default=20, metavar="H",
+                   help="the *-local runs: psar train --mode local --sync-every H (local SGD / "
+                   "DiLoCo; other --outer-* flags pass through to every run) (default: 20)")  # fmt: skip
     p.add_argument("--target-loss", type=float, default=None, metavar="LOSS",
                    help="time-to-target threshold (default: 1.05 x the worst final "
                    "smoothed loss among the runs, so every run reaches it)")  # fmt: skip
@@ -68,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run folder (default: runs/compare-<timestamp>)")  # fmt: skip
     p.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS",
                    help="stop a run after this long (default: 600)")  # fmt: skip
+    p.add_argument("--repeats", type=compare_repeats.positive_int, default=1, metavar="N",
+                   help="run every configuration N times, in turn, and report samples/s and "
+                   "time to target as mean ± 95%% interval (default: 1)")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print compare.json instead of the table")
     return p
 
@@ -159,7 +176,8 @@ def table(doc: dict[str, Any]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, r in doc["runs"].items():
         stale = "/".join(_fmt(r[k]) for k in ("staleness_p50", "staleness_p99", "staleness_max"))
-        cells = [name, _fmt(r["samples_per_sec"]), _fmt(r["time_to_target_s"], 3),
+        cells = [name, format_interval(compare_repeats.interval_of(r, "samples_per_sec")),
+                 format_interval(compare_repeats.interval_of(r, "time_to_target_s"), 3),
                  _fmt(r["final_train_loss"]), _fmt(r["val_loss"]), stale,
                  _fmt(r["bytes_per_step"]), _fmt(r["skipped_steps"]), str(r["exit_code"])]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
@@ -175,6 +193,11 @@ def table(doc: dict[str, Any]) -> str:
         "workers' samples / job time. bytes/step: ps pushed+pulled, allreduce: gradient "
         "payload allreduced."
     )
+    if doc.get("repeats", 1) > 1:
+        lines.append(
+            f"Each run {doc['repeats']} times, in turn; samples/s and time to target: mean ± "
+            "half-width of the 95% interval (Student's t); the other columns are means."
+        )
     return "\n".join(lines)
 
 
@@ -189,50 +212,67 @@ def compare(args: argparse.Namespace, extra: list[str]) -> tuple[int, dict[str, 
     train = ["--workload", args.workload, "--steps", str(args.steps), "--precision",
              args.precision, "--batch-size", str(args.batch_size), "--seed", str(args.seed),
              *extra]  # fmt: skip
-    rows: dict[str, dict[str, Any]] = {}
+    if args.workload == "mlp" and not any(t.startswith("--workload-option") for t in extra):
+        train += [arg for o in DEFAULT_MLP_OPTIONS for arg in ("--workload-option", o)]
+    reps: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
     rank0_series = []
     t0 = time.perf_counter()
     code = 0
-    for i, name in enumerate(names, 1):
+    jobs = [(rep, name) for rep in range(args.repeats) for name in names]  # A B A B: fair drift
+    for i, (rep, name) in enumerate(jobs, 1):
         arch, mode = RUNS[name]
+        run_dir = compare_repeats.run_dir(out, name, rep, args.repeats)
         spec = LaunchSpec(arch=arch, mode=mode, servers=args.servers, workers=args.workers,
                           staleness=args.staleness, straggler=dict(args.straggler),
-                          timeout=args.timeout, train_args=list(train))  # fmt: skip
-        print(f"psar compare: [{i}/{len(names)}] {name} (log: {out / name / 'launch.log'})",
+                          timeout=args.timeout, train_args=[*train, *_mode_args(arch, mode, args)])  # fmt: skip
+        print(f"psar compare: [{i}/{len(jobs)}] {name} (log: {run_dir / 'launch.log'})",
               file=sys.stderr, flush=True)  # fmt: skip
-        result = run_job(spec, out / name)
-        rows[name] = metrics(result, args.smooth)
-        _plots(out / name, result)
-        rank0_series += [s for s in result["series"] if s.rank == 0]
+        result = run_job(spec, run_dir)
+        reps[name].append(metrics(result, args.smooth))
+        _plots(run_dir, result)
+        if rep == 0:
+            rank0_series += [s for s in result["series"] if s.rank == 0]
         c = result["exit_code"]
         print(f"psar compare: {name}: exit {c}, {result['launch_seconds']:.1f} s",
               file=sys.stderr, flush=True)  # fmt: skip
         if c:
-            tail = (out / name / "launch.log").read_text(errors="replace").splitlines()[-8:]
+            tail = (run_dir / "launch.log").read_text(errors="replace").splitlines()[-8:]
             print("\n".join(f"  | {line}" for line in tail), file=sys.stderr, flush=True)
         if c == 2 or c >= 128:  # bad flags (same for every run) or interrupted: stop here
-            return c, {"runs": rows}
+            return c, {"runs": {n: rs[-1] for n, rs in reps.items() if rs}}
         code = code or (1 if c else 0)
-    finals = [r["final_train_loss"] for r in rows.values() if r["final_train_loss"] is not None]
+    every = [r for rs in reps.values() for r in rs]
+    finals = [r["final_train_loss"] for r in every if r["final_train_loss"] is not None]
     target = args.target_loss
     if target is None:
         target = max(finals) + 0.05 * abs(max(finals)) if finals else math.nan
-    for r in rows.values():
+    for r in every:
         r["time_to_target_s"] = time_to(r, target)
         r.pop("_time", None)
         r.pop("_smooth", None)
+    rows = {name: compare_repeats.aggregate(rs) for name, rs in reps.items()}
     config = {k: getattr(args, k) for k in ("workload", "steps", "precision", "batch_size",
               "seed", "workers", "servers", "staleness")}  # fmt: skip
     config.update(straggler={str(k): v for k, v in args.straggler}, train_args=extra)
     doc = {"config": config, "target_loss": target, "target_given": args.target_loss is not None,
            "smooth_window": args.smooth, "table_keys": list(TABLE_KEYS), "runs": rows,
+           "repeats": args.repeats,
            "machine": f"{platform.machine()}, {_cpus()} CPUs, {platform.platform()}",
            "seconds": time.perf_counter() - t0, "out": str(out)}  # fmt: skip
     (out / "compare.json").write_text(json.dumps(doc, indent=2) + "\n")
     (out / "compare.md").write_text(f"# psar compare\n\n{table(doc)}\n")
     if rank0_series:
         _plots(out, {"series": rank0_series, "summaries": []})
+    try:
+        report.write_interval_plot(rows, out / "intervals.png", repeats=args.repeats)
+    except ImportError:
+        pass  # matplotlib is optional (psar[plots])
     return code, doc
+
+
+def _mode_args(arch: str, mode: str, args: argparse.Namespace) -> list[str]:
+    """What a run needs beyond launch's flags: --mode local's H."""
+    return ["--sync-every", str(args.sync_every)] if mode == "local" else []
 
 
 def _cpus() -> int:

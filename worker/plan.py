@@ -12,6 +12,7 @@ import json
 import sys
 from collections.abc import Callable, Sequence
 
+from worker.compare_repeats import positive_int
 from worker.plan_model import (
     DEFAULT_BUCKET_BYTES,
     DTYPE_BYTES,
@@ -52,13 +53,15 @@ def _flag_type(parse: Callable[[str], object], name: str) -> Callable[[str], obj
     return convert
 
 
-def _int_at_least_one(text: str) -> int:
+def _int_at_least_zero(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}")
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(
+            f"must be a whole number >= 0 (0: shards on the worker hosts), got {text!r}"
+        )
     return value
 
 
@@ -91,9 +94,15 @@ def build_parser() -> argparse.ArgumentParser:
         type=_flag_type(parse_params, "params"),
         help="parameter count: 500M, 1.5B, 7e9, 125k (B = billion here)",
     )
-    p.add_argument("--workers", required=True, type=_int_at_least_one, help="N workers (>= 1)")
+    p.add_argument("--workers", required=True, type=positive_int, help="N workers (>= 1)")
+    p.add_argument("--servers", default=1, type=positive_int, help="S PS shards (>= 1; default 1)")
     p.add_argument(
-        "--servers", default=1, type=_int_at_least_one, help="S PS shards (>= 1; default 1)"
+        "--shard-hosts",
+        default=None,
+        type=_int_at_least_zero,
+        metavar="K",
+        help="the shards run on K hosts of their own (1 <= K <= S); 0: on the worker hosts, "
+        "sharing their NICs (default: one host per shard, K = S)",
     )
     p.add_argument(
         "--bandwidth",
@@ -137,6 +146,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=_flag_type(parse_size, "bucket"),
         help="gradient bucket whose comm cannot overlap compute (default 25MiB, DDP's bucket_cap_mb)",
     )
+    p.add_argument(
+        "--sync-every",
+        default=1,
+        type=positive_int,
+        metavar="H",
+        help="workers synchronise once every H steps (psar train --mode local: local SGD / "
+        "DiLoCo); per-step bytes and times are one sync's divided by H (default 1: every step)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     return p
 
@@ -154,6 +171,8 @@ def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
         worker_weights=args.worker_weights,
         compute_seconds=args.compute_ms,
         bucket_bytes=args.bucket,
+        shard_hosts=args.shard_hosts,
+        sync_every=args.sync_every,
     )
 
 
@@ -208,12 +227,33 @@ def _rows(ar: ArchPlan, ps: ArchPlan) -> list[tuple[str, str, str]]:
     return rows
 
 
+def _placement(inp: PlanInputs) -> str:
+    k = inp.hosts_of_shards
+    if k == 0:
+        return "on the worker hosts"
+    if k == inp.servers:
+        return "on a host of its own" if k == 1 else "each on a host of its own"
+    return f"on {k} host{'s' if k != 1 else ''} of their own"
+
+
+def _bound_line(result: PlanResult) -> str:
+    """The BytePS optimum next to the ring, so the reader sees how much a PS could gain."""
+    inp = result.inputs
+    n, k, bound = inp.workers, inp.hosts_of_shards, result.byteps_bound_seconds
+    ring = result.allreduce.worker_comm.bandwidth_seconds
+    gain = f"; ring/bound = {ring / bound:.3g}x" if bound > 0 else ""
+    return (
+        f"BytePS bound, N = {n}, K = {k}: t = 2N(N-1)M / ((N^2 + KN - 2K) B) = "
+        f"{human_seconds(bound)} of bandwidth per step (ring {human_seconds(ring)}{gain})"
+    )
+
+
 def render_table(result: PlanResult) -> str:
     """Human-readable report: a header of the inputs, an aligned table, the verdict."""
     inp = result.inputs
     lines = [
         f"psar plan: {human_count(inp.params)} parameters, {inp.workers} workers, "
-        f"{inp.servers} PS shard{'s' if inp.servers != 1 else ''}",
+        f"{inp.servers} PS shard{'s' if inp.servers != 1 else ''} {_placement(inp)}",
         f"  wire {inp.wire_dtype}: M = {human_bytes(inp.wire_bytes)} per worker per step; "
         f"each NIC {_rate(inp.bandwidth_bytes_per_second)} each way (full duplex), "
         f"latency {human_seconds(inp.latency_seconds)}",
@@ -222,6 +262,14 @@ def render_table(result: PlanResult) -> str:
             f"compute {human_seconds(inp.compute_seconds)} per step; bucket {_size(inp.bucket_bytes)}"
             if inp.compute_seconds is not None
             else "no --compute-ms, so the winner is judged on comm time"
+        ),
+        *(
+            [
+                f"  --mode local: one sync every {inp.sync_every} steps; per-step figures are a "
+                "sync's divided by H (the sync itself is not overlapped)"
+            ]  # fmt: skip
+            if inp.sync_every > 1
+            else []
         ),
         "",
     ]
@@ -232,14 +280,20 @@ def render_table(result: PlanResult) -> str:
     w2 = max(len(r[2]) for r in rows)
     for label, a, p in rows:
         lines.append(f"  {label:<{w0}}  {a:>{w1}}  {p:>{w2}}".rstrip())
-    lines += ["", result.reason]
+    # The verdict stays the last line (scripts read it); the bound goes just above it.
+    lines += ["", _bound_line(result), result.reason]
     return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``psar plan``; bad flags exit 2 through argparse's SystemExit."""
-    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
-    result = plan(inputs_from_args(args))
+    parser = build_parser()
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    try:
+        inputs = inputs_from_args(args)
+    except ValueError as exc:  # flags fine one by one, not together (--shard-hosts > S)
+        parser.error(str(exc))
+    result = plan(inputs)
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
     else:

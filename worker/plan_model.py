@@ -6,13 +6,14 @@ model (a message of ``n`` bytes costs ``alpha + n / beta``) on full-duplex links
 no congestion, where every PS shard has a NIC of its own.
 
 Symbols used in comments and docstrings: P parameters, N workers, S PS shards,
-M = P x bytes of the wire dtype (one worker's gradient on the wire), alpha the
-latency, beta the bandwidth in bytes per second.
+K hosts the shards run on (0: on the worker hosts), M = P x bytes of the wire dtype
+(one worker's gradient on the wire), alpha the latency, beta the bandwidth in bytes
+per second.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from worker.plan_units import human_bytes, human_seconds
 
@@ -29,6 +30,11 @@ DEFAULT_BUCKET_BYTES = 25 * 2**20
 FP32 = 4
 
 
+def _ceil_div(a: int, b: int) -> int:
+    # Shards split unevenly when S does not divide P; the largest one must still fit.
+    return -(-a // b)
+
+
 @dataclass(frozen=True)
 class PlanInputs:
     """Everything the model needs; units are SI base units (bytes, seconds)."""
@@ -43,6 +49,12 @@ class PlanInputs:
     worker_weights: str = "fp32"
     compute_seconds: float | None = None
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    shard_hosts: int | None = None
+    """K hosts of their own the S shards are spread over; 0: on the worker hosts (one
+    NIC carries a worker's and its shards' traffic); None: one host per shard (K = S)."""
+    sync_every: int = 1
+    """H: workers communicate once every H steps (--mode local, local SGD / DiLoCo); 1:
+    every step. Per-step bytes and times are one sync's divided by H."""
 
     def __post_init__(self) -> None:
         # Validate here as well as in the CLI so library callers get the same checks.
@@ -58,6 +70,19 @@ class PlanInputs:
             raise ValueError("compute time must be >= 0")
         if self.bucket_bytes < 1:
             raise ValueError("bucket size must be >= 1 byte")
+        if self.sync_every < 1:
+            raise ValueError(f"sync every must be >= 1 step, got {self.sync_every}")
+        if self.shard_hosts is not None and not 0 <= self.shard_hosts <= self.servers:
+            raise ValueError(
+                f"shard hosts must be between 0 (shards on the worker hosts) and the number "
+                f"of shards ({self.servers}), got {self.shard_hosts}; a host without a shard "
+                f"carries nothing"
+            )
+
+    @property
+    def hosts_of_shards(self) -> int:
+        """K: the hosts of their own the shards use (S when not given; 0: worker hosts)."""
+        return self.servers if self.shard_hosts is None else self.shard_hosts
 
     @property
     def wire_bytes(self) -> int:
@@ -98,9 +123,37 @@ def ps_worker_comm(m: float, alpha: float, beta: float) -> Comm:
     return Comm(2 * alpha, 2 * m / beta)
 
 
-def ps_shard_comm(m: float, n: int, s: int, alpha: float, beta: float) -> Comm:
-    """A PS shard takes N*M/S in (the pushes), then sends N*M/S out (the pulls)."""
-    return Comm(2 * alpha, 2 * (n * m / s) / beta)
+def ps_shard_comm(m: float, n: int, s: int, alpha: float, beta: float, k: int = 0) -> Comm:
+    """A PS shard host takes N*M*l/S in (the pushes), then sends as much out (the pulls),
+    l = ceil(S/K) the shards on the busiest of K hosts (K = S when not given: l = 1)."""
+    per_host = _ceil_div(s, k) if k else 1
+    return Comm(2 * alpha, 2 * (n * m * per_host / s) / beta)
+
+
+def colocated_phase_bytes(m: float, n: int, s: int) -> float:
+    """Bytes on the busiest worker-host NIC, one direction, in one phase (push or pull)
+    when the S shards run on the N worker hosts (K = 0).
+
+    In the push phase a host with l of the shards sends M*(S-l)/S of its worker's
+    gradient off the host and receives (N-1)*M*l/S for its shards; the pull mirrors it.
+    Full duplex: the phase lasts as long as the larger direction on the busiest NIC.
+    """
+    if n == 1:
+        return 0.0  # worker and every shard share the one host: nothing crosses a NIC
+    lo, hi = s // n, _ceil_div(s, n)
+    return max(max(m * (s - c) / s, (n - 1) * m * c / s) for c in {lo, hi})
+
+
+def byteps_bound_seconds(m: float, n: int, k: int, beta: float) -> float:
+    """The optimum of BytePS (OSDI 2020) for N workers and K CPU hosts, all with
+    bandwidth beta: t = 2N(N-1)M / ((N^2 + KN - 2K) beta), bandwidth only.
+
+    K = 0 is the ring's 2(N-1)/N*M/beta; K = N is M/beta, each worker sending and
+    receiving its gradient once, both at the same time (full duplex, pipelined).
+    """
+    if n == 1:
+        return 0.0
+    return 2 * n * (n - 1) * m / ((n * n + k * n - 2 * k) * beta)
 
 
 def overlapped_step(compute: float, comm: float, tail: float) -> float:
@@ -225,11 +278,6 @@ def plan_allreduce(inp: PlanInputs) -> ArchPlan:
     )
 
 
-def _ceil_div(a: int, b: int) -> int:
-    # Shards split unevenly when S does not divide P; the largest one must still fit.
-    return -(-a // b)
-
-
 def plan_ps(inp: PlanInputs) -> ArchPlan:
     """Sync PS: shards own fp32 masters + optimizer state, workers only compute."""
     n, s, m = inp.workers, inp.servers, inp.wire_bytes
@@ -237,14 +285,23 @@ def plan_ps(inp: PlanInputs) -> ArchPlan:
     bucket = min(inp.bucket_bytes, m)
     states = OPTIMIZER_STATES[inp.optimizer]
     ww = DTYPE_BYTES[inp.worker_weights]
+    k = inp.hosts_of_shards
+
+    def sides(size: float) -> tuple[Comm, Comm]:
+        if k == 0:  # one NIC per worker host carries the worker's and its shards' bytes
+            nic = Comm(2 * alpha, 2 * colocated_phase_bytes(size, n, s) / beta)
+            return nic, nic
+        return ps_worker_comm(size, alpha, beta), ps_shard_comm(size, n, s, alpha, beta, k)
+
     # The tail applies the same worker/shard formulas to one bucket spread over S shards.
-    tail_w, tail_s = ps_worker_comm(bucket, alpha, beta), ps_shard_comm(bucket, n, s, alpha, beta)
+    worker, shard = sides(m)
+    tail_w, tail_s = sides(bucket)
     return ArchPlan(
         name="ps",
         bytes_sent_per_worker_per_step=float(m),
         bytes_received_per_worker_per_step=float(m),
-        worker_comm=ps_worker_comm(m, alpha, beta),
-        shard_comm=ps_shard_comm(m, n, s, alpha, beta),
+        worker_comm=worker,
+        shard_comm=shard,
         bytes_received_per_shard_per_step=n * m / s,
         bytes_sent_per_shard_per_step=n * m / s,
         # Autograd makes gradients in the dtype of the weights they belong to.
@@ -272,16 +329,27 @@ class PlanResult:
     winner: str
     reason: str
 
+    @property
+    def byteps_bound_seconds(self) -> float:
+        """BytePS's optimal comm time for these N, M, beta and K = the shard hosts."""
+        inp = self.inputs
+        return byteps_bound_seconds(
+            inp.wire_bytes, inp.workers, inp.hosts_of_shards, inp.bandwidth_bytes_per_second
+        )
+
     def to_dict(self) -> dict[str, object]:
         inputs = asdict(self.inputs)
         inputs["wire_bytes_per_param"] = DTYPE_BYTES[self.inputs.wire_dtype]
         inputs["model_bytes_on_wire"] = self.inputs.wire_bytes
         inputs["optimizer_states_per_param"] = OPTIMIZER_STATES[self.inputs.optimizer]
+        inputs["hosts_of_shards"] = self.inputs.hosts_of_shards
         return {
             "allreduce": self.allreduce.to_dict(),
             "ps": self.ps.to_dict(),
             "winner": self.winner,
             "reason": self.reason,
+            "byteps_bound_seconds": self.byteps_bound_seconds,
+            "margin": margin(self.allreduce, self.ps),
             "inputs": inputs,
         }
 
@@ -290,6 +358,18 @@ def _score(arch: ArchPlan) -> float:
     """What the winner is judged on: overlapped step time if known, else comm time."""
     step = arch.step_seconds_overlap
     return arch.comm_seconds_per_step if step is None else step
+
+
+#: Below this relative difference of the two predictions the verdict says it is a
+#: near-tie: shards on the worker hosts (K = 0) tie the ring on bandwidth by design and
+#: "win" by a few latencies, far less than what the model leaves out (CPU, framing).
+CLOSE_CALL = 0.05
+
+
+def margin(ar: ArchPlan, ps: ArchPlan) -> float:
+    """Relative difference of the two scores: |a - p| / min(a, p) (0 when both are 0)."""
+    a, p = _score(ar), _score(ps)
+    return abs(a - p) / min(a, p) if min(a, p) > 0 else 0.0
 
 
 def _ratio(n: int, s: int) -> str:
@@ -309,10 +389,28 @@ def _comm_reason(inp: PlanInputs, ar: ArchPlan, ps: ArchPlan) -> str:
             f"the ring's bandwidth saving at this message size"
         )
     if ps.bottleneck == "shard_nic":
+        k = inp.hosts_of_shards
+        if k != s:  # several shards share a host's NIC
+            per = ps.shard_comm.bandwidth_seconds * inp.bandwidth_bytes_per_second / 2
+            return (
+                f"the busiest of the K = {k} shard hosts' NICs must carry "
+                f"{human_bytes(per)} in and again out per step (N*M*ceil(S/K)/S), while the ring "
+                f"spreads the load so each worker sends only 2(N-1)/N*M = "
+                f"{human_bytes(ar.bytes_sent_per_worker_per_step)}"
+            )
         return (
             f"each PS shard's NIC must carry N*M/S = {human_bytes(n * m / s)} in and again out "
             f"per step ({_ratio(n, s)} workers per shard), while the ring spreads the load so each "
             f"worker sends only 2(N-1)/N*M = {human_bytes(ar.bytes_sent_per_worker_per_step)}"
+        )
+    if inp.hosts_of_shards == 0:
+        return (
+            f"with the shards on the worker hosts each NIC carries "
+            f"{human_bytes(ps.worker_comm.bandwidth_seconds * inp.bandwidth_bytes_per_second / 2)}"
+            f" each way in the push and again in the pull "
+            f"({human_seconds(ps.worker_comm.bandwidth_seconds)} on the wire), no less than the "
+            f"ring's {human_seconds(ar.worker_comm.bandwidth_seconds)}, and the ring's "
+            f"{2 * (n - 1)} latency rounds cost only {human_seconds(ar.worker_comm.latency_seconds)}"
         )
     return (
         f"PS workers push M then pull M one after the other "
@@ -355,8 +453,61 @@ def choose_winner(inp: PlanInputs, ar: ArchPlan, ps: ArchPlan) -> tuple[str, str
     )
 
 
+def every_h_steps(arch: ArchPlan, inp: PlanInputs) -> ArchPlan:
+    """--mode local: one sync (the same bytes as a step's) every H steps, so each step
+    carries 1/H of it. The sync runs after the H-th backward, with nothing to overlap,
+    so the whole of it is the exposed tail. Workers also keep their inner optimizer's
+    state and the anchor weights (fp32 each); the outer optimizer (Nesterov: one fp32
+    state per parameter) lives where the update runs: on the shards, or on every rank."""
+    h = inp.sync_every
+    if h == 1:
+        return arch
+
+    def per_step(c: Comm | None) -> Comm | None:
+        return None if c is None else Comm(c.latency_seconds / h, c.bandwidth_seconds / h)
+
+    def div(x: float | None) -> float | None:
+        return None if x is None else x / h
+
+    worker = per_step(arch.worker_comm)
+    assert worker is not None
+    inner = OPTIMIZER_STATES[inp.optimizer] * FP32 * inp.params
+    anchor_and_outer = 2 * FP32 * inp.params if arch.memory_per_shard is None else FP32 * inp.params
+    mem = arch.memory_per_worker
+    shard_mem = arch.memory_per_shard
+    if shard_mem is not None:  # the shards hold the masters and the outer momentum only
+        shard_mem = replace(shard_mem, optimizer_state=_ceil_div(FP32 * inp.params, inp.servers))
+    shard = per_step(arch.shard_comm)
+    return replace(
+        arch,
+        bytes_sent_per_worker_per_step=arch.bytes_sent_per_worker_per_step / h,
+        bytes_received_per_worker_per_step=arch.bytes_received_per_worker_per_step / h,
+        worker_comm=worker,
+        shard_comm=shard,
+        bytes_received_per_shard_per_step=div(arch.bytes_received_per_shard_per_step),
+        bytes_sent_per_shard_per_step=div(arch.bytes_sent_per_shard_per_step),
+        memory_per_worker=replace(
+            mem,
+            weights=max(mem.weights, FP32 * inp.params),  # the inner steps need fp32 weights
+            optimizer_state=inner + anchor_and_outer,
+        ),
+        memory_per_shard=shard_mem,
+        tail_comm=max(worker, shard or worker, key=lambda c: c.seconds),
+    )
+
+
 def plan(inp: PlanInputs) -> PlanResult:
     """Predict both architectures for ``inp`` and pick the winner."""
     ar, ps = plan_allreduce(inp), plan_ps(inp)
+    ar, ps = every_h_steps(ar, inp), every_h_steps(ps, inp)
     winner, reason = choose_winner(inp, ar, ps)
+    if inp.sync_every > 1:
+        reason += f" (Sizes in this sentence are per sync; one comes every {inp.sync_every} steps.)"
+    close = margin(ar, ps)
+    if 0 < close < CLOSE_CALL and not reason.startswith("tie"):
+        reason += (
+            f" The margin is only {100 * close:.2g}%, less than what the model leaves out "
+            f"(CPU time, framing, stragglers): treat it as a tie, where allreduce needs no "
+            f"server machines."
+        )
     return PlanResult(inputs=inp, allreduce=ar, ps=ps, winner=winner, reason=reason)

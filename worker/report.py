@@ -24,11 +24,36 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["RankSeries", "build_parser", "load_run", "main", "summarize", "write_plots"]
+from worker.report_intervals import report_compare, write_interval_plot
+
+__all__ = [
+    "RankSeries",
+    "build_parser",
+    "load_run",
+    "main",
+    "smooth_losses",
+    "summarize",
+    "write_interval_plot",
+    "write_plots",
+]
 
 #: Steps in the sliding window of the samples/s-over-time plot: one step is too noisy
 #: (a barrier stall reads as zero throughput), the whole run hides slowdowns.
 RATE_WINDOW = 10
+
+
+def smooth_losses(losses: Sequence[float], window: int | None = None) -> list[float]:
+    """Trailing mean of the finite losses over `window` steps (default: a twentieth of
+    the run, 1 to 50 steps), so a curve shows the trend under per-batch noise."""
+    if window is None:
+        window = max(1, min(50, len(losses) // 20))
+    out: list[float] = []
+    buf: list[float] = []
+    for v in losses:
+        if math.isfinite(v):
+            buf = (buf + [v])[-window:]
+        out.append(sum(buf) / len(buf) if buf else math.nan)
+    return out
 
 
 @dataclass
@@ -270,8 +295,15 @@ def write_plots(series: list[RankSeries], out_dir: Path) -> list[Path]:
         fig = Figure(figsize=(8, 5))
         ax = fig.add_subplot()
         for s in series:
-            ax.plot(getattr(s, xattr), finite(s.loss), label=s.label, linewidth=1)
-        ax.set(xlabel=xlabel, ylabel="training loss", title=f"loss vs {xattr}")
+            # Raw per-step losses faint behind, the trailing mean in the same colour on top.
+            (raw,) = ax.plot(getattr(s, xattr), finite(s.loss), linewidth=0.6, alpha=0.25)
+            ax.plot(getattr(s, xattr), smooth_losses(s.loss), label=s.label, linewidth=1.5,
+                    color=raw.get_color())  # fmt: skip
+        ax.set(
+            xlabel=xlabel,
+            ylabel="training loss (raw faint, trailing mean solid)",
+            title=f"loss vs {xattr}",
+        )
         if all(v > 0 for s in series for v in s.loss if math.isfinite(v)):
             ax.set_yscale("log")
         save(fig, name)
@@ -325,6 +357,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"psar report: error: {run_dir} is not a directory", file=sys.stderr)
         return 2
     series, summaries = load_run(run_dir)
+    if not series and (run_dir / "compare.json").is_file():
+        return report_compare(run_dir, plots=not args.no_plots)
     if not series:
         print(
             f"psar report: error: no steps-*.jsonl in {run_dir}; "

@@ -1,0 +1,227 @@
+"""The crossover on emulated hosts: n workers, k shard hosts, each host its own shaped NIC.
+
+`python -m bench.links --grid small|full` (issue #19). Every worker and every shard host
+is a network namespace with one veth NIC shaped both ways by tc (tbf) to the link rate,
+as in bench/links.py. Per cell (n workers, k shard hosts, link rate):
+
+* **ps-sync**: k = 0 puts n shards on the worker hosts (shard i on worker i's host, so a
+  NIC carries a worker's and a shard's bytes); k > 0 puts k shards on k hosts of their own.
+* **allreduce**: `psar train --arch allreduce` (DDP, gloo), one rank per worker host. It
+  does not depend on k, so one run per (n, link) serves the cells of every k.
+
+Compute is emulated (`psar train --emulate-compute-ms C`: each step's forward+backward
+padded with a sleep to C ms, before the last backward, so neither design hides its
+communication behind it), with a small batch so the real compute of 8 workers on 2 cores
+stays under C. A rate is total samples over the window in which every worker trains
+(after each one's warm-up steps): c.window_rate. The measured step is n x batch / rate.
+
+`psar plan --servers S --shard-hosts K --compute-ms C --bandwidth R --latency L` then
+predicts each cell: `step_seconds_no_overlap` (C + comm; nothing overlaps the padded
+compute), the winner, and the BytePS bound 2n(n-1)M/((n^2+kn-2k)B) with its gain over the
+ring's bandwidth term. Goals: the plan's winner is the measured winner in every cell, each
+predicted step within +-20% of the measured one.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from bench import common as c
+
+TOLERANCE = 0.20
+GRIDS = {
+    # small: the cell the issue's 1.3x goal names, and its k = 0 and k = n/2 neighbours.
+    "small": {"workers": (4,), "mbit": (1000.0,)},
+    "full": {"workers": (2, 4, 8), "mbit": (1000.0, 10000.0)},
+}
+HIDDEN = 1024
+IN_DIM = 784
+BATCH = 16
+#: PS slots of 1/8 MiB: the plan assumes every shard holds P/S parameters, and psar's
+#: default 4 MiB chunks put 4 of this model's 7.5 MB on one shard (and none on some of 8).
+CHUNK_MIB = 0.125
+
+
+def params(in_dim: int = IN_DIM, hidden: int = HIDDEN) -> int:
+    """Parameters of psar's `mlp` workload: in -> hidden -> hidden -> 10, with biases."""
+    return in_dim * hidden + hidden + hidden * hidden + hidden + hidden * 10 + 10
+
+
+def shard_counts(n: int) -> list[int]:
+    """k in {0, n/2, n} (n/2 rounded up, duplicates dropped)."""
+    return sorted({0, -(-n // 2), n})
+
+
+def train_args(steps: int, compute_ms: float) -> list[str]:
+    return [*c.REF_WORKLOAD, "--batch-size", str(BATCH), "--optimizer", "sgd", "--momentum",
+            "0.9", "--lr", "0.05", "--precision", "fp32", "--threads", "1", "--log-every", "0",
+            "--eval-batches", "0", "--steps", str(steps),
+            "--emulate-compute-ms", f"{compute_ms:g}"]  # fmt: skip
+
+
+def plan_cell(n: int, s: int, k: int, mbit: float, latency_us: float, compute_ms: float) -> dict:
+    argv = [*c.PSAR, "plan", "--params", str(params()), "--workers", str(n), "--servers", str(s),
+            "--shard-hosts", str(k), "--bandwidth", f"{mbit:g}Mbit/s",
+            "--latency", f"{latency_us:.1f}us", "--optimizer", "sgd-momentum",
+            "--wire-dtype", "fp32", "--compute-ms", f"{compute_ms:.3f}", "--json"]  # fmt: skip
+    p = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=c.ROOT)
+    if p.returncode != 0:
+        raise c.BenchError(f"psar plan failed: {p.stderr}")
+    return json.loads(p.stdout)
+
+
+def cluster_rate(run: c.Run) -> dict[str, float]:
+    """Samples/s over the window every worker trains in, after each one's warm-up."""
+    rate, window = c.window_rate(run, skip=c.warmup_steps(min(len(s.time) for s in run.series)))
+    return {"samples_per_sec": rate, "window_s": window, "median_rate": c.robust_rate(run)}
+
+
+def run_cell_jobs(out: Path, args: Any, lan: Any, n: int, mbit: float) -> dict[str, Any]:
+    """allreduce once, ps-sync for every k, on the shaped LAN; rates per job."""
+    workers = [lan[f"w{r}"] for r in range(n)]
+    train = train_args(args.steps, args.compute_ms)
+    d = out / f"n{n}-{mbit:g}mbit"
+    jobs: dict[str, Any] = {}
+    c.log(f"links grid: n={n} {mbit:g} Mbit/s allreduce")
+    try:
+        ar = c.ddp_job(d / "allreduce", workers=n, hosts=workers, timeout=args.timeout,
+                       py_args=[*c.psar_train_args(d / "allreduce"), *train])  # fmt: skip
+        jobs["allreduce"] = cluster_rate(ar)
+    except c.BenchError as e:  # one failed job costs its cells, not the whole grid
+        jobs["allreduce"] = {"error": str(e)[-2000:]}
+    for k in shard_counts(n):
+        s = n if k == 0 else k
+        hosts = workers if k == 0 else [lan[f"s{i}"] for i in range(k)]
+        c.log(f"links grid: n={n} {mbit:g} Mbit/s ps-sync, {s} shards on k={k} hosts")
+        try:
+            run = c.ps_job(d / f"ps-k{k}", workers=n, shards=s, mode="sync",
+                           train=[*train, "--chunk-mib", str(CHUNK_MIB)], timeout=args.timeout,
+                           shard_hosts=hosts, worker_hosts=workers)  # fmt: skip
+            jobs[f"ps-k{k}"] = {"shards": s, **cluster_rate(run)}
+        except c.BenchError as e:
+            jobs[f"ps-k{k}"] = {"shards": s, "error": str(e)[-2000:]}
+    return jobs
+
+
+def cells(n: int, mbit: float, link: dict, jobs: dict, compute_ms: float) -> list[dict]:
+    """One row per k: measured rates, their ratio, the plan's prediction and the bound."""
+    rows = []
+    ar = jobs["allreduce"]
+    for k in shard_counts(n):
+        ps = jobs[f"ps-k{k}"]
+        if "error" in ps or "error" in ar:
+            rows.append({"workers": n, "shard_hosts": k, "shards": ps["shards"], "mbit": mbit,
+                         "error": ps.get("error") or ar["error"]})  # fmt: skip
+            continue
+        ar_step = n * BATCH / ar["samples_per_sec"]
+        # The plan's bandwidth is the link's measured TCP goodput (tbf counts the frames'
+        # headers too), the best of 5 transfers: a slower one met other load on the CPU.
+        # Its latency is half the measured round trip.
+        bw = link["gbps_best"] * 8e3
+        pred = plan_cell(n, ps["shards"], k, bw, link["rtt_us"] / 2, compute_ms)
+        ps_step = n * BATCH / ps["samples_per_sec"]
+        p_ps = pred["ps"]["step_seconds_no_overlap"]
+        p_ar = pred["allreduce"]["step_seconds_no_overlap"]
+        measured_winner = "ps" if ps["samples_per_sec"] > ar["samples_per_sec"] else "allreduce"
+        ring_bw = pred["allreduce"]["comm_bandwidth_seconds_per_step"]
+        bound = pred["byteps_bound_seconds"]
+        rows.append({
+            "workers": n, "shard_hosts": k, "shards": ps["shards"], "mbit": mbit,
+            "ps_samples_per_sec": ps["samples_per_sec"],
+            "allreduce_samples_per_sec": ar["samples_per_sec"],
+            "ps_over_allreduce": ps["samples_per_sec"] / ar["samples_per_sec"],
+            "ps_window_s": ps["window_s"], "allreduce_window_s": ar["window_s"],
+            "ps_median_rate": ps["median_rate"], "allreduce_median_rate": ar["median_rate"],
+            "byteps_bound_ms": 1e3 * bound,
+            "byteps_bound_gain": ring_bw / bound if bound else None,
+            "ps_step_ms": 1e3 * ps_step, "ps_plan_step_ms": 1e3 * p_ps,
+            "ps_step_ratio": ps_step / p_ps,
+            "allreduce_step_ms": 1e3 * ar_step, "allreduce_plan_step_ms": 1e3 * p_ar,
+            "allreduce_step_ratio": ar_step / p_ar,
+            "plan_winner": pred["winner"], "measured_winner": measured_winner,
+            "winner_right": pred["winner"] == measured_winner,
+            "plan_margin": abs(p_ps - p_ar) / min(p_ps, p_ar),
+            "within_20pct": max(abs(ps_step / p_ps - 1), abs(ar_step / p_ar - 1)) <= TOLERANCE,
+        })  # fmt: skip
+    return rows
+
+
+def measure(out: Path, args: Any, netns: Any) -> dict[str, Any]:
+    from bench.links import probe_link, shape_all
+
+    grid = dict(GRIDS[args.grid])
+    if getattr(args, "bandwidths", None):  # e.g. a slower link, where the CPU matters less
+        grid["mbit"] = tuple(float(x) for x in str(args.bandwidths).split(","))
+    if getattr(args, "grid_workers", None):
+        grid["workers"] = tuple(int(x) for x in str(args.grid_workers).split(","))
+    rows, links = [], []
+    for n in grid["workers"]:
+        names = [*(f"w{r}" for r in range(n)), *(f"s{i}" for i in range(n))]
+        with netns.lan(names) as lan:  # namespaces named psar<pid>-<counter>-<host>: unique
+            for mbit in grid["mbit"]:
+                shape_all(netns, lan, mbit, 0.0)
+                with c.Procs(out / f"probe-n{n}-{mbit:g}") as procs:
+                    link = {"workers": n, "mbit": mbit,
+                            **probe_link(procs, lan["w0"], lan["s0"], 16 << 20, 5)}  # fmt: skip
+                c.log(f"links grid: {mbit:g} Mbit/s: TCP {link['gbps']:.3f} GB/s, "
+                      f"rtt {link['rtt_us']:.0f} us")  # fmt: skip
+                links.append(link)
+                jobs = run_cell_jobs(out, args, lan, n, mbit)
+                rows += cells(n, mbit, link, jobs, args.compute_ms)
+                # What is measured so far survives a later failure or a kill.
+                (out / "cells-so-far.json").write_text(json.dumps(rows, indent=1) + "\n")
+    failed = [r for r in rows if "error" in r]
+    rows = [r for r in rows if "error" not in r]
+    goal = [r for r in rows if (r["workers"], r["shard_hosts"], r["mbit"]) == (4, 4, 1000.0)]
+    return {
+        "grid": args.grid, "grid_workers": list(grid["workers"]), "grid_mbit": list(grid["mbit"]),
+        "steps": args.steps, "compute_ms": args.compute_ms, "batch": BATCH,
+        "params": params(), "chunk_mib": CHUNK_MIB, "links": links, "cells": rows,
+        "failed_cells": failed,
+        "plan_winner_right_everywhere": all(r["winner_right"] for r in rows),
+        "all_within_20pct": all(r["within_20pct"] for r in rows),
+        "n4_k4_1gbit_ps_over_allreduce": goal[0]["ps_over_allreduce"] if goal else None,
+        "k0_ps_not_faster": all(r["ps_over_allreduce"] <= 1.0 for r in rows
+                                if r["shard_hosts"] == 0),
+    }  # fmt: skip
+
+
+def table(doc: dict[str, Any]) -> str:
+    if "skipped" in doc:
+        return f"## The crossover on emulated hosts\n\nSkipped: {doc['skipped']}"
+    head = ["n", "k", "link", "ps-sync samples/s", "allreduce samples/s", "ps/allreduce",
+            "BytePS bound ms (gain)", "ps step ms (plan)", "allreduce step ms (plan)",
+            "plan winner (margin)", "measured winner", "within 20%"]  # fmt: skip
+    rows = [[r["workers"], r["shard_hosts"], f"{r['mbit'] / 1e3:g} Gbit/s",
+             r["ps_samples_per_sec"], r["allreduce_samples_per_sec"], r["ps_over_allreduce"],
+             f"{r['byteps_bound_ms']:.3g} ({c.fmt(r['byteps_bound_gain'])}x)",
+             f"{r['ps_step_ms']:.0f} ({r['ps_plan_step_ms']:.0f})",
+             f"{r['allreduce_step_ms']:.0f} ({r['allreduce_plan_step_ms']:.0f})",
+             f"{r['plan_winner']} ({100 * r['plan_margin']:.1f}%)", r["measured_winner"],
+             r["within_20pct"]]
+            for r in doc["cells"]]  # fmt: skip
+    rtt = ", ".join(f"{x['rtt_us']:.0f}" for x in doc["links"])
+    gput = ", ".join(f"{x['gbps_best']:.3f}" for x in doc["links"])
+    yes = lambda b: "yes" if b else "no"  # noqa: E731
+    failed = "".join(
+        f"\n\nFailed: n={r['workers']} k={r['shard_hosts']} {r['mbit']:g} Mbit/s: "
+        f"{r['error'].splitlines()[-1][:300]}"
+        for r in doc.get("failed_cells", [])
+    )
+    return (
+        "## The crossover on emulated hosts (n workers, k shard hosts)\n\n"
+        + c.md_table(head, rows)
+        + f"\n\nGrid `{doc['grid']}`; MLP {IN_DIM}-{HIDDEN}-{HIDDEN}-10 ({doc['params']:,} "
+        f"fp32 parameters), batch {doc['batch']} per worker, SGD momentum, {doc['steps']} steps, "
+        f"compute emulated at {doc['compute_ms']:g} ms per step; k = 0: n shards on the worker "
+        f"hosts, else k shards on k hosts of their own (slots of {doc['chunk_mib']:g} MiB). "
+        f"Rates: total samples over the window "
+        f"every worker trains in. Plan bandwidth = the measured TCP goodput "
+        f"({gput} GB/s), latency = half the measured TCP round trip ({rtt} us). "
+        f"Plan's winner right in every cell: **{yes(doc['plan_winner_right_everywhere'])}**; "
+        f"every predicted step within +-20%: **{yes(doc['all_within_20pct'])}**; "
+        f"at k = 0 ps-sync no faster than allreduce: **{yes(doc['k0_ps_not_faster'])}**." + failed
+    )

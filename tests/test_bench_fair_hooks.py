@@ -1,0 +1,69 @@
+"""Fair comparisons (issue #19): DDP moves gradients in the dtype the PS pushes, with
+torch's own compression hooks wherever torch allows them, and the hooks reduce right."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+from allreduce.hooks import register_wire_dtype
+
+
+class _FakeDDP:
+    """What register_wire_dtype reads of a DDP module: its parameters and the hook call."""
+
+    def __init__(self) -> None:
+        self.module = torch.nn.Linear(2, 2)
+        self.hooks: list = []
+
+    def register_comm_hook(self, state: object, hook: object) -> None:
+        self.hooks.append(hook)
+
+
+def test_fp16_uses_torchs_own_hook_on_cpu() -> None:
+    ddp = _FakeDDP()
+    register_wire_dtype(ddp, torch.float16)  # type: ignore[arg-type]
+    assert ddp.hooks == [default_hooks.fp16_compress_hook]
+
+
+def test_bf16_on_cpu_gets_an_equivalent_hook_and_fp32_none() -> None:
+    ddp = _FakeDDP()
+    register_wire_dtype(ddp, torch.bfloat16)  # type: ignore[arg-type]
+    assert len(ddp.hooks) == 1 and ddp.hooks[0] is not default_hooks.bf16_compress_hook
+    ddp = _FakeDDP()
+    register_wire_dtype(ddp, torch.float32)  # type: ignore[arg-type]
+    assert ddp.hooks == []
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_hooks_average_gradients_in_a_real_gloo_group(dtype: torch.dtype) -> None:
+    """A one-rank gloo group: the gradient comes back as the mean (itself), rounded
+    through the wire dtype, for both torch's fp16 hook and the bf16 one."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(8, 4)
+        ref = torch.nn.Linear(8, 4)
+        ref.load_state_dict(model.state_dict())
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        register_wire_dtype(ddp, dtype)
+        x = torch.randn(5, 8)
+        ddp(x).sum().backward()
+        ref(x).sum().backward()
+        want = ref.weight.grad.to(dtype).float()
+        assert torch.equal(model.weight.grad, want)
+        assert model.weight.grad.dtype == torch.float32
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,131 @@
+"""bench/links_grid.py (issue #19's crossover): the window rate after warm-up, the grid,
+each cell's arithmetic against `psar plan` itself, the table, and (slow) a real run of
+the small grid on network namespaces. No test asserts a time or a ratio of a real run."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench import common as c
+from bench import links_grid as g
+from worker.plan_model import PlanInputs, plan
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _steps(path: Path, rank: int, start: float, times: list[float], batch: int = 16) -> None:
+    with path.open("w") as fh:
+        for k, t in enumerate(times, 1):
+            rec = {"step": k, "time": t, "samples": k * batch, "loss": 1.0, "wall": start + t,
+                   "rank": rank, "arch": "ps", "mode": "sync"}  # fmt: skip
+            fh.write(json.dumps(rec) + "\n")
+
+
+def test_window_rate_skips_each_ranks_warm_up(tmp_path: Path) -> None:
+    # Rank 0's first step takes 5 s (start-up), then 0.1 s steps; rank 1 steady from t=0.
+    _steps(tmp_path / "steps-ps-rank0.jsonl", 0, 100.0, [5.0 + 0.1 * k for k in range(21)])
+    _steps(tmp_path / "steps-ps-rank1.jsonl", 1, 100.0, [0.1 * k + 0.1 for k in range(60)])
+    run = c.load_run(tmp_path)
+    rate, window = c.window_rate(run)  # from rank 0's slow first step: drags rank 1 in
+    late, late_window = c.window_rate(run, skip=2)  # from rank 0's third step (105.2 s)
+    assert late_window == pytest.approx(6.0 - 5.2)
+    assert late == pytest.approx(2 * 16 / 0.1)  # both ranks at 10 steps/s, 16 samples
+    assert window > late_window
+    assert c.window_rate(run, skip=1000)[0] != c.window_rate(run, skip=1000)[0]  # nan: empty
+
+
+def test_the_grid_and_the_model_size() -> None:
+    assert g.shard_counts(2) == [0, 1, 2]
+    assert g.shard_counts(4) == [0, 2, 4]
+    assert g.shard_counts(8) == [0, 4, 8]
+    assert g.params() == 1_863_690  # MLP 784-1024-1024-10: bench/links.py's PARAMS
+    assert g.GRIDS["full"] == {"workers": (2, 4, 8), "mbit": (1000.0, 10000.0)}
+    args = g.train_args(7, 25.0)
+    assert args[args.index("--emulate-compute-ms") + 1] == "25"
+    assert args[args.index("--steps") + 1] == "7"
+
+
+def test_cells_check_measured_rates_against_psar_plan() -> None:
+    link = {"workers": 4, "mbit": 1000.0, "gbps_best": 0.1, "rtt_us": 40.0}
+    jobs = {
+        "allreduce": {"samples_per_sec": 400.0, "window_s": 3.0, "median_rate": 410.0},
+        "ps-k0": {"shards": 4, "samples_per_sec": 300.0, "window_s": 3.0, "median_rate": 1.0},
+        "ps-k2": {"shards": 2, "samples_per_sec": 200.0, "window_s": 3.0, "median_rate": 1.0},
+        "ps-k4": {"shards": 4, "samples_per_sec": 500.0, "window_s": 3.0, "median_rate": 1.0},
+    }
+    rows = g.cells(4, 1000.0, link, jobs, 30.0)
+    assert [r["shard_hosts"] for r in rows] == [0, 2, 4]
+    for r in rows:
+        s, k = r["shards"], r["shard_hosts"]
+        want = plan(PlanInputs(g.params(), 4, s, bandwidth_bytes_per_second=0.1e9,
+                               latency_seconds=20e-6, optimizer="sgd-momentum",
+                               compute_seconds=0.03, shard_hosts=k))  # fmt: skip
+        ps_rate = jobs[f"ps-k{k}"]["samples_per_sec"]
+        assert r["ps_over_allreduce"] == pytest.approx(ps_rate / 400.0)
+        assert r["ps_step_ms"] == pytest.approx(1e3 * 4 * g.BATCH / ps_rate)
+        assert r["ps_plan_step_ms"] == pytest.approx(
+            1e3 * want.ps.step_seconds_no_overlap, rel=1e-3
+        )
+        assert r["allreduce_plan_step_ms"] == pytest.approx(
+            1e3 * want.allreduce.step_seconds_no_overlap, rel=1e-3
+        )
+        assert r["byteps_bound_ms"] == pytest.approx(1e3 * want.byteps_bound_seconds, rel=1e-3)
+        assert r["plan_winner"] == want.winner
+        assert r["measured_winner"] == ("ps" if ps_rate > 400.0 else "allreduce")
+        assert r["winner_right"] == (r["plan_winner"] == r["measured_winner"])
+    assert rows[2]["byteps_bound_gain"] == pytest.approx(1.5, rel=1e-3)  # K = N = 4
+    doc = {"grid": "small", "steps": 5, "compute_ms": 30.0, "batch": g.BATCH,
+           "params": g.params(), "chunk_mib": g.CHUNK_MIB, "links": [link], "cells": rows,
+           "failed_cells": [{"workers": 8, "shard_hosts": 8, "mbit": 1000.0,
+                             "error": "worker3 exited 1:\n  | boom"}],
+           "plan_winner_right_everywhere": False, "all_within_20pct": False,
+           "k0_ps_not_faster": True}  # fmt: skip
+    text = g.table(doc)
+    assert text.count("\n| 4 |") == 3 and "1 Gbit/s" in text and "(1.5x)" in text
+    assert "0.100 GB/s" in text and "20 us" not in text  # goodput; latency shows the RTT
+    assert "Plan's winner right in every cell: **no**" in text
+    assert "Failed: n=8 k=8 1000 Mbit/s:   | boom" in text
+
+
+def test_a_failed_job_costs_its_cells_only() -> None:
+    link = {"workers": 2, "mbit": 1000.0, "gbps_best": 0.1, "rtt_us": 40.0}
+    jobs = {
+        "allreduce": {"samples_per_sec": 400.0, "window_s": 3.0, "median_rate": 410.0},
+        "ps-k0": {"shards": 2, "error": "shard exited 1"},
+        "ps-k1": {"shards": 1, "samples_per_sec": 200.0, "window_s": 3.0, "median_rate": 1.0},
+        "ps-k2": {"shards": 2, "samples_per_sec": 300.0, "window_s": 3.0, "median_rate": 1.0},
+    }
+    rows = g.cells(2, 1000.0, link, jobs, 30.0)
+    assert rows[0] == {"workers": 2, "shard_hosts": 0, "shards": 2, "mbit": 1000.0,
+                       "error": "shard exited 1"}  # fmt: skip
+    assert [("error" in r) for r in rows] == [True, False, False]
+    jobs["allreduce"] = {"error": "rank1 exited 1"}
+    assert all(r.get("error") for r in g.cells(2, 1000.0, link, jobs, 30.0))
+
+
+def test_grid_flag_is_refused_when_unknown() -> None:
+    p = subprocess.run([sys.executable, "-m", "bench.links", "--grid", "huge"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert p.returncode == 2 and "--grid" in p.stderr
+
+
+@pytest.mark.slow
+def test_small_grid_runs_on_namespaces_or_says_why(tmp_path: Path) -> None:
+    p = subprocess.run([sys.executable, "-m", "bench.links", "--grid", "small", "--steps", "6",
+                        "--json", "--out", str(tmp_path)], cwd=ROOT, capture_output=True,
+                       text=True, timeout=1800)  # fmt: skip
+    assert p.returncode == 0, p.stderr[-3000:]
+    doc = json.loads(p.stdout)
+    if "skipped" in doc:
+        assert doc["skipped"]
+        return
+    assert [(r["workers"], r["shard_hosts"]) for r in doc["cells"]] == [(4, 0), (4, 2), (4, 4)]
+    for r in doc["cells"]:
+        assert r["ps_samples_per_sec"] > 0 and r["allreduce_samples_per_sec"] > 0
+        assert r["plan_winner"] in ("ps", "allreduce")
+    assert (tmp_path / "links_grid.md").exists()

@@ -1,0 +1,37 @@
+"""bench/sparse.py (issue #19): PS-sparse is judged against DDP-sparse, with the goal of
+its table size, and "DDP does not fit" is recognised from a killed run."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench import sparse
+
+
+def _out(speedup: float | None, oom: bool = False) -> dict:
+    out: dict = {"ddp_sparse_fits": {"oom": oom}}
+    if speedup is not None:
+        out["ps_vs_allreduce_sparse"] = {"speedup": speedup}
+    return out
+
+
+@pytest.mark.parametrize(
+    ("rows", "speedup", "met"),
+    [(1_000_000, 1.0, True), (1_000_000, 0.36, False), (10_000_000, 1.5, False),
+     (10_000_000, 2.1, True), (10_000_000, None, False)],
+)  # fmt: skip
+def test_goal_by_table_size(rows: int, speedup: float | None, met: bool) -> None:
+    goal = sparse._goal(rows, _out(speedup))
+    assert goal["met"] is met
+    assert goal["need_speedup"] == (1.0 if rows < 10_000_000 else 2.0)
+
+
+def test_ddp_that_does_not_fit_meets_the_10m_goal() -> None:
+    goal = sparse._goal(10_000_000, _out(None, oom=True))
+    assert goal["met"] and goal["why"] == "DDP-sparse did not fit"
+
+
+def test_fits_reads_a_killed_run_as_out_of_memory() -> None:
+    assert sparse._fits(100, {"error": "exited -9: Killed"})["oom"]
+    assert not sparse._fits(100, {"bytes_per_step": 1.0})["oom"]
+    assert sparse._fits(100, {})["bytes_all_ranks"] == sparse.WORLD * 100
