@@ -87,6 +87,7 @@ def _bench(name: str, *args: str, timeout: float = 600) -> dict:
     return json.loads(p.stdout)
 
 
+@pytest.mark.slow
 def test_stragglers_json_schema(tmp_path: Path) -> None:
     doc = _bench("stragglers", "--workers", "2", "--slow-factor", "2", "--steps", "5",
                  "--compute-ms", "20", "--out", str(tmp_path))  # fmt: skip

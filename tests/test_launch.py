@@ -118,7 +118,7 @@ def test_allreduce_end_to_end_under_torchrun(tmp_path: Path) -> None:
     assert_all_gone(s.pids)
 
 
-@pytest.mark.parametrize("arch", ["ps", "allreduce"])
+@pytest.mark.parametrize("arch", ["ps", pytest.param("allreduce", marks=pytest.mark.slow)])
 def test_one_crashing_worker_stops_everything(tmp_path: Path, arch: str) -> None:
     (tmp_path / "crashy.py").write_text(CRASHY)
     s = spec(tmp_path, "--workload", "crashy:make", "--steps", "100000",
