@@ -76,3 +76,18 @@ def bytes_per_shard(slots: Sequence[Slot], num_shards: int, itemsize: int = 4) -
     for s in slots:
         out[s.shard] += s.numel * itemsize
     return out
+
+
+def check_every_shard_holds_a_slot(
+    slots: Sequence[Slot], num_shards: int, chunk_mib: float
+) -> None:
+    """Refuse a plan that leaves a shard without parameters (ValueError naming the flags):
+    such a shard has nothing to hold or update, and used to fail at Init with torch's
+    "optimizer got an empty parameter list"."""
+    empty = sorted(set(range(num_shards)) - {s.shard for s in slots})
+    if empty:
+        raise ValueError(
+            f"--servers: {num_shards} shards, but the model cuts into only {len(slots)} "
+            f"slot(s) at --chunk-mib {chunk_mib:g}, so shard(s) {empty} would hold nothing; "
+            f"use at most {len(slots)} shards, or a smaller --chunk-mib"
+        )

@@ -126,3 +126,12 @@ def test_more_shards_than_pieces() -> None:
 def test_errors(params: list[tuple[str, int]], kwargs: dict, words: str) -> None:
     with pytest.raises(ValueError, match=words):
         plan_slots(params, **kwargs)
+
+
+def test_a_plan_that_leaves_a_shard_empty_is_refused_naming_the_flags() -> None:
+    from ps.partition import check_every_shard_holds_a_slot
+
+    params = [("w", 10), ("b", 2)]
+    check_every_shard_holds_a_slot(plan_slots(params, 2), 2, 1.0)  # two slots, two shards
+    with pytest.raises(ValueError, match=r"--servers: 3 shards.*--chunk-mib 1.*at most 2"):
+        check_every_shard_holds_a_slot(plan_slots(params, 3), 3, 1.0)

@@ -36,7 +36,7 @@ from ps.client.backend_resync import _MAX_RESYNCS, ResyncMixin
 from ps.client.psclient import ClientConfig, NeedsResync, PSClient
 from ps.headers import PullHeader
 from ps.job import Job
-from ps.partition import Slot, bytes_per_shard, plan_slots
+from ps.partition import Slot, bytes_per_shard, check_every_shard_holds_a_slot, plan_slots
 from trainkit.device_io import DeviceIO, state_to_host, to_host
 from trainkit.nullmetrics import NullMetrics
 from trainkit.optim import DynamicLossScale, LossScaleConfig, effective_loss_scale, with_run_length
@@ -146,6 +146,7 @@ class PSBackend(OverlapMixin, ResyncMixin, LocalMixin):
             len(self.addresses),
             chunk_bytes=chunk,
         )
+        check_every_shard_holds_a_slot(self.slots, len(self.addresses), self.cfg.ps.chunk_mib)
         jobs = self._jobs()
         ps = self.cfg.ps
         self.client = PSClient(
