@@ -52,11 +52,6 @@ def _answer(sock: socket.socket, timeout: float) -> tuple[grpc.StatusCode | None
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=False,
-    reason="parked gRPC pulls (grpc.aio server, in progress in #18): an undecodable unary "
-    "request is answered UNKNOWN by grpc.aio's own deserializer, which logs a traceback",
-)
 def test_undecodable_unary_requests_get_a_status(tmp_path: Path) -> None:
     """Every unary method of the shard, given bytes that are no message: a status that
     says so (never UNKNOWN, no traceback in the log), and nothing changes."""
