@@ -123,6 +123,8 @@ def test_model_invariants(
     p: int, n: int, s: int, alpha: float, beta: float, compute: float, bucket: int
 ) -> None:
     r = plan(PlanInputs(p, n, s, beta, alpha, compute_seconds=compute, bucket_bytes=bucket))
+    # Every "seconds" here is the cost model's arithmetic on the inputs above (no clock is
+    # read, nothing runs): invariants of the formulas, not a timing goal.
     for arch in (r.allreduce, r.ps):
         no, yes = arch.step_seconds_no_overlap, arch.step_seconds_overlap
         assert no is not None and yes is not None
