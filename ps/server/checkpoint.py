@@ -2,7 +2,9 @@
 
 A checkpoint holds everything a shard needs to carry on: the job (its configuration),
 the fp32 masters, the optimizer and LR-schedule state, the loss scale, the version,
-rounds and counters, every worker's clock and the live set.
+rounds and counters, every worker's clock and the live set, and its rows of every sparse
+table with their optimizer state, versions and clocks ("sparse"; a file without that key,
+written before, restores with no tables).
 
 Writes are atomic: the bytes go to a temporary file in the same folder, which is
 fsync'ed, renamed over the final name, and the folder is fsync'ed. A process killed
@@ -175,6 +177,7 @@ def snapshot(st: ShardState) -> dict[str, Any]:
     job = st.job
     assert job is not None
     st.policy.settle(st)  # per-chunk rounds: no slot of an open round in a checkpoint
+    sparse = getattr(st, "sparse", None)  # set by the sparse servicer or a restore
     return {
         "format": FORMAT,
         "job": serde.job_to_pb(job).SerializeToString(),
@@ -198,6 +201,9 @@ def snapshot(st: ShardState) -> dict[str, Any]:
         "live": sorted(st.live),
         "left": sorted(st.left),
         "staleness": {int(k): int(v) for k, v in st.staleness_counts.items()},
+        # Sparse tables (ps/server/sparse_shard.py): rows, per-row optimizer state,
+        # versions and clocks; their tensors get checksums like every other one.
+        "sparse": sparse.snapshot() if sparse is not None else {"tables": {}, "clocks": []},
     }
 
 

@@ -4,7 +4,8 @@
   the round in sync mode, the version otherwise), after init (step 0), by the interval
   timer (async/ssp) and on SIGTERM. The snapshot is taken under the shard's lock and
   written by ps/server/checkpoint.py's background writer.
-- `restore` turns a fresh shard into the one a checkpoint describes (--restore DIR).
+- `restore` turns a fresh shard into the one a checkpoint describes (--restore DIR),
+  its sparse tables included (ps/server/sparse_shard.py: snapshot, parse, install).
 - `rollback` (sync) goes back to an older checkpoint of this shard, so that every shard
   of the job continues from the same round (docs/reliability.md).
 - `drain` (SIGTERM) refuses new pushes but lets the sync round in flight finish.
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from ps.errors import FailedPrecondition, Unavailable
 from ps.server import checkpoint
 from ps.server.membership import new_incarnation
+from ps.server.sparse_shard import SparseTables, TablesMismatch
 
 if TYPE_CHECKING:
     from ps.server.shard import ShardState
@@ -75,8 +77,15 @@ class Recovery:
         with self._cond:
             if self.job is not None:
                 raise FailedPrecondition("restore: this shard is already initialised")
-            self.job = checkpoint.job_of(snap)
+            job = checkpoint.job_of(snap)
+            where = f"the checkpoint of step {step}"
+            # Checked before anything changes: TablesMismatch stops `psar server`.
+            tables = SparseTables.parse(snap.get("sparse"), job, where)
+            self.job = job
             checkpoint.load_tensors(self, snap)
+            if getattr(self, "sparse", None) is None:
+                self.sparse = SparseTables(self)  # the sparse servicer takes this one
+            self.sparse.install(snap.get("sparse"), tables, where)
             self.clocks = [int(c) for c in snap["clocks"]]
             self.live = set(snap["live"])
             self.left = set(snap["left"])
@@ -110,9 +119,16 @@ class Recovery:
                     reason="no_checkpoint",
                 )
             step, snap = found
+            where = f"the checkpoint of step {step}"
+            try:
+                tables = SparseTables.parse(snap.get("sparse"), job, where)
+            except TablesMismatch as e:
+                raise FailedPrecondition(f"cannot roll back: {e}", reason="no_checkpoint") from e
             log.warning("rolling back from round %d to round %d", self.rounds, step)
             checkpoint.load_tensors(self, snap)
             self.clocks = [self.rounds] * job.num_workers
+            if getattr(self, "sparse", None) is not None:
+                self.sparse.install(snap.get("sparse"), tables, where, clocks_at=self.rounds)
             self.joining.clear()
             self.checkpoints.discard_after(step)
             self.restores += 1

@@ -36,6 +36,11 @@ class RowPolicy(ABC):
     ) -> tuple[bool, int]:
         """Returns (accepted, staleness); `live` is the shard's live set at the push."""
 
+    def from_before_restore(self, clock: int, rounds: int) -> bool:
+        """Is a push of `clock` one sent before this shard was restored or rolled back
+        (at dense round `rounds`), to be dropped? Only rounds can tell."""
+        return False
+
 
 class RowsOnArrival(RowPolicy):
     """Apply every push at once; an overflowing push is skipped (and counted)."""
@@ -61,12 +66,21 @@ class RowRounds(RowPolicy):
     ) -> tuple[bool, int]:
         tables.pending.setdefault((name, p.clock), {})[p.worker] = p
         # Rounds close in clock order; an older one still open closes here once the
-        # live set has shrunk to its pushers (a worker's lease ran out mid-round).
+        # live set has shrunk to its pushers (a worker's lease ran out mid-round), or
+        # once the workers missing from it have pushed a later clock: their rows of it
+        # died with a shard that was then restored (the worker re-pushes only the dense
+        # gradient of the round the crash lost, ps/client/backend_resync.py).
         for key in sorted(k for k in tables.pending if k[0] == name):
-            if not live <= set(tables.pending[key]):
+            moved_on = {w for w in live if tables.clocks.get((name, w), 0) > key[1]}
+            if not live <= set(tables.pending[key]) | moved_on:
                 break
             self._close(tables, t, name, key[1])
         return True, 0
+
+    def from_before_restore(self, clock: int, rounds: int) -> bool:
+        # A worker pushes the rows of clock c after its pull of round c - 1 returned, so
+        # a later clock was sent to this shard before a restore or rollback took it back.
+        return clock > rounds + 1
 
     def _close(self, tables: SparseTables, t: SparseTable, name: str, clock: int) -> None:
         rnd = tables.pending.pop((name, clock))

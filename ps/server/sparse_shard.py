@@ -12,6 +12,7 @@ Every push is validated completely (ids, widths, finiteness) before anything cha
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import Counter
 from dataclasses import dataclass
@@ -23,6 +24,13 @@ from ps.errors import FailedPrecondition, InvalidArgument, NotFound, quote
 from ps.server.sparse_policy import RowPolicy
 from ps.server.sparse_table import SparseTable
 from ps.sparse_spec import TableSpec
+
+log = logging.getLogger("psar.sparse")
+
+
+class TablesMismatch(ValueError):
+    """A checkpoint's sparse tables do not fit the shard restoring it (a ValueError, so
+    that `psar server --restore` exits non-zero with the message)."""
 
 
 @dataclass
@@ -45,6 +53,10 @@ class SparseTables:
         self.pending: dict[tuple[str, int], dict[int, RowPush]] = {}
         self.staleness: dict[str, Counter[int]] = {}
         self.skipped: Counter[str] = Counter()
+        self.restored_from = ""
+        """Set when the tables came from a checkpoint ("the checkpoint of step N")."""
+        self.untabled_restore = ""
+        """Set when the shard was restored from a checkpoint holding no sparse tables."""
         self._lock = threading.Lock()
 
     # ---- setup ----------------------------------------------------------------------
@@ -56,8 +68,23 @@ class SparseTables:
                 if self.specs == specs:
                     return True
                 raise FailedPrecondition(
-                    "sparse tables already created with a different spec; restart the shard",
+                    f"sparse tables already created with a different spec "
+                    f"({spec_diff(self.specs, specs)}); "
+                    + (
+                        f"this shard restored them from {self.restored_from}: start the job "
+                        "with the tables that wrote it, or the shard without --restore"
+                        if self.restored_from
+                        else "restart the shard"
+                    ),
                     reason="conflicting_init",
+                )
+            if self.untabled_restore:
+                log.warning(
+                    "sparse tables %s: this shard was restored from %s, which holds no "
+                    "sparse tables (written before psar checkpointed them): they start "
+                    "from their initial rows",
+                    quote(sorted(s.name for s in specs)),
+                    self.untabled_restore,
                 )
             names = [s.name for s in specs]
             if len(set(names)) != len(names):
@@ -80,18 +107,19 @@ class SparseTables:
             )
         return t
 
-    def _policy(self) -> tuple[RowPolicy, set[int], int]:
-        """The shard's row policy, live set and number of workers, read under its lock."""
+    def _policy(self) -> tuple[RowPolicy, set[int], int, int]:
+        """The shard's row policy, live set, number of workers and rounds, read under its
+        lock."""
         st = self.state
         with st._cond:
             job = st._require_job()
-            return st.policy.rows, set(st.live), job.num_workers
+            return st.policy.rows, set(st.live), job.num_workers, st.rounds
 
     # ---- pull -----------------------------------------------------------------------
 
     def pull(self, worker: int, name: str, ids: torch.Tensor) -> tuple[int, torch.Tensor]:
         """(table version, fp32 rows) for these global ids."""
-        _, _, n = self._policy()
+        _, _, n, _ = self._policy()
         if not 0 <= worker < n:
             raise InvalidArgument(f"worker {worker} not in [0, {n})", reason="bad_worker")
         with self._lock:
@@ -122,11 +150,16 @@ class SparseTables:
 
     def push(self, name: str, p: RowPush) -> tuple[bool, bool, int, int]:
         """Returns (applied, already_applied, table version, staleness)."""
-        rows, live, n = self._policy()
+        rows, live, n, rounds = self._policy()
         if not 0 <= p.worker < n:
             raise InvalidArgument(f"worker {p.worker} not in [0, {n})", reason="bad_worker")
         with self._lock:
             t = self.check(p, name)
+            if rows.from_before_restore(p.clock, rounds):
+                # Sent before this shard was restored or rolled back, by a worker that has
+                # not re-registered yet: its dense push of that clock is refused
+                # (`restored`), so these rows are dropped without recording the clock.
+                return False, True, t.version, 0
             key = (name, p.worker)
             if p.clock <= self.clocks.get(key, 0):
                 return False, True, t.version, 0
@@ -145,3 +178,97 @@ class SparseTables:
                 }
                 for name, t in self.tables.items()
             }
+
+    # ---- checkpoints (ps/server/checkpoint.py, recovery.py) -------------------------
+
+    def snapshot(self) -> dict[str, Any]:
+        """A copy of every table (rows, optimizer state, version, counters) and of the
+        workers' clocks, for a checkpoint (taken under the shard's lock, then this one's).
+
+        A sync round still open is not in it: each of its pushers' clocks is set back to
+        before it, so after a restore those workers push that round again."""
+        with self._lock:
+            tables = {
+                name: {
+                    **t.state_dict(),
+                    "skipped": int(self.skipped[name]),
+                    "staleness": {int(k): int(v) for k, v in self.staleness[name].items()},
+                }
+                for name, t in self.tables.items()
+            }
+            clocks = dict(self.clocks)
+            for (name, clock), pushes in self.pending.items():
+                for w in pushes:
+                    clocks[(name, w)] = min(clocks[(name, w)], clock - 1)
+            return {"tables": tables, "clocks": [[n, w, c] for (n, w), c in sorted(clocks.items())]}
+
+    @staticmethod
+    def parse(snap: dict[str, Any] | None, job: Any, where: str) -> dict[str, SparseTable]:
+        """The tables of a checkpoint's "sparse" part, checked against its job (this
+        shard's index and the number of shards) and their own specs; raises
+        TablesMismatch naming `where`, the table and what differs."""
+        out: dict[str, SparseTable] = {}
+        for name, state in ((snap or {}).get("tables") or {}).items():
+            try:
+                spec = TableSpec(**state["spec"])
+            except (TypeError, KeyError, ValueError) as e:
+                raise TablesMismatch(f"{where}: sparse table {name!r}: bad spec ({e})") from None
+            if (spec.shard_index, spec.num_shards) != (job.shard_index, job.num_shards):
+                raise TablesMismatch(
+                    f"{where}: sparse table {name!r} holds the rows of shard "
+                    f"{spec.shard_index} of {spec.num_shards}, but the checkpoint's job is "
+                    f"shard {job.shard_index} of {job.num_shards}; restore each shard from "
+                    "its own checkpoints"
+                )
+            missing = [k for k in ("version", "skipped", "staleness") if k not in state]
+            if missing:
+                raise TablesMismatch(f"{where}: sparse table {name!r}: no {', '.join(missing)}")
+            try:
+                out[name] = SparseTable.from_state(spec, state, where=where)
+            except ValueError as e:
+                raise TablesMismatch(str(e)) from None
+        return out
+
+    def install(
+        self,
+        snap: dict[str, Any] | None,
+        tables: dict[str, SparseTable],
+        where: str,
+        *,
+        clocks_at: int | None = None,
+    ) -> None:
+        """Replace every table by `tables` (from parse) with the snapshot's counters;
+        open rounds are dropped. Clocks: the snapshot's, or `clocks_at` for every worker
+        (a sync rollback, as the dense clocks). snap None: a checkpoint written before
+        tables were checkpointed; a later CreateTables warns that they start afresh."""
+        with self._lock:
+            self.pending.clear()
+            self.untabled_restore = "" if snap is not None else where
+            if snap is None:
+                return  # the tables (if any) stay as they are: the checkpoint cannot say
+            parts = snap.get("tables") or {}
+            self.tables = dict(tables)
+            self.specs = [t.spec for t in tables.values()] if tables else None
+            self.staleness = {
+                n: Counter({int(k): int(v) for k, v in parts[n]["staleness"].items()})
+                for n in tables
+            }
+            self.skipped = Counter({n: int(parts[n]["skipped"]) for n in tables})
+            if clocks_at is None:
+                self.clocks = {(str(n), int(w)): int(c) for n, w, c in snap.get("clocks", [])}
+            else:
+                n_workers = self.state.job.num_workers
+                self.clocks = {(n, w): clocks_at for n in tables for w in range(n_workers)}
+            self.restored_from = where if tables else ""
+
+
+def spec_diff(have: list[TableSpec], want: list[TableSpec]) -> str:
+    """What differs between two lists of table specs, for an error message."""
+    a, b = {s.name: s for s in have}, {s.name: s for s in want}
+    out = [f"table {n!r} only on the shard" for n in sorted(a.keys() - b.keys())]
+    out += [f"table {n!r} only in the request" for n in sorted(b.keys() - a.keys())]
+    for n in sorted(a.keys() & b.keys()):
+        d = [f"{k} {v!r} != {getattr(b[n], k)!r}" for k, v in vars(a[n]).items()
+             if getattr(b[n], k) != v]  # fmt: skip
+        out += [f"table {n!r}: {', '.join(d)} (shard != request)"] if d else []
+    return "; ".join(out) or "same tables in another order"

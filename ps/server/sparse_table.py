@@ -17,9 +17,11 @@ workload uses for its local copy too, so no table bytes travel at start.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from ps.sparse_spec import TableSpec, init_rows
+from ps.sparse_spec import TableSpec, init_rows, local_rows
 
 
 class SparseTable:
@@ -39,6 +41,42 @@ class SparseTable:
         self.steps = torch.zeros(n, dtype=torch.int64) if s.optimizer == "lazy_adam" else None
         self.version = 0
         """Updates applied to this table on this shard."""
+
+    #: The optimizer's per-row state tensors, by optimizer (checkpoints carry them).
+    STATE = {"sgd": (), "adagrad": ("acc",), "lazy_adam": ("m", "v", "steps")}
+
+    def state_dict(self) -> dict[str, Any]:
+        """A copy of the rows, their optimizer state and the version (for a checkpoint)."""
+        out: dict[str, Any] = {"spec": dict(vars(self.spec)), "version": self.version}
+        out["weight"] = self.weight.clone()
+        for k in self.STATE[self.spec.optimizer]:
+            out[k] = getattr(self, k).clone()
+        return out
+
+    @classmethod
+    def from_state(cls, spec: TableSpec, state: dict[str, Any], *, where: str) -> SparseTable:
+        """The table a state_dict describes, its tensors checked against `spec` (shapes
+        and dtypes: a ValueError naming `where` and the tensor). Skips init_rows: a
+        restored 10M-row table is not drawn first and then overwritten."""
+        n = local_rows(spec.rows, spec.shard_index, spec.num_shards)
+        want = {"weight": ((n, spec.dim), torch.float32), "acc": ((n,), torch.float32)}
+        want |= {"m": ((n, spec.dim), torch.float32), "v": ((n, spec.dim), torch.float32)}
+        want["steps"] = ((n,), torch.int64)
+        t = cls.__new__(cls)
+        t.spec = spec
+        t.acc = t.m = t.v = t.steps = None
+        for k in ("weight", *cls.STATE[spec.optimizer]):
+            v = state.get(k)
+            shape, dtype = want[k]
+            if not isinstance(v, torch.Tensor) or tuple(v.shape) != shape or v.dtype != dtype:
+                got = f"{tuple(v.shape)} {v.dtype}" if isinstance(v, torch.Tensor) else repr(v)
+                raise ValueError(
+                    f"{where}: sparse table {spec.name!r} ({spec.optimizer}): {k!r} should be "
+                    f"{shape} {dtype}, the checkpoint holds {got}"
+                )
+            setattr(t, k, v.clone())
+        t.version = int(state["version"])
+        return t
 
     @property
     def nbytes(self) -> int:
