@@ -23,6 +23,7 @@ measured / predicted, goal within +-30%; comm = step - C.
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import subprocess
@@ -218,6 +219,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--grid-workers", default=None,
                    help="--grid: worker counts instead of the grid's (e.g. 2,4); "
                    "--bandwidths likewise replaces its links")  # fmt: skip
+    p.add_argument("--grid-shard-hosts", default=None,
+                   help="--grid: shard-host counts k instead of 0, n/2, n (e.g. 4)")  # fmt: skip
+    p.add_argument("--early-pull", action=argparse.BooleanOptionalAction, default=True,
+                   help="--grid: ps-sync with --chunk-rounds shards and --early-pull workers "
+                   "(psar's pipelined sync PS; default), or without (push, then pull)")  # fmt: skip
     args = p.parse_args(argv)
     if args.grid:
         return main_grid(args)

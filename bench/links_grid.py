@@ -50,9 +50,20 @@ def params(in_dim: int = IN_DIM, hidden: int = HIDDEN) -> int:
     return in_dim * hidden + hidden + hidden * hidden + hidden + hidden * 10 + 10
 
 
-def shard_counts(n: int) -> list[int]:
-    """k in {0, n/2, n} (n/2 rounded up, duplicates dropped)."""
+def shard_counts(n: int, only: str | None = None) -> list[int]:
+    """k in {0, n/2, n} (n/2 rounded up, duplicates dropped); `only`: "4" or "0,4"."""
+    if only:
+        return sorted({int(x) for x in str(only).split(",")})
     return sorted({0, -(-n // 2), n})
+
+
+def ps_flags(early_pull: bool) -> tuple[list[str], list[str]]:
+    """(server, worker) flags of the ps-sync jobs: pipelined (each slot applied as soon
+    as every worker pushed it, and pulled back while the rest of the push streams), or
+    push-then-pull."""
+    if early_pull:
+        return ["--chunk-rounds"], ["--early-pull"]
+    return [], []
 
 
 def train_args(steps: int, compute_ms: float) -> list[str]:
@@ -62,11 +73,13 @@ def train_args(steps: int, compute_ms: float) -> list[str]:
             "--emulate-compute-ms", f"{compute_ms:g}"]  # fmt: skip
 
 
-def plan_cell(n: int, s: int, k: int, mbit: float, latency_us: float, compute_ms: float) -> dict:
+def plan_cell(n: int, s: int, k: int, mbit: float, latency_us: float, compute_ms: float,
+              early_pull: bool = True) -> dict:  # fmt: skip
     argv = [*c.PSAR, "plan", "--params", str(params()), "--workers", str(n), "--servers", str(s),
             "--shard-hosts", str(k), "--bandwidth", f"{mbit:g}Mbit/s",
             "--latency", f"{latency_us:.1f}us", "--optimizer", "sgd-momentum",
-            "--wire-dtype", "fp32", "--compute-ms", f"{compute_ms:.3f}", "--json"]  # fmt: skip
+            "--wire-dtype", "fp32", "--compute-ms", f"{compute_ms:.3f}", "--json",
+            "--chunk-mib", str(CHUNK_MIB), *(["--early-pull"] if early_pull else [])]  # fmt: skip
     p = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=c.ROOT)
     if p.returncode != 0:
         raise c.BenchError(f"psar plan failed: {p.stderr}")
@@ -92,25 +105,28 @@ def run_cell_jobs(out: Path, args: Any, lan: Any, n: int, mbit: float) -> dict[s
         jobs["allreduce"] = cluster_rate(ar)
     except c.BenchError as e:  # one failed job costs its cells, not the whole grid
         jobs["allreduce"] = {"error": str(e)[-2000:]}
-    for k in shard_counts(n):
+    server, early = ps_flags(getattr(args, "early_pull", True))
+    for k in shard_counts(n, getattr(args, "grid_shard_hosts", None)):
         s = n if k == 0 else k
         hosts = workers if k == 0 else [lan[f"s{i}"] for i in range(k)]
         c.log(f"links grid: n={n} {mbit:g} Mbit/s ps-sync, {s} shards on k={k} hosts")
         try:
             run = c.ps_job(d / f"ps-k{k}", workers=n, shards=s, mode="sync",
-                           train=[*train, "--chunk-mib", str(CHUNK_MIB)], timeout=args.timeout,
-                           shard_hosts=hosts, worker_hosts=workers)  # fmt: skip
+                           train=[*train, "--chunk-mib", str(CHUNK_MIB), *early],
+                           timeout=args.timeout, shard_hosts=hosts, worker_hosts=workers,
+                           server=server)  # fmt: skip
             jobs[f"ps-k{k}"] = {"shards": s, **cluster_rate(run)}
         except c.BenchError as e:
             jobs[f"ps-k{k}"] = {"shards": s, "error": str(e)[-2000:]}
     return jobs
 
 
-def cells(n: int, mbit: float, link: dict, jobs: dict, compute_ms: float) -> list[dict]:
+def cells(n: int, mbit: float, link: dict, jobs: dict, compute_ms: float,
+          early_pull: bool = True) -> list[dict]:  # fmt: skip
     """One row per k: measured rates, their ratio, the plan's prediction and the bound."""
     rows = []
     ar = jobs["allreduce"]
-    for k in shard_counts(n):
+    for k in sorted(int(j[4:]) for j in jobs if j.startswith("ps-k")):
         ps = jobs[f"ps-k{k}"]
         if "error" in ps or "error" in ar:
             rows.append({"workers": n, "shard_hosts": k, "shards": ps["shards"], "mbit": mbit,
@@ -121,7 +137,7 @@ def cells(n: int, mbit: float, link: dict, jobs: dict, compute_ms: float) -> lis
         # headers too), the best of 5 transfers: a slower one met other load on the CPU.
         # Its latency is half the measured round trip.
         bw = link["gbps_best"] * 8e3
-        pred = plan_cell(n, ps["shards"], k, bw, link["rtt_us"] / 2, compute_ms)
+        pred = plan_cell(n, ps["shards"], k, bw, link["rtt_us"] / 2, compute_ms, early_pull)
         ps_step = n * BATCH / ps["samples_per_sec"]
         p_ps = pred["ps"]["step_seconds_no_overlap"]
         p_ar = pred["allreduce"]["step_seconds_no_overlap"]
@@ -170,7 +186,8 @@ def measure(out: Path, args: Any, netns: Any) -> dict[str, Any]:
                       f"rtt {link['rtt_us']:.0f} us")  # fmt: skip
                 links.append(link)
                 jobs = run_cell_jobs(out, args, lan, n, mbit)
-                rows += cells(n, mbit, link, jobs, args.compute_ms)
+                rows += cells(n, mbit, link, jobs, args.compute_ms,
+                              getattr(args, "early_pull", True))  # fmt: skip
                 # What is measured so far survives a later failure or a kill.
                 (out / "cells-so-far.json").write_text(json.dumps(rows, indent=1) + "\n")
     failed = [r for r in rows if "error" in r]
@@ -179,6 +196,7 @@ def measure(out: Path, args: Any, netns: Any) -> dict[str, Any]:
     return {
         "grid": args.grid, "grid_workers": list(grid["workers"]), "grid_mbit": list(grid["mbit"]),
         "steps": args.steps, "compute_ms": args.compute_ms, "batch": BATCH,
+        "early_pull": getattr(args, "early_pull", True),
         "params": params(), "chunk_mib": CHUNK_MIB, "links": links, "cells": rows,
         "failed_cells": failed,
         "plan_winner_right_everywhere": all(r["winner_right"] for r in rows),

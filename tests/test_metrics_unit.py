@@ -176,6 +176,8 @@ def test_shard_counters_move():
     m.chunk_applied_early()
     m.chunk_applied_early()
     m.chunk_undo()
+    m.early_pull_ended(3, False)
+    m.early_pull_ended(2, True)
     m.bytes_received(100)
     m.bytes_sent(250)
     m.update_timed(1000, 0.25)
@@ -203,6 +205,8 @@ def test_shard_counters_move():
     assert value(t, "psar_ps_nonfinite_dropped_total") == 1
     assert value(t, "psar_ps_chunks_applied_early_total") == 2
     assert value(t, "psar_ps_chunk_undos_total") == 1
+    assert value(t, "psar_ps_early_pull_slots_total") == 5
+    assert value(t, "psar_ps_early_pull_voids_total") == 1
     assert value(t, "psar_ps_bytes_received_total") == 100
     assert value(t, "psar_ps_bytes_sent_total") == 250
     assert value(t, "psar_ps_params_updated_total") == 2000

@@ -518,3 +518,55 @@ def test_near_tie_is_called_one() -> None:
     assert "treat it as a tie" in r.reason
     far = plan(PlanInputs(1_863_690, 4, 1, bandwidth_bytes_per_second=1.25e8))
     assert far.to_dict()["margin"] > 1 and "treat it as a tie" not in far.reason
+
+
+# --- early pulls: push and pull pipelined chunk by chunk (psar plan --early-pull) --------
+
+
+def _early(n: int, s: int, k: int, chunk: int = 1 << 17, m_params: int = 1_000_000) -> tuple:
+    inp = PlanInputs(m_params, n, s, bandwidth_bytes_per_second=1e9, latency_seconds=0.0,
+                     shard_hosts=k, early_pull=True, chunk_bytes=chunk)  # fmt: skip
+    return plan(inp), 4 * m_params
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_early_pulls_with_a_host_per_worker_reach_the_byteps_bound_plus_a_chunk(n: int) -> None:
+    r, m = _early(n, n, n)
+    chunk = 1 << 17
+    assert r.ps.worker_comm.bandwidth_seconds == pytest.approx((m + chunk) / 1e9)
+    assert r.ps.comm_seconds_per_step == pytest.approx((m + chunk) / 1e9)
+    assert r.ps.comm_seconds_per_step == pytest.approx(r.byteps_bound_seconds + chunk / 1e9)
+    if n > 2:  # the ring moves 2(N-1)/N*M each way: more than M from N = 3 on
+        assert r.winner == "ps" and "early pulls" in r.reason
+        plain, _ = _ps(n, n, n)
+        assert plain.winner == "allreduce"
+
+
+@pytest.mark.parametrize(("n", "s", "k"), [(4, 4, 2), (8, 8, 4), (4, 8, 2)])
+def test_early_pulls_on_shared_shard_hosts_pay_the_busiest_host_once_each_way(n, s, k) -> None:  # noqa: ANN001
+    r, m = _early(n, s, k, chunk=1024)
+    shard = n * m * -(-s // k) / s
+    assert r.ps.shard_comm.bandwidth_seconds == pytest.approx((shard + 1024) / 1e9)
+    assert r.ps.comm_seconds_per_step == pytest.approx((max(m, shard) + 1024) / 1e9)
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_early_pulls_with_shards_on_the_worker_hosts_tie_the_ring_plus_a_chunk(n: int) -> None:
+    r, m = _early(n, n, 0, chunk=1024)
+    ring = r.allreduce.worker_comm.bandwidth_seconds
+    assert r.ps.worker_comm.bandwidth_seconds == pytest.approx(ring + 1024 / 1e9)
+    assert r.winner == "allreduce"
+
+
+def test_early_pull_flags_reach_the_model_and_bad_chunks_are_refused(capsys) -> None:  # noqa: ANN001
+    argv = ["--params", "1M", "--workers", "4", "--servers", "4", "--shard-hosts", "4",
+            "--bandwidth", "1Gbit/s", "--json"]  # fmt: skip
+    assert main([*argv, "--early-pull", "--chunk-mib", "0.125"]) == 0
+    early = json.loads(capsys.readouterr().out)
+    assert main(argv) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert early["winner"] == "ps" and plain["winner"] == "allreduce"
+    assert early["ps"]["comm_seconds_per_step"] < plain["ps"]["comm_seconds_per_step"]
+    with pytest.raises(SystemExit):
+        main([*argv, "--early-pull", "--chunk-mib", "0"])
+    assert "--chunk-mib" in capsys.readouterr().err

@@ -285,6 +285,9 @@ class _FakeTransport(Transport):
                 piece.read_into = lambda view: view.__setitem__(slice(None), data)
                 return piece
 
+            def next_early(self) -> Any:
+                return fake.head  # a shard that does not stream early: header first
+
             def cancel(self) -> None: ...
 
             def close(self) -> None: ...

@@ -45,6 +45,12 @@ class PSConfig(ConnectionConfig):
     """async/ssp: DC-ASGD's LAMBDA (Zheng et al., ICML 2017): the shards apply each
     gradient g as g + LAMBDA * g * g * (w_now - w_base), w_base the weights the worker
     computed it on (the shards keep them: up to one copy per worker); 0: off."""
+    staleness_lr_power: float = 1.0
+    """async/ssp with --staleness-lr: the shards scale lr by (1 / (1 + staleness)) ** P;
+    0.5 (lr / sqrt(1 + staleness)) came closest to sync on the LM (bench/README.md)."""
+    dc_adaptive: bool = False
+    """async/ssp with --delay-compensation LAMBDA0: DC-ASGD-a (Zheng et al. 2017), the
+    shards use lambda = LAMBDA0 / sqrt(v) per element, v a moving mean (0.95) of g * g."""
     momentum_correction: bool = True
     """async/ssp with N > 1 workers: the shards apply max(0, --momentum - (1 - 1/N)) as
     momentum (AdamW: --beta1), since asynchrony itself adds about 1 - 1/N (Mitliagkas et
@@ -69,6 +75,12 @@ class PSConfig(ConnectionConfig):
     being pulled. Off: only the push overlaps (backward); step() waits for the whole pull.
     Where workers and shards share few cores the pulling thread takes its core from
     forward; --overlap-trial finds out (bench/README.md, step_throughput)."""
+    early_pull: bool = False
+    """Sync: ask for each step's pull while its push is still streaming, so a slot comes
+    back as soon as the shards have applied it (shards with --chunk-rounds, over the data
+    plane); the link carries the pull while the rest of the push goes out. Same bits as
+    without. Where a shard cannot stream early it answers once the push is in
+    (docs/architectures.md, "Early pulls")."""
     overlap_trial: int = 21
     """--overlap: after 5 warm-up steps, this many steps cycle through push+pull overlap
     (if --pull-overlap), push only, and neither; the arm with the lowest median step
@@ -97,6 +109,16 @@ class PSConfig(ConnectionConfig):
         if self.buffers == "average" and self.mode != "sync":
             raise ValueError(
                 f"--buffers average needs --mode sync (a round to average over), not {self.mode}"
+            )
+        if not 0.0 < self.staleness_lr_power <= 4.0:
+            raise ValueError(
+                "--staleness-lr-power must be in (0, 4] (the exponent of 1 / (1 + staleness); "
+                f"1: lr / (1 + staleness)), got {self.staleness_lr_power}"
+            )
+        if self.dc_adaptive and not self.delay_compensation:
+            raise ValueError(
+                "--dc-adaptive scales DC-ASGD's lambda: give its lambda0 with "
+                "--delay-compensation LAMBDA0 (> 0)"
             )
         if not 0.0 <= self.delay_compensation < float("inf"):
             raise ValueError(

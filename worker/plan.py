@@ -65,6 +65,17 @@ def _int_at_least_zero(text: str) -> int:
     return value
 
 
+def _positive_mib(text: str) -> float:
+    """--chunk-mib: MiB as a number > 0 (fractions allowed, like psar train's)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0 < value < float("inf"):
+        raise ValueError(f"cannot read {text!r}; give MiB as a number > 0, like 4 or 0.125")
+    return value
+
+
 def _milliseconds(text: str) -> float:
     """--compute-ms: a plain non-negative number of milliseconds, stored in seconds."""
     try:
@@ -154,6 +165,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="workers synchronise once every H steps (psar train --mode local: local SGD / "
         "DiLoCo); per-step bytes and times are one sync's divided by H (default 1: every step)",
     )
+    p.add_argument(
+        "--early-pull",
+        action="store_true",
+        help="sync PS pipelined (psar train --early-pull with psar server --chunk-rounds): "
+        "each chunk is pulled back while later ones are pushed, so a NIC's two directions "
+        "work at once (default: push, then pull)",
+    )
+    p.add_argument(
+        "--chunk-mib",
+        default=4.0,
+        type=_flag_type(_positive_mib, "chunk-mib"),
+        help="--early-pull: the slot size workers push and pull by (psar train --chunk-mib; "
+        "default 4): the last chunk's pull waits for its push",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     return p
 
@@ -173,6 +198,8 @@ def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
         bucket_bytes=args.bucket,
         shard_hosts=args.shard_hosts,
         sync_every=args.sync_every,
+        early_pull=args.early_pull,
+        chunk_bytes=max(1, int(args.chunk_mib * 2**20)),
     )
 
 

@@ -55,6 +55,13 @@ class PlanInputs:
     sync_every: int = 1
     """H: workers communicate once every H steps (--mode local, local SGD / DiLoCo); 1:
     every step. Per-step bytes and times are one sync's divided by H."""
+    early_pull: bool = False
+    """Sync PS pipelined (psar train --early-pull, psar server --chunk-rounds): each slot
+    is pulled back while later ones are still pushed, so a NIC's two directions work at
+    once and the pull ends one chunk after the push."""
+    chunk_bytes: int = 4 * 2**20
+    """A slot on the wire at most (psar train --chunk-mib): with early_pull, the pull's
+    last chunk can start only once its push has ended."""
 
     def __post_init__(self) -> None:
         # Validate here as well as in the CLI so library callers get the same checks.
@@ -68,8 +75,8 @@ class PlanInputs:
             raise ValueError(f"optimizer must be one of {sorted(OPTIMIZER_STATES)}")
         if self.compute_seconds is not None and self.compute_seconds < 0:
             raise ValueError("compute time must be >= 0")
-        if self.bucket_bytes < 1:
-            raise ValueError("bucket size must be >= 1 byte")
+        if self.bucket_bytes < 1 or self.chunk_bytes < 1:
+            raise ValueError("bucket and chunk sizes must be >= 1 byte")
         if self.sync_every < 1:
             raise ValueError(f"sync every must be >= 1 step, got {self.sync_every}")
         if self.shard_hosts is not None and not 0 <= self.shard_hosts <= self.servers:
@@ -128,6 +135,26 @@ def ps_shard_comm(m: float, n: int, s: int, alpha: float, beta: float, k: int = 
     l = ceil(S/K) the shards on the busiest of K hosts (K = S when not given: l = 1)."""
     per_host = _ceil_div(s, k) if k else 1
     return Comm(2 * alpha, 2 * (n * m * per_host / s) / beta)
+
+
+def ps_pipelined_comm(m: float, n: int, s: int, k: int, chunk: float, alpha: float,
+                      beta: float) -> tuple[Comm, Comm]:  # fmt: skip
+    """(worker NIC, busiest shard NIC) of a pipelined sync PS (early pulls): the pull of
+    each chunk travels on the NIC's other direction while later chunks are pushed, so a
+    phase costs the larger direction, not the sum, plus one chunk (the last chunk's pull
+    starts when its push has ended). K = 0: a host's NIC carries, each way, its worker's
+    bytes to and from the other hosts' shards and the other workers' bytes to and from
+    its shards: the ring's 2(N-1)/N*M at S = N."""
+    if k == 0:
+        if n == 1:
+            return Comm(2 * alpha, 0.0), Comm(2 * alpha, 0.0)
+        lo, hi = s // n, _ceil_div(s, n)
+        each_way = max(m * (s - c) / s + (n - 1) * m * c / s for c in {lo, hi})
+        nic = Comm(2 * alpha, (each_way + min(chunk, m)) / beta)
+        return nic, nic
+    tail = min(chunk, m) / beta
+    shard_bytes = n * m * _ceil_div(s, k) / s
+    return Comm(2 * alpha, m / beta + tail), Comm(2 * alpha, shard_bytes / beta + tail)
 
 
 def colocated_phase_bytes(m: float, n: int, s: int) -> float:
@@ -288,6 +315,8 @@ def plan_ps(inp: PlanInputs) -> ArchPlan:
     k = inp.hosts_of_shards
 
     def sides(size: float) -> tuple[Comm, Comm]:
+        if inp.early_pull:
+            return ps_pipelined_comm(size, n, s, k, inp.chunk_bytes, alpha, beta)
         if k == 0:  # one NIC per worker host carries the worker's and its shards' bytes
             nic = Comm(2 * alpha, 2 * colocated_phase_bytes(size, n, s) / beta)
             return nic, nic
@@ -382,6 +411,16 @@ def _comm_reason(inp: PlanInputs, ar: ArchPlan, ps: ArchPlan) -> str:
     n, s, m = inp.workers, inp.servers, inp.wire_bytes
     if n == 1:
         return f"with one worker the ring has nothing to exchange, while PS still pushes and pulls M = {human_bytes(m)}"
+    wins_on_bandwidth = ps.worker_comm.bandwidth_seconds < ar.worker_comm.bandwidth_seconds
+    if ar.comm_seconds_per_step > ps.comm_seconds_per_step and wins_on_bandwidth:
+        return (
+            f"with early pulls each PS worker sends its gradient and receives the weights "
+            f"once, both at the same time ({human_seconds(ps.worker_comm.bandwidth_seconds)} on "
+            f"the wire), while each ring worker sends and receives 2(N-1)/N*M = "
+            f"{human_bytes(ar.bytes_sent_per_worker_per_step)} "
+            f"({human_seconds(ar.worker_comm.bandwidth_seconds)}); the K = "
+            f"{inp.hosts_of_shards} shard hosts' NICs take the rest"
+        )
     if ar.comm_seconds_per_step > ps.comm_seconds_per_step:
         return (
             f"the ring pays the latency on 2(N-1) = {2 * (n - 1)} sequential steps "
@@ -402,6 +441,14 @@ def _comm_reason(inp: PlanInputs, ar: ArchPlan, ps: ArchPlan) -> str:
             f"each PS shard's NIC must carry N*M/S = {human_bytes(n * m / s)} in and again out "
             f"per step ({_ratio(n, s)} workers per shard), while the ring spreads the load so each "
             f"worker sends only 2(N-1)/N*M = {human_bytes(ar.bytes_sent_per_worker_per_step)}"
+        )
+    if inp.early_pull:
+        return (
+            f"even with early pulls the PS side needs "
+            f"{human_seconds(ps.comm_seconds_per_step)} per step (worker NIC "
+            f"{human_seconds(ps.worker_comm.seconds)}, busiest shard NIC "
+            f"{human_seconds(ps.shard_comm.seconds if ps.shard_comm else 0.0)}) against the "
+            f"ring's {human_seconds(ar.comm_seconds_per_step)}"
         )
     if inp.hosts_of_shards == 0:
         return (

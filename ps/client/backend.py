@@ -187,10 +187,12 @@ class PSBackend(OverlapMixin, ResyncMixin, LocalMixin):
                 )
         io = self.io
         self._send = {s.key: io.host_buffer(s.numel, self.precision.wire) for s in self.slots}
+        self.early_pull = self.cfg.ps.early_pull and not self.sparse and not self.cfg.local_sgd
         # On CPU, pulled bytes land straight in the parameters; on CUDA they land in
-        # pinned host buffers and go to the device slot by slot (trainkit/device_io.py).
+        # pinned host buffers and go to the device slot by slot (trainkit/device_io.py),
+        # and so do early pulls (their slots may arrive while backward still runs).
         self._views = {s.key: self._view(s) for s in self.slots}
-        if io.cuda:
+        if io.cuda or self.early_pull:
             self._recv = {
                 s.key: io.host_buffer(s.numel, self.precision.weights) for s in self.slots
             }
@@ -230,6 +232,8 @@ class PSBackend(OverlapMixin, ResyncMixin, LocalMixin):
                 staleness_lr=self.cfg.ps.staleness_lr,
                 delay_compensation=self.cfg.ps.delay_compensation,
                 momentum_correction=self.cfg.ps.momentum_correction,
+                staleness_lr_power=self.cfg.ps.staleness_lr_power,
+                dc_adaptive=self.cfg.ps.dc_adaptive,
                 sync_every=self.cfg.local.sync_every,
                 buffer_slots=tuple(
                     s.key for s in self.slots if s.shard == i and s.param in self.buffers
@@ -305,6 +309,7 @@ class PSBackend(OverlapMixin, ResyncMixin, LocalMixin):
                     )
                 break
             except NeedsResync as e:
+                self._drop_early()  # its round will not close with this push
                 before = self.clock
                 self._resync(fresh=False, cause=e)
                 if self.mode == "sync" and self.clock != before:
@@ -324,7 +329,13 @@ class PSBackend(OverlapMixin, ResyncMixin, LocalMixin):
             self.bytes_pushed += sum(b.numel() * b.element_size() for b in self._send.values())
         t1 = time.perf_counter()
         self._tune_overlap(t1)  # the push has ended: pick the arm of what follows
-        if self.overlap_pull and self._arm[1] and self.clock < self.total_steps:
+        in_background = self.overlap_pull and self._arm[1] and self.clock < self.total_steps
+        if self._early is not None:  # --early-pull: this push's pull is streaming already
+            wait = self._await_headers(self._early)
+            if not in_background:
+                self._await_pull()
+                self.gate.settle_device()
+        elif in_background:
             wait = self._pull_in_background()
         else:
             wait = self._pull_resyncing()  # the last step: everything lands before eval/save

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -55,7 +56,10 @@ class OverlapMixin:
             )
         # On CUDA pulled bytes land in pinned buffers; each slot goes to the device as
         # soon as it is complete, and forward waits for exactly the slots it reaches.
-        self.gate = PullGate(self.slots, self.io, self._load_slot if self.io.cuda else None)
+        # Early pulls land in host buffers too (a slot may arrive while backward still
+        # runs), copied into the parameters once the round's header says they hold.
+        staged = self.io.cuda or self.early_pull
+        self.gate = PullGate(self.slots, self.io, self._load_slot if staged else None)
         self.gate.on_failure = self._recover_pull
         self.overlap_pull = self.overlap and ps.pull_overlap
         why = ungateable_reason(model) if self.overlap_pull else ""
@@ -84,6 +88,8 @@ class OverlapMixin:
         self._pull_pool = ThreadPoolExecutor(1, thread_name_prefix="psar-pull")
         self._push_future: Future | None = None
         self._pull_future: Future | None = None
+        self._early: _Pulling | None = None
+        """The early pull of the step whose push is streaming (--early-pull)."""
         self._poisoned = False
 
     def _tune_overlap(self, now: float) -> None:
@@ -129,39 +135,58 @@ class OverlapMixin:
             loss_scale=self.loss_scale,
             items=self.buckets.items,
         )
+        if self.early_pull:  # the pull of this very push, streaming back as slots apply
+            self._early = self._open_pull(self.clock + 1, early=True)
 
-    def _pull_in_background(self) -> float:
-        """Start the pull and return once every shard's header is in (the round closed;
-        the data follows while the next forward runs); returns the seconds waited."""
-        n = len(self.addresses)
-        headers: list[PullHeader | None] = [None] * n
-        waits = [0.0] * n
-        arrived = threading.Event()
-        t0 = time.perf_counter()
-
-        def on_header(i: int, h: PullHeader) -> None:
-            headers[i], waits[i] = h, time.perf_counter() - t0
-            if all(x is not None for x in headers):
-                arrived.set()
+    def _open_pull(self, clock: int, *, early: bool = False) -> _Pulling:
+        """Start a pull in the background (the gate closes on every slot)."""
+        p = _Pulling(len(self.addresses))
 
         def ended(f: Future) -> None:
             if f.exception() is None:
                 self.gate.complete()
             else:
                 self.gate.fail()
-            arrived.set()
+            p.arrived.set()
 
         self.gate.begin()
-        fut = self._pull_pool.submit(
+        p.fut = self._pull_pool.submit(
             self.client.pull,
-            clock=self.clock,
+            clock=clock,
             dtype=self.precision.weights,
             out=self._recv,
-            on_header=on_header,
+            on_header=p.on_header,
             on_piece=self.gate.landed,
+            early=early,
+            cutter=p.cutters,
         )
-        fut.add_done_callback(ended)
-        arrived.wait()
+        p.fut.add_done_callback(ended)
+        return p
+
+    def _drop_early(self) -> None:
+        """This step's push failed: cut its early pull short (its round will not close
+        with this push) and forget it; what it landed never reached the parameters."""
+        p, self._early = self._early, None
+        if p is None:
+            return
+        for cut in p.cutters:
+            cut()
+        p.fut.exception()  # waits; its error is the push's to handle
+
+    def _pull_in_background(self) -> float:
+        """Start the pull and return once every shard's header is in (the round closed;
+        the data follows while the next forward runs); returns the seconds waited."""
+        return self._await_headers(self._open_pull(self.clock))
+
+    def _await_headers(self, p: _Pulling) -> float:
+        """Return once every shard's header of pull `p` is in; the seconds waited."""
+        t0 = time.perf_counter()
+        p.arrived.wait()
+        fut = p.fut
+        headers, waits = p.headers, p.waits
+        if p is self._early:  # its clock started with the push: time blocked here only
+            self._early = None
+            waits = [time.perf_counter() - t0]
         if fut.done() and fut.exception() is not None:
             err = fut.exception()
             if not isinstance(err, NeedsResync):
@@ -199,3 +224,20 @@ class OverlapMixin:
         self._resync(fresh=False, cause=err, pushed=self._pushed)
         self._pull_resyncing()
         self.gate.recovered()
+
+
+class _Pulling:
+    """A pull in the background: its future, and every shard's header as it comes."""
+
+    def __init__(self, n: int) -> None:
+        self.headers: list[PullHeader | None] = [None] * n
+        self.waits = [0.0] * n
+        self.arrived = threading.Event()
+        self.cutters: list[Callable[[], None]] = []
+        self.fut: Future = Future()
+        self._t0 = time.perf_counter()
+
+    def on_header(self, i: int, h: PullHeader) -> None:
+        self.headers[i], self.waits[i] = h, time.perf_counter() - self._t0
+        if all(x is not None for x in self.headers):
+            self.arrived.set()

@@ -124,6 +124,10 @@ class _GrpcPull(PullStream):
     def header(self) -> pb.PullHeader:
         return self._next("header").header
 
+    def next_early(self) -> Incoming | pb.PullHeader:
+        # A shard's gRPC door answers an early pull as an ordinary one: header first.
+        return self.header()
+
     def next_piece(self) -> Incoming | None:
         msg = self._next("data")
         return None if msg is None else _BytesPiece(msg.data)

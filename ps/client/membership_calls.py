@@ -164,6 +164,8 @@ class MembershipCalls:
                 "chunks_applied_early": r.chunks_applied_early,
                 "chunk_undos": r.chunk_undos,
                 "update_params_per_s": r.update_params_per_s,
+                "early_pull_slots": r.early_pull_slots,
+                "early_pull_voids": r.early_pull_voids,
             }
 
         return self._each(one)

@@ -308,12 +308,18 @@ class PSClient(DataPlaneCalls, MembershipCalls):
         shards: Sequence[int] | None = None,
         on_header: Callable[[int, PullHeader], None] | None = None,
         on_piece: Callable[[str, int, int], None] | None = None,
+        early: bool = False,
+        cutter: list[Callable[[], None]] | None = None,
     ) -> list[PullHeader]:
         """Pull every shard's (or `shards`') weights into `out` (flat tensors keyed by
         slot; any float dtype, converted on copy). Waits as the consistency mode requires.
 
         on_header(shard, header) runs when a shard's header arrives (before its data);
-        on_piece(key, offset, n) after each piece has landed in `out` (ps/client/overlap.py)."""
+        on_piece(key, offset, n) after each piece has landed in `out` (ps/client/overlap.py).
+        early: the pull of `clock` asked while its push is still streaming; slots may
+        land in `out` before the header, on_piece follows once they hold
+        (ps/server/early_pull.py). cutter: gets a function that cuts this pull short
+        (its calls raise), for a caller whose push failed under it."""
 
         waits = [0.0] * self.num_shards
         streams: dict[int, PullStream] = {}
@@ -327,6 +333,7 @@ class PSClient(DataPlaneCalls, MembershipCalls):
                     clock=clock,
                     dtype=serde.dtype_to_pb(dtype),
                     incarnation=self.incarnations[i],
+                    early=early,
                 )
                 if cut.is_set():
                     raise PSClientError(i, self.addresses[i], None, "cut short for a resync")
@@ -361,6 +368,8 @@ class PSClient(DataPlaneCalls, MembershipCalls):
             for stream in list(streams.values()):
                 stream.cancel()
 
+        if cutter is not None:
+            cutter.append(cut_short)
         headers = self._each(one, shards, on_resync=cut_short)
         self.last_pull_wait_s = max(waits)
         return headers

@@ -339,6 +339,17 @@ class _TcpPull(PullStream):
             self._client._unexpected(frame, "pull_header")
         return frame.pull_header
 
+    def next_early(self) -> Incoming | pb.PullHeader:
+        c = self._client
+        frame, plen = c._io(self._conn, self._deadline, "pull", c._read_header, self._conn)
+        kind = frame.WhichOneof("kind")
+        if kind == "pull_header":
+            return frame.pull_header
+        if kind != "piece":
+            self._reusable = kind == "status"
+            c._unexpected(frame, "piece or pull_header")
+        return _SocketPiece(self, frame.piece.key, frame.piece.offset, plen)
+
     def next_piece(self) -> Incoming | None:
         c = self._client
         frame, plen = c._io(self._conn, self._deadline, "pull", c._read_header, self._conn)

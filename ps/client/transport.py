@@ -96,6 +96,11 @@ class PullStream(ABC):
         """The next piece, or None at the end of the pull."""
 
     @abstractmethod
+    def next_early(self) -> Incoming | pb.PullHeader:
+        """An early pull's next message: a piece sent before the header, or the header
+        (a refusal raises its status instead)."""
+
+    @abstractmethod
     def cancel(self) -> None:
         """Abort this pull from another thread: it raises CANCELLED."""
 
@@ -155,17 +160,28 @@ class Transport(ABC):
         """Pull the shard's weights into `out` (flat tensors keyed by slot; any float
         dtype, converted on copy). on_open(stream) runs once the call is open (to cancel
         it from elsewhere), on_header(header) before the data, on_piece(key, offset, n)
-        after each piece has landed. Returns the PullHeader."""
+        after each piece has landed. Returns the PullHeader.
+
+        An early pull (req.early): pieces may come before the header. They land in `out`
+        at once, but on_piece runs for them only once the header says they hold (not
+        early_void), just before on_header: the caller lets nothing of them into its
+        parameters before then (ps/server/early_pull.py)."""
         stream = self.open_pull(req, timeout_s=timeout_s)
         try:
             if on_open is not None:
                 on_open(stream)
-            header = stream.header()
+            early: list[tuple[str, int, int]] = []
+            header = self._early_pieces(stream, out, req.dtype, early) if req.early else None
+            if header is None:
+                header = stream.header()
             dtype = wire.DTYPE_FROM_WIRE.get(header.dtype)
-            if dtype is None:
+            if dtype is None or (early and header.dtype != req.dtype):
                 raise TransportError(
                     grpc.StatusCode.INTERNAL, f"pull from {self.address}: dtype {header.dtype}"
                 )
+            if on_piece is not None and not header.early_void:
+                for landed in early:
+                    on_piece(*landed)
             if on_header is not None:
                 on_header(header)  # before the data: the round closed (ps/client/overlap.py)
             itemsize = wire.DTYPE_ITEMSIZE[dtype]
@@ -177,6 +193,27 @@ class Transport(ABC):
             return header
         finally:
             stream.close()
+
+    def _early_pieces(
+        self,
+        stream: PullStream,
+        out: dict[str, torch.Tensor],
+        wire_dtype: int,
+        landed: list[tuple[str, int, int]],
+    ) -> pb.PullHeader:
+        """Land the pieces an early pull sends before its header (in the dtype asked
+        for), noting each in `landed`; returns the header."""
+        dtype = wire.DTYPE_FROM_WIRE.get(wire_dtype)
+        if dtype is None:
+            raise TransportError(
+                grpc.StatusCode.INVALID_ARGUMENT, f"pull from {self.address}: dtype {wire_dtype}"
+            )
+        itemsize = wire.DTYPE_ITEMSIZE[dtype]
+        while not isinstance(msg := stream.next_early(), pb.PullHeader):
+            target = fit(out, msg, itemsize, self.address)
+            land(msg, target, dtype)
+            landed.append((msg.key, msg.offset, target.numel()))
+        return msg
 
 
 def push_parts(

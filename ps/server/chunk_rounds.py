@@ -20,6 +20,11 @@ worker's stream never waits for them (torch releases the GIL while it computes).
 event above invalidates queued work by bumping a generation number under the apply
 lock, which an update in progress holds, so an undo never races an update.
 
+Early pulls (ps/server/early_pull.py) read the slots applied so far while the round is
+still open: `writes` counts every change of a slot's master (apply, undo), so a puller
+can tell at the close whether what it sent early still holds, and `_wake` is notified
+whenever a slot is applied, undone, or the round closes.
+
 Results are bit-identical to the whole-round update: the same fp32 operations per
 element, in the same worker-rank order (torch.add(a, b, out=) is a.add_(b)), and torch's
 SGD/AdamW (foreach=False here) step each parameter on its own either way.
@@ -67,6 +72,17 @@ class ChunkedSyncPolicy(SyncPolicy):
         self._apply_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._busy = False
+        self.writes: dict[str, int] = collections.defaultdict(int)
+        """Per slot, how many times its master was changed (applied, restored): an early
+        pull compares the count it sent a slot at with the count at the round's close."""
+        self.retired = False
+        """The shard replaced this policy (restore, rollback): early pulls stop waiting."""
+        self.early_slots = 0
+        """Slots early pulls sent before their round closed (Stats)."""
+        self.early_voids = 0
+        """Early pulls whose early slots had changed again at the close (Stats)."""
+        self.early_bytes: dict[tuple[str, torch.dtype], tuple[int, list]] = {}
+        """(slot, dtype) -> (writes, wire pieces): the early pulls of one write share them."""
 
     # ---- hooks (under the shard lock) -----------------------------------------------
 
@@ -124,6 +140,16 @@ class ChunkedSyncPolicy(SyncPolicy):
         """The shard is replacing this policy (restore, rollback): drop queued work."""
         with self._apply_lock:
             self._gen += 1
+        self.retired = True
+        self._notify()
+
+    def slot_writes(self, key: str) -> int:
+        return self.writes[key]
+
+    def _notify(self) -> None:
+        """Wake the early pulls: a slot was applied or undone, or the round closed."""
+        with self._wake:
+            self._wake.notify_all()
 
     # ---- the applier thread -----------------------------------------------------------
 
@@ -151,6 +177,12 @@ class ChunkedSyncPolicy(SyncPolicy):
     # ---- closing the round ----------------------------------------------------------
 
     def _close(self, st: ShardState, pushes: list[StagedPush]) -> None:
+        try:
+            self._close_round(st, pushes)
+        finally:
+            self._notify()  # st.rounds has moved on (or the round was skipped)
+
+    def _close_round(self, st: ShardState, pushes: list[StagedPush]) -> None:
         workers = tuple(p.worker for p in pushes)
         self.tickets.clear()
         if any(p.overflow for p in pushes):
@@ -205,6 +237,7 @@ class ChunkedSyncPolicy(SyncPolicy):
                 grad.add_(s[key])
             grad.div_(len(sources))
         st.step_slot(key, grad)
+        self.writes[key] += 1
 
     def _undo(self, st: ShardState) -> None:
         with self._apply_lock:
@@ -216,6 +249,7 @@ class ChunkedSyncPolicy(SyncPolicy):
             self.applied.clear()
         self.chunk_undos += 1
         st.metrics.chunk_undo()
+        self._notify()
 
     def _save(self, st: ShardState, key: str) -> None:
         """Copy the slot's master and optimizer state into persistent undo buffers."""
@@ -242,6 +276,7 @@ class ChunkedSyncPolicy(SyncPolicy):
         self._undo_state[key] = saved
 
     def _restore(self, st: ShardState, key: str) -> None:
+        self.writes[key] += 1
         p = st.masters[key]
         p.detach().copy_(self._undo_master[key])
         saved = self._undo_state[key]

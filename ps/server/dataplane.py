@@ -43,7 +43,7 @@ from ps import framing as fr
 from ps import serde
 from ps._gen.psar.v1 import ps_pb2 as pb
 from ps.errors import InvalidArgument, PSError, bound_details
-from ps.server.servicer import PushCall, start_pull
+from ps.server.servicer import PushCall, start_pull, start_pull_early
 from ps.server.shard import ShardState
 
 log = logging.getLogger("psar.dataplane")
@@ -470,17 +470,31 @@ class _Connection:
             # Finite, >= 0, capped (inf or 1e10 used to overflow Condition.wait and kill
             # the connection without a status); 0: no limit but the cap.
             timeout = serde.wait_seconds("pull timeout_s", req.timeout_s, zero_means_max=True)
-            # views: sent as they are, no copy of the masters in sync fp32
-            head, pieces = start_pull(self.state, req.request, timeout, views=True)
+            if req.request.early:
+                self._pull_early(req, timeout)
+            else:
+                # views: sent as they are, no copy of the masters in sync fp32
+                head, pieces = start_pull(self.state, req.request, timeout, views=True)
+                self._send(pb.DataFrame(pull_header=head))
+                for key, offset, data in pieces:
+                    self._send(pb.DataFrame(piece=pb.DataPiece(key=key, offset=offset)), data)
+                self._send(pb.DataFrame(end=pb.DataEnd()))
         except PSError as e:
-            self.metrics.rpc_observed("Pull", time.monotonic() - t0)
             self._status(e.code, e.args[0])
-            return
-        self._send(pb.DataFrame(pull_header=head))
-        for key, offset, data in pieces:
-            self._send(pb.DataFrame(piece=pb.DataPiece(key=key, offset=offset)), data)
+        finally:
+            self.metrics.rpc_observed("Pull", time.monotonic() - t0)
+
+    def _pull_early(self, req: pb.DataPullRequest, timeout: float) -> None:
+        """Pieces as the round applies them, the header once it closed, the rest
+        (ps/server/early_pull.py). A refusal before or after the early pieces is a
+        status frame in place of the next piece or header."""
+        for item in start_pull_early(self.state, req.request, timeout, views=True):
+            if item[0] == "header":
+                self._send(pb.DataFrame(pull_header=item[1]))
+            else:
+                _, key, offset, data = item
+                self._send(pb.DataFrame(piece=pb.DataPiece(key=key, offset=offset)), data)
         self._send(pb.DataFrame(end=pb.DataEnd()))
-        self.metrics.rpc_observed("Pull", time.monotonic() - t0)
 
 
 def server_ssl_context(cert: str, key: str, ca: str = "") -> ssl.SSLContext:

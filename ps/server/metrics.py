@@ -201,6 +201,15 @@ class ShardMetrics:
             "sync --chunk-rounds: rounds whose early slot updates were undone (an overflow, "
             "a refused push, a worker leaving mid-round).",
         )
+        self._early_slots = counter(
+            "psar_ps_early_pull_slots_total",
+            "Early pulls (--early-pull, --chunk-rounds): slots sent before their round closed.",
+        )
+        self._early_voids = counter(
+            "psar_ps_early_pull_voids_total",
+            "Early pulls whose early slots changed again before the round closed (an "
+            "overflow, a worker leaving, an absent slot redone): every slot was sent again.",
+        )
         self._params_updated = counter(
             "psar_ps_params_updated_total", "Parameters (fp32 elements) of applied updates."
         )
@@ -315,6 +324,12 @@ class ShardMetrics:
     def chunk_undo(self) -> None:
         """A round's early slot updates were undone (per-chunk rounds)."""
         self._chunk_undos.inc()
+
+    def early_pull_ended(self, slots: int, void: bool) -> None:
+        """An early pull sent `slots` slots before its header; `void`: all again after."""
+        self._early_slots.inc(slots)
+        if void:
+            self._early_voids.inc()
 
     def update_timed(self, params: int, seconds: float) -> None:
         """An update of ``params`` parameters took ``seconds`` of optimizer steps."""

@@ -73,6 +73,10 @@ class UpdatePolicy(ABC):
     #: Diagnostic counters of per-chunk rounds (Stats); zero for every other policy.
     chunks_early: int = 0
     chunk_undos: int = 0
+    #: Early pulls (ps/server/early_pull.py): slots sent before their round closed, and
+    #: pulls whose early slots had changed again (Stats); zero where nothing is early.
+    early_slots: int = 0
+    early_voids: int = 0
 
     @abstractmethod
     def check_push(self, st: ShardState, worker: int, clock: int, base_version: int) -> None:
@@ -91,6 +95,11 @@ class UpdatePolicy(ABC):
 
     def pull_waited(self, st: ShardState, seconds: float) -> None:  # noqa: B027
         """A pull was answered after waiting `seconds` for `pull_ready` (metrics)."""
+
+    def slot_writes(self, key: str) -> int:
+        """How many times slot `key`'s master has changed while rounds were open (early
+        pulls compare it; ps/server/chunk_rounds.py). 0: this policy sends nothing early."""
+        return 0
 
     def served(self, st: ShardState, worker: int) -> None:  # noqa: B027
         """`worker`'s pull is answered with the weights of st.version (under the lock;

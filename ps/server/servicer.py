@@ -177,13 +177,38 @@ def start_pull(
     return _pull_head(state, header), pieces
 
 
+def start_pull_early(
+    state: ShardState, req: pb.PullRequest, timeout: float | None, *, views: bool = False
+) -> Iterator[tuple[Any, ...]]:
+    """An early pull (req.early; ps/server/early_pull.py) as the data plane serves it:
+    ("piece", key, offset, bytes) items, then ("header", pb.PullHeader) with early_void
+    set, then the rest. Refusals raise at the first next(), before anything is sent."""
+    dtype, clock, wait = _pull_args(req, timeout)
+    items = state.pull_early(
+        req.worker, clock, dtype, wait, incarnation=req.incarnation, views=views
+    )
+    for item in items:
+        if item[0] == "header":
+            head = _pull_head(state, item[1])
+            head.early_void = item[2]
+            yield ("header", head)
+        else:
+            yield item
+
+
 async def start_pull_parked(
     state: ShardState, req: pb.PullRequest, timeout: float | None, executor: Executor | None
 ) -> tuple[pb.PullHeader, list[tuple[str, int, Any]]]:
     """start_pull on the event loop: a pull that has to wait holds no thread meanwhile."""
     dtype, clock, wait = _pull_args(req, timeout)
     header, pieces = await state.pull_parked(
-        req.worker, clock, dtype, wait, incarnation=req.incarnation, executor=executor
+        req.worker,
+        clock,
+        dtype,
+        wait,
+        incarnation=req.incarnation,
+        executor=executor,
+        early=req.early,  # answered whole once the push is in: gRPC does not stream early
     )
     return _pull_head(state, header), pieces
 

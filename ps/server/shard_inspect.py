@@ -46,6 +46,8 @@ class Inspection:
                 "chunks_applied_early": policy.chunks_early if policy is not None else 0,
                 "chunk_undos": policy.chunk_undos if policy is not None else 0,
                 "update_params_per_s": self.stepper.rate(),
+                "early_pull_slots": policy.early_slots if policy is not None else 0,
+                "early_pull_voids": policy.early_voids if policy is not None else 0,
             }
 
     def state_digest(self) -> str:

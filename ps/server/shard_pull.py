@@ -5,7 +5,7 @@ thread (pull, the data plane) or parked on the event loop (pull_parked, gRPC).""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Executor
 from typing import TYPE_CHECKING, Any
 
@@ -15,6 +15,7 @@ from ps import wire
 from ps.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
 from ps.headers import PullHeader
 from ps.job import Job
+from ps.server.early_pull import EarlyItem, check_pushed, early_ready, iter_early_pull
 from ps.server.parking import Wake, in_pool, parking_of
 
 if TYPE_CHECKING:
@@ -48,6 +49,22 @@ class Pulls:
         self.metrics.bytes_sent(sum(len(p[2]) for p in pieces))
         return header, pieces
 
+    def pull_early(
+        self: ShardState,
+        worker: int,
+        clock: int,
+        dtype: torch.dtype,
+        timeout: float,
+        *,
+        incarnation: int = 0,
+        views: bool = False,
+    ) -> Iterator[EarlyItem]:
+        """A pull of the round this worker is pushing now, its slots sent as they are
+        applied, the header last (ps/server/early_pull.py). Holds the calling thread."""
+        return iter_early_pull(
+            self, worker, clock, dtype, timeout, incarnation=incarnation, views=views
+        )
+
     async def pull_parked(
         self: ShardState,
         worker: int,
@@ -58,10 +75,14 @@ class Pulls:
         incarnation: int = 0,
         views: bool = False,
         executor: Executor | None = None,
+        early: bool = False,
     ) -> tuple[PullHeader, list[tuple[str, int, Any]]]:
         """pull() for an asyncio server: the same checks, answers and errors, but a pull
         that has to wait parks (ps/server/parking.py) and holds no thread meanwhile. The
-        short locked steps run in `executor`, never on the event loop."""
+        short locked steps run in `executor`, never on the event loop.
+
+        early: an early pull asked through gRPC, which does not stream early: it is
+        answered as an ordinary one once this worker's push of `clock` is in."""
         started = time.monotonic()
         deadline = started + timeout
         parking = parking_of(self)
@@ -73,10 +94,14 @@ class Pulls:
             with self._cond:
                 parking.unpark(waiter)
                 if job is None:  # the first step: admit it
-                    job, inc = self._admit_pull(worker, clock, dtype, incarnation)
+                    job, inc = self._admit_pull(worker, clock, dtype, incarnation, early=early)
                 ready = self._pull_ready(worker, clock, inc)
+                if early:
+                    ready = early_ready(self, worker, clock, inc)
                 ok = ready()
                 if ok or time.monotonic() >= deadline:
+                    if early:
+                        check_pushed(self, worker, clock, inc, timeout)
                     served = self._serve_pull(job, worker, clock, dtype, inc, views, ok, started)
                     return None, job, inc, served
                 return parking.park(ready, wake), job, inc, None
@@ -95,18 +120,26 @@ class Pulls:
         return header, pieces
 
     def _admit_pull(
-        self: ShardState, worker: int, clock: int, dtype: torch.dtype, incarnation: int
+        self: ShardState,
+        worker: int,
+        clock: int,
+        dtype: torch.dtype,
+        incarnation: int,
+        *,
+        early: bool = False,
     ) -> tuple[Job, int]:
-        """Under the lock: refuse a pull that can never be served; (job, incarnation)."""
+        """Under the lock: refuse a pull that can never be served; (job, incarnation).
+        early: the pull may name the clock this worker is pushing now (early_pull.py)."""
         job = self._require_job()
         self.check_worker(worker)
         if dtype not in wire.WIRE_FROM_DTYPE:
             raise InvalidArgument(f"unsupported pull dtype {dtype}; ask for fp32, fp16 or bf16")
         self.check_incarnation(incarnation)
-        if clock > self.clocks[worker]:
+        if clock > self.clocks[worker] + (1 if early else 0):
             raise FailedPrecondition(
                 f"worker {worker} pulls at clock {clock} but has pushed only "
-                f"{self.clocks[worker]} gradients here",
+                f"{self.clocks[worker]} gradients here"
+                + (" (an early pull may name only the clock it is pushing)" if early else ""),
                 reason="out_of_order",
             )
         self.touch(worker)

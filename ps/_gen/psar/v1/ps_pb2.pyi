@@ -96,7 +96,7 @@ class LossScaleSpec(_message.Message):
     def __init__(self, enabled: _Optional[bool] = ..., init_scale: _Optional[float] = ..., growth_factor: _Optional[float] = ..., backoff_factor: _Optional[float] = ..., growth_interval: _Optional[int] = ...) -> None: ...
 
 class JobSpec(_message.Message):
-    __slots__ = ("mode", "staleness", "num_workers", "optimizer", "loss_scale", "shard_index", "num_shards", "slots", "job_id", "sync_every", "staleness_lr", "delay_compensation", "momentum_correction", "buffer_slots", "buffers_average")
+    __slots__ = ("mode", "staleness", "num_workers", "optimizer", "loss_scale", "shard_index", "num_shards", "slots", "job_id", "sync_every", "staleness_lr", "delay_compensation", "momentum_correction", "staleness_lr_power", "dc_adaptive", "buffer_slots", "buffers_average")
     MODE_FIELD_NUMBER: _ClassVar[int]
     STALENESS_FIELD_NUMBER: _ClassVar[int]
     NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
@@ -110,6 +110,8 @@ class JobSpec(_message.Message):
     STALENESS_LR_FIELD_NUMBER: _ClassVar[int]
     DELAY_COMPENSATION_FIELD_NUMBER: _ClassVar[int]
     MOMENTUM_CORRECTION_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_LR_POWER_FIELD_NUMBER: _ClassVar[int]
+    DC_ADAPTIVE_FIELD_NUMBER: _ClassVar[int]
     BUFFER_SLOTS_FIELD_NUMBER: _ClassVar[int]
     BUFFERS_AVERAGE_FIELD_NUMBER: _ClassVar[int]
     mode: Mode
@@ -125,9 +127,11 @@ class JobSpec(_message.Message):
     staleness_lr: bool
     delay_compensation: float
     momentum_correction: bool
+    staleness_lr_power: float
+    dc_adaptive: bool
     buffer_slots: _containers.RepeatedScalarFieldContainer[str]
     buffers_average: bool
-    def __init__(self, mode: _Optional[_Union[Mode, str]] = ..., staleness: _Optional[int] = ..., num_workers: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., loss_scale: _Optional[_Union[LossScaleSpec, _Mapping]] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., slots: _Optional[_Iterable[_Union[SlotSpec, _Mapping]]] = ..., job_id: _Optional[str] = ..., sync_every: _Optional[int] = ..., staleness_lr: _Optional[bool] = ..., delay_compensation: _Optional[float] = ..., momentum_correction: _Optional[bool] = ..., buffer_slots: _Optional[_Iterable[str]] = ..., buffers_average: _Optional[bool] = ...) -> None: ...
+    def __init__(self, mode: _Optional[_Union[Mode, str]] = ..., staleness: _Optional[int] = ..., num_workers: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., loss_scale: _Optional[_Union[LossScaleSpec, _Mapping]] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., slots: _Optional[_Iterable[_Union[SlotSpec, _Mapping]]] = ..., job_id: _Optional[str] = ..., sync_every: _Optional[int] = ..., staleness_lr: _Optional[bool] = ..., delay_compensation: _Optional[float] = ..., momentum_correction: _Optional[bool] = ..., staleness_lr_power: _Optional[float] = ..., dc_adaptive: _Optional[bool] = ..., buffer_slots: _Optional[_Iterable[str]] = ..., buffers_average: _Optional[bool] = ...) -> None: ...
 
 class InitHeader(_message.Message):
     __slots__ = ("job",)
@@ -246,19 +250,21 @@ class PushReply(_message.Message):
     def __init__(self, applied: _Optional[bool] = ..., already_applied: _Optional[bool] = ..., dropped_nonfinite: _Optional[bool] = ..., version: _Optional[int] = ..., staleness: _Optional[int] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("worker", "clock", "dtype", "incarnation")
+    __slots__ = ("worker", "clock", "dtype", "incarnation", "early")
     WORKER_FIELD_NUMBER: _ClassVar[int]
     CLOCK_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    EARLY_FIELD_NUMBER: _ClassVar[int]
     worker: int
     clock: int
     dtype: DType
     incarnation: int
-    def __init__(self, worker: _Optional[int] = ..., clock: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., incarnation: _Optional[int] = ...) -> None: ...
+    early: bool
+    def __init__(self, worker: _Optional[int] = ..., clock: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., incarnation: _Optional[int] = ..., early: _Optional[bool] = ...) -> None: ...
 
 class PullHeader(_message.Message):
-    __slots__ = ("version", "rounds", "loss_scale", "last_round_skipped", "skipped_rounds", "dtype", "clock_gap", "incarnation")
+    __slots__ = ("version", "rounds", "loss_scale", "last_round_skipped", "skipped_rounds", "dtype", "clock_gap", "incarnation", "early_void")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     LOSS_SCALE_FIELD_NUMBER: _ClassVar[int]
@@ -267,6 +273,7 @@ class PullHeader(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     CLOCK_GAP_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    EARLY_VOID_FIELD_NUMBER: _ClassVar[int]
     version: int
     rounds: int
     loss_scale: float
@@ -275,7 +282,8 @@ class PullHeader(_message.Message):
     dtype: DType
     clock_gap: int
     incarnation: int
-    def __init__(self, version: _Optional[int] = ..., rounds: _Optional[int] = ..., loss_scale: _Optional[float] = ..., last_round_skipped: _Optional[bool] = ..., skipped_rounds: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., clock_gap: _Optional[int] = ..., incarnation: _Optional[int] = ...) -> None: ...
+    early_void: bool
+    def __init__(self, version: _Optional[int] = ..., rounds: _Optional[int] = ..., loss_scale: _Optional[float] = ..., last_round_skipped: _Optional[bool] = ..., skipped_rounds: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., clock_gap: _Optional[int] = ..., incarnation: _Optional[int] = ..., early_void: _Optional[bool] = ...) -> None: ...
 
 class PullChunk(_message.Message):
     __slots__ = ("header", "data")
@@ -302,7 +310,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("version", "rounds", "updates_applied", "skipped_rounds", "dropped_nonfinite", "live_workers", "loss_scale", "worker_clocks", "max_clock_gap", "staleness_histogram", "master_bytes", "state_digest", "incarnation", "restores", "restored_step", "lease_expirations", "rejoins", "checkpoints_written", "last_checkpoint_step", "live_worker_ids", "draining", "chunks_applied_early", "chunk_undos", "update_params_per_s")
+    __slots__ = ("version", "rounds", "updates_applied", "skipped_rounds", "dropped_nonfinite", "live_workers", "loss_scale", "worker_clocks", "max_clock_gap", "staleness_histogram", "master_bytes", "state_digest", "incarnation", "restores", "restored_step", "lease_expirations", "rejoins", "checkpoints_written", "last_checkpoint_step", "live_worker_ids", "draining", "chunks_applied_early", "chunk_undos", "update_params_per_s", "early_pull_slots", "early_pull_voids")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     UPDATES_APPLIED_FIELD_NUMBER: _ClassVar[int]
@@ -327,6 +335,8 @@ class StatsReply(_message.Message):
     CHUNKS_APPLIED_EARLY_FIELD_NUMBER: _ClassVar[int]
     CHUNK_UNDOS_FIELD_NUMBER: _ClassVar[int]
     UPDATE_PARAMS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    EARLY_PULL_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    EARLY_PULL_VOIDS_FIELD_NUMBER: _ClassVar[int]
     version: int
     rounds: int
     updates_applied: int
@@ -351,7 +361,9 @@ class StatsReply(_message.Message):
     chunks_applied_early: int
     chunk_undos: int
     update_params_per_s: float
-    def __init__(self, version: _Optional[int] = ..., rounds: _Optional[int] = ..., updates_applied: _Optional[int] = ..., skipped_rounds: _Optional[int] = ..., dropped_nonfinite: _Optional[int] = ..., live_workers: _Optional[int] = ..., loss_scale: _Optional[float] = ..., worker_clocks: _Optional[_Iterable[int]] = ..., max_clock_gap: _Optional[int] = ..., staleness_histogram: _Optional[_Iterable[int]] = ..., master_bytes: _Optional[int] = ..., state_digest: _Optional[str] = ..., incarnation: _Optional[int] = ..., restores: _Optional[int] = ..., restored_step: _Optional[int] = ..., lease_expirations: _Optional[int] = ..., rejoins: _Optional[int] = ..., checkpoints_written: _Optional[int] = ..., last_checkpoint_step: _Optional[int] = ..., live_worker_ids: _Optional[_Iterable[int]] = ..., draining: _Optional[bool] = ..., chunks_applied_early: _Optional[int] = ..., chunk_undos: _Optional[int] = ..., update_params_per_s: _Optional[float] = ...) -> None: ...
+    early_pull_slots: int
+    early_pull_voids: int
+    def __init__(self, version: _Optional[int] = ..., rounds: _Optional[int] = ..., updates_applied: _Optional[int] = ..., skipped_rounds: _Optional[int] = ..., dropped_nonfinite: _Optional[int] = ..., live_workers: _Optional[int] = ..., loss_scale: _Optional[float] = ..., worker_clocks: _Optional[_Iterable[int]] = ..., max_clock_gap: _Optional[int] = ..., staleness_histogram: _Optional[_Iterable[int]] = ..., master_bytes: _Optional[int] = ..., state_digest: _Optional[str] = ..., incarnation: _Optional[int] = ..., restores: _Optional[int] = ..., restored_step: _Optional[int] = ..., lease_expirations: _Optional[int] = ..., rejoins: _Optional[int] = ..., checkpoints_written: _Optional[int] = ..., last_checkpoint_step: _Optional[int] = ..., live_worker_ids: _Optional[_Iterable[int]] = ..., draining: _Optional[bool] = ..., chunks_applied_early: _Optional[int] = ..., chunk_undos: _Optional[int] = ..., update_params_per_s: _Optional[float] = ..., early_pull_slots: _Optional[int] = ..., early_pull_voids: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("worker",)
