@@ -8,6 +8,8 @@ while the job is running; the tests check counts and orderings, never wall time.
 
 from __future__ import annotations
 
+import pytest
+
 from tests.fault_procs import Shard, Workers, shard_set, stats, wait_until
 
 EVERY = 5
@@ -44,16 +46,25 @@ def test_async_shard_killed_and_restored_job_finishes(tmp_path) -> None:
         assert rep["losses"][-1] < rep["losses"][0]
 
 
+# early-pull: shards with per-chunk rounds, workers pulling while they push (the pulls in
+# flight when the shard dies are cut short and redone after the resync).
+PIPELINED = {"whole-rounds": ([], []), "early-pull": (["--chunk-rounds"], ["--early-pull"])}
+
+
+@pytest.mark.parametrize(
+    "variant", ["whole-rounds", pytest.param("early-pull", marks=pytest.mark.slow)]
+)
 def test_sync_one_of_two_shards_killed_every_shard_continues_from_the_same_round(
-    tmp_path,
+    tmp_path, variant: str
 ) -> None:
     ckpt = tmp_path / "ckpt"
     steps = 30
+    server, train = PIPELINED[variant]
     with shard_set(2, tmp_path, "--checkpoint-dir", str(ckpt), "--checkpoint-every", str(EVERY),
-                   "--lease-s", "5") as shards:  # fmt: skip
+                   "--lease-s", "5", *server) as shards:  # fmt: skip
         addrs = [s.address for s in shards]
         workers = Workers(addrs, 2, tmp_path, ["--steps", str(steps), "--mode", "sync",
-                          "--emulate-compute-ms", "60", "--chunk-mib", "0.005"])  # fmt: skip
+                          "--emulate-compute-ms", "60", "--chunk-mib", "0.005", *train])  # fmt: skip
         try:
             wait_until(lambda: stats(addrs)[1]["rounds"] >= 2 * EVERY + 2, 120, "rounds>=12")
             shards[1].kill9()

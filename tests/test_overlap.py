@@ -76,23 +76,30 @@ def test_overlapped_and_plain_steps_give_identical_weights(tmp_path, num_shards:
 
 
 def _whole_vs_chunks(tmp_path, args: list[str]) -> tuple[dict, dict]:  # noqa: ANN001
-    """The same 2-worker run on a whole-round shard and on a --chunk-rounds shard: same
-    weights, losses, one skipped step each, same shard digest. Returns both shards' stats."""
+    """The same 2-worker run on a whole-round shard, on a --chunk-rounds shard and with
+    early pulls too: same weights, losses, one skipped step each, same shard digest.
+    Returns the three shards' stats."""
     reports = {}
-    for name, server in (("whole", []), ("chunks", ["--chunk-rounds"])):
+    runs = {"whole": ([], []), "chunks": (["--chunk-rounds"], []),
+            "early": (["--chunk-rounds"], ["--early-pull"])}  # fmt: skip
+    for name, (server, extra) in runs.items():
         d = tmp_path / name
         d.mkdir()
         with shards(1, *server) as addrs:
-            reports[name] = run_ps_workers(addrs, 2, d, [*args, "--save", str(d / "w.pt")])
-    _assert_bit_identical(
-        _weights(tmp_path / "whole" / "w.pt"), _weights(tmp_path / "chunks" / "w.pt")
-    )
-    for r in range(2):
-        assert reports["chunks"][r]["losses"] == reports["whole"][r]["losses"]
-        assert reports["chunks"][r]["skipped_steps"] == reports["whole"][r]["skipped_steps"] == 1
+            reports[name] = run_ps_workers(addrs, 2, d, [*args, *extra, "--save", str(d / "w.pt")])
+    for name in ("chunks", "early"):
+        _assert_bit_identical(
+            _weights(tmp_path / "whole" / "w.pt"), _weights(tmp_path / name / "w.pt")
+        )
+        for r in range(2):
+            assert reports[name][r]["losses"] == reports["whole"][r]["losses"]
+            assert reports[name][r]["skipped_steps"] == reports["whole"][r]["skipped_steps"] == 1
     whole, chunks = reports["whole"][0]["shards"][0], reports["chunks"][0]["shards"][0]
     assert chunks["state_digest"] == whole["state_digest"]
-    return whole, chunks
+    early = reports["early"][0]["shards"][0]
+    assert early["state_digest"] == whole["state_digest"]
+    assert early["early_pull_slots"] > 0  # the rounds that closed streamed slots early
+    return whole, chunks, early
 
 
 def test_per_chunk_rounds_undo_an_overflowing_round_and_keep_the_bits(tmp_path) -> None:
@@ -101,7 +108,7 @@ def test_per_chunk_rounds_undo_an_overflowing_round_and_keep_the_bits(tmp_path) 
     args = ["--workload", "mlp", "--steps", "8", "--batch-size", "16", "--seed", "5",
             "--lr", "0.05", "--momentum", "0.9", "--precision", "fp16",
             "--inject-overflow-step", "4", "--loss-scale-init-scale", "1024"]  # fmt: skip
-    whole, chunks = _whole_vs_chunks(tmp_path, args)
+    whole, chunks, _ = _whole_vs_chunks(tmp_path, args)
     assert whole["chunks_applied_early"] == whole["chunk_undos"] == 0
     assert chunks["chunks_applied_early"] > 0
     assert chunks["skipped_rounds"] == whole["skipped_rounds"] == 1
@@ -114,9 +121,12 @@ def test_a_late_overflow_undoes_the_slots_already_updated(tmp_path) -> None:
     args = ["--workload", "tests.user_workloads:make_late_overflow", "--steps", "8",
             "--batch-size", "16", "--seed", "5", "--precision", "fp32", "--lr", "0.05",
             "--momentum", "0.9", "--bucket-mib", "0.0001", "--overlap-trial", "0"]  # fmt: skip
-    whole, chunks = _whole_vs_chunks(tmp_path, args)
+    whole, chunks, early = _whole_vs_chunks(tmp_path, args)
     assert whole["chunk_undos"] == 0
     assert chunks["chunk_undos"] >= 1  # the overflowing round had slots to undo
+    # The early pulls had sent those slots: at the close their header said so, and
+    # every slot went again (the worker never let the undone ones into its weights).
+    assert early["early_pull_voids"] >= 1
 
 
 def test_buckets_follow_backward_order_and_never_split_a_parameter() -> None:
