@@ -104,6 +104,16 @@ def test_ps_end_to_end(tmp_path: Path) -> None:
     assert_all_gone(s.pids)
 
 
+def test_early_pull_workers_get_shards_that_apply_per_chunk(tmp_path: Path) -> None:
+    s = spec(tmp_path, "--report", f"{tmp_path}/report-{{rank}}.json", "--early-pull",
+             arch="ps", servers=1, workers=2, mode="sync")  # fmt: skip
+    assert launch(s) == 0, s.err.getvalue() + s.out.getvalue()
+    rep = json.loads((tmp_path / "report-0.json").read_text())
+    assert rep["shards"][0]["chunks_applied_early"] > 0  # launch gave it --chunk-rounds
+    assert rep["shards"][0]["early_pull_slots"] > 0
+    assert_all_gone(s.pids)
+
+
 def test_allreduce_end_to_end_under_torchrun(tmp_path: Path) -> None:
     s = spec(tmp_path, "--report", f"{tmp_path}/report-{{rank}}.json", "--run-dir", str(tmp_path),
              arch="allreduce", workers=2)  # fmt: skip
