@@ -62,9 +62,11 @@ def test_cells_check_measured_rates_against_psar_plan() -> None:
     assert [r["shard_hosts"] for r in rows] == [0, 2, 4]
     for r in rows:
         s, k = r["shards"], r["shard_hosts"]
+        # The grid's ps-sync pulls early (--chunk-rounds shards): the plan models that.
         want = plan(PlanInputs(g.params(), 4, s, bandwidth_bytes_per_second=0.1e9,
                                latency_seconds=20e-6, optimizer="sgd-momentum",
-                               compute_seconds=0.03, shard_hosts=k))  # fmt: skip
+                               compute_seconds=0.03, shard_hosts=k, early_pull=True,
+                               chunk_bytes=int(g.CHUNK_MIB * 2**20)))  # fmt: skip
         ps_rate = jobs[f"ps-k{k}"]["samples_per_sec"]
         assert r["ps_over_allreduce"] == pytest.approx(ps_rate / 400.0)
         assert r["ps_step_ms"] == pytest.approx(1e3 * 4 * g.BATCH / ps_rate)
@@ -79,6 +81,14 @@ def test_cells_check_measured_rates_against_psar_plan() -> None:
         assert r["measured_winner"] == ("ps" if ps_rate > 400.0 else "allreduce")
         assert r["winner_right"] == (r["plan_winner"] == r["measured_winner"])
     assert rows[2]["byteps_bound_gain"] == pytest.approx(1.5, rel=1e-3)  # K = N = 4
+    assert rows[2]["plan_winner"] == "ps"  # pipelined, K = N: the PS moves M each way once
+    push_then_pull = g.cells(4, 1000.0, link, jobs, 30.0, early_pull=False)
+    assert push_then_pull[2]["plan_winner"] == "allreduce"
+    assert g.ps_flags(True) == (["--chunk-rounds"], ["--early-pull"]) and g.ps_flags(False) == (
+        [],
+        [],
+    )
+    assert g.shard_counts(4, "4") == [4] and g.shard_counts(8, "0,8") == [0, 8]
     doc = {"grid": "small", "steps": 5, "compute_ms": 30.0, "batch": g.BATCH,
            "params": g.params(), "chunk_mib": g.CHUNK_MIB, "links": [link], "cells": rows,
            "failed_cells": [{"workers": 8, "shard_hosts": 8, "mbit": 1000.0,
