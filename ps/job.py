@@ -42,6 +42,12 @@ class Job:
     delay_compensation: float = 0.0
     """async/ssp: DC-ASGD's lambda (Zheng et al., ICML 2017): each gradient g is applied as
     g + lambda * g * g * (w_now - w_base); 0 disables it."""
+    staleness_lr_power: float = 1.0
+    """async/ssp with staleness_lr: the lr scale is (1 / (1 + staleness)) ** this (0.5:
+    lr / sqrt(1 + staleness); bench/README.md, issue #17)."""
+    dc_adaptive: bool = False
+    """async/ssp with delay_compensation: DC-ASGD-a (Zheng et al. 2017): lambda is
+    delay_compensation / sqrt(v), v a moving mean (0.95) of g * g per element."""
     momentum_correction: bool = True
     """async/ssp with N > 1 workers: apply max(0, momentum - (1 - 1/N)) as SGD momentum /
     AdamW beta1, since asynchrony adds about 1 - 1/N of its own (Mitliagkas et al. 2016);
@@ -63,6 +69,16 @@ class Job:
             raise ValueError(
                 f"--delay-compensation must be a finite number >= 0 (DC-ASGD's lambda; "
                 f"0 disables it), got {self.delay_compensation}"
+            )
+        if not 0.0 < self.staleness_lr_power <= 4.0:
+            raise ValueError(
+                f"--staleness-lr-power must be in (0, 4] (the exponent of 1 / (1 + staleness); "
+                f"1: Zhang et al.'s lr / (1 + staleness)), got {self.staleness_lr_power}"
+            )
+        if self.dc_adaptive and not self.delay_compensation:
+            raise ValueError(
+                "--dc-adaptive scales DC-ASGD's lambda: give its lambda0 with "
+                "--delay-compensation LAMBDA0 (> 0)"
             )
         if self.num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {self.num_workers}")

@@ -111,6 +111,8 @@ def job_to_pb(job: Job) -> pb.JobSpec:
         staleness_lr=job.staleness_lr,
         delay_compensation=job.delay_compensation,
         momentum_correction=job.momentum_correction,
+        staleness_lr_power=job.staleness_lr_power,
+        dc_adaptive=job.dc_adaptive,
     )
 
 
@@ -138,6 +140,9 @@ def job_from_pb(spec: pb.JobSpec) -> Job:
             staleness_lr=spec.staleness_lr,
             delay_compensation=spec.delay_compensation,
             momentum_correction=spec.momentum_correction,
+            # A spec without the field (written before it existed) reads 0: the default 1.
+            staleness_lr_power=spec.staleness_lr_power or 1.0,
+            dc_adaptive=spec.dc_adaptive,
         )
     except ValueError as e:
         raise InvalidArgument(f"invalid job spec: {e}", reason="malformed") from None

@@ -16,7 +16,10 @@ corrections, all decided here from the job and used only by AsyncPolicy / SSPPol
   version still some live worker's base, so w_base is exact; a push whose base it no
   longer holds (the worker rejoined, or pulled from before a restore) is applied
   uncompensated and counted (`ServedWeights.missing`; not in Stats yet). The
-  constant-lambda variant (DC-ASGD-c).
+  constant-lambda variant (DC-ASGD-c), or with `--dc-adaptive` the adaptive one
+  (DC-ASGD-a): lambda = LAMBDA0 / sqrt(v) per element, v a moving mean of g * g, so the
+  correction no longer vanishes where gradients are small (bench/README.md, issue #17).
+- **Staleness lr power** (`--staleness-lr-power P`): lr * (1 / (1 + staleness)) ** P.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ if TYPE_CHECKING:
 def step_adjust(job: Job, staleness: int) -> StepAdjust | None:
     """How one async/ssp step of a gradient `staleness` updates old differs from the
     configured optimizer (None: not at all)."""
-    lr_scale = staleness_lr_factor(staleness) if job.staleness_lr else 1.0
+    lr_scale = staleness_lr_factor(staleness) ** job.staleness_lr_power if job.staleness_lr else 1.0
     momentum = None
     if job.momentum_correction and job.num_workers > 1:
         configured = (
@@ -45,6 +48,27 @@ def step_adjust(job: Job, staleness: int) -> StepAdjust | None:
     if lr_scale == 1.0 and momentum is None:
         return None
     return StepAdjust(lr_scale=lr_scale, momentum=momentum)
+
+
+MEAN_SQ_DECAY = 0.95
+"""DC-ASGD-a's moving average of g * g (the paper's MeanSquare, its m = 0.95)."""
+
+
+def mean_square_update(v: torch.Tensor | None, g: torch.Tensor) -> torch.Tensor:
+    """v <- 0.95 v + 0.05 g * g, in place (v None: start from zeros, as the paper)."""
+    if v is None:
+        v = torch.zeros_like(g)
+    return v.mul_(MEAN_SQ_DECAY).addcmul_(g, g, value=1.0 - MEAN_SQ_DECAY)
+
+
+def dc_adaptive_(
+    g: torch.Tensor, lam0: float, v: torch.Tensor, w_now: torch.Tensor, w_base: torch.Tensor
+) -> torch.Tensor:
+    """DC-ASGD-a in place: g + lam0 / sqrt(v) * g * g * (w_now - w_base), element by
+    element. v already holds this g (so g * g / sqrt(v) <= |g| / sqrt(0.05): bounded
+    however small the gradients are), and where v is 0 so is g: no correction."""
+    scale = g * g / v.sqrt().clamp_min(1e-30)
+    return g.addcmul_(scale, w_now - w_base, value=lam0)
 
 
 class ServedWeights:
@@ -57,6 +81,9 @@ class ServedWeights:
         """version -> fp32 copy of the masters at that version (only versions in base_of)."""
         self.missing = 0
         """Pushes applied uncompensated: their base version was no longer held."""
+        self.mean_sq: dict[str, torch.Tensor] = {}
+        """--dc-adaptive: slot -> moving mean of g * g (not checkpointed: a restored shard
+        starts it afresh, from the first push after the restore)."""
 
     def served(self, st: ShardState, worker: int) -> None:
         """`worker` is sent the weights of the shard's current version (under the lock)."""
@@ -76,6 +103,10 @@ class ServedWeights:
     ) -> None:
         """DC-ASGD on `grads` in place (under the lock, before the step)."""
         lam = st.job.delay_compensation if st.job is not None else 0.0
+        adaptive = st.job is not None and st.job.dc_adaptive
+        if adaptive:  # every push feeds the mean square, fresh ones too (the paper's MeanSquare)
+            for key, g in grads.items():
+                self.mean_sq[key] = mean_square_update(self.mean_sq.get(key), g)
         if not lam or base_version == st.version:
             return  # nothing moved since the worker's pull: no correction
         base = self.copies.get(base_version) if self.base_of.get(worker) == base_version else None
@@ -83,7 +114,11 @@ class ServedWeights:
             self.missing += 1
             return
         for key, g in grads.items():
-            delay_compensate_(g, lam, st.masters[key].detach(), base[key])
+            w_now = st.masters[key].detach()
+            if adaptive:
+                dc_adaptive_(g, lam, self.mean_sq[key], w_now, base[key])
+            else:
+                delay_compensate_(g, lam, w_now, base[key])
 
     def _evict(self) -> None:
         keep = set(self.base_of.values())
