@@ -172,13 +172,24 @@ COMMON = ["--workload", "mlp", "--steps", "10", "--batch-size", "16", "--seed", 
           "--lr", "0.05", "--momentum", "0.9", "--precision", "fp32", "--overlap-trial", "0"]  # fmt: skip
 
 
-def test_early_pulls_give_the_bits_of_ordinary_ones(tmp_path) -> None:  # noqa: ANN001
-    runs = {
-        "ordinary": ([], []),
-        "early": (["--chunk-rounds"], ["--early-pull"]),
-        "early-no-overlap": (["--chunk-rounds"], ["--early-pull", "--no-overlap"]),
-        "early-grpc": (["--chunk-rounds"], ["--early-pull", "--data-plane", "grpc"]),
-    }
+RUNS = {
+    "ordinary": ([], []),
+    "early": (["--chunk-rounds"], ["--early-pull"]),
+    "early-no-overlap": (["--chunk-rounds"], ["--early-pull", "--no-overlap"]),
+    "early-grpc": (["--chunk-rounds"], ["--early-pull", "--data-plane", "grpc"]),
+}
+
+
+@pytest.mark.parametrize(
+    "names",
+    [
+        ("ordinary", "early"),
+        pytest.param(("ordinary", "early-no-overlap", "early-grpc"), marks=pytest.mark.slow),
+    ],
+    ids=["overlap", "no-overlap-and-grpc"],
+)
+def test_early_pulls_give_the_bits_of_ordinary_ones(tmp_path, names) -> None:  # noqa: ANN001
+    runs = {n: RUNS[n] for n in names}
     reports, stats = {}, {}
     for name, (server, extra) in runs.items():
         d = tmp_path / name
@@ -190,10 +201,10 @@ def test_early_pulls_give_the_bits_of_ordinary_ones(tmp_path) -> None:  # noqa: 
             stats[name] = shard_stats(addrs)
     # The data plane streamed slots before their rounds closed, and none had to be
     # sent again; gRPC answers early pulls whole (nothing early), as do whole rounds.
-    for name in ("early", "early-no-overlap"):
+    for name in {"early", "early-no-overlap"} & runs.keys():
         assert sum(s["early_pull_slots"] for s in stats[name]) > 0, name
         assert sum(s["early_pull_voids"] for s in stats[name]) == 0, name
-    for name in ("ordinary", "early-grpc"):
+    for name in {"ordinary", "early-grpc"} & runs.keys():
         assert sum(s["early_pull_slots"] for s in stats[name]) == 0, name
     ref = torch.load(tmp_path / "ordinary" / "w.pt", weights_only=True)
     for name in runs:

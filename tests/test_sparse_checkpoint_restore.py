@@ -15,6 +15,7 @@ import os
 import signal
 
 import numpy as np
+import pytest
 import torch
 
 from ps.client.psclient import ClientConfig, PSClient
@@ -105,6 +106,7 @@ def table_versions(addresses: list[str], shards: int) -> list[dict[str, int]]:
         ]
 
 
+@pytest.mark.slow
 def test_sync_one_of_two_shards_with_sparse_tables_killed_every_table_follows_the_rollback(
     tmp_path,
 ) -> None:
