@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -23,6 +25,7 @@ def _run(args: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
     return proc
 
 
+@pytest.mark.slow  # CI's slow stage runs it; the default run stays under 10 min
 def test_ps_datapath_quick_json_schema() -> None:
     proc = _run(
         ["-m", "bench.ps_datapath", "--quick", "--sizes", "1", "--shards", "1,2", "--json"],

@@ -86,6 +86,7 @@ def _wait_listening(p, timeout: float = 60) -> str:
     raise AssertionError(f"shard did not start (exit {p.poll()})")
 
 
+@pytest.mark.slow  # CI's slow stage runs it; the default run stays under 10 min
 def test_ps_job_across_namespaces(lan3, tmp_path) -> None:
     t0 = time.monotonic()
     shards_host, hub = lan3["shards"], lan3.hub
