@@ -35,3 +35,20 @@ def test_fits_reads_a_killed_run_as_out_of_memory() -> None:
     assert sparse._fits(100, {"error": "exited -9: Killed"})["oom"]
     assert not sparse._fits(100, {"bytes_per_step": 1.0})["oom"]
     assert sparse._fits(100, {})["bytes_all_ranks"] == sparse.WORLD * 100
+
+
+def _run(ps: float, ddp: float) -> dict:
+    return {"rows": [1_000_000, 100_000], "ps_sparse": {"samples_per_sec": ps},
+            "allreduce_sparse": {"samples_per_sec": ddp}, "ddp_sparse_fits": {"oom": False},
+            "ps_vs_allreduce_sparse": {"speedup": ps / ddp}}  # fmt: skip
+
+
+def test_repeats_keep_the_median_run_and_judge_the_goal_on_it() -> None:
+    runs = [_run(90.0, 100.0), _run(150.0, 100.0), _run(120.0, 100.0)]
+    out = sparse.repeated(runs)
+    assert out["ps_sparse"]["samples_per_sec"] == 120.0  # the median ratio's run
+    assert [r["speedup"] for r in out["repeats"]] == [0.9, 1.5, 1.2]
+    assert out["goal"]["met"] and out["goal"]["speedup"] == 1.2
+    two = sparse.repeated([_run(90.0, 100.0), _run(95.0, 100.0)])
+    assert two["goal"]["speedup"] == 0.9 and not two["goal"]["met"]  # lower median of two
+    assert sparse.repeated(runs[:1]) is runs[0] and "repeats" not in runs[0]

@@ -146,19 +146,23 @@ class SparseSide:
                 uniq, g = torch.empty(0, dtype=torch.int64), torch.empty(0, dim)
             grads[name] = (uniq, g)
             finite = finite and bool(torch.isfinite(g.to(self.wire)).all())  # as sent
-        for name, (uniq, g) in grads.items():
-            st = self.state[name]
-            replies, nbytes = sparse_client.push_rows(
-                self.b.client,
+        pushes = [
+            sparse_client.RowsPush(
                 table=name,
                 clock=clock,
                 ids=uniq,
                 grads=g,
                 dtype=self.wire,
-                base_versions=st["versions"],
+                base_versions=self.state[name]["versions"],
                 loss_scale=loss_scale,
                 overflow=not finite,
             )
+            for name, (uniq, g) in grads.items()
+        ]
+        # All tables at once (PushTables): one round trip per step, not one per table.
+        done = sparse_client.push_tables(self.b.client, pushes)
+        for name, (replies, nbytes) in zip(grads, done, strict=True):
+            st = self.state[name]
             self.bytes_pushed += nbytes
             self.b.bytes_pushed += nbytes
             for r in replies:

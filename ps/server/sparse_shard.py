@@ -150,22 +150,37 @@ class SparseTables:
 
     def push(self, name: str, p: RowPush) -> tuple[bool, bool, int, int]:
         """Returns (applied, already_applied, table version, staleness)."""
+        return self.push_many([(name, p)])[0]
+
+    def push_many(self, pushes: list[tuple[str, RowPush]]) -> list[tuple[bool, bool, int, int]]:
+        """`push` for several tables (PushTables): all are checked, under the lock, before
+        any is applied, so a bad one leaves every table as it was."""
         rows, live, n, rounds = self._policy()
-        if not 0 <= p.worker < n:
-            raise InvalidArgument(f"worker {p.worker} not in [0, {n})", reason="bad_worker")
+        for _, p in pushes:
+            if not 0 <= p.worker < n:
+                raise InvalidArgument(f"worker {p.worker} not in [0, {n})", reason="bad_worker")
         with self._lock:
-            t = self.check(p, name)
-            if rows.from_before_restore(p.clock, rounds):
-                # Sent before this shard was restored or rolled back, by a worker that has
-                # not re-registered yet: its dense push of that clock is refused
-                # (`restored`), so these rows are dropped without recording the clock.
-                return False, True, t.version, 0
-            key = (name, p.worker)
-            if p.clock <= self.clocks.get(key, 0):
-                return False, True, t.version, 0
-            self.clocks[key] = p.clock
-            applied, stale = rows.accept(self, name, t, p, live)
-            return applied, False, t.version, stale
+            tables = [self.check(p, name) for name, p in pushes]
+            return [
+                self._push_checked(name, t, p, rows, live, rounds)
+                for (name, p), t in zip(pushes, tables, strict=True)
+            ]
+
+    def _push_checked(
+        self, name: str, t: SparseTable, p: RowPush, rows: RowPolicy, live: set[int], rounds: int
+    ) -> tuple[bool, bool, int, int]:
+        """One checked push, under the lock."""
+        if rows.from_before_restore(p.clock, rounds):
+            # Sent before this shard was restored or rolled back, by a worker that has
+            # not re-registered yet: its dense push of that clock is refused
+            # (`restored`), so these rows are dropped without recording the clock.
+            return False, True, t.version, 0
+        key = (name, p.worker)
+        if p.clock <= self.clocks.get(key, 0):
+            return False, True, t.version, 0
+        self.clocks[key] = p.clock
+        applied, stale = rows.accept(self, name, t, p, live)
+        return applied, False, t.version, stale
 
     def stats(self) -> dict[str, Any]:
         with self._lock:

@@ -539,6 +539,28 @@ class PushRowsReply(_message.Message):
     staleness: int
     def __init__(self, applied: _Optional[bool] = ..., already_applied: _Optional[bool] = ..., version: _Optional[int] = ..., staleness: _Optional[int] = ...) -> None: ...
 
+class RowsPushWhole(_message.Message):
+    __slots__ = ("header", "ids", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: PushRowsHeader
+    ids: bytes
+    data: bytes
+    def __init__(self, header: _Optional[_Union[PushRowsHeader, _Mapping]] = ..., ids: _Optional[bytes] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class PushTablesRequest(_message.Message):
+    __slots__ = ("pushes",)
+    PUSHES_FIELD_NUMBER: _ClassVar[int]
+    pushes: _containers.RepeatedCompositeFieldContainer[RowsPushWhole]
+    def __init__(self, pushes: _Optional[_Iterable[_Union[RowsPushWhole, _Mapping]]] = ...) -> None: ...
+
+class PushTablesReply(_message.Message):
+    __slots__ = ("replies",)
+    REPLIES_FIELD_NUMBER: _ClassVar[int]
+    replies: _containers.RepeatedCompositeFieldContainer[PushRowsReply]
+    def __init__(self, replies: _Optional[_Iterable[_Union[PushRowsReply, _Mapping]]] = ...) -> None: ...
+
 class DataHello(_message.Message):
     __slots__ = ("token", "version")
     TOKEN_FIELD_NUMBER: _ClassVar[int]

@@ -99,6 +99,11 @@ class ParameterServerStub:
                 request_serializer=psar_dot_v1_dot_ps__pb2.PushRowsChunk.SerializeToString,
                 response_deserializer=psar_dot_v1_dot_ps__pb2.PushRowsReply.FromString,
                 _registered_method=True)
+        self.PushTables = channel.unary_unary(
+                '/psar.v1.ParameterServer/PushTables',
+                request_serializer=psar_dot_v1_dot_ps__pb2.PushTablesRequest.SerializeToString,
+                response_deserializer=psar_dot_v1_dot_ps__pb2.PushTablesReply.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -182,6 +187,12 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PushTables(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -249,6 +260,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.PushRows,
                     request_deserializer=psar_dot_v1_dot_ps__pb2.PushRowsChunk.FromString,
                     response_serializer=psar_dot_v1_dot_ps__pb2.PushRowsReply.SerializeToString,
+            ),
+            'PushTables': grpc.unary_unary_rpc_method_handler(
+                    servicer.PushTables,
+                    request_deserializer=psar_dot_v1_dot_ps__pb2.PushTablesRequest.FromString,
+                    response_serializer=psar_dot_v1_dot_ps__pb2.PushTablesReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -602,6 +618,33 @@ class ParameterServer:
             '/psar.v1.ParameterServer/PushRows',
             psar_dot_v1_dot_ps__pb2.PushRowsChunk.SerializeToString,
             psar_dot_v1_dot_ps__pb2.PushRowsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushTables(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/psar.v1.ParameterServer/PushTables',
+            psar_dot_v1_dot_ps__pb2.PushTablesRequest.SerializeToString,
+            psar_dot_v1_dot_ps__pb2.PushTablesReply.FromString,
             options,
             channel_credentials,
             insecure,
