@@ -40,6 +40,7 @@ def test_awkward_user_model_trains_under_both(tmp_path) -> None:
         torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.slow  # CI's slow stage runs it; the default run stays under 10 min
 def test_grad_accumulation_matches_across_architectures_and_batch_sizes(tmp_path) -> None:
     common = ["--workload", "mlp", "--steps", "8", "--precision", "fp32", "--eval-batches", "0"]
     accum = [*common, "--batch-size", "8", "--grad-accum", "2"]
