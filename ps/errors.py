@@ -88,6 +88,13 @@ class DeadlineExceeded(PSError):
     reason = "deadline"
 
 
+class Cancelled(PSError):
+    """The caller went away while its request waited (an early pull whose worker hung up)."""
+
+    code = grpc.StatusCode.CANCELLED
+    reason = "cancelled"
+
+
 class Unavailable(PSError):
     """The shard is draining (shutting down)."""
 

@@ -15,6 +15,7 @@ every read of a frame once it has started.
 
 from __future__ import annotations
 
+import select
 import socket
 import ssl
 import struct
@@ -139,6 +140,18 @@ def hard_shutdown(sock: socket.socket) -> None:
         socket.socket.shutdown(sock, socket.SHUT_RDWR)
     except OSError:
         pass
+
+
+def peer_spoke(sock: socket.socket) -> bool:
+    """Has the peer sent anything (bytes, a TLS alert, or its FIN)? For a connection whose
+    peer must stay silent until our answer ends (a pull in progress), that means it hung
+    up or broke the protocol: either way nobody waits for the answer any more."""
+    if is_tls(sock) and sock.pending():  # type: ignore[attr-defined]
+        return True
+    try:
+        return bool(select.select([sock], [], [], 0)[0])
+    except (OSError, ValueError):  # closed under us
+        return True
 
 
 def is_tls(sock: socket.socket) -> bool:

@@ -20,7 +20,7 @@ import torch
 from ps import wire
 from ps._gen.psar.v1 import ps_pb2 as pb
 from ps.client.transport import PullStream, Transport
-from ps.errors import FailedPrecondition
+from ps.errors import Cancelled, FailedPrecondition
 from ps.server.shard import ShardState
 from tests.procs import run_ps_workers, shard_stats, shards
 from tests.ps_fixtures import grad_for, init_values, make_job, make_state
@@ -138,6 +138,33 @@ def test_an_overflow_voids_the_early_pieces_and_every_slot_follows() -> None:
     assert [i[2] for i in p.items if i[0] == "header"] == [True]
     for k in before:
         assert torch.equal(got[k], before[k]), k
+
+
+def test_an_early_pull_whose_worker_hung_up_stops_waiting() -> None:
+    """Worker 1's push failed, so it cut its early pull short: the round will not close with
+    it, and the shard thread serving the pull must not wait out the deadline."""
+    job = make_job("sync", optimizer="sgd", num_workers=2)
+    st = make_state(job, init_values(job), chunk_rounds=True)
+    here = threading.Event()
+    here.set()
+    gen = st.pull_early(1, 1, torch.float32, 60.0, alive=here.is_set)
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            list(gen)
+        except BaseException as e:  # noqa: BLE001 - surfaced below
+            errors.append(e)
+
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+    th.join(1.5)
+    assert th.is_alive()  # still waiting for slots while the worker is there
+    here.clear()  # it hangs up
+    th.join(5)
+    assert not th.is_alive()
+    assert len(errors) == 1 and isinstance(errors[0], Cancelled)
+    assert "hung up" in str(errors[0])
 
 
 def test_an_early_pull_may_name_only_the_clock_being_pushed() -> None:

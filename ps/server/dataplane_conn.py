@@ -274,7 +274,10 @@ class _Connection:
         """Pieces as the round applies them, the header once it closed, the rest
         (ps/server/early_pull.py). A refusal before or after the early pieces is a
         status frame in place of the next piece or header."""
-        for item in start_pull_early(self.state, req.request, timeout, views=True):
+        # The worker sends nothing until this answer ends: anything readable means it
+        # hung up (its push failed and it cut this pull short), so stop waiting for it.
+        alive = lambda: not fr.peer_spoke(self.sock)  # noqa: E731
+        for item in start_pull_early(self.state, req.request, timeout, views=True, alive=alive):
             if item[0] == "header":
                 self._send(pb.DataFrame(pull_header=item[1]))
             else:

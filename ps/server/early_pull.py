@@ -30,7 +30,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ps import wire
-from ps.errors import DeadlineExceeded
+from ps.errors import Cancelled, DeadlineExceeded
+
+_ALIVE_EVERY_S = 1.0
+"""How often a waiting early pull asks whether its worker is still there."""
 
 if TYPE_CHECKING:
     from ps.server.chunk_rounds import ChunkedSyncPolicy
@@ -49,10 +52,15 @@ def iter_early_pull(
     *,
     incarnation: int = 0,
     views: bool = False,
+    alive: Callable[[], bool] = lambda: True,
 ) -> Iterator[EarlyItem]:
     """The items of one early pull, in the order they go on the wire. Refusals (a bad
     dtype, an old incarnation, a clock this worker is not pushing) raise at the first
-    next(), before anything is sent; a deadline raises after the early pieces."""
+    next(), before anything is sent; a deadline raises after the early pieces.
+
+    alive(): is the worker still there? Asked about once a second while the pull waits: a
+    worker whose push failed cuts its early pull short, and the round this pull waits for
+    may then never close; Cancelled frees the thread instead of holding it to the deadline."""
     started = time.monotonic()
     deadline = started + timeout
     with st._cond:
@@ -61,16 +69,17 @@ def iter_early_pull(
     sent: dict[str, int] = {}
     early_bytes = 0
     if policy.applies_chunks:
-        while (got := _next_applied(st, policy, clock, dtype, sent, deadline)) is not None:
+        while (got := _next_applied(st, policy, clock, dtype, sent, deadline, alive)) is not None:
             for key, stamp, pieces in got:
                 sent[key] = stamp
                 for off, data in pieces:
                     early_bytes += len(data)
                     yield ("piece", key, off, data)
     with st._cond:
-        ok = st._cond.wait_for(
-            early_ready(st, worker, clock, inc), max(0.0, deadline - time.monotonic())
-        )
+        ready = early_ready(st, worker, clock, inc)
+        while not (ok := ready()) and (left := deadline - time.monotonic()) > 0:
+            st._cond.wait(min(left, _ALIVE_EVERY_S))
+            _check_alive(alive, clock)
         check_pushed(st, worker, clock, inc, timeout)
         header, pieces = st._serve_pull(job, worker, clock, dtype, inc, views, ok, started)
         void = policy is not st.policy or any(policy.slot_writes(k) != n for k, n in sent.items())
@@ -84,6 +93,11 @@ def iter_early_pull(
     for key, off, data in pieces:
         if void or key not in sent:
             yield ("piece", key, off, data)
+
+
+def _check_alive(alive: Callable[[], bool], clock: int) -> None:
+    if not alive():
+        raise Cancelled(f"early pull at clock {clock}: the worker hung up while it waited")
 
 
 def early_ready(st: ShardState, worker: int, clock: int, inc: int) -> Callable[[], bool]:
@@ -111,6 +125,7 @@ def _next_applied(
     dtype: torch.dtype,
     sent: dict[str, int],
     deadline: float,
+    alive: Callable[[], bool],
 ) -> list[tuple[str, int, list[tuple[int, Any]]]] | None:
     """Wait for slots applied early that were not sent yet; their bytes (copied while no
     update can touch them), or None once the round closed, the policy was replaced or
@@ -123,7 +138,9 @@ def _next_applied(
         return st.rounds >= clock or policy.retired or time.monotonic() >= deadline
 
     with policy._wake:
-        policy._wake.wait_for(lambda: bool(news()) or done(), max(0.0, deadline - time.monotonic()))
+        while not (news() or done()):
+            policy._wake.wait(min(max(0.0, deadline - time.monotonic()), _ALIVE_EVERY_S))
+            _check_alive(alive, clock)
         keys = news()
         if not keys:
             return None

@@ -178,14 +178,19 @@ def start_pull(
 
 
 def start_pull_early(
-    state: ShardState, req: pb.PullRequest, timeout: float | None, *, views: bool = False
+    state: ShardState,
+    req: pb.PullRequest,
+    timeout: float | None,
+    *,
+    views: bool = False,
+    alive: Callable[[], bool] = lambda: True,
 ) -> Iterator[tuple[Any, ...]]:
     """An early pull (req.early; ps/server/early_pull.py) as the data plane serves it:
     ("piece", key, offset, bytes) items, then ("header", pb.PullHeader) with early_void
     set, then the rest. Refusals raise at the first next(), before anything is sent."""
     dtype, clock, wait = _pull_args(req, timeout)
     items = state.pull_early(
-        req.worker, clock, dtype, wait, incarnation=req.incarnation, views=views
+        req.worker, clock, dtype, wait, incarnation=req.incarnation, views=views, alive=alive
     )
     for item in items:
         if item[0] == "header":

@@ -58,11 +58,13 @@ class Pulls:
         *,
         incarnation: int = 0,
         views: bool = False,
+        alive: Callable[[], bool] = lambda: True,
     ) -> Iterator[EarlyItem]:
         """A pull of the round this worker is pushing now, its slots sent as they are
-        applied, the header last (ps/server/early_pull.py). Holds the calling thread."""
+        applied, the header last (ps/server/early_pull.py). Holds the calling thread;
+        alive(): is the worker still waiting for the answer (asked about once a second)."""
         return iter_early_pull(
-            self, worker, clock, dtype, timeout, incarnation=incarnation, views=views
+            self, worker, clock, dtype, timeout, incarnation=incarnation, views=views, alive=alive
         )
 
     async def pull_parked(
