@@ -74,6 +74,8 @@ REJECT_REASONS: tuple[str, ...] = (
     "restored",
     "expired",
     "too_late",
+    # An early pull whose worker hung up while it waited (ps/server/early_pull.py).
+    "cancelled",
     OTHER,
 )
 
