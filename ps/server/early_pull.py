@@ -161,8 +161,9 @@ def _copy(
     hit = cache.get((key, dtype))
     if hit is not None and hit[0] == stamp:
         return hit[1]
-    flat = st.masters[key].detach()
-    flat = flat if dtype == torch.float32 else flat.to(dtype)
-    pieces = list(wire.iter_pieces(flat.reshape(-1), st.message_bytes, copy=True))
+    # One copy, cast on the way (the master may be undone or stepped while the pieces are
+    # on the wire); the pieces are views of it, which keep it alive.
+    fresh = st.masters[key].detach().reshape(-1).to(dtype, copy=True)
+    pieces = list(wire.iter_pieces(fresh, st.message_bytes, copy=False))
     cache[(key, dtype)] = (stamp, pieces)
     return pieces
