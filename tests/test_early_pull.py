@@ -19,12 +19,12 @@ import torch
 
 from ps import wire
 from ps._gen.psar.v1 import ps_pb2 as pb
-from ps.client.transport import PullStream, Transport
 from ps.errors import Cancelled, FailedPrecondition
 from ps.server.shard import ShardState
 from tests.procs import run_ps_workers, shard_stats, shards
 from tests.ps_fixtures import grad_for, init_values, make_job, make_state
 from tests.test_chunk_rounds import begin, full_push, stream
+from tests.test_transport_contract import _FakeTransport
 
 # ---- the shard side ---------------------------------------------------------------------
 
@@ -244,60 +244,18 @@ def test_early_pulls_give_the_bits_of_ordinary_ones(tmp_path, names) -> None:  #
 # ---- the worker side: the transport contract ----------------------------------------
 
 
-class _EarlyFake(Transport):
-    """A door whose pull sends `early` pieces, then `head`, then `rest`."""
-
-    address = "fake:1"
-
-    def __init__(self, early: list, head: pb.PullHeader, rest: list) -> None:
-        self.early, self.head, self.rest = list(early), head, list(rest)
-
-    @property
-    def piece_bytes(self) -> int:
-        return 4
-
-    def send_push(self, header, parts, *, timeout_s):  # noqa: ANN001, ANN201
-        raise NotImplementedError
-
-    def open_pull(self, req: pb.PullRequest, *, timeout_s: float) -> PullStream:
-        fake = self
-
-        def piece(key: str, offset: int, values: list[float]) -> Any:
-            data = torch.tensor(values).numpy().tobytes()
-            p = type("P", (), {"key": key, "offset": offset, "nbytes": len(data)})()
-            p.read = lambda: data
-            p.read_into = lambda view: view.__setitem__(slice(None), data)
-            return p
-
-        class _Stream(PullStream):
-            def header(self) -> pb.PullHeader:
-                return fake.head
-
-            def next_early(self) -> Any:
-                return piece(*fake.early.pop(0)) if fake.early else fake.head
-
-            def next_piece(self) -> Any:
-                return piece(*fake.rest.pop(0)) if fake.rest else None
-
-            def cancel(self) -> None: ...
-
-            def close(self) -> None: ...
-
-        return _Stream()
-
-    def cancel_all(self) -> None: ...
-
-    def close(self) -> None: ...
+def _bytes(values: list[float]) -> bytes:
+    return torch.tensor(values).numpy().tobytes()
 
 
 @pytest.mark.parametrize("void", [False, True], ids=["early-holds", "early-void"])
 def test_early_pieces_reach_on_piece_only_after_a_header_that_keeps_them(void: bool) -> None:
     out = {"a#0": torch.zeros(2), "b#0": torch.zeros(2)}
-    early = [("a#0", 0, [1.0, 2.0])]
-    rest = [("b#0", 0, [3.0, 4.0])]
+    early = [("a#0", 0, _bytes([1.0, 2.0]))]
+    rest = [("b#0", 0, _bytes([3.0, 4.0]))]
     if void:
-        rest = [("a#0", 0, [5.0, 6.0]), *rest]
-    fake = _EarlyFake(early, pb.PullHeader(dtype=pb.FLOAT32, early_void=void), rest)
+        rest = [("a#0", 0, _bytes([5.0, 6.0])), *rest]
+    fake = _FakeTransport(pb.PullHeader(dtype=pb.FLOAT32, early_void=void), rest, early)
     events: list[tuple] = []
 
     def on_piece(key: str, offset: int, n: int) -> None:

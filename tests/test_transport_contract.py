@@ -254,13 +254,26 @@ def test_received_pieces_are_bounds_checked_alike(ready: Shard, edit, words) -> 
     assert got["grpc"] == got["tcp"]
 
 
+def _piece(key: str, offset: int, data: bytes) -> Any:
+    piece = type("P", (), {"key": key, "offset": offset, "nbytes": len(data)})()
+    piece.read = lambda: data
+    piece.read_into = lambda view: view.__setitem__(slice(None), data)
+    return piece
+
+
 class _FakeTransport(Transport):
     """A transport whose shard misbehaves: the contract's checks of what comes back."""
 
     address = "fake:1"
 
-    def __init__(self, head: pb.PullHeader, pieces: list[tuple[str, int, bytes]]) -> None:
-        self.head, self.pieces = head, pieces
+    def __init__(
+        self,
+        head: pb.PullHeader,
+        pieces: list[tuple[str, int, bytes]],
+        early: list[tuple[str, int, bytes]] | None = None,
+    ) -> None:
+        """`early`: pieces an early pull sends before `head` (tests/test_early_pull.py)."""
+        self.head, self.pieces, self.early = head, pieces, list(early or [])
 
     @property
     def piece_bytes(self) -> int:
@@ -277,16 +290,11 @@ class _FakeTransport(Transport):
                 return fake.head
 
             def next_piece(self) -> Any:
-                if not fake.pieces:
-                    return None
-                key, offset, data = fake.pieces.pop(0)
-                piece = type("P", (), {"key": key, "offset": offset, "nbytes": len(data)})()
-                piece.read = lambda: data
-                piece.read_into = lambda view: view.__setitem__(slice(None), data)
-                return piece
+                return _piece(*fake.pieces.pop(0)) if fake.pieces else None
 
             def next_early(self) -> Any:
-                return fake.head  # a shard that does not stream early: header first
+                # Without early pieces: a shard that does not stream early, header first.
+                return _piece(*fake.early.pop(0)) if fake.early else fake.head
 
             def cancel(self) -> None: ...
 
