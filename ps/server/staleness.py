@@ -67,7 +67,7 @@ def dc_adaptive_(
     """DC-ASGD-a in place: g + lam0 / sqrt(v) * g * g * (w_now - w_base), element by
     element. v already holds this g (so g * g / sqrt(v) <= |g| / sqrt(0.05): bounded
     however small the gradients are), and where v is 0 so is g: no correction."""
-    scale = g * g / v.sqrt().clamp_min(1e-30)
+    scale = (g * g).div_(v.sqrt().clamp_min_(1e-30))  # the same ops, two temporaries fewer
     return g.addcmul_(scale, w_now - w_base, value=lam0)
 
 
