@@ -4,8 +4,9 @@ A frame is a 16-byte little-endian prefix ``<4sIQ`` (magic b"PSD1", header lengt
 payload length), a serialized ``DataFrame`` header, then the payload: raw tensor bytes,
 only in ``piece`` frames. Everything here moves buffers with ``sendmsg``/``recv_into``
 (no per-byte Python, no joining of payloads); the caller owns the sockets, which may be
-plain TCP or TLS (``ssl.SSLSocket``: no sendmsg, no recv flags, so those take the plain
-sendall/recv_into path).
+plain TCP, TLS (``ssl.SSLSocket``) or sealed records after a TLS hello
+(``ps.sealed.SealedSocket``): those have no sendmsg and no recv flags, so they take the
+plain sendall/recv_into path.
 
 Reading never trusts a length before its bytes arrive: buffers for headers and payloads
 (Scratch) grow as bytes are received, so a prefix that claims 16 MiB and then goes
@@ -28,6 +29,7 @@ from google.protobuf.message import DecodeError
 
 from ps._gen.psar.v1 import ps_pb2 as pb
 from ps.errors import InvalidArgument, PSError, ResourceExhausted
+from ps.sealed import SealedSocket
 
 MAGIC = b"PSD1"
 PREFIX = struct.Struct("<4sIQ")
@@ -45,6 +47,9 @@ DISCARD_CHUNK_BYTES = 1 << 20
 """Payload bytes that are read only to be dropped go through at most this much buffer."""
 KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_COUNT = 60, 15, 4
 """TCP keepalive: a peer that vanished (no FIN, no RST) is found within ~2 minutes."""
+
+_JOIN_BYTES = 64 << 10
+"""Small buffers sent together over TLS are joined into one write (one record)."""
 
 CODE_BY_NUMBER: dict[int, grpc.StatusCode] = {c.value[0]: c for c in grpc.StatusCode}
 
@@ -155,7 +160,8 @@ def peer_spoke(sock: socket.socket) -> bool:
 
 
 def is_tls(sock: socket.socket) -> bool:
-    return isinstance(sock, ssl.SSLSocket)
+    """TLS or sealed records (ps/sealed.py): no sendmsg, no recv flags, pending()."""
+    return isinstance(sock, (ssl.SSLSocket, SealedSocket))
 
 
 def _set_deadline(sock: socket.socket, deadline: float | None) -> None:
@@ -185,7 +191,14 @@ def send(sock: socket.socket, frame: pb.DataFrame, payload: Any = None) -> None:
 def send_buffers(sock: socket.socket, buffers: Sequence[Any]) -> None:
     """sendall for several buffers in one sendmsg call each round (no concatenation)."""
     views = [memoryview(b).cast("B") for b in buffers if len(b)]
-    if is_tls(sock):  # TLS has no sendmsg: one write each (OpenSSL makes the records)
+    if isinstance(sock, SealedSocket):
+        sock.send_buffers(views)
+        return
+    if is_tls(sock):  # no sendmsg: one write (one or more records) per buffer
+        if len(views) > 1 and sum(len(v) for v in views[:-1]) <= _JOIN_BYTES:
+            # Prefix + header in one record with the start of the payload costs a copy
+            # of the payload; in a record of their own, only theirs.
+            views = [memoryview(b"".join(views[:-1])), views[-1]]
         for v in views:
             sock.sendall(v)
         return
@@ -338,3 +351,8 @@ def discard_payload(
 
 def status_frame(code: grpc.StatusCode, details: str) -> pb.DataFrame:
     return pb.DataFrame(status=pb.DataStatus(code=code.value[0], details=details))
+
+
+def status_frame_sealing(share: bytes) -> pb.DataFrame:
+    """The OK to a hello that asked for sealed records, with the shard's share."""
+    return pb.DataFrame(status=pb.DataStatus(code=0, seal_share=share))

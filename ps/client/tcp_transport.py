@@ -14,7 +14,9 @@ cancel_all() -> CANCELLED; a shard's refusal -> its status code and details verb
 
 Under TLS (`ssl_context`, from client_ssl_context: the same --tls-ca, --tls-cert and
 --tls-key as the worker's gRPC channels) every connection is TLS, the shard's certificate
-checked against `server_name` (--tls-server-name, else the host).
+checked against `server_name` (--tls-server-name, else the host); after the hello the
+connection goes on in sealed records (ps/sealed.py: AES-GCM under keys the two ends agreed
+inside TLS) when the shard agrees.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from typing import Any, NoReturn
 import grpc
 
 from ps import framing as fr
+from ps import sealed
 from ps._gen.psar.v1 import ps_pb2 as pb
 from ps.client.transport import Incoming, Piece, PullStream, Transport, TransportError, Verdict
 
@@ -79,6 +82,7 @@ class DataPlaneClient(Transport):
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
         ssl_context: ssl.SSLContext | None = None,
         server_name: str = "",
+        seal_records: bool = True,
     ) -> None:
         if not 0 < port < 65536:
             raise ValueError(f"data-plane port must be in [1, 65535], got {port}")
@@ -91,6 +95,9 @@ class DataPlaneClient(Transport):
         self.max_frame_bytes = max_frame_bytes
         self.ssl_context = ssl_context
         self.server_name = server_name or self.host
+        self.seal_records = seal_records
+        """Under TLS, ask the shard to carry each connection in sealed records after the
+        hello (ps/sealed.py); a shard with --data-tls-records keeps TLS records."""
         self._idle: list[_Conn] = []
         self._busy: set[_Conn] = set()
         self._lock = threading.Lock()
@@ -218,15 +225,40 @@ class DataPlaneClient(Transport):
             raise
         conn = _Conn(sock)
         try:
-            hello = pb.DataHello(token=self.token, version=fr.VERSION)
+            share = sealed.new_share() if self._offer_seal() else b""
+            hello = pb.DataHello(token=self.token, version=fr.VERSION, seal_share=share)
             self._send(conn, pb.DataFrame(hello=hello), None, deadline)
             frame = self._recv_frame(conn, deadline, "hello")
             if frame.WhichOneof("kind") != "status" or frame.status.code != 0:
                 self._unexpected(frame, "status OK")
+            if share and frame.status.seal_share:
+                conn.sock = self._seal(conn.sock, share, bytes(frame.status.seal_share), deadline)
         except BaseException:
+            conn.sock.close()
             sock.close()
             raise
         return conn
+
+    def _offer_seal(self) -> bool:
+        return self.ssl_context is not None and self.seal_records and sealed.available()
+
+    def _seal(
+        self, sock: socket.socket, share: bytes, shard_share: bytes, deadline: float
+    ) -> socket.socket:
+        """The shard agreed: close TLS, carry the rest in sealed records (ps/sealed.py)."""
+        try:
+            to_shard, to_worker = sealed.derive_keys(share, shard_share)
+            sock.settimeout(max(0.001, deadline - time.monotonic()))
+            return sealed.seal(sock, to_shard, to_worker)
+        except ValueError as e:  # a share of the wrong length
+            raise DataPlaneError(
+                SC.UNAVAILABLE, f"data plane of {self.address}: bad sealed-records answer: {e}"
+            ) from None
+        except (OSError, ssl.SSLError) as e:
+            raise DataPlaneError(
+                SC.UNAVAILABLE,
+                f"data plane of {self.address}: closing TLS for sealed records failed: {e}",
+            ) from None
 
     def _handshake(self, sock: socket.socket, deadline: float) -> socket.socket:
         assert self.ssl_context is not None

@@ -90,6 +90,10 @@ class ServerConfig:
     connection, or a push gone silent between its pieces: it applies nothing). A new
     connection gets min(this, 30 s) for its TLS handshake and hello, and every frame
     must arrive whole within that long of its first byte."""
+    data_tls_records: bool = False
+    """Under TLS, keep the data plane in TLS records for the whole connection instead of
+    sealed records after the hello (AES-128-GCM under keys agreed inside TLS,
+    docs/dataplane.md): TLS's 16 KiB records cost ~4x the CPU per byte in Python."""
     data_max_conns_per_peer: int = 256
     """Data-plane connections one peer address may hold at once; more are refused with
     RESOURCE_EXHAUSTED (a worker keeps ~2 per shard: raise it for many workers per host)."""

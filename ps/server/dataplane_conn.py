@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from ps import framing as fr
-from ps import serde
+from ps import sealed, serde
 from ps._gen.psar.v1 import ps_pb2 as pb
 from ps.errors import InvalidArgument, PSError, bound_details
 from ps.server.servicer import PushCall, start_pull, start_pull_early
@@ -178,7 +178,27 @@ class _Connection:
                 f"data-plane protocol version {hello.version}, this shard speaks "
                 f"{fr.VERSION}: run the same psar version on workers and shards",
             )
-        self._status(grpc.StatusCode.OK, "")
+        if hello.seal_share and self.server.seal_records:
+            self._seal(bytes(hello.seal_share))
+        else:
+            self._status(grpc.StatusCode.OK, "")
+
+    def _seal(self, worker_share: bytes) -> None:
+        """Answer OK with the shard's share, close TLS, go on in sealed records."""
+        if len(worker_share) != sealed.SHARE_BYTES:
+            raise _Refused(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"hello seal_share of {len(worker_share)} bytes; it must be "
+                f"{sealed.SHARE_BYTES} random bytes (or empty to keep TLS records)",
+            )
+        share = sealed.new_share()
+        to_shard, to_worker = sealed.derive_keys(worker_share, share)
+        self._send(fr.status_frame_sealing(share))
+        old = self.sock
+        self.sock.settimeout(self.server.frame_s)
+        self.sock = sealed.seal(old, to_worker, to_shard, record_timeout_s=self.server.frame_s)
+        self.server._rehome(old, self.sock)
+        self.server._count("sealed")
 
     # ---- push -----------------------------------------------------------------------
 

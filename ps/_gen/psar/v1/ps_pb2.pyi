@@ -562,12 +562,14 @@ class PushTablesReply(_message.Message):
     def __init__(self, replies: _Optional[_Iterable[_Union[PushRowsReply, _Mapping]]] = ...) -> None: ...
 
 class DataHello(_message.Message):
-    __slots__ = ("token", "version")
+    __slots__ = ("token", "version", "seal_share")
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    SEAL_SHARE_FIELD_NUMBER: _ClassVar[int]
     token: str
     version: int
-    def __init__(self, token: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
+    seal_share: bytes
+    def __init__(self, token: _Optional[str] = ..., version: _Optional[int] = ..., seal_share: _Optional[bytes] = ...) -> None: ...
 
 class DataPiece(_message.Message):
     __slots__ = ("key", "offset")
@@ -590,12 +592,14 @@ class DataPullRequest(_message.Message):
     def __init__(self, request: _Optional[_Union[PullRequest, _Mapping]] = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
 class DataStatus(_message.Message):
-    __slots__ = ("code", "details")
+    __slots__ = ("code", "details", "seal_share")
     CODE_FIELD_NUMBER: _ClassVar[int]
     DETAILS_FIELD_NUMBER: _ClassVar[int]
+    SEAL_SHARE_FIELD_NUMBER: _ClassVar[int]
     code: int
     details: str
-    def __init__(self, code: _Optional[int] = ..., details: _Optional[str] = ...) -> None: ...
+    seal_share: bytes
+    def __init__(self, code: _Optional[int] = ..., details: _Optional[str] = ..., seal_share: _Optional[bytes] = ...) -> None: ...
 
 class DataFrame(_message.Message):
     __slots__ = ("hello", "push_header", "piece", "verdict", "end", "pull_request", "pull_header", "push_reply", "status")
