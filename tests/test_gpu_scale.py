@@ -32,6 +32,7 @@ def check_row(row: dict) -> None:
     assert all(math.isfinite(v) and v >= 0 for v in row["phases_ms"].values())
 
 
+@pytest.mark.slow  # default run under 10 minutes; CI runs -m slow too
 def test_cpu_run_json_shape_and_numbers(tmp_path: Path) -> None:
     doc = run_script(tmp_path, "--rows", "no_comm,ps_sync_1shard", "--steps", "8", timeout=150)
     assert doc["device"] == "cpu"

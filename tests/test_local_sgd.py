@@ -86,6 +86,7 @@ def test_reports_count_outer_rounds_bytes_and_drift(diloco_runs: dict) -> None:
     assert diloco_runs["ps"][0]["val_loss"] == diloco_runs["ps"][1]["val_loss"]
 
 
+@pytest.mark.slow  # default run under 10 minutes; CI runs -m slow too
 def test_h1_outer_sgd_lr1_is_synchronous_sgd(tmp_path: Path) -> None:
     # Inner SGD without momentum from the same weights, then the plain average of the
     # new weights: w - lr * mean(g_i), one synchronous SGD step. Against PS sync itself.

@@ -125,6 +125,7 @@ def test_per_chunk_rounds_undo_an_overflowing_round_and_keep_the_bits(tmp_path) 
     assert chunks["skipped_rounds"] == whole["skipped_rounds"] == 1
 
 
+@pytest.mark.slow  # default run under 10 minutes; CI runs -m slow too
 def test_a_late_overflow_undoes_the_slots_already_updated(tmp_path) -> None:
     """The first layer's gradient turns inf (step 4, both workers) after the other
     layers' buckets reached the shard, which with --chunk-rounds has updated those slots:

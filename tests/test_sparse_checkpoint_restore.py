@@ -51,6 +51,7 @@ def signal_workers(workers: Workers, sig: signal.Signals) -> None:
                 os.killpg(p.pid, sig)
 
 
+@pytest.mark.slow  # default run under 10 minutes; CI runs -m slow too
 def test_async_shard_with_sparse_tables_killed_restores_rows_bit_for_bit(tmp_path) -> None:
     ckpt = tmp_path / "ckpt"
     steps = 40

@@ -54,6 +54,7 @@ def test_grad_accumulation_matches_across_architectures_and_batch_sizes(tmp_path
     np.testing.assert_allclose(ps[0]["losses"], big[0]["losses"], rtol=1e-5)
 
 
+@pytest.mark.slow  # default run under 10 minutes; CI runs -m slow too
 def test_low_precision_worker_weights_halve_pull_bytes(tmp_path) -> None:
     common = ["--workload", "mlp", "--steps", "5", "--batch-size", "16", "--precision", "bf16",
               "--eval-batches", "1"]  # fmt: skip
