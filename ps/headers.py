@@ -3,7 +3,7 @@ speak (ps/serde.py maps them to and from the proto messages)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -22,6 +22,8 @@ class PushHeader:
     absent: tuple[str, ...] = ()
     """Slots with no gradient this step (unused parameters; their data is zeros). A
     streamed push sends them in its verdict instead: they are known after backward."""
+    int_buffers: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    """To shard 0: the worker's integer buffers (Job.int_buffers), every one or none."""
 
 
 @dataclass(slots=True)
@@ -33,6 +35,8 @@ class PullHeader:
     skipped_rounds: int
     dtype: torch.dtype
     clock_gap: int
+    int_buffers: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    """From shard 0: rank 0's integer buffers as of the last push it took."""
 
 
 @dataclass(slots=True)

@@ -9,6 +9,9 @@ from ps.partition import Slot
 from trainkit.choices import check_mode
 from trainkit.optim import LossScaleConfig, OptimizerConfig
 
+MAX_INT_BUFFER_ELEMENTS = 4096
+"""Integer buffer elements a job may carry in its headers (counters are scalars)."""
+
 
 @dataclass(kw_only=True)
 class Job:
@@ -59,6 +62,10 @@ class Job:
     keeps rank 0's pushed values, or their mean over the round with buffers_average."""
     buffers_average: bool = False
     """sync: buffers become the mean of every worker's (--buffers average)."""
+    int_buffers: tuple[tuple[str, int], ...] = ()
+    """Shard 0 only: the model's integer buffers (name, numel), e.g. BatchNorm's
+    num_batches_tracked. Exact values travel in push and pull headers; the shard keeps rank
+    0's (DDP's broadcast). At most MAX_INT_BUFFER_ELEMENTS elements in all."""
 
     def __post_init__(self) -> None:
         check_mode(self.mode)
@@ -97,3 +104,12 @@ class Job:
         stray = set(self.buffer_slots) - set(keys)
         if stray:
             raise ValueError(f"buffer slots not among the slots: {sorted(stray)[:3]}")
+        self.int_buffers = tuple((str(n), int(k)) for n, k in self.int_buffers)
+        names = [n for n, _ in self.int_buffers]
+        if len(set(names)) != len(names) or any(k < 1 for _, k in self.int_buffers):
+            raise ValueError("integer buffers must have unique names and >= 1 element each")
+        if sum(k for _, k in self.int_buffers) > MAX_INT_BUFFER_ELEMENTS:
+            raise ValueError(
+                f"integer buffers hold more than {MAX_INT_BUFFER_ELEMENTS} elements; they "
+                "travel in headers (larger ones stay each worker's own)"
+            )

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import torch
 
@@ -108,6 +109,7 @@ def job_to_pb(job: Job) -> pb.JobSpec:
         sync_every=job.sync_every,
         buffer_slots=list(job.buffer_slots),
         buffers_average=job.buffers_average,
+        int_buffers=[pb.IntBufferSpec(name=n, numel=k) for n, k in job.int_buffers],
         staleness_lr=job.staleness_lr,
         delay_compensation=job.delay_compensation,
         momentum_correction=job.momentum_correction,
@@ -137,6 +139,7 @@ def job_from_pb(spec: pb.JobSpec) -> Job:
             sync_every=spec.sync_every,
             buffer_slots=tuple(spec.buffer_slots),
             buffers_average=spec.buffers_average,
+            int_buffers=tuple((b.name, b.numel) for b in spec.int_buffers),
             staleness_lr=spec.staleness_lr,
             delay_compensation=spec.delay_compensation,
             momentum_correction=spec.momentum_correction,
@@ -146,6 +149,15 @@ def job_from_pb(spec: pb.JobSpec) -> Job:
         )
     except ValueError as e:
         raise InvalidArgument(f"invalid job spec: {e}", reason="malformed") from None
+
+
+def int_values_to_pb(values: dict[str, tuple[int, ...]]) -> dict[str, pb.IntValues]:
+    return {k: pb.IntValues(values=list(v)) for k, v in values.items()}
+
+
+def int_values_from_pb(m: Any) -> dict[str, tuple[int, ...]]:
+    """Integer buffers from a header's map; the receiver checks them against the job."""
+    return {k: tuple(v.values) for k, v in m.items()}
 
 
 def push_header_to_pb(h: PushHeader) -> pb.PushHeader:
@@ -159,6 +171,7 @@ def push_header_to_pb(h: PushHeader) -> pb.PushHeader:
         retry=h.retry,
         verdict_follows=h.verdict_follows,
         absent=list(h.absent),
+        int_buffers=int_values_to_pb(h.int_buffers),
     )
 
 
@@ -174,6 +187,7 @@ def push_header_from_pb(m: pb.PushHeader) -> PushHeader:
         retry=m.retry,
         verdict_follows=m.verdict_follows,
         absent=tuple(m.absent),
+        int_buffers=int_values_from_pb(m.int_buffers),
     )
 
 
@@ -200,6 +214,7 @@ def pull_header_to_pb(h: PullHeader) -> pb.PullHeader:
         skipped_rounds=h.skipped_rounds,
         dtype=dtype_to_pb(h.dtype),
         clock_gap=h.clock_gap,
+        int_buffers=int_values_to_pb(h.int_buffers),
     )
 
 
@@ -212,6 +227,7 @@ def pull_header_from_pb(m: pb.PullHeader) -> PullHeader:
         skipped_rounds=m.skipped_rounds,
         dtype=dtype_from_pb(m.dtype),
         clock_gap=m.clock_gap,
+        int_buffers=int_values_from_pb(m.int_buffers),
     )
 
 

@@ -4,8 +4,11 @@ shards' record of its clock (sync: at the next round boundary). Counted in metri
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from tests import procs
 from tests.fault_procs import Workers, shard_set, stats, wait_until
 
 LEASE = ["--lease-s", "2", "--join-grace-s", "30"]
@@ -45,3 +48,30 @@ def test_restarted_worker_rejoins_and_continues(tmp_path, mode: str) -> None:
     # its first losses are those of a model some way into training.
     first = sum(again["losses"][:5]) / 5
     assert first < sum(reports[0]["losses"][:5]) / 5 - 0.03
+
+
+def test_a_restarted_worker_takes_rank_0s_integer_buffers(tmp_path, monkeypatch) -> None:
+    """BatchNorm's num_batches_tracked travels exactly in shard 0's headers (issue #17):
+    a worker relaunched mid-job ends with the count rank 0 has (one per training
+    forward of the job), not with the forwards of its own second life."""
+    monkeypatch.setitem(procs.ENV, "PYTHONPATH", str(Path(__file__).resolve().parent.parent))
+    steps = 40
+    args = ["--steps", str(steps), "--mode", "sync", "--emulate-compute-ms", "50",
+            "--workload", "tests.zoo_workloads:make", "--workload-option", "model=batchnorm",
+            "--precision", "bf16", "--eval-batches", "0"]  # fmt: skip
+    with shard_set(2, tmp_path, *LEASE) as shards:
+        addr = [s.address for s in shards]
+        workers = Workers(addr, 2, tmp_path, args)
+        try:
+            wait_until(lambda: stats(addr)[0]["worker_clocks"][1] >= 4, 120, "clock")
+            workers.kill9(1)
+            wait_until(lambda: stats(addr)[0]["lease_expirations"] == 1, 60, "expiry")
+            workers.restart(addr, 1, args)
+            reports = workers.wait()
+        finally:
+            workers.close()
+    again = reports[1]
+    assert again["rejoined"] and again["start_step"] > 0
+    # bf16 on the wire holds integers exactly only up to 256: these came in headers.
+    assert reports[0]["int_buffers"] == {"norm.num_batches_tracked": [steps]}
+    assert again["int_buffers"] == reports[0]["int_buffers"]

@@ -33,6 +33,7 @@ from ps import auth
 from ps.client.backend_local import LocalMixin
 from ps.client.backend_overlap import OverlapMixin
 from ps.client.backend_resync import _MAX_RESYNCS, ResyncMixin
+from ps.client.int_buffers import IntBuffers
 from ps.client.psclient import ClientConfig, NeedsResync, PSClient
 from ps.headers import PullHeader
 from ps.job import Job
@@ -140,6 +141,8 @@ class PSBackend(OverlapMixin, ResyncMixin, LocalMixin):
             for n, b in model.named_buffers()
             if b.is_floating_point() and b.numel() and not self.cfg.local_sgd
         }
+        # Integer ones (num_batches_tracked) travel exactly in shard 0's headers.
+        self.int_buffers = IntBuffers(model, enabled=not self.cfg.local_sgd)
         chunk = int(self.cfg.ps.chunk_mib * (1 << 20))
         self.slots: list[Slot] = plan_slots(
             [(n, t.numel()) for n, t in [*params, *self.buffers.items()]],
@@ -239,6 +242,7 @@ class PSBackend(OverlapMixin, ResyncMixin, LocalMixin):
                     s.key for s in self.slots if s.shard == i and s.param in self.buffers
                 ),
                 buffers_average=self.cfg.ps.buffers == "average",
+                int_buffers=self.int_buffers.spec() if i == 0 else (),
             )
             for i in range(len(self.addresses))
         ]
@@ -291,6 +295,7 @@ class PSBackend(OverlapMixin, ResyncMixin, LocalMixin):
             "loss_scale": self.loss_scale,
             "overflow": not finite,
             "absent": frozenset(self.buckets.absent),
+            "int_buffers": self.int_buffers.values(),
         }
         self._pushed = None
         replies = None
@@ -393,6 +398,8 @@ class PSBackend(OverlapMixin, ResyncMixin, LocalMixin):
             max(a, b) for a, b in zip(self._seen_versions, self.versions, strict=True)
         ]
         self.bytes_pulled += sum(s.numel for s in self.slots) * dtype.itemsize
+        if self.int_buffers and self._headers:
+            self.int_buffers.load(self._headers[0].int_buffers)  # shard 0's: rank 0's
         if self.mode == "sync":
             self.loss_scale = self._headers[0].loss_scale
 
@@ -417,8 +424,12 @@ class PSBackend(OverlapMixin, ResyncMixin, LocalMixin):
         return out
 
     def report_extras(self) -> dict[str, Any]:
-        """For the run's report (Backend protocol): fault figures and the overlap run."""
-        return {**self.fault_report(), **self.overlap_report(), **self.local_report()}
+        """For the run's report (Backend protocol): fault figures, the overlap run, and the
+        integer buffers this worker ended with (carried through shard 0's headers)."""
+        extras = {**self.fault_report(), **self.overlap_report(), **self.local_report()}
+        if self.int_buffers:
+            extras["int_buffers"] = {k: list(v) for k, v in self.int_buffers.values().items()}
+        return extras
 
     def shard_stats(self) -> list[dict[str, Any]]:
         return self.client.stats()

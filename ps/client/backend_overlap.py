@@ -134,6 +134,7 @@ class OverlapMixin:
             dtype=self.precision.wire,
             loss_scale=self.loss_scale,
             items=self.buckets.items,
+            int_buffers=self.int_buffers.values(),  # forward has counted this step
         )
         if self.early_pull:  # the pull of this very push, streaming back as slots apply
             self._early = self._open_pull(self.clock + 1, early=True)

@@ -251,6 +251,7 @@ class PSClient(DataPlaneCalls, MembershipCalls):
         shards: Sequence[int] | None = None,
         items: Callable[[int, bool], Iterable[PushItem]] | None = None,
         absent: Collection[str] = (),
+        int_buffers: dict[str, tuple[int, ...]] | None = None,
     ) -> list[pb.PushReply]:
         """Push one gradient (flat tensors in `dtype`, keyed by slot) to every shard
         (or to `shards`; replies then come in that order).
@@ -263,6 +264,8 @@ class PSClient(DataPlaneCalls, MembershipCalls):
         ready (push during backward, ps/client/overlap.py), ending with a verdict item.
         `absent`: slots with no gradient this step (zeros in `grads`), named in each
         shard's header (a streamed push names them in its verdict item instead).
+        `int_buffers`: the worker's integer buffers, in shard 0's header only
+        (ps/client/int_buffers.py).
         """
 
         def source(i: int, again: bool) -> Iterable[PushItem]:
@@ -284,6 +287,7 @@ class PSClient(DataPlaneCalls, MembershipCalls):
                     retry=retry or again,
                     verdict_follows=items is not None,
                     absent=tuple(s.key for s in self.slots_by_shard[i] if s.key in absent),
+                    int_buffers=dict(int_buffers or {}) if i == 0 else {},
                 )
                 msg = serde.push_header_to_pb(header)
                 msg.incarnation = self.incarnations[i]

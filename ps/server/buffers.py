@@ -1,5 +1,8 @@
 """Model buffers on a shard (BatchNorm running stats, any float buffer; issue #17).
 
+Integer buffers (num_batches_tracked, counters) are not slots: their exact values travel
+in shard 0's push and pull headers (Job.int_buffers), never in the wire dtype.
+
 They are slots of the job (`Job.buffer_slots`) the optimizer never steps: a push carries
 their values, not gradients (never loss-scaled), and the shard keeps, per update, the
 values DDP would give every rank: rank 0's (DDP broadcasts rank 0's buffers before every
@@ -10,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from ps.errors import InvalidArgument, quote
 from ps.job import Job
 
 
@@ -28,3 +32,36 @@ def round_buffers(job: Job, grads: list[dict[str, torch.Tensor]]) -> dict[str, t
             t.add_(g[k])
         out[k] = t.div_(len(grads))
     return out
+
+
+def check_int_buffers(job: Job, values: dict[str, tuple[int, ...]]) -> None:
+    """A push's integer buffers: none, or exactly the job's (each with its element count).
+    int64 range is the proto's (sint64)."""
+    if not values:
+        return
+    want = dict(job.int_buffers)
+    if set(values) != set(want):
+        extra, missing = sorted(set(values) - set(want)), sorted(set(want) - set(values))
+        raise InvalidArgument(
+            f"push carries integer buffers {[quote(k) for k in extra[:3]]} this shard does not "
+            f"hold, or lacks {[quote(k) for k in missing[:3]]}: send every one of the job's "
+            f"integer buffers ({len(want)}) to shard 0, or none",
+            reason="malformed",
+        )
+    for k, v in values.items():
+        if len(v) != want[k]:
+            raise InvalidArgument(
+                f"integer buffer {quote(k)} has {len(v)} elements, the job says {want[k]}",
+                reason="malformed",
+            )
+
+
+def takes_int_buffers(mode: str, src: tuple[int, int], worker: int, clock: int) -> bool:
+    """Whose integer buffers the shard keeps (`src`: (clock, worker) of the values held):
+    sync, the lowest rank's at the newest clock (rank 0's, as DDP broadcasts them); async
+    and ssp, worker 0's (as their float buffers); local, nobody's (each worker keeps its
+    own, as allreduce --mode local does)."""
+    if mode == "sync":
+        held_clock, held_worker = src
+        return clock > held_clock or (clock == held_clock and worker <= held_worker)
+    return mode in ("async", "ssp") and worker == 0

@@ -198,6 +198,9 @@ def snapshot(st: ShardState) -> dict[str, Any]:
             "restores": st.restores,
         },
         "clocks": list(st.clocks),
+        # Integer buffers as int64 tensors, so the checksums cover them too.
+        "int_buffers": {k: torch.tensor(v, dtype=torch.int64) for k, v in st.int_buffers.items()},
+        "int_buffers_from": list(st.int_buffers_from),
         "live": sorted(st.live),
         "left": sorted(st.left),
         "staleness": {int(k): int(v) for k, v in st.staleness_counts.items()},
@@ -246,6 +249,11 @@ def load_tensors(st: ShardState, snap: dict[str, Any]) -> None:
     st.dropped_nonfinite, st.max_clock_gap = int(c["dropped_nonfinite"]), int(c["max_clock_gap"])
     st.staleness_counts.clear()
     st.staleness_counts.update(snap["staleness"])
+    # A checkpoint written before integer buffers existed has none: workers keep theirs.
+    st.int_buffers = {
+        k: tuple(int(x) for x in t.tolist()) for k, t in snap.get("int_buffers", {}).items()
+    }
+    st.int_buffers_from = tuple(snap.get("int_buffers_from", (-1, -1)))
     st._snapshots.clear()
     st._staging.clear()
 

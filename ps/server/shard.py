@@ -26,7 +26,7 @@ from ps.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, quo
 from ps.headers import PullHeader, PushHeader, PushOutcome
 from ps.job import Job
 from ps.server import checkpoint
-from ps.server.buffers import round_buffers
+from ps.server.buffers import check_int_buffers, round_buffers, takes_int_buffers
 from ps.server.lease import DEFAULT_JOIN_GRACE_S, DEFAULT_LEASE_S, LeaseTable
 from ps.server.membership import Membership, Restored, new_incarnation
 from ps.server.policies import StagedPush
@@ -94,6 +94,10 @@ class ShardState(Membership, Recovery, Inspection, Pulls):
         self.instances: dict[int, str] = {}
         self.clocks: list[int] = []
         self.max_clock_gap = 0
+        self.int_buffers: dict[str, tuple[int, ...]] = {}
+        """Shard 0: rank 0's integer buffers (ps/server/buffers.py), sent with every pull."""
+        self.int_buffers_from = (-1, -1)
+        """(clock, worker) of the push int_buffers came from."""
         self.staleness_counts: Counter[int] = Counter()
         self.leases = LeaseTable(lease_s, join_grace_s, clock)
         self.lease_expirations = 0
@@ -204,6 +208,7 @@ class ShardState(Membership, Recovery, Inspection, Pulls):
         with self._cond:
             job = self._require_job()
             _check_header(header, job.num_workers)
+            check_int_buffers(job, header.int_buffers)
             self.check_incarnation(incarnation)
             self._check_draining(header.clock)
             lock = self._worker_locks.setdefault(header.worker, threading.Lock())
@@ -325,6 +330,11 @@ class ShardState(Membership, Recovery, Inspection, Pulls):
                     skip = ticket.absent | ticket.raw
                     staged.grads = {k: g for k, g in grads.items() if k not in skip}
                 self.clocks[h.worker] = h.clock
+                if h.int_buffers and takes_int_buffers(
+                    self.job.mode, self.int_buffers_from, h.worker, h.clock
+                ):
+                    self.int_buffers = dict(h.int_buffers)
+                    self.int_buffers_from = (h.clock, h.worker)
                 ticket.accepted = True
                 outcome = self.policy.accept(self, staged)
                 self.metrics.push_accepted()

@@ -96,7 +96,7 @@ class LossScaleSpec(_message.Message):
     def __init__(self, enabled: _Optional[bool] = ..., init_scale: _Optional[float] = ..., growth_factor: _Optional[float] = ..., backoff_factor: _Optional[float] = ..., growth_interval: _Optional[int] = ...) -> None: ...
 
 class JobSpec(_message.Message):
-    __slots__ = ("mode", "staleness", "num_workers", "optimizer", "loss_scale", "shard_index", "num_shards", "slots", "job_id", "sync_every", "staleness_lr", "delay_compensation", "momentum_correction", "staleness_lr_power", "dc_adaptive", "buffer_slots", "buffers_average")
+    __slots__ = ("mode", "staleness", "num_workers", "optimizer", "loss_scale", "shard_index", "num_shards", "slots", "job_id", "sync_every", "staleness_lr", "delay_compensation", "momentum_correction", "staleness_lr_power", "dc_adaptive", "buffer_slots", "buffers_average", "int_buffers")
     MODE_FIELD_NUMBER: _ClassVar[int]
     STALENESS_FIELD_NUMBER: _ClassVar[int]
     NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
@@ -114,6 +114,7 @@ class JobSpec(_message.Message):
     DC_ADAPTIVE_FIELD_NUMBER: _ClassVar[int]
     BUFFER_SLOTS_FIELD_NUMBER: _ClassVar[int]
     BUFFERS_AVERAGE_FIELD_NUMBER: _ClassVar[int]
+    INT_BUFFERS_FIELD_NUMBER: _ClassVar[int]
     mode: Mode
     staleness: int
     num_workers: int
@@ -131,7 +132,22 @@ class JobSpec(_message.Message):
     dc_adaptive: bool
     buffer_slots: _containers.RepeatedScalarFieldContainer[str]
     buffers_average: bool
-    def __init__(self, mode: _Optional[_Union[Mode, str]] = ..., staleness: _Optional[int] = ..., num_workers: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., loss_scale: _Optional[_Union[LossScaleSpec, _Mapping]] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., slots: _Optional[_Iterable[_Union[SlotSpec, _Mapping]]] = ..., job_id: _Optional[str] = ..., sync_every: _Optional[int] = ..., staleness_lr: _Optional[bool] = ..., delay_compensation: _Optional[float] = ..., momentum_correction: _Optional[bool] = ..., staleness_lr_power: _Optional[float] = ..., dc_adaptive: _Optional[bool] = ..., buffer_slots: _Optional[_Iterable[str]] = ..., buffers_average: _Optional[bool] = ...) -> None: ...
+    int_buffers: _containers.RepeatedCompositeFieldContainer[IntBufferSpec]
+    def __init__(self, mode: _Optional[_Union[Mode, str]] = ..., staleness: _Optional[int] = ..., num_workers: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., loss_scale: _Optional[_Union[LossScaleSpec, _Mapping]] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., slots: _Optional[_Iterable[_Union[SlotSpec, _Mapping]]] = ..., job_id: _Optional[str] = ..., sync_every: _Optional[int] = ..., staleness_lr: _Optional[bool] = ..., delay_compensation: _Optional[float] = ..., momentum_correction: _Optional[bool] = ..., staleness_lr_power: _Optional[float] = ..., dc_adaptive: _Optional[bool] = ..., buffer_slots: _Optional[_Iterable[str]] = ..., buffers_average: _Optional[bool] = ..., int_buffers: _Optional[_Iterable[_Union[IntBufferSpec, _Mapping]]] = ...) -> None: ...
+
+class IntBufferSpec(_message.Message):
+    __slots__ = ("name", "numel")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    NUMEL_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    numel: int
+    def __init__(self, name: _Optional[str] = ..., numel: _Optional[int] = ...) -> None: ...
+
+class IntValues(_message.Message):
+    __slots__ = ("values",)
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    values: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, values: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class InitHeader(_message.Message):
     __slots__ = ("job",)
@@ -192,7 +208,14 @@ class GetJobReply(_message.Message):
     def __init__(self, initialized: _Optional[bool] = ..., job: _Optional[_Union[JobSpec, _Mapping]] = ..., version: _Optional[int] = ..., incarnation: _Optional[int] = ..., rounds: _Optional[int] = ..., lease_s: _Optional[float] = ..., data_port: _Optional[int] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("worker", "clock", "base_version", "dtype", "loss_scale", "overflow", "retry", "incarnation", "verdict_follows", "absent")
+    __slots__ = ("worker", "clock", "base_version", "dtype", "loss_scale", "overflow", "retry", "incarnation", "verdict_follows", "absent", "int_buffers")
+    class IntBuffersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: IntValues
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[IntValues, _Mapping]] = ...) -> None: ...
     WORKER_FIELD_NUMBER: _ClassVar[int]
     CLOCK_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -203,6 +226,7 @@ class PushHeader(_message.Message):
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     VERDICT_FOLLOWS_FIELD_NUMBER: _ClassVar[int]
     ABSENT_FIELD_NUMBER: _ClassVar[int]
+    INT_BUFFERS_FIELD_NUMBER: _ClassVar[int]
     worker: int
     clock: int
     base_version: int
@@ -213,7 +237,8 @@ class PushHeader(_message.Message):
     incarnation: int
     verdict_follows: bool
     absent: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, worker: _Optional[int] = ..., clock: _Optional[int] = ..., base_version: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., loss_scale: _Optional[float] = ..., overflow: _Optional[bool] = ..., retry: _Optional[bool] = ..., incarnation: _Optional[int] = ..., verdict_follows: _Optional[bool] = ..., absent: _Optional[_Iterable[str]] = ...) -> None: ...
+    int_buffers: _containers.MessageMap[str, IntValues]
+    def __init__(self, worker: _Optional[int] = ..., clock: _Optional[int] = ..., base_version: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., loss_scale: _Optional[float] = ..., overflow: _Optional[bool] = ..., retry: _Optional[bool] = ..., incarnation: _Optional[int] = ..., verdict_follows: _Optional[bool] = ..., absent: _Optional[_Iterable[str]] = ..., int_buffers: _Optional[_Mapping[str, IntValues]] = ...) -> None: ...
 
 class PushVerdict(_message.Message):
     __slots__ = ("overflow", "absent")
@@ -264,7 +289,14 @@ class PullRequest(_message.Message):
     def __init__(self, worker: _Optional[int] = ..., clock: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., incarnation: _Optional[int] = ..., early: _Optional[bool] = ...) -> None: ...
 
 class PullHeader(_message.Message):
-    __slots__ = ("version", "rounds", "loss_scale", "last_round_skipped", "skipped_rounds", "dtype", "clock_gap", "incarnation", "early_void")
+    __slots__ = ("version", "rounds", "loss_scale", "last_round_skipped", "skipped_rounds", "dtype", "clock_gap", "incarnation", "early_void", "int_buffers")
+    class IntBuffersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: IntValues
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[IntValues, _Mapping]] = ...) -> None: ...
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     LOSS_SCALE_FIELD_NUMBER: _ClassVar[int]
@@ -274,6 +306,7 @@ class PullHeader(_message.Message):
     CLOCK_GAP_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     EARLY_VOID_FIELD_NUMBER: _ClassVar[int]
+    INT_BUFFERS_FIELD_NUMBER: _ClassVar[int]
     version: int
     rounds: int
     loss_scale: float
@@ -283,7 +316,8 @@ class PullHeader(_message.Message):
     clock_gap: int
     incarnation: int
     early_void: bool
-    def __init__(self, version: _Optional[int] = ..., rounds: _Optional[int] = ..., loss_scale: _Optional[float] = ..., last_round_skipped: _Optional[bool] = ..., skipped_rounds: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., clock_gap: _Optional[int] = ..., incarnation: _Optional[int] = ..., early_void: _Optional[bool] = ...) -> None: ...
+    int_buffers: _containers.MessageMap[str, IntValues]
+    def __init__(self, version: _Optional[int] = ..., rounds: _Optional[int] = ..., loss_scale: _Optional[float] = ..., last_round_skipped: _Optional[bool] = ..., skipped_rounds: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., clock_gap: _Optional[int] = ..., incarnation: _Optional[int] = ..., early_void: _Optional[bool] = ..., int_buffers: _Optional[_Mapping[str, IntValues]] = ...) -> None: ...
 
 class PullChunk(_message.Message):
     __slots__ = ("header", "data")
