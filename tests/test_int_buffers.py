@@ -74,6 +74,14 @@ def test_async_and_ssp_keep_worker0s(mode: str) -> None:
     assert head.int_buffers == ints(10)
 
 
+def test_local_mode_keeps_none_each_worker_keeps_its_own() -> None:
+    st = make_state(job_with_ints("local"))
+    for w in (0, 1):
+        push_ints(st, w, 1, ints(10 + w))
+    head, _ = pull(st, 0, 1)
+    assert head.int_buffers == {} and st.version == 1
+
+
 def test_a_fresh_shard_sends_none_and_workers_keep_their_own() -> None:
     st = make_state(job_with_ints("sync"))
     head, _ = pull(st, 0, 0)

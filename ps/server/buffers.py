@@ -54,14 +54,3 @@ def check_int_buffers(job: Job, values: dict[str, tuple[int, ...]]) -> None:
                 f"integer buffer {quote(k)} has {len(v)} elements, the job says {want[k]}",
                 reason="malformed",
             )
-
-
-def takes_int_buffers(mode: str, src: tuple[int, int], worker: int, clock: int) -> bool:
-    """Whose integer buffers the shard keeps (`src`: (clock, worker) of the values held):
-    sync, the lowest rank's at the newest clock (rank 0's, as DDP broadcasts them); async
-    and ssp, worker 0's (as their float buffers); local, nobody's (each worker keeps its
-    own, as allreduce --mode local does)."""
-    if mode == "sync":
-        held_clock, held_worker = src
-        return clock > held_clock or (clock == held_clock and worker <= held_worker)
-    return mode in ("async", "ssp") and worker == 0

@@ -37,3 +37,6 @@ class LocalPolicy(SyncPolicy):
             "masters",
             reason="nonfinite",
         )
+
+    def takes_int_buffers(self, held: tuple[int, int], worker: int, clock: int) -> bool:
+        return False  # each worker keeps its own, as allreduce --mode local does

@@ -117,6 +117,12 @@ class UpdatePolicy(ABC):
         """What checkpoints (and restores) are numbered by."""
         return st.rounds if self.rounds else st.version
 
+    def takes_int_buffers(self, held: tuple[int, int], worker: int, clock: int) -> bool:
+        """Keep this push's integer buffers (ps/server/buffers.py)? `held`: (clock, worker)
+        of the values the shard holds. Here (async, ssp): worker 0's, as their float
+        buffers."""
+        return worker == 0
+
     # Per-chunk hooks (called under the shard lock only when applies_chunks is set).
 
     def push_started(self, st: ShardState, ticket: PushTicket) -> None:  # noqa: B027
@@ -190,6 +196,12 @@ class SyncPolicy(UpdatePolicy):
             "inf/nan must push overflow=true (no data) so every shard skips the round",
             reason="nonfinite",
         )
+
+    def takes_int_buffers(self, held: tuple[int, int], worker: int, clock: int) -> bool:
+        """The lowest rank's at the newest clock: rank 0's once its round is in, as DDP
+        broadcasts them."""
+        held_clock, held_worker = held
+        return clock > held_clock or (clock == held_clock and worker <= held_worker)
 
     def round_in_flight(self) -> bool:
         return bool(self.pending)

@@ -26,7 +26,7 @@ from ps.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, quo
 from ps.headers import PullHeader, PushHeader, PushOutcome
 from ps.job import Job
 from ps.server import checkpoint
-from ps.server.buffers import check_int_buffers, round_buffers, takes_int_buffers
+from ps.server.buffers import check_int_buffers, round_buffers
 from ps.server.lease import DEFAULT_JOIN_GRACE_S, DEFAULT_LEASE_S, LeaseTable
 from ps.server.membership import Membership, Restored, new_incarnation
 from ps.server.policies import StagedPush
@@ -330,8 +330,8 @@ class ShardState(Membership, Recovery, Inspection, Pulls):
                     skip = ticket.absent | ticket.raw
                     staged.grads = {k: g for k, g in grads.items() if k not in skip}
                 self.clocks[h.worker] = h.clock
-                if h.int_buffers and takes_int_buffers(
-                    self.job.mode, self.int_buffers_from, h.worker, h.clock
+                if h.int_buffers and self.policy.takes_int_buffers(
+                    self.int_buffers_from, h.worker, h.clock
                 ):
                     self.int_buffers = dict(h.int_buffers)
                     self.int_buffers_from = (h.clock, h.worker)
