@@ -187,10 +187,24 @@ def test_a_large_claim_then_silence_holds_only_what_arrived() -> None:
     b.settimeout(0.2)
     with pytest.raises(TimeoutError):
         b.recv(10)
-    assert len(b._rx) <= 64 << 10  # not the 256 KiB claimed
+    assert len(b._rx) <= 64 << 10  # not the MAX_RECORD_BYTES claimed
     assert b.pending() and fr.peer_spoke(b)
     ra.close()
     b.close()
+
+
+def test_the_send_buffer_is_sized_by_what_is_sent() -> None:
+    """A connection that sends only frame headers holds a few bytes, not two records;
+    a large payload grows it to two records at most, and the bytes still arrive."""
+    with pair() as (a, b):
+        a.sendall(b"header")
+        assert len(a._out) <= 64 and recv_all(b, 6, 6) == b"header"
+        big = os.urandom(3 * sealed.MAX_RECORD_BYTES)
+        t = threading.Thread(target=a.sendall, args=(big,))
+        t.start()
+        assert recv_all(b, len(big), 1 << 20) == big
+        t.join()
+        assert len(a._out) == 2 * (sealed.MAX_RECORD_BYTES + 4 + sealed.TAG_BYTES)
 
 
 def test_a_read_that_timed_out_mid_record_resumes() -> None:
