@@ -11,8 +11,10 @@ way (bench/rpc_ps_baseline.py), and a no-communication run (plain_ddp.py --no-co
 same processes doing the same compute and optimizer step, no DDP). The configurations
 alternate A B C ... A B C ... over the repeats; medians are reported.
 
-samples/s = every worker's samples per step / its median step time, added up
-(bench/common.py robust_rate). Exposed communication per step, two ways: (1) median
+samples/s = total samples over the window in which every worker trains, after each
+one's warm-up steps (bench/common.py window_rate: a stall counts); the JSON also keeps
+`median_samples_per_sec` (each worker's samples per step / its median step time, added
+up: robust_rate, which hides stalls). Exposed communication per step, two ways: (1) median
 step time - the no-communication run's median step time, measured alongside (the same
 CPU contention, so it is what communication costs; works for every run); (2) for psar
 PS runs, the median of the step phases push + wait + pull from the step logs: time the
@@ -136,7 +138,7 @@ def measure(
             server=on,
         )  # fmt: skip
     got = c.alternate(runs, repeats)
-    rate = {k: c.median([c.robust_rate(r) for r in v]) for k, v in got.items()}
+    rate = {k: c.median([rate_of(r) for r in v]) for k, v in got.items()}
     step = {k: c.median([c.job_step_seconds(r) for r in v]) for k, v in got.items()}
     compute = step["no-comm"]
     rows = {}
@@ -146,7 +148,8 @@ def measure(
             "ratio_to_plain_ddp": rate[name] / rate[BASELINE],
             "step_ms": 1e3 * step[name],
             "exposed_comm_ms": 1e3 * (step[name] - compute),
-            "per_repeat_samples_per_sec": [c.robust_rate(r) for r in got[name]],
+            "per_repeat_samples_per_sec": [rate_of(r) for r in got[name]],
+            "median_samples_per_sec": c.median([c.robust_rate(r) for r in got[name]]),
         }
         if name in PS_DIRS:
             phases = [phase_ms(d / f"{PS_DIRS[name]}-{i}") for i in range(repeats)]
@@ -159,6 +162,11 @@ def measure(
     return {"workers": workers, "steps": steps, "repeats": repeats,
             "compute_ms_no_comm": 1e3 * compute, "no_comm_samples_per_sec": rate["no-comm"],
             "runs": rows}  # fmt: skip
+
+
+def rate_of(run: c.Run) -> float:
+    """Total samples / seconds over the window in which every worker trains."""
+    return c.window_rate(run, skip=c.warmup_steps(min(len(s.time) for s in run.series)))[0]
 
 
 def measure_tls(out: Path, *, workers: int, steps: int, repeats: int, timeout: float) -> dict:
@@ -178,14 +186,17 @@ def measure_tls(out: Path, *, workers: int, steps: int, repeats: int, timeout: f
         ),
     }  # fmt: skip
     got = c.alternate(runs, repeats)
-    rate = {k: c.median([c.robust_rate(r) for r in v]) for k, v in got.items()}
+    rate = {k: c.median([rate_of(r) for r in v]) for k, v in got.items()}
+    med = {k: c.median([c.robust_rate(r) for r in v]) for k, v in got.items()}
     base = rate["psar-ps-sync-1"]
     rows = {
         name: {
             "samples_per_sec": rate[name],
             "ratio_to_ps_sync_1_no_tls": rate[name] / base,
             "step_ms": 1e3 * c.median([c.job_step_seconds(r) for r in got[name]]),
-            "per_repeat_samples_per_sec": [c.robust_rate(r) for r in got[name]],
+            "per_repeat_samples_per_sec": [rate_of(r) for r in got[name]],
+            "median_samples_per_sec": med[name],
+            "median_ratio_to_ps_sync_1_no_tls": med[name] / med["psar-ps-sync-1"],
         }
         for name in runs
     }
@@ -203,7 +214,7 @@ def tls_table(doc: dict) -> str:
         "## Step throughput with TLS (psar ps-sync, 1 shard)\n\n"
         + c.md_table(head, rows)
         + f"\n\nReference workload, {m0['steps']} steps per run, median of {m0['repeats']} "
-        "alternated repeats. -tls: shard --tls-cert/--tls-key, workers --tls-ca, the TLS data "
+        "alternated repeats; samples/s over the window in which both workers train. -tls: shard --tls-cert/--tls-key, workers --tls-ca, the TLS data "
         "plane (--data-plane tcp); -tls-grpc: the same over gRPC.\n\n" + "\n".join(lines)
     )
 

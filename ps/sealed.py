@@ -45,8 +45,8 @@ SHARE_BYTES = 32
 MAX_RECORD_BYTES = 1 << 20
 """Plaintext bytes per record at most: large enough that the per-record cost (one AEAD
 call, one write, the Python around them) vanishes, small enough to stay in cache between
-encrypt and send. Measured (bench/step_throughput --tls-only): 256 KiB 0.76x no TLS,
-1 MiB 0.85-0.88x, 4 MiB 0.83x."""
+encrypt and send. Measured (bench/step_throughput --tls-only, median-step rate, same
+session): 256 KiB 0.76-0.78x no TLS, 1 MiB 0.81-0.91x, 4 MiB 0.83x."""
 TAG_BYTES = 16
 _LEN = struct.Struct("<I")
 _FIRST_BUFFER_BYTES = 64 << 10
