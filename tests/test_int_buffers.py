@@ -63,11 +63,26 @@ def test_sync_keeps_rank0s_whatever_order_the_pushes_come_in() -> None:
     assert head.int_buffers == ints(20)
 
 
+def test_a_slow_worker_gets_its_rounds_values_not_a_fast_workers_next() -> None:
+    """Worker 1 pulls round 1 and pushes clock 2 before worker 0 pulls round 1: worker
+    0 must get round 1's counts (rank 0's), or its counters run one ahead each time."""
+    st = make_state(job_with_ints("sync"))
+    push_ints(st, 0, 1, ints(10))
+    push_ints(st, 1, 1, ints(11))
+    head1, _ = pull(st, 1, 1)
+    push_ints(st, 1, 2, ints(21), base_version=1)
+    head0, _ = pull(st, 0, 1)
+    assert head1.int_buffers == head0.int_buffers == ints(10)
+    push_ints(st, 0, 2, ints(20), base_version=1)
+    head0, _ = pull(st, 0, 2)
+    assert head0.int_buffers == ints(20)
+
+
 @pytest.mark.parametrize("mode", ["async", "ssp"])
 def test_async_and_ssp_keep_worker0s(mode: str) -> None:
     st = make_state(job_with_ints(mode))
     push_ints(st, 1, 1, ints(11))
-    assert st.int_buffers == {}  # only worker 0's count
+    assert st.int_buffers.newest() is None  # only worker 0's count
     push_ints(st, 0, 1, ints(10))
     push_ints(st, 1, 2, ints(12), base_version=2)
     head, _ = pull(st, 1, 2)
@@ -103,7 +118,7 @@ def test_mismatched_integer_buffers_are_refused_and_change_nothing(values, words
     with pytest.raises(InvalidArgument, match=words):
         push_ints(st, 1, 1, values)
     assert st.state_digest() == before
-    assert st.int_buffers == ints(10) and st.version == 0
+    assert st.int_buffers.newest() == (1, 0, ints(10)) and st.version == 0
 
 
 def test_checkpoints_keep_them_and_their_owner() -> None:
@@ -114,19 +129,23 @@ def test_checkpoints_keep_them_and_their_owner() -> None:
         snap = checkpoint.snapshot(st)
     # The writer's checksums cover the int64 tensors: a damaged counter is caught.
     sums = checkpoint.checksums(snap)
-    assert "/int_buffers/counts" in sums
-    damaged = {**snap, "checksums": sums, "int_buffers": {**snap["int_buffers"]}}
-    damaged["int_buffers"]["counts"] = damaged["int_buffers"]["counts"] + 1
-    assert checkpoint.verify(damaged) == ["/int_buffers/counts"]
+    path = "/int_buffers/1/values/counts"
+    assert path in sums
+    damaged = {**snap, "checksums": sums}
+    damaged["int_buffers"] = {"1": {"worker": 0, "values": {**snap["int_buffers"]["1"]["values"]}}}
+    damaged["int_buffers"]["1"]["values"]["counts"] = (
+        snap["int_buffers"]["1"]["values"]["counts"] + 1
+    )
+    assert checkpoint.verify(damaged) == [path]
     back = ShardState()
     back.restore(5, snap)
-    assert back.int_buffers == ints(10) and back.int_buffers_from == (1, 0)
+    assert back.int_buffers.newest() == (1, 0, ints(10))
     assert back.state_digest() == st.state_digest()
     # A checkpoint from before integer buffers existed restores with none.
     old = {k: v for k, v in snap.items() if not k.startswith("int_buffers")}
     older = ShardState()
     older.restore(5, old)
-    assert older.int_buffers == {}
+    assert older.int_buffers.newest() is None
 
 
 def test_jobs_refuse_duplicate_empty_or_oversized_integer_buffers() -> None:

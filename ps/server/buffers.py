@@ -1,7 +1,10 @@
 """Model buffers on a shard (BatchNorm running stats, any float buffer; issue #17).
 
 Integer buffers (num_batches_tracked, counters) are not slots: their exact values travel
-in shard 0's push and pull headers (Job.int_buffers), never in the wire dtype.
+in shard 0's push and pull headers (Job.int_buffers), never in the wire dtype. The shard
+keeps them per clock (IntBufferLog): in sync a fast worker pushes clock c+1 while a slow
+one still pulls round c, and the slow one must get round c's values (rank 0's), not
+the fast one's of c+1, or its counters run ahead.
 
 They are slots of the job (`Job.buffer_slots`) the optimizer never steps: a push carries
 their values, not gradients (never loss-scaled), and the shard keeps, per update, the
@@ -54,3 +57,46 @@ def check_int_buffers(job: Job, values: dict[str, tuple[int, ...]]) -> None:
                 f"integer buffer {quote(k)} has {len(v)} elements, the job says {want[k]}",
                 reason="malformed",
             )
+
+
+IntValues = dict[str, tuple[int, ...]]
+
+
+class IntBufferLog:
+    """Integer buffers by clock: for each recent clock, the values of the worker the
+    update policy chose (UpdatePolicy.takes_int_buffers) and that worker's rank."""
+
+    def __init__(self, keep: int = 3) -> None:
+        self.keep = max(2, keep)
+        """Clocks kept: a worker pulls at most this far behind the newest push (sync: one
+        round; ssp: its bound + 2)."""
+        self.by_clock: dict[int, tuple[int, IntValues]] = {}
+
+    @classmethod
+    def for_job(cls, job: Job) -> IntBufferLog:
+        return cls(keep=min(job.staleness + 3, 64))
+
+    def held(self, clock: int) -> int | None:
+        got = self.by_clock.get(clock)
+        return None if got is None else got[0]
+
+    def put(self, clock: int, worker: int, values: IntValues) -> None:
+        self.by_clock[clock] = (worker, dict(values))
+        while len(self.by_clock) > self.keep:
+            del self.by_clock[min(self.by_clock)]
+
+    def for_pull(self, clock: int) -> IntValues:
+        """What a pull at `clock` gets: the values of the newest clock <= `clock` (none:
+        the worker keeps its own)."""
+        older = [c for c in self.by_clock if c <= clock]
+        return dict(self.by_clock[max(older)][1]) if older else {}
+
+    def newest(self) -> tuple[int, int, IntValues] | None:
+        """(clock, worker, values) of the newest clock held, for checkpoints."""
+        if not self.by_clock:
+            return None
+        c = max(self.by_clock)
+        return c, self.by_clock[c][0], dict(self.by_clock[c][1])
+
+    def digest_text(self) -> str:
+        return repr(sorted((c, w, sorted(v.items())) for c, (w, v) in self.by_clock.items()))

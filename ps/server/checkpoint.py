@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ps.server.buffers import IntBufferLog
 from trainkit.atomic import atomic_save
 
 if TYPE_CHECKING:
@@ -199,8 +200,13 @@ def snapshot(st: ShardState) -> dict[str, Any]:
         },
         "clocks": list(st.clocks),
         # Integer buffers as int64 tensors, so the checksums cover them too.
-        "int_buffers": {k: torch.tensor(v, dtype=torch.int64) for k, v in st.int_buffers.items()},
-        "int_buffers_from": list(st.int_buffers_from),
+        "int_buffers": {
+            str(c): {
+                "worker": w,
+                "values": {k: torch.tensor(v, dtype=torch.int64) for k, v in vals.items()},
+            }
+            for c, (w, vals) in st.int_buffers.by_clock.items()
+        },
         "live": sorted(st.live),
         "left": sorted(st.left),
         "staleness": {int(k): int(v) for k, v in st.staleness_counts.items()},
@@ -250,10 +256,10 @@ def load_tensors(st: ShardState, snap: dict[str, Any]) -> None:
     st.staleness_counts.clear()
     st.staleness_counts.update(snap["staleness"])
     # A checkpoint written before integer buffers existed has none: workers keep theirs.
-    st.int_buffers = {
-        k: tuple(int(x) for x in t.tolist()) for k, t in snap.get("int_buffers", {}).items()
-    }
-    st.int_buffers_from = tuple(snap.get("int_buffers_from", (-1, -1)))
+    st.int_buffers = IntBufferLog.for_job(job)
+    for clock, e in sorted(snap.get("int_buffers", {}).items(), key=lambda kv: int(kv[0])):
+        values = {k: tuple(int(x) for x in t.tolist()) for k, t in e["values"].items()}
+        st.int_buffers.put(int(clock), int(e["worker"]), values)
     st._snapshots.clear()
     st._staging.clear()
 

@@ -38,5 +38,5 @@ class LocalPolicy(SyncPolicy):
             reason="nonfinite",
         )
 
-    def takes_int_buffers(self, held: tuple[int, int], worker: int, clock: int) -> bool:
+    def takes_int_buffers(self, held: int | None, worker: int) -> bool:
         return False  # each worker keeps its own, as allreduce --mode local does

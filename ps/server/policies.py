@@ -117,10 +117,10 @@ class UpdatePolicy(ABC):
         """What checkpoints (and restores) are numbered by."""
         return st.rounds if self.rounds else st.version
 
-    def takes_int_buffers(self, held: tuple[int, int], worker: int, clock: int) -> bool:
-        """Keep this push's integer buffers (ps/server/buffers.py)? `held`: (clock, worker)
-        of the values the shard holds. Here (async, ssp): worker 0's, as their float
-        buffers."""
+    def takes_int_buffers(self, held: int | None, worker: int) -> bool:
+        """Keep this push's integer buffers for its clock (ps/server/buffers.py)? `held`:
+        the worker whose values of that clock the shard holds (None: none yet). Here
+        (async, ssp): worker 0's, as their float buffers."""
         return worker == 0
 
     # Per-chunk hooks (called under the shard lock only when applies_chunks is set).
@@ -197,11 +197,10 @@ class SyncPolicy(UpdatePolicy):
             reason="nonfinite",
         )
 
-    def takes_int_buffers(self, held: tuple[int, int], worker: int, clock: int) -> bool:
-        """The lowest rank's at the newest clock: rank 0's once its round is in, as DDP
+    def takes_int_buffers(self, held: int | None, worker: int) -> bool:
+        """The lowest rank's of each clock: rank 0's once its round is in, as DDP
         broadcasts them."""
-        held_clock, held_worker = held
-        return clock > held_clock or (clock == held_clock and worker <= held_worker)
+        return held is None or worker < held
 
     def round_in_flight(self) -> bool:
         return bool(self.pending)

@@ -26,7 +26,7 @@ from ps.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, quo
 from ps.headers import PullHeader, PushHeader, PushOutcome
 from ps.job import Job
 from ps.server import checkpoint
-from ps.server.buffers import check_int_buffers, round_buffers
+from ps.server.buffers import IntBufferLog, check_int_buffers, round_buffers
 from ps.server.lease import DEFAULT_JOIN_GRACE_S, DEFAULT_LEASE_S, LeaseTable
 from ps.server.membership import Membership, Restored, new_incarnation
 from ps.server.policies import StagedPush
@@ -94,10 +94,9 @@ class ShardState(Membership, Recovery, Inspection, Pulls):
         self.instances: dict[int, str] = {}
         self.clocks: list[int] = []
         self.max_clock_gap = 0
-        self.int_buffers: dict[str, tuple[int, ...]] = {}
-        """Shard 0: rank 0's integer buffers (ps/server/buffers.py), sent with every pull."""
-        self.int_buffers_from = (-1, -1)
-        """(clock, worker) of the push int_buffers came from."""
+        self.int_buffers = IntBufferLog()
+        """Shard 0: rank 0's integer buffers by clock (ps/server/buffers.py), sent with
+        every pull."""
         self.staleness_counts: Counter[int] = Counter()
         self.leases = LeaseTable(lease_s, join_grace_s, clock)
         self.lease_expirations = 0
@@ -151,6 +150,7 @@ class ShardState(Membership, Recovery, Inspection, Pulls):
             self.loss_scale = DynamicLossScale(job.loss_scale)
             self.live = set(range(job.num_workers))
             self.clocks = [0] * job.num_workers
+            self.int_buffers = IntBufferLog.for_job(job)
             self.job = job
             self._started(job)
             self._maybe_checkpoint(force=True)
@@ -331,10 +331,9 @@ class ShardState(Membership, Recovery, Inspection, Pulls):
                     staged.grads = {k: g for k, g in grads.items() if k not in skip}
                 self.clocks[h.worker] = h.clock
                 if h.int_buffers and self.policy.takes_int_buffers(
-                    self.int_buffers_from, h.worker, h.clock
+                    self.int_buffers.held(h.clock), h.worker
                 ):
-                    self.int_buffers = dict(h.int_buffers)
-                    self.int_buffers_from = (h.clock, h.worker)
+                    self.int_buffers.put(h.clock, h.worker, h.int_buffers)
                 ticket.accepted = True
                 outcome = self.policy.accept(self, staged)
                 self.metrics.push_accepted()

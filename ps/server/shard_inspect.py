@@ -57,7 +57,7 @@ class Inspection:
             if self.job is not None:
                 self.policy.quiesce()
             h.update(f"{self.version}/{self.rounds}/{self.clocks}".encode())
-            h.update(repr(sorted(self.int_buffers.items())).encode())
+            h.update(self.int_buffers.digest_text().encode())
             for key, p in self.masters.items():
                 h.update(key.encode())
                 h.update(wire.as_bytes_view(p.detach()))

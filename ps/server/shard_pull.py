@@ -194,7 +194,7 @@ class Pulls:
             skipped_rounds=self.skipped_rounds,
             dtype=dtype,
             clock_gap=gap,
-            int_buffers=dict(self.int_buffers),
+            int_buffers=self.int_buffers.for_pull(clock),
         )
         self.policy.settle(self)  # per-chunk rounds: the closed round's weights only
         self.policy.served(self, worker)  # async/ssp delay compensation keeps them
