@@ -50,6 +50,7 @@ def test_restarted_worker_rejoins_and_continues(tmp_path, mode: str) -> None:
     assert first < sum(reports[0]["losses"][:5]) / 5 - 0.03
 
 
+@pytest.mark.slow  # the default run checks integer buffers against DDP in the zoo (batchnorm)
 def test_a_restarted_worker_takes_rank_0s_integer_buffers(tmp_path, monkeypatch) -> None:
     """BatchNorm's num_batches_tracked travels exactly in shard 0's headers (issue #17):
     a worker relaunched mid-job ends with the count rank 0 has (one per training

@@ -11,7 +11,9 @@ from tests.fault_procs import Workers, shard_set, stats, wait_until
 LEASE = ["--lease-s", "2", "--join-grace-s", "30"]
 
 
-@pytest.mark.parametrize("mode", ["async", "ssp", "sync"])
+@pytest.mark.parametrize(
+    "mode", [pytest.param("async", marks=pytest.mark.slow), "ssp", "sync"]
+)  # async: as ssp, no bound
 def test_killed_worker_expires_and_the_others_finish(tmp_path, mode: str) -> None:
     steps = 24
     with shard_set(1, tmp_path, *LEASE) as (shard,):
