@@ -214,8 +214,9 @@ def tls_table(doc: dict) -> str:
         "## Step throughput with TLS (psar ps-sync, 1 shard)\n\n"
         + c.md_table(head, rows)
         + f"\n\nReference workload, {m0['steps']} steps per run, median of {m0['repeats']} "
-        "alternated repeats; samples/s over the window in which both workers train. -tls: shard --tls-cert/--tls-key, workers --tls-ca, the TLS data "
-        "plane (--data-plane tcp); -tls-grpc: the same over gRPC.\n\n" + "\n".join(lines)
+        "alternated repeats; samples/s over the window in which every worker trains. -tls: "
+        "shard --tls-cert/--tls-key, workers --tls-ca, the TLS data plane (--data-plane tcp); "
+        "-tls-grpc: the same over gRPC.\n\n" + "\n".join(lines)
     )
 
 

@@ -36,7 +36,7 @@ class PullHeader:
     dtype: torch.dtype
     clock_gap: int
     int_buffers: dict[str, tuple[int, ...]] = field(default_factory=dict)
-    """From shard 0: rank 0's integer buffers as of the last push it took."""
+    """From shard 0: rank 0's integer buffers of the newest clock not past the pull's."""
 
 
 @dataclass(slots=True)

@@ -287,7 +287,7 @@ class PSClient(DataPlaneCalls, MembershipCalls):
                     retry=retry or again,
                     verdict_follows=items is not None,
                     absent=tuple(s.key for s in self.slots_by_shard[i] if s.key in absent),
-                    int_buffers=dict(int_buffers or {}) if i == 0 else {},
+                    int_buffers=(int_buffers or {}) if i == 0 else {},
                 )
                 msg = serde.push_header_to_pb(header)
                 msg.incarnation = self.incarnations[i]

@@ -81,7 +81,7 @@ class IntBufferLog:
         return None if got is None else got[0]
 
     def put(self, clock: int, worker: int, values: IntValues) -> None:
-        self.by_clock[clock] = (worker, dict(values))
+        self.by_clock[clock] = (worker, values)  # a header's own dict: nobody mutates it
         while len(self.by_clock) > self.keep:
             del self.by_clock[min(self.by_clock)]
 
@@ -89,14 +89,14 @@ class IntBufferLog:
         """What a pull at `clock` gets: the values of the newest clock <= `clock` (none:
         the worker keeps its own)."""
         older = [c for c in self.by_clock if c <= clock]
-        return dict(self.by_clock[max(older)][1]) if older else {}
+        return self.by_clock[max(older)][1] if older else {}
 
     def newest(self) -> tuple[int, int, IntValues] | None:
-        """(clock, worker, values) of the newest clock held, for checkpoints."""
+        """(clock, worker, values) of the newest clock held (inspection)."""
         if not self.by_clock:
             return None
         c = max(self.by_clock)
-        return c, self.by_clock[c][0], dict(self.by_clock[c][1])
+        return c, *self.by_clock[c]
 
     def digest_text(self) -> str:
         return repr(sorted((c, w, sorted(v.items())) for c, (w, v) in self.by_clock.items()))
