@@ -221,6 +221,16 @@ def main(argv: list[str] | None = None) -> int:
                    "--bandwidths likewise replaces its links")  # fmt: skip
     p.add_argument("--grid-shard-hosts", default=None,
                    help="--grid: shard-host counts k instead of 0, n/2, n (e.g. 4)")  # fmt: skip
+    p.add_argument("--grid-hidden", type=int, default=None,
+                   help="--grid: the MLP's hidden width (default 1024: 7.45 MB of fp32 "
+                   "gradient; 2048: 23.3 MB)")  # fmt: skip
+    p.add_argument("--grid-chunk-mib", type=float, default=None,
+                   help="--grid: PS slot size in MiB (default 0.125)")  # fmt: skip
+    p.add_argument("--grid-batch", type=int, default=None,
+                   help="--grid: batch per worker (default 16)")  # fmt: skip
+    p.add_argument("--congestion", default=None,
+                   help="--grid: TCP congestion control in every emulated host (default "
+                   "cubic, Linux's default; 'system': what this machine's namespace has)")  # fmt: skip
     p.add_argument("--early-pull", action=argparse.BooleanOptionalAction, default=True,
                    help="--grid: ps-sync with --chunk-rounds shards and --early-pull workers "
                    "(psar's pipelined sync PS; default), or without (push, then pull)")  # fmt: skip

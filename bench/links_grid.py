@@ -37,12 +37,21 @@ GRIDS = {
     "small": {"workers": (4,), "mbit": (1000.0,)},
     "full": {"workers": (2, 4, 8), "mbit": (1000.0, 10000.0)},
 }
-HIDDEN = 1024
+HIDDEN = 4096
+"""MLP 784-4096-4096-10: 20.0M parameters, 80 MB of fp32 gradient per worker, so that a
+step is communication-bound at 1 Gbit/s (the regime this grid is about). The reference
+MLP (hidden 1024, 7.45 MB; `--grid-hidden 1024 --grid-chunk-mib 0.125 --grid-batch 16`)
+spends as long computing as communicating there, and fixed costs decide."""
 IN_DIM = 784
-BATCH = 16
-#: PS slots of 1/8 MiB: the plan assumes every shard holds P/S parameters, and psar's
-#: default 4 MiB chunks put 4 of this model's 7.5 MB on one shard (and none on some of 8).
-CHUNK_MIB = 0.125
+BATCH = 4
+"""Small, so that the real compute of 8 workers on 2 cores stays near the emulated one."""
+#: PS slots of 1/2 MiB: the plan assumes every shard holds P/S parameters (psar's default
+#: 4 MiB chunks would unbalance 4-8 shards), and an early pull's tail is one slot from each
+#: shard (0.25 MiB: within noise of 0.5; 1 MiB: slower, bench/README.md).
+CHUNK_MIB = 0.5
+CONGESTION = "cubic"
+"""TCP congestion control on every emulated host: Linux's own default (this machine's
+namespace runs bbr; `--congestion system` keeps that)."""
 
 
 def params(in_dim: int = IN_DIM, hidden: int = HIDDEN) -> int:
@@ -66,20 +75,33 @@ def ps_flags(early_pull: bool) -> tuple[list[str], list[str]]:
     return [], []
 
 
-def train_args(steps: int, compute_ms: float) -> list[str]:
-    return [*c.REF_WORKLOAD, "--batch-size", str(BATCH), "--optimizer", "sgd", "--momentum",
+def shape(args: Any) -> tuple[int, float, int]:
+    """(hidden width, PS slot MiB, batch per worker) of this run: the grid's flags, else
+    the defaults above."""
+    return (getattr(args, "grid_hidden", None) or HIDDEN,
+            getattr(args, "grid_chunk_mib", None) or CHUNK_MIB,
+            getattr(args, "grid_batch", None) or BATCH)  # fmt: skip
+
+
+def train_args(
+    steps: int, compute_ms: float, hidden: int = HIDDEN, batch: int = BATCH
+) -> list[str]:
+    workload = ["--workload", "mlp", "--workload-option", f"in_dim={IN_DIM}",
+                "--workload-option", f"hidden={hidden}"]  # fmt: skip
+    return [*workload, "--batch-size", str(batch), "--optimizer", "sgd", "--momentum",
             "0.9", "--lr", "0.05", "--precision", "fp32", "--threads", "1", "--log-every", "0",
             "--eval-batches", "0", "--steps", str(steps),
             "--emulate-compute-ms", f"{compute_ms:g}"]  # fmt: skip
 
 
 def plan_cell(n: int, s: int, k: int, mbit: float, latency_us: float, compute_ms: float,
-              early_pull: bool = True) -> dict:  # fmt: skip
-    argv = [*c.PSAR, "plan", "--params", str(params()), "--workers", str(n), "--servers", str(s),
+              early_pull: bool = True, hidden: int = HIDDEN,
+              chunk_mib: float = CHUNK_MIB) -> dict:  # fmt: skip
+    argv = [*c.PSAR, "plan", "--params", str(params(hidden=hidden)), "--workers", str(n), "--servers", str(s),
             "--shard-hosts", str(k), "--bandwidth", f"{mbit:g}Mbit/s",
             "--latency", f"{latency_us:.1f}us", "--optimizer", "sgd-momentum",
             "--wire-dtype", "fp32", "--compute-ms", f"{compute_ms:.3f}", "--json",
-            "--chunk-mib", str(CHUNK_MIB), *(["--early-pull"] if early_pull else [])]  # fmt: skip
+            "--chunk-mib", str(chunk_mib), *(["--early-pull"] if early_pull else [])]  # fmt: skip
     p = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=c.ROOT)
     if p.returncode != 0:
         raise c.BenchError(f"psar plan failed: {p.stderr}")
@@ -95,7 +117,8 @@ def cluster_rate(run: c.Run) -> dict[str, float]:
 def run_cell_jobs(out: Path, args: Any, lan: Any, n: int, mbit: float) -> dict[str, Any]:
     """allreduce once, ps-sync for every k, on the shaped LAN; rates per job."""
     workers = [lan[f"w{r}"] for r in range(n)]
-    train = train_args(args.steps, args.compute_ms)
+    hidden, chunk_mib, batch = shape(args)
+    train = train_args(args.steps, args.compute_ms, hidden, batch)
     d = out / f"n{n}-{mbit:g}mbit"
     jobs: dict[str, Any] = {}
     c.log(f"links grid: n={n} {mbit:g} Mbit/s allreduce")
@@ -112,7 +135,7 @@ def run_cell_jobs(out: Path, args: Any, lan: Any, n: int, mbit: float) -> dict[s
         c.log(f"links grid: n={n} {mbit:g} Mbit/s ps-sync, {s} shards on k={k} hosts")
         try:
             run = c.ps_job(d / f"ps-k{k}", workers=n, shards=s, mode="sync",
-                           train=[*train, "--chunk-mib", str(CHUNK_MIB), *early],
+                           train=[*train, "--chunk-mib", str(chunk_mib), *early],
                            timeout=args.timeout, shard_hosts=hosts, worker_hosts=workers,
                            server=server)  # fmt: skip
             jobs[f"ps-k{k}"] = {"shards": s, **cluster_rate(run)}
@@ -122,7 +145,8 @@ def run_cell_jobs(out: Path, args: Any, lan: Any, n: int, mbit: float) -> dict[s
 
 
 def cells(n: int, mbit: float, link: dict, jobs: dict, compute_ms: float,
-          early_pull: bool = True) -> list[dict]:  # fmt: skip
+          early_pull: bool = True, hidden: int = HIDDEN, chunk_mib: float = CHUNK_MIB,
+          batch: int = BATCH) -> list[dict]:  # fmt: skip
     """One row per k: measured rates, their ratio, the plan's prediction and the bound."""
     rows = []
     ar = jobs["allreduce"]
@@ -132,13 +156,14 @@ def cells(n: int, mbit: float, link: dict, jobs: dict, compute_ms: float,
             rows.append({"workers": n, "shard_hosts": k, "shards": ps["shards"], "mbit": mbit,
                          "error": ps.get("error") or ar["error"]})  # fmt: skip
             continue
-        ar_step = n * BATCH / ar["samples_per_sec"]
+        ar_step = n * batch / ar["samples_per_sec"]
         # The plan's bandwidth is the link's measured TCP goodput (tbf counts the frames'
         # headers too), the best of 5 transfers: a slower one met other load on the CPU.
         # Its latency is half the measured round trip.
         bw = link["gbps_best"] * 8e3
-        pred = plan_cell(n, ps["shards"], k, bw, link["rtt_us"] / 2, compute_ms, early_pull)
-        ps_step = n * BATCH / ps["samples_per_sec"]
+        pred = plan_cell(n, ps["shards"], k, bw, link["rtt_us"] / 2, compute_ms, early_pull,
+                         hidden, chunk_mib)  # fmt: skip
+        ps_step = n * batch / ps["samples_per_sec"]
         p_ps = pred["ps"]["step_seconds_no_overlap"]
         p_ar = pred["allreduce"]["step_seconds_no_overlap"]
         measured_winner = "ps" if ps["samples_per_sec"] > ar["samples_per_sec"] else "allreduce"
@@ -165,8 +190,29 @@ def cells(n: int, mbit: float, link: dict, jobs: dict, compute_ms: float,
     return rows
 
 
+def set_congestion(lan: Any, algo: str) -> None:
+    """TCP congestion control in every host (a per-namespace sysctl); "system" keeps what
+    the machine's own namespace has (new namespaces inherit it)."""
+    if algo == "system":
+        return
+    for h in lan.hosts.values():
+        p = h.run(["sysctl", "-qw", f"net.ipv4.tcp_congestion_control={algo}"])
+        if p.returncode != 0:
+            raise c.BenchError(f"--congestion {algo}: {p.stderr.strip()} (see "
+                               "/proc/sys/net/ipv4/tcp_available_congestion_control)")  # fmt: skip
+
+
+def system_congestion() -> str:
+    try:
+        return Path("/proc/sys/net/ipv4/tcp_congestion_control").read_text().strip()
+    except OSError:
+        return "unknown"
+
+
 def measure(out: Path, args: Any, netns: Any) -> dict[str, Any]:
     from bench.links import probe_link, shape_all
+
+    congestion = getattr(args, "congestion", None) or CONGESTION
 
     grid = dict(GRIDS[args.grid])
     if getattr(args, "bandwidths", None):  # e.g. a slower link, where the CPU matters less
@@ -177,6 +223,7 @@ def measure(out: Path, args: Any, netns: Any) -> dict[str, Any]:
     for n in grid["workers"]:
         names = [*(f"w{r}" for r in range(n)), *(f"s{i}" for i in range(n))]
         with netns.lan(names) as lan:  # namespaces named psar<pid>-<counter>-<host>: unique
+            set_congestion(lan, congestion)
             for mbit in grid["mbit"]:
                 shape_all(netns, lan, mbit, 0.0)
                 with c.Procs(out / f"probe-n{n}-{mbit:g}") as procs:
@@ -187,7 +234,7 @@ def measure(out: Path, args: Any, netns: Any) -> dict[str, Any]:
                 links.append(link)
                 jobs = run_cell_jobs(out, args, lan, n, mbit)
                 rows += cells(n, mbit, link, jobs, args.compute_ms,
-                              getattr(args, "early_pull", True))  # fmt: skip
+                              getattr(args, "early_pull", True), *shape(args))  # fmt: skip
                 # What is measured so far survives a later failure or a kill.
                 (out / "cells-so-far.json").write_text(json.dumps(rows, indent=1) + "\n")
     failed = [r for r in rows if "error" in r]
@@ -195,9 +242,10 @@ def measure(out: Path, args: Any, netns: Any) -> dict[str, Any]:
     goal = [r for r in rows if (r["workers"], r["shard_hosts"], r["mbit"]) == (4, 4, 1000.0)]
     return {
         "grid": args.grid, "grid_workers": list(grid["workers"]), "grid_mbit": list(grid["mbit"]),
-        "steps": args.steps, "compute_ms": args.compute_ms, "batch": BATCH,
-        "early_pull": getattr(args, "early_pull", True),
-        "params": params(), "chunk_mib": CHUNK_MIB, "links": links, "cells": rows,
+        "steps": args.steps, "compute_ms": args.compute_ms, "batch": shape(args)[2],
+        "early_pull": getattr(args, "early_pull", True), "hidden": shape(args)[0],
+        "congestion": system_congestion() if congestion == "system" else congestion,
+        "params": params(hidden=shape(args)[0]), "chunk_mib": shape(args)[1], "links": links, "cells": rows,
         "failed_cells": failed,
         "plan_winner_right_everywhere": all(r["winner_right"] for r in rows),
         "all_within_20pct": all(r["within_20pct"] for r in rows),
@@ -224,6 +272,7 @@ def table(doc: dict[str, Any]) -> str:
     rtt = ", ".join(f"{x['rtt_us']:.0f}" for x in doc["links"])
     gput = ", ".join(f"{x['gbps_best']:.3f}" for x in doc["links"])
     yes = lambda b: "yes" if b else "no"  # noqa: E731
+    hid = doc.get("hidden", HIDDEN)
     failed = "".join(
         f"\n\nFailed: n={r['workers']} k={r['shard_hosts']} {r['mbit']:g} Mbit/s: "
         f"{r['error'].splitlines()[-1][:300]}"
@@ -232,7 +281,7 @@ def table(doc: dict[str, Any]) -> str:
     return (
         "## The crossover on emulated hosts (n workers, k shard hosts)\n\n"
         + c.md_table(head, rows)
-        + f"\n\nGrid `{doc['grid']}`; MLP {IN_DIM}-{HIDDEN}-{HIDDEN}-10 ({doc['params']:,} "
+        + f"\n\nGrid `{doc['grid']}`; MLP {IN_DIM}-{hid}-{hid}-10 ({doc['params']:,} "
         f"fp32 parameters), batch {doc['batch']} per worker, SGD momentum, {doc['steps']} steps, "
         f"compute emulated at {doc['compute_ms']:g} ms per step; k = 0: n shards on the worker "
         f"hosts, else k shards on k hosts of their own (slots of {doc['chunk_mib']:g} MiB). "

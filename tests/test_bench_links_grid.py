@@ -43,11 +43,23 @@ def test_the_grid_and_the_model_size() -> None:
     assert g.shard_counts(2) == [0, 1, 2]
     assert g.shard_counts(4) == [0, 2, 4]
     assert g.shard_counts(8) == [0, 4, 8]
-    assert g.params() == 1_863_690  # MLP 784-1024-1024-10: bench/links.py's PARAMS
+    assert g.params(hidden=1024) == 1_863_690  # MLP 784-1024-1024-10: bench/links.py's PARAMS
+    assert g.params() == 20_037_642  # the grid's MLP 784-4096-4096-10: 80 MB of fp32
     assert g.GRIDS["full"] == {"workers": (2, 4, 8), "mbit": (1000.0, 10000.0)}
     args = g.train_args(7, 25.0)
     assert args[args.index("--emulate-compute-ms") + 1] == "25"
     assert args[args.index("--steps") + 1] == "7"
+    assert "hidden=4096" in args and args[args.index("--batch-size") + 1] == "4"
+    small = g.train_args(7, 25.0, hidden=1024, batch=16)
+    assert "hidden=1024" in small and small[small.index("--batch-size") + 1] == "16"
+
+
+def test_the_grid_flags_reach_its_shape() -> None:
+    class Args:
+        grid_hidden, grid_chunk_mib, grid_batch = 2048, 0.25, 8
+
+    assert g.shape(Args()) == (2048, 0.25, 8)
+    assert g.shape(object()) == (g.HIDDEN, g.CHUNK_MIB, g.BATCH)
 
 
 def test_cells_check_measured_rates_against_psar_plan() -> None:
@@ -135,6 +147,7 @@ def test_small_grid_runs_on_namespaces_or_says_why(tmp_path: Path) -> None:
         assert doc["skipped"]
         return
     assert [(r["workers"], r["shard_hosts"]) for r in doc["cells"]] == [(4, 0), (4, 2), (4, 4)]
+    assert doc["congestion"] == "cubic" and doc["hidden"] == g.HIDDEN
     for r in doc["cells"]:
         assert r["ps_samples_per_sec"] > 0 and r["allreduce_samples_per_sec"] > 0
         assert r["plan_winner"] in ("ps", "allreduce")

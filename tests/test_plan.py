@@ -531,12 +531,16 @@ def _early(n: int, s: int, k: int, chunk: int = 1 << 17, m_params: int = 1_000_0
 
 
 @pytest.mark.parametrize("n", [2, 4, 8])
-def test_early_pulls_with_a_host_per_worker_reach_the_byteps_bound_plus_a_chunk(n: int) -> None:
+def test_early_pulls_with_a_host_per_worker_reach_the_byteps_bound_plus_a_chunk_per_shard(
+    n: int,
+) -> None:
+    # Every shard's last chunk closes when the push ends: each worker then receives n of
+    # them (one per shard), and each shard sends its last one to n workers.
     r, m = _early(n, n, n)
-    chunk = 1 << 17
-    assert r.ps.worker_comm.bandwidth_seconds == pytest.approx((m + chunk) / 1e9)
-    assert r.ps.comm_seconds_per_step == pytest.approx((m + chunk) / 1e9)
-    assert r.ps.comm_seconds_per_step == pytest.approx(r.byteps_bound_seconds + chunk / 1e9)
+    tail = n * (1 << 17)
+    assert r.ps.worker_comm.bandwidth_seconds == pytest.approx((m + tail) / 1e9)
+    assert r.ps.shard_comm.bandwidth_seconds == pytest.approx((m + tail) / 1e9)
+    assert r.ps.comm_seconds_per_step == pytest.approx(r.byteps_bound_seconds + tail / 1e9)
     if n > 2:  # the ring moves 2(N-1)/N*M each way: more than M from N = 3 on
         assert r.winner == "ps" and "early pulls" in r.reason
         plain, _ = _ps(n, n, n)
@@ -546,16 +550,23 @@ def test_early_pulls_with_a_host_per_worker_reach_the_byteps_bound_plus_a_chunk(
 @pytest.mark.parametrize(("n", "s", "k"), [(4, 4, 2), (8, 8, 4), (4, 8, 2)])
 def test_early_pulls_on_shared_shard_hosts_pay_the_busiest_host_once_each_way(n, s, k) -> None:  # noqa: ANN001
     r, m = _early(n, s, k, chunk=1024)
-    shard = n * m * -(-s // k) / s
-    assert r.ps.shard_comm.bandwidth_seconds == pytest.approx((shard + 1024) / 1e9)
-    assert r.ps.comm_seconds_per_step == pytest.approx((max(m, shard) + 1024) / 1e9)
+    per_host = -(-s // k)
+    shard = n * m * per_host / s
+    shard_tail, worker_tail = n * per_host * 1024, s * 1024
+    assert r.ps.shard_comm.bandwidth_seconds == pytest.approx((shard + shard_tail) / 1e9)
+    want = max(m + worker_tail, shard + shard_tail) / 1e9
+    assert r.ps.comm_seconds_per_step == pytest.approx(want)
 
 
 @pytest.mark.parametrize("n", [2, 4, 8])
-def test_early_pulls_with_shards_on_the_worker_hosts_tie_the_ring_plus_a_chunk(n: int) -> None:
+def test_early_pulls_with_shards_on_the_worker_hosts_tie_the_ring_plus_the_last_chunks(
+    n: int,
+) -> None:
     r, m = _early(n, n, 0, chunk=1024)
     ring = r.allreduce.worker_comm.bandwidth_seconds
-    assert r.ps.worker_comm.bandwidth_seconds == pytest.approx(ring + 1024 / 1e9)
+    # The last chunk of each of the n - 1 other hosts' shards comes in; this host's shard
+    # sends its last chunk to the n - 1 other workers.
+    assert r.ps.worker_comm.bandwidth_seconds == pytest.approx(ring + (n - 1) * 1024 / 1e9)
     assert r.winner == "allreduce"
 
 

@@ -141,20 +141,25 @@ def ps_pipelined_comm(m: float, n: int, s: int, k: int, chunk: float, alpha: flo
                       beta: float) -> tuple[Comm, Comm]:  # fmt: skip
     """(worker NIC, busiest shard NIC) of a pipelined sync PS (early pulls): the pull of
     each chunk travels on the NIC's other direction while later chunks are pushed, so a
-    phase costs the larger direction, not the sum, plus one chunk (the last chunk's pull
-    starts when its push has ended). K = 0: a host's NIC carries, each way, its worker's
-    bytes to and from the other hosts' shards and the other workers' bytes to and from
-    its shards: the ring's 2(N-1)/N*M at S = N."""
+    phase costs the larger direction, not the sum, plus a tail: every shard's last chunk
+    closes when the push ends (a worker streams to all shards at once, each in the same
+    slot order), so a worker then still receives one chunk from each of the S shards and
+    a shard host sends its last chunk(s) to each of the N workers. K = 0: a host's NIC
+    carries, each way, its worker's bytes to and from the other hosts' shards and the
+    other workers' bytes to and from its shards: the ring's 2(N-1)/N*M at S = N."""
+    last = min(chunk, m / s)  # a shard's last slot: a chunk, or all it holds
     if k == 0:
         if n == 1:
             return Comm(2 * alpha, 0.0), Comm(2 * alpha, 0.0)
         lo, hi = s // n, _ceil_div(s, n)
         each_way = max(m * (s - c) / s + (n - 1) * m * c / s for c in {lo, hi})
-        nic = Comm(2 * alpha, (each_way + min(chunk, m)) / beta)
+        tail = max(max((s - c) * last, (n - 1) * c * last) for c in {lo, hi})
+        nic = Comm(2 * alpha, (each_way + tail) / beta)
         return nic, nic
-    tail = min(chunk, m) / beta
-    shard_bytes = n * m * _ceil_div(s, k) / s
-    return Comm(2 * alpha, m / beta + tail), Comm(2 * alpha, shard_bytes / beta + tail)
+    per_host = _ceil_div(s, k)
+    shard_bytes = n * m * per_host / s
+    worker = Comm(2 * alpha, (m + s * last) / beta)
+    return worker, Comm(2 * alpha, (shard_bytes + n * per_host * last) / beta)
 
 
 def colocated_phase_bytes(m: float, n: int, s: int) -> float:
