@@ -16,11 +16,15 @@ COMMON = ["--workload", "recsys", "--workload-option", "rows=10000,1000",
           "--precision", "fp32", "--wire-dtype", "fp32"]  # fmt: skip
 
 
-def test_ps_sync_sparse_matches_ddp_dense_fp32(tmp_path) -> None:  # noqa: ANN001
+@pytest.mark.parametrize("accum", [1, 2])
+def test_ps_sync_sparse_matches_ddp_dense_fp32(tmp_path, accum: int) -> None:  # noqa: ANN001
+    # accum 1: a step's row gradients are the one micro-batch's, pushed as they are;
+    # accum 2: two micro-batches' rows merged (summed per row) before the push.
     sp, sd = ["--save", str(tmp_path / "ps.pt")], ["--save", str(tmp_path / "ddp.pt")]
+    common = [*COMMON, "--grad-accum", str(accum)]
     with shards(2) as addrs:
-        ps = run_ps_workers(addrs, 2, tmp_path, [*COMMON, "--sparse-wire-dtype", "fp32", *sp])
-    ddp = run_torchrun(2, tmp_path, [*COMMON, *sd])
+        ps = run_ps_workers(addrs, 2, tmp_path, [*common, "--sparse-wire-dtype", "fp32", *sp])
+    ddp = run_torchrun(2, tmp_path, [*common, *sd])
     a, b = np.asarray(ps[0]["losses"]), np.asarray(ddp["losses"])
     assert len(a) == len(b) == 12
     assert np.max(np.abs(a - b) / np.abs(b)) <= 1e-5

@@ -27,6 +27,7 @@ from ps import wire
 from ps.client import sparse_client
 from ps.sparse_spec import TableSpec
 from trainkit.device_io import to_device, to_host
+from trainkit.finite import all_finite
 
 log = logging.getLogger("psar.sparse")
 
@@ -136,7 +137,9 @@ class SparseSide:
             self._stash(name)
             acc = self.state[name]["acc"]
             dim = self.specs[name].dim
-            if acc:
+            if len(acc) == 1:  # one micro-batch: its ids are unique already (the hook's)
+                uniq, g = acc[0]
+            elif acc:
                 ids = torch.cat([a[0] for a in acc])
                 uniq, inv = torch.unique(ids, return_inverse=True)
                 g = torch.zeros(uniq.numel(), dim).index_add_(
@@ -145,7 +148,7 @@ class SparseSide:
             else:
                 uniq, g = torch.empty(0, dtype=torch.int64), torch.empty(0, dim)
             grads[name] = (uniq, g)
-            finite = finite and bool(torch.isfinite(g.to(self.wire)).all())  # as sent
+            finite = finite and all_finite([g.to(self.wire)])  # as sent
         pushes = [
             sparse_client.RowsPush(
                 table=name,

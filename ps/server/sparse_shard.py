@@ -24,6 +24,7 @@ from ps.errors import FailedPrecondition, InvalidArgument, NotFound, quote
 from ps.server.sparse_policy import RowPolicy
 from ps.server.sparse_table import SparseTable
 from ps.sparse_spec import TableSpec
+from trainkit.finite import all_finite_readonly
 
 log = logging.getLogger("psar.sparse")
 
@@ -141,7 +142,7 @@ class SparseTables:
                 f"PushRows table {quote(name)}: expected {p.ids.numel()} x {dim} gradient values, "
                 f"got shape {tuple(p.grads.shape)} (wrong embedding width?)"
             )
-        if not bool(torch.isfinite(p.grads).all()):
+        if not all_finite_readonly([p.grads]):  # may be a view of received bytes
             raise InvalidArgument(
                 f"PushRows table {quote(name)}: non-finite row gradient without the overflow flag",
                 reason="nonfinite",
