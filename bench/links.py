@@ -231,6 +231,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--congestion", default=None,
                    help="--grid: TCP congestion control in every emulated host (default "
                    "cubic, Linux's default; 'system': what this machine's namespace has)")  # fmt: skip
+    p.add_argument("--plan-cpu", action=argparse.BooleanOptionalAction, default=True,
+                   help="--grid: the plan also models the 2 cores every emulated host shares "
+                   "(bench/cpu_rate.py measures each design's bytes per CPU-second first; "
+                   "default), or the links alone")  # fmt: skip
     p.add_argument("--early-pull", action=argparse.BooleanOptionalAction, default=True,
                    help="--grid: ps-sync with --chunk-rounds shards and --early-pull workers "
                    "(psar's pipelined sync PS; default), or without (push, then pull)")  # fmt: skip

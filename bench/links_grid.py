@@ -25,6 +25,7 @@ predicted step within +-20% of the measured one.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -95,17 +96,27 @@ def train_args(
 
 
 def plan_cell(n: int, s: int, k: int, mbit: float, latency_us: float, compute_ms: float,
-              early_pull: bool = True, hidden: int = HIDDEN,
-              chunk_mib: float = CHUNK_MIB) -> dict:  # fmt: skip
+              early_pull: bool = True, hidden: int = HIDDEN, chunk_mib: float = CHUNK_MIB,
+              cpu: dict | None = None) -> dict:  # fmt: skip
     argv = [*c.PSAR, "plan", "--params", str(params(hidden=hidden)), "--workers", str(n), "--servers", str(s),
             "--shard-hosts", str(k), "--bandwidth", f"{mbit:g}Mbit/s",
             "--latency", f"{latency_us:.1f}us", "--optimizer", "sgd-momentum",
             "--wire-dtype", "fp32", "--compute-ms", f"{compute_ms:.3f}", "--json",
-            "--chunk-mib", str(chunk_mib), *(["--early-pull"] if early_pull else [])]  # fmt: skip
+            "--chunk-mib", str(chunk_mib), *(["--early-pull"] if early_pull else []),
+            *cpu_flags(cpu)]  # fmt: skip
     p = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=c.ROOT)
     if p.returncode != 0:
         raise c.BenchError(f"psar plan failed: {p.stderr}")
     return json.loads(p.stdout)
+
+
+def cpu_flags(cpu: dict | None) -> list[str]:
+    """`psar plan` flags of the CPU every emulated host shares (bench/cpu_rate.py's rates)."""
+    if not cpu:
+        return []
+    return ["--cpu-cores", f"{cpu['cores']:g}", "--cpu-shared",
+            "--ps-cpu-gbps", f"{cpu['ps_bytes_per_cpu_second'] / 1e9:.4g}",
+            "--allreduce-cpu-gbps", f"{cpu['allreduce_bytes_per_cpu_second'] / 1e9:.4g}"]  # fmt: skip
 
 
 def cluster_rate(run: c.Run) -> dict[str, float]:
@@ -162,7 +173,7 @@ def cells(n: int, mbit: float, link: dict, jobs: dict, compute_ms: float,
         # Its latency is half the measured round trip.
         bw = link["gbps_best"] * 8e3
         pred = plan_cell(n, ps["shards"], k, bw, link["rtt_us"] / 2, compute_ms, early_pull,
-                         hidden, chunk_mib)  # fmt: skip
+                         hidden, chunk_mib, link.get("cpu"))  # fmt: skip
         ps_step = n * batch / ps["samples_per_sec"]
         p_ps = pred["ps"]["step_seconds_no_overlap"]
         p_ar = pred["allreduce"]["step_seconds_no_overlap"]
@@ -182,6 +193,8 @@ def cells(n: int, mbit: float, link: dict, jobs: dict, compute_ms: float,
             "ps_step_ratio": ps_step / p_ps,
             "allreduce_step_ms": 1e3 * ar_step, "allreduce_plan_step_ms": 1e3 * p_ar,
             "allreduce_step_ratio": ar_step / p_ar,
+            "ps_plan_bottleneck": pred["ps"]["bottleneck"],
+            "allreduce_plan_bottleneck": pred["allreduce"]["bottleneck"],
             "plan_winner": pred["winner"], "measured_winner": measured_winner,
             "winner_right": pred["winner"] == measured_winner,
             "plan_margin": abs(p_ps - p_ar) / min(p_ps, p_ar),
@@ -210,6 +223,7 @@ def system_congestion() -> str:
 
 
 def measure(out: Path, args: Any, netns: Any) -> dict[str, Any]:
+    from bench import cpu_rate
     from bench.links import probe_link, shape_all
 
     congestion = getattr(args, "congestion", None) or CONGESTION
@@ -220,17 +234,31 @@ def measure(out: Path, args: Any, netns: Any) -> dict[str, Any]:
     if getattr(args, "grid_workers", None):
         grid["workers"] = tuple(int(x) for x in str(args.grid_workers).split(","))
     rows, links = [], []
+    cpu: dict | None = None
+    model_cpu = getattr(args, "plan_cpu", True)
     for n in grid["workers"]:
         names = [*(f"w{r}" for r in range(n)), *(f"s{i}" for i in range(n))]
         with netns.lan(names) as lan:  # namespaces named psar<pid>-<counter>-<host>: unique
             set_congestion(lan, congestion)
+            if model_cpu and cpu is None:
+                # Once, at the grid's fastest link: where the cores, not the link, set the
+                # pace (at 1 Gbit/s a transfer mostly waits, and what else runs counts).
+                shape_all(netns, lan, max(grid["mbit"]), 0.0)
+                with c.Procs(out / "cpu-rate") as procs:
+                    cpu = {"cores": os.cpu_count() or 1, "mbit": max(grid["mbit"]),
+                           **cpu_rate.measure(procs, lan["w0"], lan["s0"])}  # fmt: skip
             for mbit in grid["mbit"]:
                 shape_all(netns, lan, mbit, 0.0)
                 with c.Procs(out / f"probe-n{n}-{mbit:g}") as procs:
                     link = {"workers": n, "mbit": mbit,
                             **probe_link(procs, lan["w0"], lan["s0"], 16 << 20, 5)}  # fmt: skip
+                if model_cpu:
+                    link["cpu"] = cpu
                 c.log(f"links grid: {mbit:g} Mbit/s: TCP {link['gbps']:.3f} GB/s, "
-                      f"rtt {link['rtt_us']:.0f} us")  # fmt: skip
+                      f"rtt {link['rtt_us']:.0f} us" + (
+                          f"; CPU: ps {link['cpu']['ps_bytes_per_cpu_second'] / 1e9:.2f}, "
+                          f"ring {link['cpu']['allreduce_bytes_per_cpu_second'] / 1e9:.2f} "
+                          "GB/s per core" if model_cpu else ""))  # fmt: skip
                 links.append(link)
                 jobs = run_cell_jobs(out, args, lan, n, mbit)
                 rows += cells(n, mbit, link, jobs, args.compute_ms,
@@ -245,7 +273,8 @@ def measure(out: Path, args: Any, netns: Any) -> dict[str, Any]:
         "steps": args.steps, "compute_ms": args.compute_ms, "batch": shape(args)[2],
         "early_pull": getattr(args, "early_pull", True), "hidden": shape(args)[0],
         "congestion": system_congestion() if congestion == "system" else congestion,
-        "params": params(hidden=shape(args)[0]), "chunk_mib": shape(args)[1], "links": links, "cells": rows,
+        "params": params(hidden=shape(args)[0]), "chunk_mib": shape(args)[1],
+        "plan_cpu": model_cpu, "links": links, "cells": rows,
         "failed_cells": failed,
         "plan_winner_right_everywhere": all(r["winner_right"] for r in rows),
         "all_within_20pct": all(r["within_20pct"] for r in rows),
@@ -271,6 +300,16 @@ def table(doc: dict[str, Any]) -> str:
             for r in doc["cells"]]  # fmt: skip
     rtt = ", ".join(f"{x['rtt_us']:.0f}" for x in doc["links"])
     gput = ", ".join(f"{x['gbps_best']:.3f}" for x in doc["links"])
+    cpu = sorted({(x["cpu"].get("mbit", x["mbit"]), x["cpu"]["ps_bytes_per_cpu_second"] / 1e9,
+                   x["cpu"]["allreduce_bytes_per_cpu_second"] / 1e9, x["cpu"]["cores"])
+                  for x in doc["links"] if x.get("cpu")})  # fmt: skip
+    cpu_text = (
+        " The plan also models the CPU every host shares (`--cpu-cores C --cpu-shared`; "
+        "bytes per CPU-second measured by bench/cpu_rate.py: "
+        + "; ".join(f"ps {p:.2f}, ring {r:.2f} GB/s per core, {k:g} cores, at {m / 1e3:g} Gbit/s"
+                    for m, p, r, k in cpu) + ")."
+        if cpu else " The plan models the links alone (`--no-plan-cpu`)."
+    )  # fmt: skip
     yes = lambda b: "yes" if b else "no"  # noqa: E731
     hid = doc.get("hidden", HIDDEN)
     failed = "".join(
@@ -287,7 +326,7 @@ def table(doc: dict[str, Any]) -> str:
         f"hosts, else k shards on k hosts of their own (slots of {doc['chunk_mib']:g} MiB). "
         f"Rates: total samples over the window "
         f"every worker trains in. Plan bandwidth = the measured TCP goodput "
-        f"({gput} GB/s), latency = half the measured TCP round trip ({rtt} us). "
+        f"({gput} GB/s), latency = half the measured TCP round trip ({rtt} us).{cpu_text} "
         f"Plan's winner right in every cell: **{yes(doc['plan_winner_right_everywhere'])}**; "
         f"every predicted step within +-20%: **{yes(doc['all_within_20pct'])}**; "
         f"at k = 0 ps-sync no faster than allreduce: **{yes(doc['k0_ps_not_faster'])}**." + failed

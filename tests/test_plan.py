@@ -582,3 +582,74 @@ def test_early_pull_flags_reach_the_model_and_bad_chunks_are_refused(capsys) -> 
     with pytest.raises(SystemExit):
         main([*argv, "--early-pull", "--chunk-mib", "0"])
     assert "--chunk-mib" in capsys.readouterr().err
+
+
+# --- the CPU that moves the bytes (psar plan --cpu-cores [--cpu-shared]) --------------
+
+
+def _cpu(n: int, s: int, k: int, shared: bool, cores: float = 2.0, **kw: object) -> tuple:
+    inp = PlanInputs(1_000_000, n, s, bandwidth_bytes_per_second=1.25e9, latency_seconds=0.0,
+                     shard_hosts=k, early_pull=True, chunk_bytes=1024, cpu_cores=cores,
+                     cpu_shared=shared, ps_cpu_bytes_per_second=2e9,
+                     allreduce_cpu_bytes_per_second=3e9, **kw)  # fmt: skip
+    return plan(inp), 4_000_000
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_shared_cores_move_every_processs_bytes(n: int) -> None:
+    # One machine's 2 cores carry every worker's push and pull (2M each) and every
+    # shard's N*M/S in and out; the ring's workers 2(N-1)/N*M each way each.
+    r, m = _cpu(n, n, n, shared=True)
+    assert r.ps.cpu_seconds == pytest.approx(4 * n * m / 2e9 / 2)
+    assert r.allreduce.cpu_seconds == pytest.approx(4 * (n - 1) * m / 3e9 / 2)
+    assert r.ps.bottleneck == "cpu"  # 10 Gbit/s links outpace 2 cores
+    assert r.allreduce.bottleneck == ("cpu" if n > 2 else "worker_nic")
+    assert r.ps.comm_seconds_per_step == r.ps.cpu_seconds > r.ps.link_seconds_per_step
+    assert r.winner == "allreduce" and "CPU that moves the bytes" in r.reason
+    d = r.to_dict()
+    assert d["ps"]["cpu_seconds_per_step"] == r.ps.cpu_seconds
+    assert d["ps"]["link_seconds_per_step"] == r.ps.link_seconds_per_step
+
+
+@pytest.mark.parametrize(("n", "s", "k"), [(4, 4, 4), (4, 4, 2), (4, 4, 0), (8, 4, 4)])
+def test_cores_of_their_own_carry_the_busiest_hosts_bytes(n: int, s: int, k: int) -> None:
+    r, m = _cpu(n, s, k, shared=False, cores=1.0)
+    per_host = -(-s // (k or n))
+    shards = 2 * n * m * per_host / s
+    want = 2 * m + shards if k == 0 else max(2 * m, shards)
+    assert r.ps.cpu_seconds == pytest.approx(want / 2e9)
+    assert r.allreduce.cpu_seconds == pytest.approx(4 * (n - 1) * m / n / 3e9)
+
+
+def test_without_cpu_cores_only_the_links_count() -> None:
+    r, _ = _early(4, 4, 4)
+    assert r.ps.cpu_seconds == r.allreduce.cpu_seconds == 0.0
+    assert r.ps.comm_seconds_per_step == r.ps.link_seconds_per_step
+    assert r.ps.bottleneck != "cpu"
+
+
+def test_local_mode_divides_the_cpu_time_by_h() -> None:
+    every, m = _cpu(4, 4, 4, shared=True)
+    local, _ = _cpu(4, 4, 4, shared=True, sync_every=10)
+    assert local.ps.cpu_seconds == pytest.approx(every.ps.cpu_seconds / 10)
+
+
+def test_cpu_flags_reach_the_model_and_bad_ones_are_refused(capsys) -> None:  # noqa: ANN001
+    argv = ["--params", "20M", "--workers", "4", "--servers", "4", "--bandwidth", "10Gbit/s",
+            "--early-pull", "--chunk-mib", "0.5", "--json"]  # fmt: skip
+    assert main([*argv, "--cpu-cores", "2", "--cpu-shared", "--ps-cpu-gbps", "2",
+                 "--allreduce-cpu-gbps", "3"]) == 0  # fmt: skip
+    d = json.loads(capsys.readouterr().out)
+    assert d["ps"]["bottleneck"] == "cpu" and d["winner"] == "allreduce"
+    assert d["ps"]["cpu_seconds_per_step"] == pytest.approx(4 * 4 * 80e6 / 2e9 / 2)
+    assert main(argv) == 0
+    assert json.loads(capsys.readouterr().out)["winner"] == "ps"  # links alone: early pulls win
+    assert main([*argv[:-1], "--cpu-cores", "2", "--cpu-shared"]) == 0
+    assert "CPU time per step" in capsys.readouterr().out
+    for bad in (["--cpu-cores", "0"], ["--cpu-cores", "x"], ["--cpu-cores", "1", "--ps-cpu-gbps", "-1"]):
+        with pytest.raises(SystemExit):
+            main([*argv, *bad])
+        assert bad[-2] in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([*argv, "--cpu-shared"])
+    assert "cpu_shared needs cpu_cores" in capsys.readouterr().err

@@ -15,6 +15,8 @@ from collections.abc import Callable, Sequence
 from worker.compare_repeats import positive_int
 from worker.plan_model import (
     DEFAULT_BUCKET_BYTES,
+    DEFAULT_PS_CPU_RATE,
+    DEFAULT_RING_CPU_RATE,
     DTYPE_BYTES,
     OPTIMIZER_STATES,
     ArchPlan,
@@ -73,6 +75,17 @@ def _positive_mib(text: str) -> float:
         value = 0.0
     if not 0 < value < float("inf"):
         raise ValueError(f"cannot read {text!r}; give MiB as a number > 0, like 4 or 0.125")
+    return value
+
+
+def _positive_number(text: str) -> float:
+    """--cpu-cores, --*-cpu-gbps: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0 < value < float("inf"):
+        raise ValueError(f"cannot read {text!r}; give a number > 0, like 2 or 1.5")
     return value
 
 
@@ -179,6 +192,36 @@ def build_parser() -> argparse.ArgumentParser:
         help="--early-pull: the slot size workers push and pull by (psar train --chunk-mib; "
         "default 4): the last chunk's pull waits for its push",
     )
+    p.add_argument(
+        "--cpu-cores",
+        default=None,
+        type=_flag_type(_positive_number, "cpu-cores"),
+        metavar="C",
+        help="model the CPU too: C cores move each host's bytes, at --ps-cpu-gbps and "
+        "--allreduce-cpu-gbps per core; a step then waits for the slower of links and cores "
+        "(default: links only)",
+    )
+    p.add_argument(
+        "--cpu-shared",
+        action="store_true",
+        help="with --cpu-cores: every host's processes share those C cores (one machine "
+        "emulating the cluster, as bench/links.py's namespaces do)",
+    )
+    p.add_argument(
+        "--ps-cpu-gbps",
+        default=DEFAULT_PS_CPU_RATE / 1e9,
+        type=_flag_type(_positive_number, "ps-cpu-gbps"),
+        help="GB/s one core moves through psar's PS data path, each end counting "
+        f"(python -m bench.cpu_rate; default {DEFAULT_PS_CPU_RATE / 1e9:g}, measured on a "
+        "2-core AMD EPYC VM)",
+    )
+    p.add_argument(
+        "--allreduce-cpu-gbps",
+        default=DEFAULT_RING_CPU_RATE / 1e9,
+        type=_flag_type(_positive_number, "allreduce-cpu-gbps"),
+        help=f"GB/s one core moves through gloo's ring allreduce (default "
+        f"{DEFAULT_RING_CPU_RATE / 1e9:g}, as above)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     return p
 
@@ -200,6 +243,10 @@ def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
         sync_every=args.sync_every,
         early_pull=args.early_pull,
         chunk_bytes=max(1, int(args.chunk_mib * 2**20)),
+        cpu_cores=args.cpu_cores,
+        cpu_shared=args.cpu_shared,
+        ps_cpu_bytes_per_second=args.ps_cpu_gbps * 1e9,
+        allreduce_cpu_bytes_per_second=args.allreduce_cpu_gbps * 1e9,
     )
 
 
@@ -217,7 +264,7 @@ def _size(n: int) -> str:
 
 
 _NA = "-"
-_BOTTLENECK = {"none": "none", "worker_nic": "worker NIC", "shard_nic": "shard NIC"}
+_BOTTLENECK = {"none": "none", "worker_nic": "worker NIC", "shard_nic": "shard NIC", "cpu": "CPU"}
 
 
 def _rows(ar: ArchPlan, ps: ArchPlan) -> list[tuple[str, str, str]]:
@@ -240,6 +287,11 @@ def _rows(ar: ArchPlan, ps: ArchPlan) -> list[tuple[str, str, str]]:
         both("sent per shard per step", lambda a: a.bytes_sent_per_shard_per_step),
         both("worker NIC time per step", lambda a: a.worker_comm.seconds, human_seconds),
         ("shard NIC time per step", _NA, human_seconds(ps.shard_comm.seconds)),
+        *(
+            [both("CPU time per step (bytes moved)", lambda a: a.cpu_seconds, human_seconds)]
+            if ar.cpu_seconds or ps.cpu_seconds
+            else []
+        ),
         both("comm time per step", lambda a: a.comm_seconds_per_step, human_seconds),
         ("bottleneck", _BOTTLENECK[ar.bottleneck], _BOTTLENECK[ps.bottleneck]),
         both("memory per worker", lambda a: a.memory_per_worker.total),

@@ -29,6 +29,13 @@ DEFAULT_BUCKET_BYTES = 25 * 2**20
 
 FP32 = 4
 
+#: Bytes one core moves per second through each design's data path, each end counting
+#: (a push of M is M out of a worker and M into a shard), kernel networking included:
+#: `python -m bench.cpu_rate` on two hosts of an emulated LAN, this project's 2-core
+#: x86-64 machine (AMD EPYC), 2026-12-02: psar's PS 2.06-2.44e9, gloo 2.75-2.90e9.
+DEFAULT_PS_CPU_RATE = 2.2e9
+DEFAULT_RING_CPU_RATE = 2.8e9
+
 
 def _ceil_div(a: int, b: int) -> int:
     # Shards split unevenly when S does not divide P; the largest one must still fit.
@@ -62,6 +69,16 @@ class PlanInputs:
     chunk_bytes: int = 4 * 2**20
     """A slot on the wire at most (psar train --chunk-mib): with early_pull, the pull's
     last chunk can start only once its push has ended."""
+    cpu_cores: float | None = None
+    """Cores that move one host's bytes through the data path; None: the CPU is not
+    modelled, only the links. With cpu_shared, the cores every host shares."""
+    cpu_shared: bool = False
+    """Every host's processes run on the same cpu_cores: one machine emulating the
+    cluster (bench/links.py's namespaces), or a whole job on one host."""
+    ps_cpu_bytes_per_second: float = DEFAULT_PS_CPU_RATE
+    """Bytes one core moves per second through psar's PS data path (bench/cpu_rate.py)."""
+    allreduce_cpu_bytes_per_second: float = DEFAULT_RING_CPU_RATE
+    """Bytes one core moves per second through gloo's ring allreduce (bench/cpu_rate.py)."""
 
     def __post_init__(self) -> None:
         # Validate here as well as in the CLI so library callers get the same checks.
@@ -79,6 +96,13 @@ class PlanInputs:
             raise ValueError("bucket and chunk sizes must be >= 1 byte")
         if self.sync_every < 1:
             raise ValueError(f"sync every must be >= 1 step, got {self.sync_every}")
+        if self.cpu_cores is not None and not 0 < self.cpu_cores < float("inf"):
+            raise ValueError(f"cpu cores must be a number > 0, got {self.cpu_cores}")
+        if self.cpu_shared and self.cpu_cores is None:
+            raise ValueError("cpu_shared needs cpu_cores (the cores every host shares)")
+        rates = (self.ps_cpu_bytes_per_second, self.allreduce_cpu_bytes_per_second)
+        if not all(0 < r < float("inf") for r in rates):
+            raise ValueError(f"CPU data-path rates must be > 0 bytes/s, got {rates}")
         if self.shard_hosts is not None and not 0 <= self.shard_hosts <= self.servers:
             raise ValueError(
                 f"shard hosts must be between 0 (shards on the worker hosts) and the number "
@@ -176,6 +200,28 @@ def colocated_phase_bytes(m: float, n: int, s: int) -> float:
     return max(max(m * (s - c) / s, (n - 1) * m * c / s) for c in {lo, hi})
 
 
+def ps_cpu_bytes(m: float, n: int, s: int, k: int, shared: bool) -> float:
+    """Bytes through the data path of the busiest host's PS processes per step (or of all
+    of them, `shared`): a worker moves its push and its pull (2M), a shard 2*N*M/S."""
+    if shared:
+        return 4 * n * m
+    per_host = _ceil_div(s, k) if k else _ceil_div(s, n)
+    shards = 2 * n * m * per_host / s
+    return 2 * m + shards if k == 0 else max(2 * m, shards)
+
+
+def ring_cpu_bytes(m: float, n: int, shared: bool) -> float:
+    """Bytes through the ring's data path per step: each worker sends and receives
+    2(N-1)/N*M; `shared`: all N workers' together."""
+    total = 4 * (n - 1) * m
+    return total if shared else total / n
+
+
+def cpu_seconds(nbytes: float, rate: float, inp: PlanInputs) -> float:
+    """Time the cores need to move `nbytes` (0 when the CPU is not modelled)."""
+    return 0.0 if inp.cpu_cores is None else nbytes / rate / inp.cpu_cores
+
+
 def byteps_bound_seconds(m: float, n: int, k: int, beta: float) -> float:
     """The optimum of BytePS (OSDI 2020) for N workers and K CPU hosts, all with
     bandwidth beta: t = 2N(N-1)M / ((N^2 + KN - 2K) beta), bandwidth only.
@@ -228,17 +274,27 @@ class ArchPlan:
     bytes_sent_per_shard_per_step: float | None = None
     memory_per_shard: Memory | None = None
     compute_seconds: float | None = None
+    cpu_seconds: float = 0.0
+    """Time the cores need to move a step's bytes (0: the CPU is not modelled)."""
+
+    @property
+    def link_seconds_per_step(self) -> float:
+        """The slower of the worker NIC and the shard NIC."""
+        shard = self.shard_comm.seconds if self.shard_comm else 0.0
+        return max(self.worker_comm.seconds, shard)
 
     @property
     def comm_seconds_per_step(self) -> float:
-        """The step waits for the slower of the worker NIC and the shard NIC."""
-        shard = self.shard_comm.seconds if self.shard_comm else 0.0
-        return max(self.worker_comm.seconds, shard)
+        """The step waits for the slowest of the worker NIC, the shard NIC and the CPU
+        that moves the bytes."""
+        return max(self.link_seconds_per_step, self.cpu_seconds)
 
     @property
     def bottleneck(self) -> str:
         if self.comm_seconds_per_step == 0:
             return "none"
+        if self.cpu_seconds > self.link_seconds_per_step:
+            return "cpu"
         if self.shard_comm and self.shard_comm.seconds > self.worker_comm.seconds:
             return "shard_nic"
         return "worker_nic"
@@ -272,6 +328,8 @@ class ArchPlan:
             "memory_per_worker_bytes": self.memory_per_worker.total,
             "memory_per_worker_breakdown": asdict(self.memory_per_worker),
             "overlap_tail_seconds": self.tail_seconds,
+            "link_seconds_per_step": self.link_seconds_per_step,
+            "cpu_seconds_per_step": self.cpu_seconds,
         }
         if self.shard_comm is not None and self.memory_per_shard is not None:
             # For PS the step's latency/bandwidth split is that of the slower side.
@@ -307,6 +365,9 @@ def plan_allreduce(inp: PlanInputs) -> ArchPlan:
         ),
         tail_comm=ring_allreduce_comm(min(inp.bucket_bytes, m), n, alpha, beta),
         compute_seconds=inp.compute_seconds,
+        cpu_seconds=cpu_seconds(
+            ring_cpu_bytes(m, n, inp.cpu_shared), inp.allreduce_cpu_bytes_per_second, inp
+        ),
     )
 
 
@@ -350,6 +411,9 @@ def plan_ps(inp: PlanInputs) -> ArchPlan:
         ),
         tail_comm=max(tail_w, tail_s, key=lambda c: c.seconds),
         compute_seconds=inp.compute_seconds,
+        cpu_seconds=cpu_seconds(
+            ps_cpu_bytes(m, n, s, k, inp.cpu_shared), inp.ps_cpu_bytes_per_second, inp
+        ),
     )
 
 
@@ -428,6 +492,7 @@ def every_h_steps(arch: ArchPlan, inp: PlanInputs) -> ArchPlan:
         ),
         memory_per_shard=shard_mem,
         tail_comm=max(worker, shard or worker, key=lambda c: c.seconds),
+        cpu_seconds=arch.cpu_seconds / h,
     )
 
 

@@ -43,6 +43,8 @@ def _comm_reason(inp: PlanInputs, ar: ArchPlan, ps: ArchPlan) -> str:
     n, s, m = inp.workers, inp.servers, inp.wire_bytes
     if n == 1:
         return f"with one worker the ring has nothing to exchange, while PS still pushes and pulls M = {human_bytes(m)}"
+    if "cpu" in (ar.bottleneck, ps.bottleneck):
+        return _cpu_reason(inp, ar, ps)
     wins_on_bandwidth = ps.worker_comm.bandwidth_seconds < ar.worker_comm.bandwidth_seconds
     if ar.comm_seconds_per_step > ps.comm_seconds_per_step and wins_on_bandwidth:
         return (
@@ -98,6 +100,23 @@ def _comm_reason(inp: PlanInputs, ar: ArchPlan, ps: ArchPlan) -> str:
         f"({human_seconds(ar.worker_comm.bandwidth_seconds)}) and its {2 * (n - 1)} latency "
         f"rounds cost only {human_seconds(ar.worker_comm.latency_seconds)} (psar train "
         f"--early-pull with --chunk-rounds shards overlaps push and pull: psar plan --early-pull)"
+    )
+
+
+def _cpu_reason(inp: PlanInputs, ar: ArchPlan, ps: ArchPlan) -> str:
+    """The cores, not the links, bound at least one side (--cpu-cores)."""
+    where = (
+        f"the {inp.cpu_cores:g} cores every host shares"
+        if inp.cpu_shared
+        else f"{inp.cpu_cores:g} cores per host"
+    )
+    return (
+        f"the CPU that moves the bytes bounds the step ({where}): the PS's processes move "
+        f"{human_seconds(ps.cpu_seconds)} worth of bytes per step at "
+        f"{human_bytes(inp.ps_cpu_bytes_per_second)}/s per core (a worker its push and pull, "
+        f"a shard N*M/S in and out), the ring's {human_seconds(ar.cpu_seconds)} at "
+        f"{human_bytes(inp.allreduce_cpu_bytes_per_second)}/s; the links alone would take "
+        f"{human_seconds(ps.link_seconds_per_step)} and {human_seconds(ar.link_seconds_per_step)}"
     )
 
 

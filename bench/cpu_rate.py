@@ -1,0 +1,117 @@
+"""CPU per byte of each architecture's data path on this machine (`psar plan --cpu-*`).
+
+Where the links are fast and the cores few, a step waits for the CPU that moves the
+bytes, not for the wire: on this 2-core machine every emulated host of bench/links.py
+shares the same two cores, and a Python parameter server on a 100 Gbit/s NIC would hit
+its cores first too. The plan models that from one figure per architecture: the bytes
+one core moves through its data path per second, each end counting (a push of M is M out
+of a worker and M into a shard), the kernel's networking included. This measures both
+between two hosts of a shaped LAN, pure communication, no model:
+
+- ps: `psar server` on one host, a psar client (ps.client.PSClient, the TCP data plane:
+  what a worker runs) on the other, pushing P bytes of fp32 gradient and pulling the
+  weights back, sync with one worker (the shard's SGD step included);
+- allreduce: two gloo ranks allreducing a P-byte fp32 tensor (what DDP runs).
+
+Rate = bytes through the processes / busy CPU-seconds of the whole machine over the
+timed loop (/proc/stat: user, system, irq and softirq; the machine must be otherwise
+idle, as it is during a bench run).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+from bench import common as c
+
+PAYLOAD_MIB = 32
+CYCLES = 8
+
+_BUSY = """
+def busy_s():
+    with open("/proc/stat") as fh:
+        f = [int(x) for x in fh.readline().split()[1:8]]
+    import os
+    return (sum(f) - f[3] - f[4]) / os.sysconf("SC_CLK_TCK")  # minus idle and iowait
+"""
+
+_PS_CLIENT = (
+    _BUSY
+    + """
+import json, sys, time
+from bench.ps_datapath import run_config
+addr, mib, cycles = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+marks = []
+def before(timed):
+    if timed and not marks:
+        marks.append(busy_s())
+times = run_config([addr], payload_bytes=mib << 20, tensors=4, chunk_bytes=4 << 20,
+                   message_bytes=1 << 20, max_message_bytes=16 << 20, repeats=cycles,
+                   warmup=2, before_cycle=before, transports=("tcp",))
+cpu = busy_s() - marks[0]
+print(json.dumps({"cpu_s": cpu, "bytes": 4 * (mib << 20) * cycles}))
+"""
+)
+
+_GLOO = (
+    _BUSY
+    + """
+import json, os, sys
+import torch, torch.distributed as dist
+mib, cycles = int(sys.argv[1]), int(sys.argv[2])
+torch.set_num_threads(1)
+dist.init_process_group("gloo")
+t = torch.ones((mib << 20) // 4)
+for _ in range(2):
+    dist.all_reduce(t)
+dist.barrier()
+b0 = busy_s()
+for _ in range(cycles):
+    dist.all_reduce(t)
+dist.barrier()
+if dist.get_rank() == 0:
+    n = dist.get_world_size()
+    print(json.dumps({"cpu_s": busy_s() - b0, "bytes": 4 * (n - 1) * (mib << 20) * cycles}))
+dist.destroy_process_group()
+"""
+)
+
+
+def measure(procs: c.Procs, a: Any, b: Any, mib: int = PAYLOAD_MIB, cycles: int = CYCLES) -> dict:
+    """{"ps_bytes_per_cpu_second", "allreduce_bytes_per_cpu_second"} between hosts a, b."""
+    addr = c.start_shards(procs, 1, hosts=[b], server=["--torch-threads", "1"])[0]
+    p = a.run([c.PY, "-c", _PS_CLIENT, addr, str(mib), str(cycles)], timeout=600, cwd=c.ROOT,
+              env=c.child_env())  # fmt: skip
+    if p.returncode != 0:
+        raise c.BenchError(f"ps CPU calibration failed: {p.stderr[-2000:]}")
+    ps = json.loads(p.stdout.strip().splitlines()[-1])
+    port = str(c.free_port())
+    ranks = []
+    for r, h in enumerate((a, b)):
+        env = c.child_env({"RANK": str(r), "WORLD_SIZE": "2", "MASTER_ADDR": a.addr,
+                           "MASTER_PORT": port, "GLOO_SOCKET_IFNAME": h.ifname})  # fmt: skip
+        ranks.append(procs.start(f"gloo{r}", [c.PY, "-c", _GLOO, str(mib), str(cycles)],
+                                 env=env, host=h))  # fmt: skip
+    procs.wait(["gloo0", "gloo1"], 600)
+    ring = json.loads((procs.log_dir / "gloo0.log").read_text().strip().splitlines()[-1])
+    return {
+        "payload_mib": mib,
+        "cycles": cycles,
+        "ps_bytes_per_cpu_second": ps["bytes"] / ps["cpu_s"],
+        "allreduce_bytes_per_cpu_second": ring["bytes"] / ring["cpu_s"],
+    }
+
+
+if __name__ == "__main__":  # python -m bench.cpu_rate: on two unshaped hosts
+    from bench.links import unavailable
+
+    netns, reason = unavailable(0.0)
+    if reason:
+        sys.exit(f"cpu_rate: {reason}")
+    import tempfile
+    from pathlib import Path
+
+    with netns.lan(["a", "b"]) as lan, c.Procs(Path(tempfile.mkdtemp())) as procs:
+        print(json.dumps(measure(procs, lan["a"], lan["b"]), indent=1))
