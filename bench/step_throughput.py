@@ -31,7 +31,7 @@ plane >= 0.85x.
     python -m bench.step_throughput                  # 2 and 4 workers, 3 repeats
     python -m bench.step_throughput --quick --json   # 2 workers, 1 repeat
     python -m bench.step_throughput --quick --tls --repeats 3   # with the TLS rows
-    python -m bench.step_throughput --tls-only --steps 60 --repeats 3   # only those 3 runs
+    python -m bench.step_throughput --tls-only   # only those 3 runs: 2 workers, 300 steps, 5 repeats
 """
 
 from __future__ import annotations
@@ -279,17 +279,24 @@ def table(doc: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = c.parser("python -m bench.step_throughput", __doc__)
     p.add_argument("--workers", default=None, help="comma-separated (default 2,4; quick 2)")
-    p.add_argument("--steps", type=int, default=None, help="per run (default 100; quick 30)")
-    p.add_argument("--repeats", type=int, default=None, help="(default 3; quick 1)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="per run (default 100; --tls-only 300; quick 30)")  # fmt: skip
+    p.add_argument("--repeats", type=int, default=None,
+                   help="(default 3; --tls-only 5; quick 1)")  # fmt: skip
     p.add_argument("--tls", action="store_true", help="add the TLS rows (issue #18's ratio)")
     p.add_argument("--tls-only", action="store_true",
                    help="only ps-sync-1 without TLS and the TLS rows")  # fmt: skip
     args = p.parse_args(argv)
     c.install_sigterm()
     out = c.out_dir(args, "step_throughput")
-    workers = [int(w) for w in (args.workers or ("2" if args.quick else "2,4")).split(",")]
-    steps = args.steps or (30 if args.quick else 100)
-    repeats = args.repeats or (1 if args.quick else 3)
+    tls_ratio = args.tls_only and not args.quick
+    workers = [
+        int(w) for w in (args.workers or ("2" if args.quick or tls_ratio else "2,4")).split(",")
+    ]
+    # The TLS ratio is one number judged against 0.85: longer windows and more repeats,
+    # because single runs of one configuration move by up to 15% on this machine.
+    steps = args.steps or (30 if args.quick else 300 if tls_ratio else 100)
+    repeats = args.repeats or (1 if args.quick else 5 if tls_ratio else 3)
     if args.tls_only:
         results = [measure_tls(out, workers=n, steps=steps, repeats=repeats, timeout=args.timeout)
                    for n in workers]  # fmt: skip
