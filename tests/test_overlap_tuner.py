@@ -32,12 +32,47 @@ def test_the_fastest_arm_is_kept(fastest: tuple) -> None:
     assert "kept: " in t.summary() and "--overlap-trial" in t.summary()
 
 
+def test_blocks_twice_over_their_first_steps_left_out() -> None:
+    # 30 steps, 3 arms: blocks of 5, twice over; 4 counted steps per block, 8 per arm.
+    t = OverlapTuner(total_steps=100, trial=30, arms=ARMS, warmup=5)
+    assert (t.block, t.steps) == (5, 30)
+    used = []
+    for k in range(100):
+        arm = t.arm(k)
+        used.append(arm)
+        # A block's first step pays for the switch (5 s): it must not count. Steady state:
+        # push+pull 30 ms, push 25, none 20 ms.
+        first = 5 <= k < 35 and (k - 5) % 5 == 0
+        t.record(k, arm, 5.0 if first else {BOTH: 0.030, PUSH: 0.025, NONE: 0.020}[arm])
+    assert used[5:35] == ([BOTH] * 5 + [PUSH] * 5 + [NONE] * 5) * 2
+    assert used[35:] == [NONE] * 65 and t.decision == NONE
+    assert all(len(v) == 8 for v in t.times.values())
+    assert "mean in blocks of 5" in t.summary()
+
+
+def test_a_stall_in_every_step_counts_one_hiccup_does_not() -> None:
+    t = OverlapTuner(total_steps=100, trial=16, arms=[BOTH, NONE], warmup=0)  # blocks of 4
+    # BOTH: median 20 ms but a 40 ms stall in half its steps (mean 30); NONE: 25 ms and
+    # one 5 s hiccup.
+    both = iter([0.02, 0.04, 0.02, 0.04, 0.02, 0.04])
+    none = iter([0.025, 5.0, 0.025, 0.025, 0.025, 0.025])
+    for k in range(16):
+        arm = t.arm(k)
+        if k % 4:
+            t.record(k, arm, next(both) if arm == BOTH else next(none))
+        else:
+            t.record(k, arm, 1.0)  # a block's first step: not counted
+    assert t.decision == NONE
+    assert t.score_s(NONE) == pytest.approx(0.025) and t.score_s(BOTH) > 0.025
+
+
 def test_medians_not_means_and_ties_keep_the_configured_arm() -> None:
     t = OverlapTuner(total_steps=50, trial=6, arms=[BOTH, NONE], warmup=0)
     times = {BOTH: [0.02, 0.03, 5.0], NONE: [0.03, 0.03, 0.03]}  # one huge outlier
     decided = [t.record(k, [BOTH, NONE][k % 2], times[[BOTH, NONE][k % 2]][k // 2])
                for k in range(6)]  # fmt: skip
     assert decided == [False] * 5 + [True]
+    assert t.block == 1  # too short for blocks: step by step, medians
     assert t.decision == BOTH  # medians 0.03 and 0.03: the configured arm
     assert not t.record(6, BOTH, 1.0) and t.decision == BOTH
 

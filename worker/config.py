@@ -81,12 +81,12 @@ class PSConfig(ConnectionConfig):
     plane); the link carries the pull while the rest of the push goes out. Same bits as
     without. Where a shard cannot stream early it answers once the push is in
     (docs/architectures.md, "Early pulls")."""
-    overlap_trial: int = 21
-    """--overlap: after 5 warm-up steps, this many steps cycle through push+pull overlap
-    (if --pull-overlap), push only, and neither; the arm with the lowest median step
-    time is kept for the rest of the run (results are the same bits whichever runs).
-    0: no trial, run what --overlap/--pull-overlap say. Runs shorter than 5 + 2 x this
-    skip the trial."""
+    overlap_trial: int = 30
+    """--overlap: after 5 warm-up steps, this many steps try push+pull overlap (if
+    --pull-overlap), push only, and neither, in blocks of consecutive steps, twice over;
+    the arm with the lowest steady-state step time is kept for the rest of the run
+    (results are the same bits whichever runs). 0: no trial, run what
+    --overlap/--pull-overlap say. Runs shorter than 5 + 2 x this skip the trial."""
     auth_token_file: str = ""
     """Send `authorization: Bearer <the token in this file>` with every call."""
     # -- sparse embedding tables (docs/sparse.md) --

@@ -110,7 +110,7 @@ class OverlapMixin:
         push, pull = t.decision if t.decision is not None else t.arms[0]
         out: dict[str, Any] = {"overlap": {"push": push, "pull": pull}}
         if t.decision is not None:
-            out["overlap_trial_ms"] = {ARM_NAMES[a]: 1e3 * t.median_s(a) for a in t.arms}
+            out["overlap_trial_ms"] = {ARM_NAMES[a]: 1e3 * t.score_s(a) for a in t.arms}
         return out
 
     def _first_bucket(self) -> None:
