@@ -67,26 +67,25 @@ def _int_at_least_zero(text: str) -> int:
     return value
 
 
-def _positive_mib(text: str) -> float:
-    """--chunk-mib: MiB as a number > 0 (fractions allowed, like psar train's)."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not 0 < value < float("inf"):
-        raise ValueError(f"cannot read {text!r}; give MiB as a number > 0, like 4 or 0.125")
-    return value
+def _positive(what: str, example: str) -> Callable[[str], float]:
+    """A parser of finite numbers > 0 whose error names what is wanted."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = 0.0
+        if not 0 < value < float("inf"):
+            raise ValueError(f"cannot read {text!r}; give {what} as a number > 0, like {example}")
+        return value
+
+    return parse
 
 
-def _positive_number(text: str) -> float:
-    """--cpu-cores, --*-cpu-gbps: a finite number > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not 0 < value < float("inf"):
-        raise ValueError(f"cannot read {text!r}; give a number > 0, like 2 or 1.5")
-    return value
+_positive_mib = _positive("MiB", "4 or 0.125")
+"""--chunk-mib: MiB as a number > 0 (fractions allowed, like psar train's)."""
+_positive_number = _positive("a count or rate", "2 or 1.5")
+"""--cpu-cores, --*-cpu-gbps."""
 
 
 def _milliseconds(text: str) -> float:
