@@ -1,5 +1,6 @@
-"""A parameter server on torch.distributed.rpc (TensorPipe), the strongest way a user would
-write one: --style async (default), or the PyTorch RPC tutorial's way (--style tutorial).
+"""A parameter server on torch.distributed.rpc (TensorPipe), the strongest ways a user would
+write one: the PyTorch RPC tutorial's batch-updating server (--style tutorial, the
+default) or per-parameter rounds with async futures (--style async).
 
 Rank 0 is the server, ranks 1..N trainers. Model, data, batches and optimizer are
 bench/plain_ddp.py's, so it does the same work as plain DDP.
@@ -16,6 +17,11 @@ bench/plain_ddp.py's, so it does the same work as plain DDP.
   (momentum) and completes the round's future with the new weights. The trainer waits on
   all its futures after backward and copies the weights in. Per-parameter SGD is the same
   arithmetic as one SGD over all parameters.
+
+Which is stronger depends on the transport: on TensorPipe's default (shared memory) the
+async style ran ahead, on uv (below) the tutorial's one call per step did (2026-12-02,
+bench/rpc_compare.py, 2 trainers, reference workload: tutorial 0.94x plain DDP, async
+0.76x), so the tutorial style is the default the other benches compare psar with.
 
 TensorPipe moves the tensors over its `uv` transport (TCP) here: its default picks the
 shared-memory transport between processes on one host, whose threads poll, and on a
@@ -182,7 +188,7 @@ TRANSPORTS = ("uv", "shm", "ibv")
 
 
 def main() -> None:
-    style = _own_flag("--style", "async")
+    style = _own_flag("--style", "tutorial")
     if style not in ("async", "tutorial"):
         raise SystemExit(f"--style: unknown {style!r}; accepted: async, tutorial")
     transports = _own_flag("--transports", "uv")
