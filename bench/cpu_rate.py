@@ -16,12 +16,22 @@ between two hosts of a shaped LAN, pure communication, no model:
 Rate = bytes through the processes / busy CPU-seconds of the whole machine over the
 timed loop (/proc/stat: user, system, irq and softirq; the machine must be otherwise
 idle, as it is during a bench run).
+
+On shared cores the workers' own CPU competes with the bytes too (`psar plan
+--worker-cpu-ms`): `worker_cpu_seconds` runs one `psar train --arch allreduce` worker (a
+ring of one: no bytes to move) for two numbers of steps of the caller's workload and
+takes the difference of its CPU-seconds (getrusage of the reaped job) per step, so the
+start-up cancels out: its forward, backward (the real part of an emulated compute) and
+optimizer step.
 """
 
 from __future__ import annotations
 
 import json
+import resource
 import sys
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from bench import common as c
@@ -102,6 +112,26 @@ def measure(procs: c.Procs, a: Any, b: Any, mib: int = PAYLOAD_MIB, cycles: int 
         "ps_bytes_per_cpu_second": ps["bytes"] / ps["cpu_s"],
         "allreduce_bytes_per_cpu_second": ring["bytes"] / ring["cpu_s"],
     }
+
+
+def _children_cpu_s() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def worker_cpu_seconds(out: Path, train: Sequence[str], steps: tuple[int, int] = (10, 40),
+                       timeout: float = 600.0) -> float:  # fmt: skip
+    """CPU-seconds one worker spends per step of `train` (psar train flags without
+    --steps) besides moving bytes: a one-worker allreduce job at two lengths, differenced.
+    Nothing else of ours may finish meanwhile (reaped children all count)."""
+    cpu = []
+    for n in steps:
+        d = out / f"worker-cpu-{n}"
+        before = _children_cpu_s()
+        c.ddp_job(d, workers=1, timeout=timeout,
+                  py_args=[*c.psar_train_args(d), *train, "--steps", str(n)])  # fmt: skip
+        cpu.append(_children_cpu_s() - before)
+    return max(0.0, (cpu[1] - cpu[0]) / (steps[1] - steps[0]))
 
 
 if __name__ == "__main__":  # python -m bench.cpu_rate: on two unshaped hosts

@@ -18,7 +18,10 @@ stays under C. A rate is total samples over the window in which every worker tra
 `psar plan --servers S --shard-hosts K --compute-ms C --bandwidth R --latency L` then
 predicts each cell: `step_seconds_no_overlap` (C + comm; nothing overlaps the padded
 compute), the winner, and the BytePS bound 2n(n-1)M/((n^2+kn-2k)B) with its gain over the
-ring's bandwidth term. Goals: the plan's winner is the measured winner in every cell, each
+ring's bandwidth term. The plan also models the 2 cores every emulated host shares
+(`--cpu-cores --cpu-shared`, rates of bench/cpu_rate.py measured once before the cells),
+and each worker's own CPU per step on them (`--worker-cpu-ms`, measured on one worker of
+the grid's workload: a sync step's compute phase lasts at least N*W/C). Goals: the plan's winner is the measured winner in every cell, each
 predicted step within +-20% of the measured one.
 """
 
@@ -116,7 +119,9 @@ def cpu_flags(cpu: dict | None) -> list[str]:
         return []
     return ["--cpu-cores", f"{cpu['cores']:g}", "--cpu-shared",
             "--ps-cpu-gbps", f"{cpu['ps_bytes_per_cpu_second'] / 1e9:.4g}",
-            "--allreduce-cpu-gbps", f"{cpu['allreduce_bytes_per_cpu_second'] / 1e9:.4g}"]  # fmt: skip
+            "--allreduce-cpu-gbps", f"{cpu['allreduce_bytes_per_cpu_second'] / 1e9:.4g}",
+            *(["--worker-cpu-ms", f"{1e3 * cpu['worker_cpu_seconds_per_step']:.4g}"]
+              if cpu.get("worker_cpu_seconds_per_step") else [])]  # fmt: skip
 
 
 def cluster_rate(run: c.Run) -> dict[str, float]:
@@ -247,6 +252,10 @@ def measure(out: Path, args: Any, netns: Any) -> dict[str, Any]:
                 with c.Procs(out / "cpu-rate") as procs:
                     cpu = {"cores": os.cpu_count() or 1, "mbit": max(grid["mbit"]),
                            **cpu_rate.measure(procs, lan["w0"], lan["s0"])}  # fmt: skip
+                hidden, _, batch = shape(args)
+                cpu["worker_cpu_seconds_per_step"] = cpu_rate.worker_cpu_seconds(
+                    out / "cpu-rate", train_args(1, args.compute_ms, hidden, batch),
+                    timeout=args.timeout)  # fmt: skip
             for mbit in grid["mbit"]:
                 shape_all(netns, lan, mbit, 0.0)
                 with c.Procs(out / f"probe-n{n}-{mbit:g}") as procs:
@@ -301,13 +310,15 @@ def table(doc: dict[str, Any]) -> str:
     rtt = ", ".join(f"{x['rtt_us']:.0f}" for x in doc["links"])
     gput = ", ".join(f"{x['gbps_best']:.3f}" for x in doc["links"])
     cpu = sorted({(x["cpu"].get("mbit", x["mbit"]), x["cpu"]["ps_bytes_per_cpu_second"] / 1e9,
-                   x["cpu"]["allreduce_bytes_per_cpu_second"] / 1e9, x["cpu"]["cores"])
+                   x["cpu"]["allreduce_bytes_per_cpu_second"] / 1e9, x["cpu"]["cores"],
+                   1e3 * x["cpu"].get("worker_cpu_seconds_per_step", 0.0))
                   for x in doc["links"] if x.get("cpu")})  # fmt: skip
     cpu_text = (
-        " The plan also models the CPU every host shares (`--cpu-cores C --cpu-shared`; "
-        "bytes per CPU-second measured by bench/cpu_rate.py: "
-        + "; ".join(f"ps {p:.2f}, ring {r:.2f} GB/s per core, {k:g} cores, at {m / 1e3:g} Gbit/s"
-                    for m, p, r, k in cpu) + ")."
+        " The plan also models the CPU every host shares (`--cpu-cores C --cpu-shared "
+        "--worker-cpu-ms W`; measured by bench/cpu_rate.py: "
+        + "; ".join(f"ps {p:.2f}, ring {r:.2f} GB/s per core, {k:g} cores, at {m / 1e3:g} "
+                    f"Gbit/s" + (f", W = {w:.0f} ms of CPU per worker per step" if w else "")
+                    for m, p, r, k, w in cpu) + ")."
         if cpu else " The plan models the links alone (`--no-plan-cpu`)."
     )  # fmt: skip
     yes = lambda b: "yes" if b else "no"  # noqa: E731

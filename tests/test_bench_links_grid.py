@@ -159,6 +159,8 @@ def test_the_plan_models_the_shared_cores_with_the_measured_rates() -> None:
     assert g.cpu_flags(None) == [] and g.cpu_flags({}) == []
     assert g.cpu_flags(cpu) == ["--cpu-cores", "2", "--cpu-shared", "--ps-cpu-gbps", "2",
                                 "--allreduce-cpu-gbps", "3"]  # fmt: skip
+    own = {**cpu, "worker_cpu_seconds_per_step": 0.09}
+    assert g.cpu_flags(own) == [*g.cpu_flags(cpu), "--worker-cpu-ms", "90"]
     link = {"workers": 4, "mbit": 10000.0, "gbps_best": 1.2, "rtt_us": 40.0, "cpu": cpu}
     jobs = {
         "allreduce": {"samples_per_sec": 50.0, "window_s": 3.0, "median_rate": 50.0},
@@ -177,6 +179,22 @@ def test_the_plan_models_the_shared_cores_with_the_measured_rates() -> None:
            "plan_winner_right_everywhere": True, "all_within_20pct": False,
            "k0_ps_not_faster": True}  # fmt: skip
     assert "ps 2.00, ring 3.00 GB/s per core, 2 cores" in g.table(doc)
+    assert "W = 90 ms of CPU per worker per step" in g.table(
+        {**doc, "links": [{**link, "cpu": own}]}
+    )
+
+
+@pytest.mark.slow
+def test_a_workers_own_cpu_per_step_is_measured(tmp_path: Path) -> None:
+    from bench import cpu_rate
+
+    steps = (5, 35)  # 30 steps of difference: start-up's noise spread thin
+    small = g.train_args(1, 0.0, hidden=2048, batch=4)
+    light = cpu_rate.worker_cpu_seconds(tmp_path / "small", small, steps=steps)
+    heavy = cpu_rate.worker_cpu_seconds(tmp_path / "big", g.train_args(1, 0.0), steps=steps)
+    # Real CPU-seconds per step: more for the 80 MB model (20M parameters) than for the
+    # 5.8M one, and neither is the run's start-up (seconds).
+    assert 0 < light < heavy < 1.0
 
 
 @pytest.mark.slow

@@ -634,6 +634,38 @@ def test_local_mode_divides_the_cpu_time_by_h() -> None:
     assert local.ps.cpu_seconds == pytest.approx(every.ps.cpu_seconds / 10)
 
 
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_shared_cores_run_every_workers_own_cpu_in_the_compute_phase(n: int) -> None:
+    # On one machine the cores that move the bytes also run each worker's forward,
+    # backward and optimizer, all workers at once before they communicate: the compute
+    # phase lasts at least N*W/C, for either design; the bytes' CPU is what it was.
+    base, _ = _cpu(n, n, n, shared=True, compute_seconds=0.03)
+    own, _ = _cpu(n, n, n, shared=True, compute_seconds=0.03, worker_cpu_seconds=0.09)
+    for arch in ("ps", "allreduce"):
+        b, o = getattr(base, arch), getattr(own, arch)
+        assert o.cpu_seconds == b.cpu_seconds and b.workers_cpu_seconds == 0
+        assert o.workers_cpu_seconds == pytest.approx(n * 0.09 / 2)
+        assert o.compute_phase_seconds == pytest.approx(max(0.03, n * 0.09 / 2))
+        assert o.step_seconds_no_overlap == pytest.approx(
+            o.compute_phase_seconds + o.comm_seconds_per_step
+        )
+        assert o.to_dict()["workers_cpu_seconds_per_step"] == o.workers_cpu_seconds
+    no_compute, _ = _cpu(n, n, n, shared=True, worker_cpu_seconds=0.09)
+    assert "workers' own CPU" in no_compute.reason
+    assert "workers' own CPU" not in _cpu(n, n, n, shared=True)[0].reason
+    assert own.to_dict()["inputs"]["worker_cpu_seconds"] == 0.09
+    local, _ = _cpu(n, n, n, shared=True, worker_cpu_seconds=0.09, sync_every=10)
+    assert local.ps.workers_cpu_seconds == own.ps.workers_cpu_seconds  # every step computes
+
+
+def test_worker_cpu_needs_shared_cores_and_a_sane_value() -> None:
+    with pytest.raises(ValueError, match="--cpu-shared"):
+        _cpu(4, 4, 4, shared=False, worker_cpu_seconds=0.01)
+    for bad in (-1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match=">= 0"):
+            _cpu(4, 4, 4, shared=True, worker_cpu_seconds=bad)
+
+
 def test_cpu_flags_reach_the_model_and_bad_ones_are_refused(capsys) -> None:  # noqa: ANN001
     argv = ["--params", "20M", "--workers", "4", "--servers", "4", "--bandwidth", "10Gbit/s",
             "--early-pull", "--chunk-mib", "0.5", "--json"]  # fmt: skip
@@ -653,3 +685,21 @@ def test_cpu_flags_reach_the_model_and_bad_ones_are_refused(capsys) -> None:  # 
     with pytest.raises(SystemExit):
         main([*argv, "--cpu-shared"])
     assert "cpu_shared needs cpu_cores" in capsys.readouterr().err
+    shared = [*argv, "--cpu-cores", "2", "--cpu-shared", "--ps-cpu-gbps", "2",
+              "--allreduce-cpu-gbps", "3"]  # fmt: skip
+    assert main([*shared, "--worker-cpu-ms", "100", "--compute-ms", "30"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["ps"]["cpu_seconds_per_step"] == pytest.approx(4 * 4 * 80e6 / 2e9 / 2)
+    assert d["ps"]["workers_cpu_seconds_per_step"] == pytest.approx(4 * 0.1 / 2)
+    assert d["allreduce"]["compute_phase_seconds"] == pytest.approx(0.2)
+    table = [*argv[:-1], *shared[len(argv) :]]  # the same flags without --json
+    assert main([*table, "--worker-cpu-ms", "100", "--compute-ms", "30"]) == 0
+    assert "compute phase (workers' CPU, N*W/C)" in capsys.readouterr().out
+    for bad, says in ((["--worker-cpu-ms", "-1"], "--worker-cpu-ms"),
+                      (["--worker-cpu-ms", "x"], "--worker-cpu-ms")):  # fmt: skip
+        with pytest.raises(SystemExit):
+            main([*shared, *bad])
+        assert says in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([*argv, "--cpu-cores", "2", "--worker-cpu-ms", "5"])
+    assert "needs shared cores (--cpu-shared)" in capsys.readouterr().err

@@ -221,6 +221,15 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"GB/s one core moves through gloo's ring allreduce (default "
         f"{DEFAULT_RING_CPU_RATE / 1e9:g}, as above)",
     )
+    p.add_argument(
+        "--worker-cpu-ms",
+        default=0.0,
+        type=_milliseconds,
+        metavar="W",
+        help="with --cpu-shared: CPU ms a worker spends per step besides moving bytes "
+        "(forward, backward, optimizer; bench.cpu_rate measures it on one worker); the "
+        "shared cores run N*W of it each step too (default 0: not counted)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     return p
 
@@ -246,6 +255,7 @@ def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
         cpu_shared=args.cpu_shared,
         ps_cpu_bytes_per_second=args.ps_cpu_gbps * 1e9,
         allreduce_cpu_bytes_per_second=args.allreduce_cpu_gbps * 1e9,
+        worker_cpu_seconds=args.worker_cpu_ms,
     )
 
 
@@ -297,6 +307,14 @@ def _rows(ar: ArchPlan, ps: ArchPlan) -> list[tuple[str, str, str]]:
         ("memory per shard", _NA, human_bytes(ps.memory_per_shard.total)),
     ]
     if ar.compute_seconds is not None:
+        if ar.workers_cpu_seconds:
+            rows.append(
+                both(
+                    "compute phase (workers' CPU, N*W/C)",
+                    lambda a: a.compute_phase_seconds,
+                    human_seconds,
+                )
+            )
         rows += [
             both("exposed tail (last bucket)", lambda a: a.tail_seconds, human_seconds),
             both("step time, no overlap", lambda a: a.step_seconds_no_overlap, human_seconds),

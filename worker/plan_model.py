@@ -79,6 +79,11 @@ class PlanInputs:
     """Bytes one core moves per second through psar's PS data path (bench/cpu_rate.py)."""
     allreduce_cpu_bytes_per_second: float = DEFAULT_RING_CPU_RATE
     """Bytes one core moves per second through gloo's ring allreduce (bench/cpu_rate.py)."""
+    worker_cpu_seconds: float = 0.0
+    """W: CPU a worker process spends per step besides moving bytes (its forward and
+    backward, its optimizer or the install of pulled weights). Only with cpu_shared, where
+    the same cores run all N workers' share too: N*W more CPU per step for either design.
+    0: not counted (on hosts of their own, a worker's compute is compute_seconds)."""
 
     def __post_init__(self) -> None:
         # Validate here as well as in the CLI so library callers get the same checks.
@@ -103,6 +108,14 @@ class PlanInputs:
         rates = (self.ps_cpu_bytes_per_second, self.allreduce_cpu_bytes_per_second)
         if not all(0 < r < float("inf") for r in rates):
             raise ValueError(f"CPU data-path rates must be > 0 bytes/s, got {rates}")
+        if not 0 <= self.worker_cpu_seconds < float("inf"):
+            raise ValueError(f"worker CPU per step must be >= 0, got {self.worker_cpu_seconds}")
+        if self.worker_cpu_seconds and not self.cpu_shared:
+            raise ValueError(
+                "worker CPU per step (--worker-cpu-ms) needs shared cores (--cpu-shared): it is "
+                "the workers' share of the cores that also move the bytes (on hosts of their "
+                "own, a worker's compute is --compute-ms)"
+            )
         if self.shard_hosts is not None and not 0 <= self.shard_hosts <= self.servers:
             raise ValueError(
                 f"shard hosts must be between 0 (shards on the worker hosts) and the number "
@@ -222,6 +235,14 @@ def cpu_seconds(nbytes: float, rate: float, inp: PlanInputs) -> float:
     return 0.0 if inp.cpu_cores is None else nbytes / rate / inp.cpu_cores
 
 
+def workers_cpu_seconds(inp: PlanInputs) -> float:
+    """Time the shared cores need for every worker's own CPU of a step (N*W/C; 0 unless
+    cpu_shared and W are given)."""
+    if not (inp.cpu_shared and inp.cpu_cores):
+        return 0.0
+    return inp.workers * inp.worker_cpu_seconds / inp.cpu_cores
+
+
 def byteps_bound_seconds(m: float, n: int, k: int, beta: float) -> float:
     """The optimum of BytePS (OSDI 2020) for N workers and K CPU hosts, all with
     bandwidth beta: t = 2N(N-1)M / ((N^2 + KN - 2K) beta), bandwidth only.
@@ -276,6 +297,9 @@ class ArchPlan:
     compute_seconds: float | None = None
     cpu_seconds: float = 0.0
     """Time the cores need to move a step's bytes (0: the CPU is not modelled)."""
+    workers_cpu_seconds: float = 0.0
+    """On shared cores, the time they need for every worker's own CPU of a step (N*W/C):
+    the compute phase lasts at least that long (0: not modelled)."""
 
     @property
     def link_seconds_per_step(self) -> float:
@@ -300,16 +324,25 @@ class ArchPlan:
         return "worker_nic"
 
     @property
-    def step_seconds_no_overlap(self) -> float | None:
+    def compute_phase_seconds(self) -> float | None:
+        """A step's compute; on shared cores at least the time they need to run every
+        worker's forward, backward and optimizer (a sync step's workers compute at once,
+        then communicate, so that CPU does not hide under the wire)."""
         if self.compute_seconds is None:
             return None
-        return self.compute_seconds + self.comm_seconds_per_step
+        return max(self.compute_seconds, self.workers_cpu_seconds)
+
+    @property
+    def step_seconds_no_overlap(self) -> float | None:
+        compute = self.compute_phase_seconds
+        return None if compute is None else compute + self.comm_seconds_per_step
 
     @property
     def step_seconds_overlap(self) -> float | None:
-        if self.compute_seconds is None:
+        compute = self.compute_phase_seconds
+        if compute is None:
             return None
-        return overlapped_step(self.compute_seconds, self.comm_seconds_per_step, self.tail_seconds)
+        return overlapped_step(compute, self.comm_seconds_per_step, self.tail_seconds)
 
     @property
     def tail_seconds(self) -> float:
@@ -330,6 +363,7 @@ class ArchPlan:
             "overlap_tail_seconds": self.tail_seconds,
             "link_seconds_per_step": self.link_seconds_per_step,
             "cpu_seconds_per_step": self.cpu_seconds,
+            "workers_cpu_seconds_per_step": self.workers_cpu_seconds,
         }
         if self.shard_comm is not None and self.memory_per_shard is not None:
             # For PS the step's latency/bandwidth split is that of the slower side.
@@ -342,6 +376,7 @@ class ArchPlan:
             out["memory_per_shard_bytes"] = self.memory_per_shard.total
             out["memory_per_shard_breakdown"] = asdict(self.memory_per_shard)
         if self.compute_seconds is not None:
+            out["compute_phase_seconds"] = self.compute_phase_seconds
             out["step_seconds_no_overlap"] = self.step_seconds_no_overlap
             out["step_seconds_overlap"] = self.step_seconds_overlap
         return out
@@ -368,6 +403,7 @@ def plan_allreduce(inp: PlanInputs) -> ArchPlan:
         cpu_seconds=cpu_seconds(
             ring_cpu_bytes(m, n, inp.cpu_shared), inp.allreduce_cpu_bytes_per_second, inp
         ),
+        workers_cpu_seconds=workers_cpu_seconds(inp),
     )
 
 
@@ -414,6 +450,7 @@ def plan_ps(inp: PlanInputs) -> ArchPlan:
         cpu_seconds=cpu_seconds(
             ps_cpu_bytes(m, n, s, k, inp.cpu_shared), inp.ps_cpu_bytes_per_second, inp
         ),
+        workers_cpu_seconds=workers_cpu_seconds(inp),
     )
 
 

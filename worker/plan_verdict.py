@@ -110,13 +110,20 @@ def _cpu_reason(inp: PlanInputs, ar: ArchPlan, ps: ArchPlan) -> str:
         if inp.cpu_shared
         else f"{inp.cpu_cores:g} cores per host"
     )
+    extra = (
+        f"; the workers' own CPU makes each step's compute phase at least "
+        f"{human_seconds(ar.workers_cpu_seconds)} on those cores (N*W/C, for both)"
+        if ar.workers_cpu_seconds
+        else ""
+    )
     return (
         f"the CPU that moves the bytes bounds the step ({where}): the PS's processes move "
         f"{human_seconds(ps.cpu_seconds)} worth of bytes per step at "
         f"{human_bytes(inp.ps_cpu_bytes_per_second)}/s per core (a worker its push and pull, "
         f"a shard N*M/S in and out), the ring's {human_seconds(ar.cpu_seconds)} at "
         f"{human_bytes(inp.allreduce_cpu_bytes_per_second)}/s; the links alone would take "
-        f"{human_seconds(ps.link_seconds_per_step)} and {human_seconds(ar.link_seconds_per_step)}"
+        f"{human_seconds(ps.link_seconds_per_step)} and "
+        f"{human_seconds(ar.link_seconds_per_step)}{extra}"
     )
 
 
