@@ -62,6 +62,21 @@ def test_the_grid_flags_reach_its_shape() -> None:
     assert g.shape(object()) == (g.HIDDEN, g.CHUNK_MIB, g.BATCH)
 
 
+def test_a_tie_the_plan_calls_and_a_tie_measured_agree() -> None:
+    # psar plan says "treat it as a tie" under a 5% margin: a measured margin under 5%
+    # either way agrees with it; a clear measured win does not.
+    assert g.judge_winner("allreduce", 0.006, "ps", 0.008)["winner_right"]
+    assert not g.judge_winner("allreduce", 0.006, "ps", 0.008)["strict_winner_right"]
+    assert not g.judge_winner("allreduce", 0.006, "ps", 0.2)["winner_right"]
+    assert not g.judge_winner("ps", 0.3, "allreduce", 0.01)["winner_right"]
+    assert g.judge_winner("ps", 0.3, "ps", 0.01) == {
+        "plan_tie": False,
+        "measured_tie": True,
+        "strict_winner_right": True,
+        "winner_right": True,
+    }
+
+
 def test_cells_check_measured_rates_against_psar_plan() -> None:
     link = {"workers": 4, "mbit": 1000.0, "gbps_best": 0.1, "rtt_us": 40.0}
     jobs = {
@@ -91,7 +106,8 @@ def test_cells_check_measured_rates_against_psar_plan() -> None:
         assert r["byteps_bound_ms"] == pytest.approx(1e3 * want.byteps_bound_seconds, rel=1e-3)
         assert r["plan_winner"] == want.winner
         assert r["measured_winner"] == ("ps" if ps_rate > 400.0 else "allreduce")
-        assert r["winner_right"] == (r["plan_winner"] == r["measured_winner"])
+        assert r["strict_winner_right"] == (r["plan_winner"] == r["measured_winner"])
+        assert r["winner_right"] == r["strict_winner_right"] or r["plan_tie"] and r["measured_tie"]
     assert rows[2]["byteps_bound_gain"] == pytest.approx(1.5, rel=1e-3)  # K = N = 4
     assert rows[2]["plan_winner"] == "ps"  # pipelined, K = N: the PS moves M each way once
     push_then_pull = g.cells(4, 1000.0, link, jobs, 30.0, early_pull=False)
