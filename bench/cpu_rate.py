@@ -120,28 +120,75 @@ def _children_cpu_s() -> float:
 
 
 def worker_cpu_seconds(out: Path, train: Sequence[str], steps: tuple[int, int] = (10, 40),
-                       timeout: float = 600.0) -> float:  # fmt: skip
+                       timeout: float = 600.0, min_cpu_s: float = 2.0,
+                       max_steps: int = 5000) -> float:  # fmt: skip
     """CPU-seconds one worker spends per step of `train` (psar train flags without
     --steps) besides moving bytes: a one-worker allreduce job at two lengths, differenced.
-    Nothing else of ours may finish meanwhile (reaped children all count)."""
-    cpu = []
-    for n in steps:
+    Where the difference is under `min_cpu_s` (a light step, lost in start-up's noise),
+    the longer run is redone long enough for it, up to `max_steps`. Nothing else of ours
+    may finish meanwhile (reaped children all count)."""
+
+    def cpu_of(n: int) -> float:
         d = out / f"worker-cpu-{n}"
         before = _children_cpu_s()
         c.ddp_job(d, workers=1, timeout=timeout,
                   py_args=[*c.psar_train_args(d), *train, "--steps", str(n)])  # fmt: skip
-        cpu.append(_children_cpu_s() - before)
-    return max(0.0, (cpu[1] - cpu[0]) / (steps[1] - steps[0]))
+        return _children_cpu_s() - before
+
+    short, long = steps
+    base, cpu = cpu_of(short), cpu_of(long)
+    if cpu - base < min_cpu_s and long < max_steps:
+        per = max((cpu - base) / (long - short), 1e-4)
+        long = min(max_steps, short + int(1.5 * min_cpu_s / per))
+        cpu = cpu_of(long)
+    return max(0.0, (cpu - base) / (long - short))
 
 
-if __name__ == "__main__":  # python -m bench.cpu_rate: on two unshaped hosts
-    from bench.links import unavailable
-
-    netns, reason = unavailable(0.0)
-    if reason:
-        sys.exit(f"cpu_rate: {reason}")
+def main(argv: Sequence[str] | None = None) -> int:
+    """python -m bench.cpu_rate [--worker-train FLAGS] [--no-rates]: JSON on stdout."""
+    import argparse
+    import shlex
     import tempfile
-    from pathlib import Path
 
-    with netns.lan(["a", "b"]) as lan, c.Procs(Path(tempfile.mkdtemp())) as procs:
-        print(json.dumps(measure(procs, lan["a"], lan["b"]), indent=1))
+    p = argparse.ArgumentParser(
+        prog="python -m bench.cpu_rate",
+        description="The figures `psar plan --cpu-cores` needs from this machine: bytes per "
+        "CPU-second of psar's PS data path and of gloo's ring (--ps-cpu-gbps, "
+        "--allreduce-cpu-gbps: two hosts of an emulated LAN, needs root for network "
+        "namespaces), and with --worker-train one worker's own CPU per step of your "
+        "workload (--worker-cpu-ms).",
+    )
+    p.add_argument("--worker-train", metavar="FLAGS", default=None,
+                   help='psar train flags of your workload without --steps, e.g. "--workload '
+                   'mlp --batch-size 64 --threads 1": also measure worker_cpu_seconds_per_step '
+                   "(a one-worker job at two lengths, differenced)")  # fmt: skip
+    p.add_argument("--no-rates", action="store_true",
+                   help="skip the two-host byte rates (no namespaces needed)")  # fmt: skip
+    args = p.parse_args(argv)
+    if args.no_rates and args.worker_train is None:
+        p.error("--no-rates leaves nothing to measure: give --worker-train FLAGS too")
+    out: dict[str, Any] = {}
+    tmp = Path(tempfile.mkdtemp(prefix="psar-cpu-rate-"))
+    if not args.no_rates:
+        from bench.links import unavailable
+
+        netns, reason = unavailable(0.0)
+        if reason:
+            p.exit(1, f"cpu_rate: {reason} (--no-rates measures only --worker-train)\n")
+        with netns.lan(["a", "b"]) as lan, c.Procs(tmp / "rates") as procs:
+            out.update(measure(procs, lan["a"], lan["b"]))
+    if args.worker_train is not None:
+        try:
+            w = worker_cpu_seconds(tmp / "worker", shlex.split(args.worker_train))
+        except c.BenchError as e:
+            p.exit(
+                1, f"cpu_rate: --worker-train: psar train failed (logs in {tmp / 'worker'}): {e}\n"
+            )
+        out["worker_cpu_seconds_per_step"] = w
+        out["worker_cpu_ms_flag"] = f"--worker-cpu-ms {1e3 * w:.4g}"
+    print(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

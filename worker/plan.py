@@ -227,8 +227,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=_milliseconds,
         metavar="W",
         help="with --cpu-shared: CPU ms a worker spends per step besides moving bytes "
-        "(forward, backward, optimizer; bench.cpu_rate measures it on one worker); the "
-        "shared cores run N*W of it each step too (default 0: not counted)",
+        "(forward, backward, optimizer; `python -m bench.cpu_rate --no-rates --worker-train "
+        "FLAGS` measures it on one worker of your workload): a step's compute phase lasts at "
+        "least N*W/C (default 0: not counted)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     return p
