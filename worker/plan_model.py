@@ -82,8 +82,9 @@ class PlanInputs:
     worker_cpu_seconds: float = 0.0
     """W: CPU a worker process spends per step besides moving bytes (its forward and
     backward, its optimizer or the install of pulled weights). Only with cpu_shared, where
-    the same cores run all N workers' share too: N*W more CPU per step for either design.
-    0: not counted (on hosts of their own, a worker's compute is compute_seconds)."""
+    the same cores run all N workers' share too: a sync step's compute phase then lasts at
+    least N*W/C, for either design. 0: not counted (on hosts of their own, a worker's
+    compute is compute_seconds)."""
 
     def __post_init__(self) -> None:
         # Validate here as well as in the CLI so library callers get the same checks.
