@@ -32,6 +32,7 @@ from trainkit.device_io import state_to_host
 from trainkit.finite import all_finite
 from trainkit.local_sgd import LocalSteps, outer_optimizer_config
 from trainkit.optim import build_optimizer, build_scheduler, effective_loss_scale, with_run_length
+from trainkit.sparse_tables import materialize_tables
 from worker.backend import StepOutcome
 from worker.config import TrainConfig
 from worker.precision import PrecisionPolicy
@@ -139,6 +140,7 @@ class DDPBackend:
 
     def setup(self, model: torch.nn.Module) -> torch.nn.Module:
         init_process_group(self.cfg, self.device)
+        materialize_tables(model)  # every rank holds whole sparse tables under DDP
         model.to(self.device)
         self.model = model
         if self.cfg.local_sgd:

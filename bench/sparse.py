@@ -114,7 +114,7 @@ def _touched(rows: list[int], opts: list[str], batch: int, steps: int) -> list[f
     from worker.workloads import load_workload
 
     kv = dict(o.split("=", 1) for o in opts[1::2])
-    w = load_workload("recsys", 0, kv)
+    w = load_workload("recsys", 0, kv, materialize=False)  # the ids only, not the tables
     bag = int(kv["bag"])
     got = [0.0] * len(rows)
     for r in range(WORLD):

@@ -5,13 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from trainkit.choices import SPARSE_OPTIMIZERS
+from trainkit.sparse_tables import BLOCK_ROWS, init_rows, local_rows
 
 OPTIMIZERS = SPARSE_OPTIMIZERS
-BLOCK_ROWS = 65536
-"""Rows per generator block of :func:`init_rows` (one seeded generator per block)."""
 
 
 @dataclass(kw_only=True)
@@ -42,27 +39,4 @@ class TableSpec:
             raise ValueError(f"table {self.name!r}: shard {self.shard_index} of {self.num_shards}")
 
 
-def local_rows(rows: int, shard: int, num_shards: int) -> int:
-    """How many of `rows` rows shard `shard` holds (rows r with r % num_shards == shard)."""
-    return max(0, (rows - shard + num_shards - 1) // num_shards)
-
-
-def init_rows(
-    rows: int, dim: int, std: float, seed: int, *, shard: int = 0, num_shards: int = 1
-) -> torch.Tensor:
-    """Initial values N(0, std^2) of rows r % num_shards == shard, in increasing r.
-
-    Block b (rows b*BLOCK_ROWS ...) is drawn from its own generator seeded
-    (seed, b), so any shard (or a worker) computes the same values for the same row
-    without drawing the whole table at once.
-    """
-    out = torch.empty(local_rows(rows, shard, num_shards), dim)
-    at = 0
-    for b0 in range(0, rows, BLOCK_ROWS):
-        n = min(BLOCK_ROWS, rows - b0)
-        gen = torch.Generator().manual_seed((seed * 1_000_003 + b0 // BLOCK_ROWS) % (1 << 63))
-        block = torch.randn(n, dim, generator=gen)
-        mine = block[(shard - b0) % num_shards :: num_shards]
-        out[at : at + len(mine)] = mine * std
-        at += len(mine)
-    return out
+__all__ = ["BLOCK_ROWS", "OPTIMIZERS", "TableSpec", "init_rows", "local_rows"]

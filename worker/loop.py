@@ -143,7 +143,8 @@ def _prepare(cfg: TrainConfig, env: dict[str, str]) -> _Run:
     # The metrics exist before the backend (a PS backend records its transport in them),
     # so their arch label comes from the backend's class.
     metrics = _metrics(cfg, backend_class(cfg).arch, local_rank)
-    workload = load_workload(cfg.workload, cfg.seed, cfg.workload_options())
+    # Sparse tables stay unbuilt: the backend's setup builds them (DDP) or never does (PS).
+    workload = load_workload(cfg.workload, cfg.seed, cfg.workload_options(), materialize=False)
     batches = ShardedBatches(
         workload.train_dataset,
         batch_size=cfg.batch_size,

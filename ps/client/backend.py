@@ -41,6 +41,7 @@ from ps.partition import Slot, bytes_per_shard, check_every_shard_holds_a_slot, 
 from trainkit.device_io import DeviceIO, state_to_host, to_host
 from trainkit.nullmetrics import NullMetrics
 from trainkit.optim import DynamicLossScale, LossScaleConfig, effective_loss_scale, with_run_length
+from trainkit.sparse_tables import release_tables
 from worker.backend import StepOutcome
 from worker.config import TrainConfig
 from worker.precision import PrecisionPolicy
@@ -119,6 +120,7 @@ class PSBackend(OverlapMixin, ResyncMixin, LocalMixin):
 
     def setup(self, model: torch.nn.Module) -> torch.nn.Module:
         self.io = DeviceIO(self.device)
+        release_tables(model)  # the shards hold the sparse tables' rows (docs/sparse.md)
         model.to(self.device)
         if self.precision.weights != torch.float32:
             model.to(self.precision.weights)

@@ -28,6 +28,7 @@ from ps.client import sparse_client
 from ps.sparse_spec import TableSpec
 from trainkit.device_io import to_device, to_host
 from trainkit.finite import all_finite
+from trainkit.sparse_tables import marked_tables
 
 log = logging.getLogger("psar.sparse")
 
@@ -35,15 +36,12 @@ log = logging.getLogger("psar.sparse")
 def sparse_modules(model: nn.Module) -> dict[str, nn.Module]:
     """{parameter name of the weight: module} for every table marked for the PS."""
     found = {}
-    for name, mod in model.named_modules():
-        if isinstance(mod, (nn.Embedding, nn.EmbeddingBag)) and getattr(
-            mod, "psar_sparse_table", False
-        ):
-            if getattr(mod, "padding_idx", None) is not None or mod.max_norm is not None:
-                raise ValueError(f"sparse table {name}: padding_idx / max_norm not supported")
-            if getattr(mod, "psar_init", None) is None:
-                raise ValueError(f"sparse table {name}: set psar_init = (std, seed)")
-            found[f"{name}.weight" if name else "weight"] = mod
+    for name, mod in marked_tables(model).items():
+        if getattr(mod, "padding_idx", None) is not None or mod.max_norm is not None:
+            raise ValueError(f"sparse table {name}: padding_idx / max_norm not supported")
+        if getattr(mod, "psar_init", None) is None:
+            raise ValueError(f"sparse table {name}: set psar_init = (std, seed)")
+        found[f"{name}.weight" if name else "weight"] = mod
     return found
 
 
@@ -61,8 +59,8 @@ class SparseSide:
         self.specs = {
             name: TableSpec(
                 name=name,
-                rows=m.weight.shape[0],
-                dim=m.weight.shape[1],
+                rows=m.num_embeddings,  # the weight may be released already (empty)
+                dim=m.embedding_dim,
                 optimizer=ps.sparse_optimizer,
                 lr=ps.sparse_lr or opt.lr,
                 eps=ps.sparse_eps,

@@ -12,6 +12,7 @@ import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from trainkit.sparse_tables import materialize_tables
 from worker.workloads.base import Workload
 
 __all__ = ["BUILTINS", "load_workload", "resolve_factory"]
@@ -70,7 +71,9 @@ def resolve_factory(spec: str) -> Callable[..., Any]:
     return obj
 
 
-def load_workload(spec: str, seed: int, options: Mapping[str, str] | None = None) -> Workload:
+def load_workload(
+    spec: str, seed: int, options: Mapping[str, str] | None = None, *, materialize: bool = True
+) -> Workload:
     """Build the workload named by ``spec`` with ``factory(seed, **options)``.
 
     Args:
@@ -79,6 +82,9 @@ def load_workload(spec: str, seed: int, options: Mapping[str, str] | None = None
             process of a job must pass the same value.
         options: ``--workload-option key=value`` pairs, passed as keyword arguments.
             Values are strings; each factory converts the types it needs.
+        materialize: build sparse tables left on the meta device (trainkit/
+            sparse_tables.py), so the model runs as it is; the training loop passes
+            False and lets its backend decide (a PS worker never holds a table).
 
     Raises:
         ValueError: the spec cannot be resolved, an option is not accepted by the
@@ -96,6 +102,8 @@ def load_workload(spec: str, seed: int, options: Mapping[str, str] | None = None
             f"workload {spec!r}: factory returned {type(workload).__name__}, expected "
             "worker.workloads.Workload (return Workload(model=..., train_dataset=..., loss_fn=...))"
         )
+    if materialize:
+        materialize_tables(workload.model)
     return workload
 
 

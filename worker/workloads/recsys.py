@@ -13,7 +13,9 @@ Generated data (seeded, vectorised), documented in docs/sparse.md:
   printed in the description) and the loss must fall towards it.
 
 Tables are ``nn.EmbeddingBag(mode="mean")`` marked for the parameter server
-(``psar_sparse_table``, ``psar_init``: see ps/client/sparse_worker.py). ``sparse=true`` makes
+(``psar_sparse_table``, ``psar_init``: see ps/client/sparse_worker.py), built on the meta
+device: a PS worker never allocates them, DDP builds them from ``psar_init``
+(trainkit/sparse_tables.py). ``sparse=true`` makes
 them produce sparse gradients (DDP allreduces those sparsely with gloo); PS always
 moves only touched rows.
 """
@@ -28,7 +30,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from ps.sparse_spec import init_rows
 from worker.workloads.base import Workload, opt_bool, opt_float, opt_int, seeded
 
 __all__ = ["RecsysModel", "make", "make_dataset", "zipf_ids"]
@@ -57,12 +58,12 @@ class RecsysModel(nn.Module):
         self.bag = bag
         self.tables = nn.ModuleList()
         for t, n in enumerate(rows):
-            emb = nn.EmbeddingBag(n, dim, mode="mean", sparse=sparse)
-            std = 1.0 / math.sqrt(dim)
-            with torch.no_grad():
-                emb.weight.copy_(init_rows(n, dim, std, seed * 7919 + t))
+            # On the meta device: no process allocates a table it does not need (a PS
+            # worker never holds one); the backend builds it from psar_init where it
+            # does (DDP), load_workload for direct use (trainkit/sparse_tables.py).
+            emb = nn.EmbeddingBag(n, dim, mode="mean", sparse=sparse, device="meta")
             emb.psar_sparse_table = True
-            emb.psar_init = (std, seed * 7919 + t)
+            emb.psar_init = (1.0 / math.sqrt(dim), seed * 7919 + t)
             self.tables.append(emb)
         self.mlp = nn.Sequential(
             nn.Linear(dim * len(rows), hidden), nn.ReLU(), nn.Linear(hidden, 1)
