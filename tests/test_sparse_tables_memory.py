@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -80,6 +81,8 @@ def test_a_ps_worker_never_holds_the_table(tmp_path: Path) -> None:
             line = shard.stdout.readline()
             assert line, "the shard exited before listening"
         addr = line.split("listening on ")[1].split()[0]
+        # Keep reading its output, so a chatty shard never blocks on a full pipe.
+        threading.Thread(target=shard.stdout.read, daemon=True).start()
         p = subprocess.run(
             [sys.executable, "-c", _PEAK, "train", "--arch", "ps", "--servers", addr,
              "--workload", "recsys", "--workload-option", f"rows={rows},1000",
