@@ -186,6 +186,7 @@ def cells(n: int, mbit: float, link: dict, jobs: dict, compute_ms: float,
         measured_winner = "ps" if ps["samples_per_sec"] > ar["samples_per_sec"] else "allreduce"
         ring_bw = pred["allreduce"]["comm_bandwidth_seconds_per_step"]
         bound = pred["byteps_bound_seconds"]
+        plan_margin, measured_margin = _margin(p_ps, p_ar), _margin(ps_step, ar_step)
         rows.append({
             "workers": n, "shard_hosts": k, "shards": ps["shards"], "mbit": mbit,
             "ps_samples_per_sec": ps["samples_per_sec"],
@@ -202,13 +203,16 @@ def cells(n: int, mbit: float, link: dict, jobs: dict, compute_ms: float,
             "ps_plan_bottleneck": pred["ps"]["bottleneck"],
             "allreduce_plan_bottleneck": pred["allreduce"]["bottleneck"],
             "plan_winner": pred["winner"], "measured_winner": measured_winner,
-            "plan_margin": abs(p_ps - p_ar) / min(p_ps, p_ar),
-            "measured_margin": abs(ps_step - ar_step) / min(ps_step, ar_step),
-            **judge_winner(pred["winner"], abs(p_ps - p_ar) / min(p_ps, p_ar),
-                           measured_winner, abs(ps_step - ar_step) / min(ps_step, ar_step)),
+            "plan_margin": plan_margin, "measured_margin": measured_margin,
+            **judge_winner(pred["winner"], plan_margin, measured_winner, measured_margin),
             "within_20pct": max(abs(ps_step / p_ps - 1), abs(ar_step / p_ar - 1)) <= TOLERANCE,
         })  # fmt: skip
     return rows
+
+
+def _margin(a: float, b: float) -> float:
+    """How much longer the slower of two step times is than the faster."""
+    return abs(a - b) / min(a, b)
 
 
 def judge_winner(plan_winner: str, plan_margin: float, measured_winner: str,

@@ -604,6 +604,7 @@ def test_shared_cores_move_every_processs_bytes(n: int) -> None:
     assert r.allreduce.cpu_seconds == pytest.approx(4 * (n - 1) * m / 3e9 / 2)
     assert r.ps.bottleneck == "cpu"  # 10 Gbit/s links outpace 2 cores
     assert r.allreduce.bottleneck == ("cpu" if n > 2 else "worker_nic")
+    # The model's arithmetic on the inputs above (no clock is read): not a timing goal.
     assert r.ps.comm_seconds_per_step == r.ps.cpu_seconds > r.ps.link_seconds_per_step
     assert r.winner == "allreduce" and "CPU that moves the bytes" in r.reason
     d = r.to_dict()

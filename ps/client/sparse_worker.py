@@ -82,7 +82,7 @@ class SparseSide:
         return bool(self.mods)
 
     def setup(self) -> None:
-        """Create the tables on every shard, drop the local copies, install the hooks."""
+        """Create the tables on every shard and install the hooks."""
         n = len(self.b.addresses)
         per_shard = [
             [TableSpec(**{**vars(sp), "shard_index": i}) for sp in self.specs.values()]
@@ -90,10 +90,9 @@ class SparseSide:
         ]
         held = sparse_client.create_tables(self.b.client, per_shard)
         log.info("sparse tables: %s; bytes per shard %s", sorted(self.specs), held)
+        # The weights are empty (0, dim) already: the backend released them before
+        # moving the model (trainkit/sparse_tables.py), so no copy of a table is kept.
         for name, mod in self.mods.items():
-            dim = self.specs[name].dim
-            w = mod.weight
-            mod.weight = nn.Parameter(torch.empty(0, dim, dtype=w.dtype, device=w.device))
             self.state[name] = {"ids": None, "acc": [], "versions": [0] * n}
             mod.register_forward_pre_hook(self._hook(name))
 
