@@ -166,6 +166,7 @@ class MembershipCalls:
                 "update_params_per_s": r.update_params_per_s,
                 "early_pull_slots": r.early_pull_slots,
                 "early_pull_voids": r.early_pull_voids,
+                "push_paced_s": r.push_paced_s,
             }
 
         return self._each(one)

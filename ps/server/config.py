@@ -81,6 +81,13 @@ class ServerConfig:
     ps/server/chunk_rounds.py). Bit-identical results either way. Off by default: the undo copy
     of each slot's master and optimizer state costs about what the early update hides
     (measured in docs/architectures.md)."""
+    push_lead_mib: float = 2.0
+    """With --chunk-rounds, on the data plane: read a worker's push at most this many MiB
+    ahead of the slowest push of the same round still streaming; the rest waits in TCP's
+    buffers, so workers sharing a shard host's NIC keep in step and every slot's round
+    closes as early as it can (TCP alone lets one push run far ahead and the pulls pile up
+    at the end: ps/server/push_pacing.py). 0 turns pacing off; results are the same bits
+    either way."""
     data_port: int = 0
     """TCP port of the data plane (push and pull as plain frames next to gRPC, on the
     --bind host; docs/dataplane.md): 0 picks a free one, -1 turns it off. Workers learn
@@ -116,6 +123,10 @@ class ServerConfig:
             )
         if not 0 < self.data_idle_s <= 86400:
             raise ValueError(f"--data-idle-s must be in (0, 86400], got {self.data_idle_s}")
+        if not 0 <= self.push_lead_mib <= 1024:
+            raise ValueError(
+                f"--push-lead-mib must be in [0, 1024] MiB (0: no pacing), got {self.push_lead_mib}"
+            )
         if self.data_max_conns_per_peer < 1:
             raise ValueError(
                 f"--data-max-conns-per-peer must be >= 1, got {self.data_max_conns_per_peer}"

@@ -253,6 +253,10 @@ class _Connection:
     def _piece(self, call: PushCall, piece: pb.DataPiece, plen: int) -> None:
         """One pushed piece: checked from its description, then received straight into
         the staging buffer (fp32). A refusal still reads its payload (the stream goes on)."""
+        if call.ticket is not None:
+            waited = self.state.pace_push(call.ticket, piece.offset)
+            if waited and self.clock.deadline is not None:
+                self.clock.deadline += waited  # the shard's delay, not the sender's
         deadline = self.clock.deadline
         read_into = lambda view: fr.recv_exact(self.sock, view, deadline=deadline)  # noqa: E731
         read = lambda n: fr.recv_payload(self.sock, n, self.scratch, deadline)  # noqa: E731

@@ -203,6 +203,11 @@ class ShardMetrics:
             "sync --chunk-rounds: rounds whose early slot updates were undone (an overflow, "
             "a refused push, a worker leaving mid-round).",
         )
+        self._push_paced = counter(
+            "psar_ps_push_paced_seconds_total",
+            "sync --chunk-rounds, data plane: seconds pushes were held back because they ran "
+            "--push-lead-mib ahead of the slowest push of their round (push pacing).",
+        )
         self._early_slots = counter(
             "psar_ps_early_pull_slots_total",
             "Early pulls (--early-pull, --chunk-rounds): slots sent before their round closed.",
@@ -326,6 +331,10 @@ class ShardMetrics:
     def chunk_undo(self) -> None:
         """A round's early slot updates were undone (per-chunk rounds)."""
         self._chunk_undos.inc()
+
+    def push_paced(self, seconds: float) -> None:
+        """A push waited `seconds` for the slowest push of its round (push pacing)."""
+        self._push_paced.inc(seconds)
 
     def early_pull_ended(self, slots: int, void: bool) -> None:
         """An early pull sent `slots` slots before its header; `void`: all again after."""

@@ -44,6 +44,8 @@ class PushTicket:
     """Slots the worker had no gradient for (its header's, then its verdict's list):
     their data counts as zeros, and a slot absent from every push of a round is not
     stepped (DDP's find_unused_parameters semantics, docs/architectures.md)."""
+    paced_s: float = 0.0
+    """Seconds the shard held this push back to keep it in step (ps/server/push_pacing.py)."""
     on_drop: Callable[[PushTicket], None] | None = None
     """Called on release of a push that was never accepted (refused, cut off, or a
     duplicate), before its worker may push again (per-chunk rounds undo with it)."""

@@ -54,6 +54,7 @@ def build_state(cfg: ServerConfig, metrics: Any = None) -> ShardState:
         checkpoints=manager,
         chunk_rounds=cfg.chunk_rounds,
         update_threads=cfg.update_threads(),
+        push_lead_bytes=int(cfg.push_lead_mib * (1 << 20)),
     )
     if cfg.restore:
         found = _find_restore(cfg.restore, shard, fresh_ok=cfg.restore_or_fresh)

@@ -25,7 +25,7 @@ from ps import wire
 from ps.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, quote
 from ps.headers import PullHeader, PushHeader, PushOutcome
 from ps.job import Job
-from ps.server import checkpoint
+from ps.server import checkpoint, push_pacing
 from ps.server.buffers import IntBufferLog, check_int_buffers, round_buffers
 from ps.server.lease import DEFAULT_JOIN_GRACE_S, DEFAULT_LEASE_S, LeaseTable
 from ps.server.membership import Membership, Restored, new_incarnation
@@ -71,10 +71,16 @@ class ShardState(Membership, Recovery, Inspection, Pulls):
         checkpoints: checkpoint.CheckpointManager | None = None,
         chunk_rounds: bool = False,
         update_threads: int = 1,
+        push_lead_bytes: int = 0,
     ) -> None:
         self.chunk_rounds = chunk_rounds
         """sync: apply each slot as soon as every worker's piece of it is in
         (ps/server/chunk_rounds.py); results are bit-identical either way."""
+        self.push_lead_bytes = push_lead_bytes
+        """Per-chunk rounds, data plane: read a push at most this far ahead of the slowest
+        push of its round still streaming (ps/server/push_pacing.py); 0: no pacing."""
+        self.push_paced_s = 0.0
+        """Seconds pushes were held back by pacing, all together (Stats)."""
         self.metrics = metrics if metrics is not None else NullMetrics()
         self.message_bytes = message_bytes
         self._cond = threading.Condition()
@@ -265,6 +271,33 @@ class ShardState(Membership, Recovery, Inspection, Pulls):
         if slot_complete(self.numel, ticket, key):
             self._slot_done(ticket, key)
 
+    def pace_push(self, ticket: PushTicket, offset: int) -> float:
+        """Before a slot's first piece is read: wait while this push runs `push_lead_bytes`
+        ahead of the slowest other push of its round (ps/server/push_pacing.py). Returns
+        the seconds waited."""
+        if offset or not self.push_lead_bytes or not self.policy.applies_chunks:
+            return 0.0
+        left = push_pacing.BUDGET_S - ticket.paced_s
+        if left <= 0:
+            return 0.0
+        t0 = time.monotonic()
+        with self._cond:  # the policy is read each time: a restore may replace it
+            self._cond.wait_for(
+                lambda: (
+                    not push_pacing.ahead(
+                        getattr(self.policy, "tickets", {}), ticket, self.push_lead_bytes
+                    )
+                ),
+                left,
+            )
+        waited = time.monotonic() - t0
+        if waited > 1e-4:
+            ticket.paced_s += waited
+            with self._cond:
+                self.push_paced_s += waited
+            self.metrics.push_paced(waited)
+        return waited
+
     def _slot_done(self, ticket: PushTicket, key: str) -> None:
         """A slot of a push is complete: unscale it now, while later slots still stream
         (off the round's critical path), and tell a per-chunk policy."""
@@ -273,10 +306,13 @@ class ShardState(Membership, Recovery, Inspection, Pulls):
             with self._cond:
                 if ticket.incarnation == self.incarnation:
                     self.policy.slot_complete(self, ticket, key)
+                if self.push_lead_bytes:
+                    self._cond.notify_all()  # a paced push behind this one may go on
 
     def _push_dropped(self, ticket: PushTicket) -> None:
         with self._cond:
             self.policy.push_dropped(self, ticket)
+            self._cond.notify_all()  # it no longer holds paced pushes back
 
     def add_verdict(self, ticket: PushTicket, overflow: bool, absent: tuple[str, ...] = ()) -> None:
         """The finiteness verdict of a push that streamed during backward (and the

@@ -48,6 +48,7 @@ class Inspection:
                 "update_params_per_s": self.stepper.rate(),
                 "early_pull_slots": policy.early_slots if policy is not None else 0,
                 "early_pull_voids": policy.early_voids if policy is not None else 0,
+                "push_paced_s": self.push_paced_s,
             }
 
     def state_digest(self) -> str:
