@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ps.server import push_pacing
 from ps.server.policies import StagedPush, SyncPolicy, unused_by_all
 
 if TYPE_CHECKING:
@@ -145,6 +146,9 @@ class ChunkedSyncPolicy(SyncPolicy):
 
     def slot_writes(self, key: str) -> int:
         return self.writes[key]
+
+    def push_ahead(self, ticket: PushTicket, lead_bytes: int) -> bool:
+        return push_pacing.ahead(self.tickets, ticket, lead_bytes)
 
     def _notify(self) -> None:
         """Wake the early pulls: a slot was applied or undone, or the round closed."""

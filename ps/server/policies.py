@@ -96,6 +96,12 @@ class UpdatePolicy(ABC):
     def pull_waited(self, st: ShardState, seconds: float) -> None:  # noqa: B027
         """A pull was answered after waiting `seconds` for `pull_ready` (metrics)."""
 
+    def push_ahead(self, ticket: PushTicket, lead_bytes: int) -> bool:
+        """Whether this push runs `lead_bytes` ahead of the slowest other push of its
+        round still streaming (push pacing, ps/server/push_pacing.py; under the lock).
+        False where pushes do not close rounds slot by slot."""
+        return False
+
     def slot_writes(self, key: str) -> int:
         """How many times slot `key`'s master has changed while rounds were open (early
         pulls compare it; ps/server/chunk_rounds.py). 0: this policy sends nothing early."""

@@ -283,12 +283,7 @@ class ShardState(Membership, Recovery, Inspection, Pulls):
         t0 = time.monotonic()
         with self._cond:  # the policy is read each time: a restore may replace it
             self._cond.wait_for(
-                lambda: (
-                    not push_pacing.ahead(
-                        getattr(self.policy, "tickets", {}), ticket, self.push_lead_bytes
-                    )
-                ),
-                left,
+                lambda: not self.policy.push_ahead(ticket, self.push_lead_bytes), left
             )
         waited = time.monotonic() - t0
         if waited > 1e-4:
