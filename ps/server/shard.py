@@ -81,6 +81,9 @@ class ShardState(Membership, Recovery, Inspection, Pulls):
         push of its round still streaming (ps/server/push_pacing.py); 0: no pacing."""
         self.push_paced_s = 0.0
         """Seconds pushes were held back by pacing, all together (Stats)."""
+        self._pacing = 0
+        """Pushes waiting in pace_push now: a completed or dropped slot wakes the shard's
+        condition (and every pull waiting on it) only when one is."""
         self.metrics = metrics if metrics is not None else NullMetrics()
         self.message_bytes = message_bytes
         self._cond = threading.Condition()
@@ -282,15 +285,18 @@ class ShardState(Membership, Recovery, Inspection, Pulls):
             return 0.0
         t0 = time.monotonic()
         with self._cond:  # the policy is read each time: a restore may replace it
-            self._cond.wait_for(
-                lambda: not self.policy.push_ahead(ticket, self.push_lead_bytes), left
-            )
-        waited = time.monotonic() - t0
-        if waited > 1e-4:
-            ticket.paced_s += waited
-            with self._cond:
+            self._pacing += 1
+            try:
+                self._cond.wait_for(
+                    lambda: not self.policy.push_ahead(ticket, self.push_lead_bytes), left
+                )
+            finally:
+                self._pacing -= 1
+            waited = time.monotonic() - t0
+            if waited > 1e-4:
                 self.push_paced_s += waited
-            self.metrics.push_paced(waited)
+                ticket.paced_s += waited
+                self.metrics.push_paced(waited)
         return waited
 
     def _slot_done(self, ticket: PushTicket, key: str) -> None:
@@ -301,13 +307,14 @@ class ShardState(Membership, Recovery, Inspection, Pulls):
             with self._cond:
                 if ticket.incarnation == self.incarnation:
                     self.policy.slot_complete(self, ticket, key)
-                if self.push_lead_bytes:
+                if self._pacing:
                     self._cond.notify_all()  # a paced push behind this one may go on
 
     def _push_dropped(self, ticket: PushTicket) -> None:
         with self._cond:
             self.policy.push_dropped(self, ticket)
-            self._cond.notify_all()  # it no longer holds paced pushes back
+            if self._pacing:
+                self._cond.notify_all()  # it no longer holds paced pushes back
 
     def add_verdict(self, ticket: PushTicket, overflow: bool, absent: tuple[str, ...] = ()) -> None:
         """The finiteness verdict of a push that streamed during backward (and the
