@@ -26,6 +26,13 @@ or DDP-sparse does not fit (`ddp_sparse_fits` says which, from this machine's me
         # 1M rows, PS and DDP-sparse alternated 3 times: the median ratio (a shared
         # machine's rates swing from run to run)
 
+`--cpu-window-s S` also samples every process's CPU over S seconds of each run
+(bench/step_cpu.py: /proc, a process with its children, divided by the steps rank 0
+logged in the window): `cpu` under each design, in CPU ms per step. `--shards N` runs the
+PS with N shards (default 2).
+
+    python bench/sparse.py --rows 1000000 --steps 400 --dense-max-rows 0 --cpu-window-s 5
+
 Ratios are vs allreduce-dense measured in the same run.
 """
 
@@ -39,6 +46,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -46,6 +54,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import common as c
+from bench import step_cpu
 
 PSAR = [sys.executable, "-m", "worker.cli"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -83,18 +92,34 @@ def _shards(n: int):  # noqa: ANN202
                     break
                 if not line and p.poll() is not None:
                     raise RuntimeError("shard did not start")
-        yield addrs
+        yield addrs, {f"shard{i}": p.pid for i, p in enumerate(procs)}
     finally:
         for p in procs:
             p.kill()
             p.wait()
 
 
-def _run(cmds: list[list[str]], timeout: float) -> None:
+def _run(cmds: list[list[str]], timeout: float, cpu: dict | None = None) -> dict:
+    """Run `cmds` to the end. With `cpu` ({"pids": {name: pid}, "log_dir", "window_s",
+    "after_step"}): also each process's CPU over a window of the run (bench/step_cpu.py),
+    the commands named by cpu["names"] (default cmd0, cmd1, ...) next to the given pids."""
     procs = [
         subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
         for c in cmds
     ]
+    got: dict = {}
+    sampler = None
+    if cpu:
+        names = cpu.get("names") or [f"cmd{i}" for i in range(len(procs))]
+        pids = {**cpu["pids"], **{n: p.pid for n, p in zip(names, procs, strict=True)}}
+
+        def sample() -> None:
+            got.update(step_cpu.sample_window(
+                pids, cpu["log_dir"], after_step=cpu["after_step"],
+                window_s=cpu["window_s"], timeout=timeout))  # fmt: skip
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
     try:
         for p in procs:
             out, _ = p.communicate(timeout=timeout)
@@ -104,6 +129,9 @@ def _run(cmds: list[list[str]], timeout: float) -> None:
         for p in procs:
             if p.poll() is None:
                 p.kill()
+        if sampler is not None:
+            sampler.join(timeout=5)
+    return step_cpu.per_step(got, cpu["log_dir"]) if cpu else {}
 
 
 def _touched(rows: list[int], opts: list[str], batch: int, steps: int) -> list[float]:
@@ -126,7 +154,16 @@ def _touched(rows: list[int], opts: list[str], batch: int, steps: int) -> list[f
     return got
 
 
-def bench(rows: int, steps: int, batch: int, bag: int, timeout: float, dense_max_rows: int) -> dict:
+def bench(
+    rows: int,
+    steps: int,
+    batch: int,
+    bag: int,
+    timeout: float,
+    dense_max_rows: int,
+    shards: int = 2,
+    cpu_window_s: float = 0.0,
+) -> dict:
     table_rows = [rows, 100_000 if rows >= 1_000_000 else 10_000]
     dim = 64
     opts = ["--workload-option", f"rows={table_rows[0]},{table_rows[1]}",
@@ -138,11 +175,11 @@ def bench(rows: int, steps: int, batch: int, bag: int, timeout: float, dense_max
               "--momentum", "0", "--eval-batches", "0", "--log-every", "0",
               "--threads", "1"]  # fmt: skip
     out: dict = {"rows": table_rows, "dim": dim, "bag": bag, "batch_per_worker": batch,
-                 "workers": WORLD, "steps": steps}  # fmt: skip
+                 "workers": WORLD, "shards": shards, "steps": steps}  # fmt: skip
     table_bytes = sum(table_rows) * dim * 4
     with tempfile.TemporaryDirectory() as tmp:
         t = Path(tmp)
-        with _shards(2) as addrs:
+        with _shards(shards) as (addrs, shard_pids):
             cmds = [
                 [
                     *PSAR,
@@ -166,9 +203,16 @@ def bench(rows: int, steps: int, batch: int, bag: int, timeout: float, dense_max
                 ]  # fmt: skip
                 for r in range(WORLD)
             ]
-            _run(cmds, timeout)
+            cpu = _run(
+                cmds,
+                timeout,
+                _cpu_opts(
+                    cpu_window_s, shard_pids, t / "ps", steps, [f"worker{r}" for r in range(WORLD)]
+                ),
+            )
         ps = json.loads((t / "ps0.json").read_text())
         out["ps_sparse"] = {
+            "cpu": cpu,
             "bytes_per_step": (ps["bytes_pushed"] + ps["bytes_pulled"]) / steps,
             **_window(t / "ps", ps["global_samples_per_sec"]),
             "worker_model_bytes": ps["worker_param_bytes"],
@@ -186,7 +230,11 @@ def bench(rows: int, steps: int, batch: int, bag: int, timeout: float, dense_max
                   "--run-dir", str(t / name)]  # fmt: skip
             for attempt in range(2):
                 try:
-                    _run([tr], timeout)
+                    cpu = _run(
+                        [tr],
+                        timeout,
+                        _cpu_opts(cpu_window_s, {}, t / name, steps, ["torchrun and its ranks"]),
+                    )
                     break
                 except (RuntimeError, subprocess.TimeoutExpired) as e:
                     out[name] = {"error": str(e)[:3000], "attempts": attempt + 1}
@@ -194,6 +242,7 @@ def bench(rows: int, steps: int, batch: int, bag: int, timeout: float, dense_max
                 continue
             rep = json.loads((t / f"{name}.json").read_text())
             out[name] = {
+                "cpu": cpu,
                 "bytes_per_step": rep["bytes_allreduced"] / steps,
                 **_window(t / name, rep["global_samples_per_sec"]),
                 # weights + dense gradient of every table (DDP keeps both on every rank)
@@ -219,6 +268,16 @@ def bench(rows: int, steps: int, batch: int, bag: int, timeout: float, dense_max
     out["ddp_sparse_fits"] = _fits(table_bytes, out.get("allreduce_sparse", {}))
     out["goal"] = _goal(rows, out)
     return out
+
+
+def _cpu_opts(
+    window_s: float, pids: dict[str, int], log_dir: Path, steps: int, names: list[str]
+) -> dict | None:
+    """`_run`'s CPU sampling: a window of `window_s` seconds from 30% of the run on."""
+    if window_s <= 0:
+        return None
+    return {"pids": pids, "log_dir": log_dir, "window_s": window_s, "names": names,
+            "after_step": max(2, int(0.3 * steps))}  # fmt: skip
 
 
 def _window(run_dir: Path, report_rate: float) -> dict:
@@ -290,6 +349,14 @@ def main() -> int:
         default=1,
         help="run every way N times, alternating; the ratio is the median of the runs' ratios",
     )
+    ap.add_argument("--shards", type=int, default=2, help="psar server shards for ps-sparse")
+    ap.add_argument(
+        "--cpu-window-s",
+        type=float,
+        default=0.0,
+        help="also sample every process's CPU ms per step over this many seconds of each "
+        "run (from 30%% of its steps on; the run must outlast it); 0: off",
+    )
     ap.add_argument("--out", default="", help="write the JSON here too")
     a = ap.parse_args()
     sizes = [100_000] if a.quick else [int(r) for r in a.rows.split(",")]
@@ -297,7 +364,10 @@ def main() -> int:
     t0 = time.time()
     results = [
         repeated(
-            [bench(n, steps, batch, a.bag, a.timeout, a.dense_max_rows) for _ in range(a.repeats)]
+            [
+                bench(n, steps, batch, a.bag, a.timeout, a.dense_max_rows, a.shards, a.cpu_window_s)
+                for _ in range(a.repeats)
+            ]
         )
         for n in sizes
     ]
