@@ -26,6 +26,8 @@ or DDP-sparse does not fit (`ddp_sparse_fits` says which, from this machine's me
         # 1M rows, PS and DDP-sparse alternated 3 times: the median ratio (a shared
         # machine's rates swing from run to run)
 
+`--worker-cpus 0 --shard-cpus 1` pins the workers (PS workers and DDP ranks alike) and
+the shards to CPUs of their own: the nearest one machine comes to shards on CPU hosts.
 `--cpu-window-s S` also samples every process's CPU over S seconds of each run
 (bench/step_cpu.py: /proc, a process with its children, divided by the steps rank 0
 logged in the window): `cpu` under each design, in CPU ms per step. `--shards N` runs the
@@ -69,8 +71,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _cpus(spec: str) -> set[int] | None:
+    """CPU list "0", "0,1" or "0-3" (`--worker-cpus`, `--shard-cpus`); None: unpinned."""
+    out: set[int] = set()
+    for part in filter(None, spec.split(",")):
+        lo, _, hi = part.partition("-")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    return out or None
+
+
+def _pin(cpus: set[int] | None):  # noqa: ANN202
+    """A Popen preexec_fn pinning the child (and what it starts: torchrun's ranks)."""
+    return None if cpus is None else (lambda: os.sched_setaffinity(0, cpus))
+
+
 @contextlib.contextmanager
-def _shards(n: int):  # noqa: ANN202
+def _shards(n: int, cpus: set[int] | None = None):  # noqa: ANN202
     procs, addrs = [], []
     try:
         for i in range(n):
@@ -81,6 +97,7 @@ def _shards(n: int):  # noqa: ANN202
                     stderr=subprocess.STDOUT,
                     text=True,
                     env=ENV,
+                    preexec_fn=_pin(cpus),
                 )  # fmt: skip
             )
         for p in procs:
@@ -99,12 +116,21 @@ def _shards(n: int):  # noqa: ANN202
             p.wait()
 
 
-def _run(cmds: list[list[str]], timeout: float, cpu: dict | None = None) -> dict:
+def _run(
+    cmds: list[list[str]], timeout: float, cpu: dict | None = None, cpus: set[int] | None = None
+) -> dict:
     """Run `cmds` to the end. With `cpu` ({"pids": {name: pid}, "log_dir", "window_s",
     "after_step"}): also each process's CPU over a window of the run (bench/step_cpu.py),
     the commands named by cpu["names"] (default cmd0, cmd1, ...) next to the given pids."""
     procs = [
-        subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
+        subprocess.Popen(
+            c,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=ENV,
+            preexec_fn=_pin(cpus),
+        )  # fmt: skip
         for c in cmds
     ]
     got: dict = {}
@@ -163,6 +189,8 @@ def bench(
     dense_max_rows: int,
     shards: int = 2,
     cpu_window_s: float = 0.0,
+    worker_cpus: str = "",
+    shard_cpus: str = "",
 ) -> dict:
     table_rows = [rows, 100_000 if rows >= 1_000_000 else 10_000]
     dim = 64
@@ -175,11 +203,12 @@ def bench(
               "--momentum", "0", "--eval-batches", "0", "--log-every", "0",
               "--threads", "1"]  # fmt: skip
     out: dict = {"rows": table_rows, "dim": dim, "bag": bag, "batch_per_worker": batch,
-                 "workers": WORLD, "shards": shards, "steps": steps}  # fmt: skip
+                 "workers": WORLD, "shards": shards, "steps": steps,
+                 "worker_cpus": worker_cpus or "all", "shard_cpus": shard_cpus or "all"}  # fmt: skip
     table_bytes = sum(table_rows) * dim * 4
     with tempfile.TemporaryDirectory() as tmp:
         t = Path(tmp)
-        with _shards(shards) as (addrs, shard_pids):
+        with _shards(shards, _cpus(shard_cpus)) as (addrs, shard_pids):
             cmds = [
                 [
                     *PSAR,
@@ -209,6 +238,7 @@ def bench(
                 _cpu_opts(
                     cpu_window_s, shard_pids, t / "ps", steps, [f"worker{r}" for r in range(WORLD)]
                 ),
+                _cpus(worker_cpus),
             )
         ps = json.loads((t / "ps0.json").read_text())
         out["ps_sparse"] = {
@@ -234,7 +264,9 @@ def bench(
                         [tr],
                         timeout,
                         _cpu_opts(cpu_window_s, {}, t / name, steps, ["torchrun and its ranks"]),
+                        _cpus(worker_cpus),
                     )
+                    out.pop(name, None)  # an earlier attempt's error, if any
                     break
                 except (RuntimeError, subprocess.TimeoutExpired) as e:
                     out[name] = {"error": str(e)[:3000], "attempts": attempt + 1}
@@ -357,6 +389,13 @@ def main() -> int:
         help="also sample every process's CPU ms per step over this many seconds of each "
         "run (from 30%% of its steps on; the run must outlast it); 0: off",
     )
+    ap.add_argument(
+        "--worker-cpus",
+        default="",
+        help='pin the PS workers and the DDP ranks to these CPUs ("0", "0-1"); '
+        "with --shard-cpus, shards on cores of their own, as on CPU hosts a PS job adds",
+    )
+    ap.add_argument("--shard-cpus", default="", help="pin the PS shards to these CPUs")
     ap.add_argument("--out", default="", help="write the JSON here too")
     a = ap.parse_args()
     sizes = [100_000] if a.quick else [int(r) for r in a.rows.split(",")]
@@ -365,7 +404,18 @@ def main() -> int:
     results = [
         repeated(
             [
-                bench(n, steps, batch, a.bag, a.timeout, a.dense_max_rows, a.shards, a.cpu_window_s)
+                bench(
+                    n,
+                    steps,
+                    batch,
+                    a.bag,
+                    a.timeout,
+                    a.dense_max_rows,
+                    a.shards,
+                    a.cpu_window_s,
+                    a.worker_cpus,
+                    a.shard_cpus,
+                )
                 for _ in range(a.repeats)
             ]
         )

@@ -52,3 +52,9 @@ def test_repeats_keep_the_median_run_and_judge_the_goal_on_it() -> None:
     two = sparse.repeated([_run(90.0, 100.0), _run(95.0, 100.0)])
     assert two["goal"]["speedup"] == 0.9 and not two["goal"]["met"]  # lower median of two
     assert sparse.repeated(runs[:1]) is runs[0] and "repeats" not in runs[0]
+
+
+def test_cpu_lists_parse_as_taskset_would() -> None:
+    assert sparse._cpus("") is None and sparse._pin(None) is None
+    assert sparse._cpus("0") == {0}
+    assert sparse._cpus("0,2-3") == {0, 2, 3}
