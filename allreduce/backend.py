@@ -349,6 +349,13 @@ class DDPBackend:
             self._save()
         if dist.is_initialized():
             dist.barrier()
+            # Let gloo's worker thread finish destroying the barrier's work before the
+            # group can go: that destructor takes the GIL, and ~ProcessGroupGloo (run when
+            # the last reference drops, with the GIL held) joins that thread. Seen once as
+            # a rank hung at exit (torch 2.13: main thread in ~ProcessGroupGloo ->
+            # thread::join, worker in ~AsyncBarrierWork -> gil_scoped_acquire). The sleep
+            # releases the GIL; the work's destructor runs right after it completes.
+            time.sleep(0.05)
             dist.destroy_process_group()
 
 

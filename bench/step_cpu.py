@@ -33,12 +33,9 @@ from bench import common as c
 
 
 def cpu_seconds(pid: int) -> float:
-    """user + system CPU seconds of one process so far (0 once it is gone)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """user + system CPU seconds of one process so far (0 once it has ended)."""
+    got = _cpu(pid)
+    return 0.0 if got is None else got
 
 
 def descendants(pid: int) -> list[int]:
