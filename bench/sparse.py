@@ -45,6 +45,7 @@ import contextlib
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -130,6 +131,7 @@ def _run(
             text=True,
             env=ENV,
             preexec_fn=_pin(cpus),
+            start_new_session=True,  # torchrun's ranks too go with a failed run (below)
         )  # fmt: skip
         for c in cmds
     ]
@@ -153,8 +155,11 @@ def _run(
                 raise RuntimeError(f"exited {p.returncode}: {out[-2000:]}")
     finally:
         for p in procs:
-            if p.poll() is None:
-                p.kill()
+            # The whole group: a killed torchrun leaves its ranks running otherwise (one
+            # was found waiting in a collective an hour after its run failed).
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
         if sampler is not None:
             sampler.join(timeout=5)
     return step_cpu.per_step(got, cpu["log_dir"]) if cpu else {}

@@ -58,3 +58,26 @@ def test_cpu_lists_parse_as_taskset_would() -> None:
     assert sparse._cpus("") is None and sparse._pin(None) is None
     assert sparse._cpus("0") == {0}
     assert sparse._cpus("0,2-3") == {0, 2, 3}
+
+
+def test_a_failed_run_takes_the_processes_it_started_with_it() -> None:
+    import re
+    import sys
+    import time
+
+    from bench import step_cpu
+
+    parent = (
+        "import subprocess, sys; "
+        "k = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], "
+        "stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL); "
+        "print('child', k.pid, flush=True); sys.exit(3)"
+    )
+    with pytest.raises(RuntimeError, match="exited 3") as err:
+        sparse._run([[sys.executable, "-c", parent]], timeout=30)
+    kid = int(re.search(r"child (\d+)", str(err.value)).group(1))
+    for _ in range(100):  # killed at once; reaped by whoever adopted it
+        if step_cpu._cpu(kid) is None:
+            break
+        time.sleep(0.05)
+    assert step_cpu._cpu(kid) is None
