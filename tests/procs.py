@@ -112,7 +112,19 @@ def run_torchrun(world: int, tmp: Path, common: Sequence[str], timeout: float = 
         "-m", "worker.cli", "train", "--arch", "allreduce", "--threads", "1",
         "--report", str(tmp / "report-ddp.json"), "--log-every", "0", *common,
     ]  # fmt: skip
-    p = subprocess.run(args, capture_output=True, text=True, env=ENV, timeout=timeout)
+    # Its own process group: on a timeout the ranks go too, not only torchrun (a rank
+    # hung at exit once and outlived its test).
+    proc = subprocess.Popen(
+        args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    p = subprocess.CompletedProcess(args, proc.returncode, out, err)
     if p.returncode != 0:
         raise AssertionError(
             f"torchrun exited {p.returncode}:\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}"
