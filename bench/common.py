@@ -65,6 +65,15 @@ def install_sigterm() -> None:
 # ---- processes ---------------------------------------------------------------------------
 
 
+def parse_cpus(spec: str) -> set[int] | None:
+    """A CPU list as taskset reads it ("0", "0,2", "0-3"); None for "" (unpinned)."""
+    out: set[int] = set()
+    for part in filter(None, spec.split(",")):
+        lo, _, hi = part.partition("-")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    return out or None
+
+
 class Procs:
     """The processes of one measurement; logs in `log_dir`; all killed on exit."""
 
@@ -80,13 +89,15 @@ class Procs:
         self.close()
 
     def start(self, name: str, argv: Sequence[str], *, env: dict[str, str] | None = None,
-              host: Any = None) -> subprocess.Popen:  # fmt: skip
-        """Start argv (inside network-namespace `host` when given, a tests.netns.Host)."""
+              host: Any = None, cpus: set[int] | None = None) -> subprocess.Popen:  # fmt: skip
+        """Start argv (inside network-namespace `host` when given, a tests.netns.Host),
+        pinned with what it starts to `cpus` when given (parse_cpus)."""
         cmd = host.cmd(list(argv)) if host is not None else list(argv)
+        pin = None if cpus is None else (lambda: os.sched_setaffinity(0, cpus))
         with open(self.log_dir / f"{name}.log", "w") as log:
             p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                  stdin=subprocess.DEVNULL, env=env or child_env(), cwd=ROOT,
-                                 start_new_session=True)  # fmt: skip
+                                 start_new_session=True, preexec_fn=pin)  # fmt: skip
         self.procs[name] = p
         return p
 

@@ -41,12 +41,9 @@ Ratios are vs allreduce-dense measured in the same run.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import re
-import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -72,74 +69,27 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _cpus(spec: str) -> set[int] | None:
-    """CPU list "0", "0,1" or "0-3" (`--worker-cpus`, `--shard-cpus`); None: unpinned."""
-    out: set[int] = set()
-    for part in filter(None, spec.split(",")):
-        lo, _, hi = part.partition("-")
-        out.update(range(int(lo), int(hi or lo) + 1))
-    return out or None
-
-
-def _pin(cpus: set[int] | None):  # noqa: ANN202
-    """A Popen preexec_fn pinning the child (and what it starts: torchrun's ranks)."""
-    return None if cpus is None else (lambda: os.sched_setaffinity(0, cpus))
-
-
-@contextlib.contextmanager
-def _shards(n: int, cpus: set[int] | None = None):  # noqa: ANN202
-    procs, addrs = [], []
-    try:
-        for i in range(n):
-            procs.append(
-                subprocess.Popen(
-                    [*PSAR, "server", "--bind", "127.0.0.1:0", "--shard", str(i)],
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT,
-                    text=True,
-                    env=ENV,
-                    preexec_fn=_pin(cpus),
-                )  # fmt: skip
-            )
-        for p in procs:
-            while True:
-                line = p.stdout.readline()
-                m = re.search(r"listening on (\S+:\d+)", line)
-                if m:
-                    addrs.append(m.group(1))
-                    break
-                if not line and p.poll() is not None:
-                    raise RuntimeError("shard did not start")
-        yield addrs, {f"shard{i}": p.pid for i, p in enumerate(procs)}
-    finally:
-        for p in procs:
-            p.kill()
-            p.wait()
+LISTENING = re.compile(r"listening on (\S+:\d+)")
 
 
 def _run(
-    cmds: list[list[str]], timeout: float, cpu: dict | None = None, cpus: set[int] | None = None
+    procs: c.Procs,
+    cmds: dict[str, list[str]],
+    timeout: float,
+    cpus: set[int] | None = None,
+    cpu: dict | None = None,
 ) -> dict:
-    """Run `cmds` to the end. With `cpu` ({"pids": {name: pid}, "log_dir", "window_s",
-    "after_step"}): also each process's CPU over a window of the run (bench/step_cpu.py),
-    the commands named by cpu["names"] (default cmd0, cmd1, ...) next to the given pids."""
-    procs = [
-        subprocess.Popen(
-            c,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=ENV,
-            preexec_fn=_pin(cpus),
-            start_new_session=True,  # torchrun's ranks too go with a failed run (below)
-        )  # fmt: skip
-        for c in cmds
-    ]
+    """Start `cmds` ({name: argv}, pinned to `cpus`) in `procs` and wait until each
+    exited 0 (a failure or the timeout raises BenchError; leaving `procs` kills every
+    process group, torchrun's ranks too). With `cpu` ({"log_dir", "window_s",
+    "after_step"}): the CPU ms per step of every process in `procs`, shards included,
+    over a window of the run (bench/step_cpu.py)."""
+    for name, argv in cmds.items():
+        procs.start(name, argv, env=ENV, cpus=cpus)
     got: dict = {}
     sampler = None
     if cpu:
-        names = cpu.get("names") or [f"cmd{i}" for i in range(len(procs))]
-        pids = {**cpu["pids"], **{n: p.pid for n, p in zip(names, procs, strict=True)}}
+        pids = {name: p.pid for name, p in procs.procs.items()}
 
         def sample() -> None:
             got.update(step_cpu.sample_window(
@@ -149,17 +99,8 @@ def _run(
         sampler = threading.Thread(target=sample, daemon=True)
         sampler.start()
     try:
-        for p in procs:
-            out, _ = p.communicate(timeout=timeout)
-            if p.returncode != 0:
-                raise RuntimeError(f"exited {p.returncode}: {out[-2000:]}")
+        procs.wait(list(cmds), timeout)
     finally:
-        for p in procs:
-            # The whole group: a killed torchrun leaves its ranks running otherwise (one
-            # was found waiting in a collective an hour after its run failed).
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
         if sampler is not None:
             sampler.join(timeout=5)
     return step_cpu.per_step(got, cpu["log_dir"]) if cpu else {}
@@ -213,38 +154,21 @@ def bench(
     table_bytes = sum(table_rows) * dim * 4
     with tempfile.TemporaryDirectory() as tmp:
         t = Path(tmp)
-        with _shards(shards, _cpus(shard_cpus)) as (addrs, shard_pids):
-            cmds = [
-                [
-                    *PSAR,
-                    *common,
-                    "--arch",
-                    "ps",
-                    "--servers",
-                    ",".join(addrs),
-                    "--rank",
-                    str(r),
-                    "--world-size",
-                    str(WORLD),
-                    "--wire-dtype",
-                    "fp32",
-                    "--sparse-wire-dtype",  # rows in fp32 too: DDP-sparse's bytes per value
-                    "fp32",
-                    "--report",
-                    str(t / f"ps{r}.json"),
-                    "--run-dir",
-                    str(t / "ps"),
-                ]  # fmt: skip
+        with c.Procs(t / "ps-logs") as procs:
+            for i in range(shards):
+                procs.start(f"shard{i}", [*PSAR, "server", "--bind", "127.0.0.1:0", "--shard",
+                            str(i)], env=ENV, cpus=c.parse_cpus(shard_cpus))  # fmt: skip
+            addrs = [procs.wait_line(f"shard{i}", LISTENING, 120).group(1) for i in range(shards)]
+            cmds = {
+                f"worker{r}": [*PSAR, *common, "--arch", "ps", "--servers", ",".join(addrs),
+                               "--rank", str(r), "--world-size", str(WORLD),
+                               "--wire-dtype", "fp32",
+                               "--sparse-wire-dtype", "fp32",  # rows too: DDP-sparse's bytes
+                               "--report", str(t / f"ps{r}.json"), "--run-dir", str(t / "ps")]
                 for r in range(WORLD)
-            ]
-            cpu = _run(
-                cmds,
-                timeout,
-                _cpu_opts(
-                    cpu_window_s, shard_pids, t / "ps", steps, [f"worker{r}" for r in range(WORLD)]
-                ),
-                _cpus(worker_cpus),
-            )
+            }  # fmt: skip
+            cpu = _run(procs, cmds, timeout, c.parse_cpus(worker_cpus),
+                       _cpu_opts(cpu_window_s, t / "ps", steps))  # fmt: skip
         ps = json.loads((t / "ps0.json").read_text())
         out["ps_sparse"] = {
             "cpu": cpu,
@@ -265,15 +189,13 @@ def bench(
                   "--run-dir", str(t / name)]  # fmt: skip
             for attempt in range(2):
                 try:
-                    cpu = _run(
-                        [tr],
-                        timeout,
-                        _cpu_opts(cpu_window_s, {}, t / name, steps, ["torchrun and its ranks"]),
-                        _cpus(worker_cpus),
-                    )
+                    with c.Procs(t / f"{name}-logs-{attempt}") as procs:
+                        cpu = _run(procs, {"torchrun and its ranks": tr}, timeout,
+                                   c.parse_cpus(worker_cpus),
+                                   _cpu_opts(cpu_window_s, t / name, steps))  # fmt: skip
                     out.pop(name, None)  # an earlier attempt's error, if any
                     break
-                except (RuntimeError, subprocess.TimeoutExpired) as e:
+                except RuntimeError as e:  # BenchError: a failure or the timeout
                     out[name] = {"error": str(e)[:3000], "attempts": attempt + 1}
             if "error" in out.get(name, {}):
                 continue
@@ -307,14 +229,11 @@ def bench(
     return out
 
 
-def _cpu_opts(
-    window_s: float, pids: dict[str, int], log_dir: Path, steps: int, names: list[str]
-) -> dict | None:
+def _cpu_opts(window_s: float, log_dir: Path, steps: int) -> dict | None:
     """`_run`'s CPU sampling: a window of `window_s` seconds from 30% of the run on."""
     if window_s <= 0:
         return None
-    return {"pids": pids, "log_dir": log_dir, "window_s": window_s, "names": names,
-            "after_step": max(2, int(0.3 * steps))}  # fmt: skip
+    return {"log_dir": log_dir, "window_s": window_s, "after_step": max(2, int(0.3 * steps))}
 
 
 def _window(run_dir: Path, report_rate: float) -> dict:
@@ -329,7 +248,9 @@ def _fits(table_bytes: int, run: dict) -> dict:
     """Whether DDP-sparse fits: every rank holds the whole tables (weights; momentum 0)."""
     need = WORLD * table_bytes
     avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    failed = "error" in run and ("-9" in run["error"] or "MemoryError" in run["error"])
+    # torchrun's failure summary says "exitcode  : -9" / "Signal 9 (SIGKILL)" for a rank
+    # the kernel's OOM killer took (the error holds the tail of torchrun's log).
+    failed = "error" in run and any(k in run["error"] for k in ("-9", "SIGKILL", "MemoryError"))
     return {"bytes_all_ranks": need, "available_bytes_at_end": avail,
             "fits": not failed, "oom": failed}  # fmt: skip
 

@@ -2,8 +2,8 @@
 
 Starts `psar server` shards and `psar train --arch ps` workers on the reference workload
 (as bench/step_throughput.py does), samples each process's CPU time (/proc/PID/stat,
-user + system) over a window in the middle of the run, and divides by the number of
-steps in the window (median step time from rank 0's step log). Next to it: the medians
+user + system) over a window in the middle of the run, and divides by the steps rank 0
+logged in the window (`sample_window`, `per_step`: bench/sparse.py uses them too). Next to it: the medians
 of the step phases. A 2-core machine is CPU-bound when the processes' CPU ms per step
 add up to about 2x the step time.
 
@@ -50,6 +50,13 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
+def _logged_steps(log_dir: Path) -> int:
+    """Steps rank 0 has logged so far: a line count (polled while the job runs, so it
+    parses nothing)."""
+    logs = sorted(log_dir.glob("steps-*rank0.jsonl"))
+    return logs[0].read_bytes().count(b"\n") if logs else 0
+
+
 def _wall_steps(log_dir: Path) -> list[float]:
     """Wall-clock ends of rank 0's steps so far (its step log under `log_dir`)."""
     logs = sorted(log_dir.glob("steps-*rank0.jsonl"))
@@ -64,7 +71,7 @@ def sample_window(
     """CPU seconds of each named process (with its descendants) over `window_s` seconds
     that start once rank 0 has logged `after_step` steps; {} if that never happens."""
     t_end = time.monotonic() + timeout
-    while len(_wall_steps(log_dir)) < after_step:
+    while _logged_steps(log_dir) < after_step:
         if time.monotonic() > t_end:
             return {}
         time.sleep(0.05)
@@ -143,30 +150,25 @@ def main(argv: list[str] | None = None) -> int:
                  "--run-dir", str(tmp / f"r{r}"), "--log-every", "0", *a.train],
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=c.ROOT)  # fmt: skip
             procs.append((f"worker{r}", w))
-        time.sleep(6.0)  # start-up and the first steps stay outside the window
-        before = [cpu_seconds(pr.pid) for _, pr in procs]
-        t0 = time.monotonic()
-        time.sleep(a.window_s)
-        after = [cpu_seconds(pr.pid) for _, pr in procs]
-        window = time.monotonic() - t0
+        # Start-up and the first fifth of the steps stay outside the window.
+        got = sample_window({name: pr.pid for name, pr in procs}, tmp / "r0",
+                            after_step=max(2, a.steps // 5), window_s=a.window_s,
+                            timeout=600)  # fmt: skip
         for name, pr in procs:
             if name.startswith("worker") and pr.wait(timeout=600) != 0:
                 raise SystemExit(f"{name} exited {pr.returncode}")
+        res = per_step(got, tmp / "r0")
+        if "cpu_ms_per_step" not in res:
+            raise SystemExit(f"no CPU window: {res.get('error', 'too few steps')}")
+        step = res["wall_ms_per_step"]
+        print(f"step {step:.1f} ms (rank 0's steps in the {a.window_s:g} s window); CPU:")
+        for name, ms in res["cpu_ms_per_step"].items():
+            print(f"  {name}: {ms:.1f} CPU ms/step ({100 * ms / step:.0f}%)")
+        total = res["cpu_ms_per_step_all"]
+        print(f"  all: {total:.1f} CPU ms/step = {total / step:.2f} cores busy")
         logs = sorted((tmp / "r0").glob("steps-*.jsonl"))
         recs = [json.loads(line) for line in logs[0].read_text().splitlines()]
         recs = recs[len(recs) // 5 :]
-        step = statistics.median(
-            q["time"] - p_["time"] for p_, q in zip(recs, recs[1:], strict=False)
-        )
-        steps = window / step
-        print(f"step {1e3 * step:.1f} ms (median, rank 0); CPU over {window:.1f} s:")
-        total = 0.0
-        for (name, _), x, y in zip(procs, before, after, strict=True):
-            total += (y - x) / steps
-            print(
-                f"  {name}: {1e3 * (y - x) / steps:.1f} CPU ms/step ({100 * (y - x) / window:.0f}%)"
-            )
-        print(f"  all: {1e3 * total:.1f} CPU ms/step = {total / step:.2f} cores busy")
         phases = {k: 1e3 * statistics.median(r["phases"].get(k, 0.0) for r in recs)
                   for k in recs[0].get("phases", {})}  # fmt: skip
         print("  phases (median ms):", {k: round(v, 2) for k, v in phases.items()})

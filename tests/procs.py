@@ -121,9 +121,7 @@ def run_torchrun(world: int, tmp: Path, common: Sequence[str], timeout: float = 
     try:
         out, err = proc.communicate(timeout=timeout)
     finally:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        _kill(proc)
     p = subprocess.CompletedProcess(args, proc.returncode, out, err)
     if p.returncode != 0:
         raise AssertionError(

@@ -3,6 +3,8 @@ its table size, and "DDP does not fit" is recognised from a killed run."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from bench import sparse
@@ -33,6 +35,7 @@ def test_ddp_that_does_not_fit_meets_the_10m_goal() -> None:
 
 def test_fits_reads_a_killed_run_as_out_of_memory() -> None:
     assert sparse._fits(100, {"error": "exited -9: Killed"})["oom"]
+    assert sparse._fits(100, {"error": "traceback : Signal 9 (SIGKILL) received by PID 7"})["oom"]
     assert not sparse._fits(100, {"bytes_per_step": 1.0})["oom"]
     assert sparse._fits(100, {})["bytes_all_ranks"] == sparse.WORLD * 100
 
@@ -55,12 +58,14 @@ def test_repeats_keep_the_median_run_and_judge_the_goal_on_it() -> None:
 
 
 def test_cpu_lists_parse_as_taskset_would() -> None:
-    assert sparse._cpus("") is None and sparse._pin(None) is None
-    assert sparse._cpus("0") == {0}
-    assert sparse._cpus("0,2-3") == {0, 2, 3}
+    from bench.common import parse_cpus
+
+    assert parse_cpus("") is None  # unpinned
+    assert parse_cpus("0") == {0}
+    assert parse_cpus("0,2-3") == {0, 2, 3}
 
 
-def test_a_failed_run_takes_the_processes_it_started_with_it() -> None:
+def test_a_failed_run_takes_the_processes_it_started_with_it(tmp_path: Path) -> None:
     import re
     import sys
     import time
@@ -73,8 +78,10 @@ def test_a_failed_run_takes_the_processes_it_started_with_it() -> None:
         "stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL); "
         "print('child', k.pid, flush=True); sys.exit(3)"
     )
-    with pytest.raises(RuntimeError, match="exited 3") as err:
-        sparse._run([[sys.executable, "-c", parent]], timeout=30)
+    from bench.common import Procs
+
+    with Procs(tmp_path) as procs, pytest.raises(RuntimeError, match="exited 3") as err:
+        sparse._run(procs, {"job": [sys.executable, "-c", parent]}, timeout=30)
     kid = int(re.search(r"child (\d+)", str(err.value)).group(1))
     for _ in range(100):  # killed at once; reaped by whoever adopted it
         if step_cpu._cpu(kid) is None:
