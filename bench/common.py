@@ -51,7 +51,15 @@ class BenchError(RuntimeError):
 
 
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(extra or {})}
+    # PYTHONFAULTHANDLER: a rank killed by a signal (SIGABRT in a C++ destructor, say)
+    # prints every thread's Python stack into its log, which a failed job's error quotes.
+    env = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
+    return {**os.environ, **env, **(extra or {})}
+
+
+# Lines worth quoting from a failed job's log even when they scrolled out of its tail:
+# a torchrun summary ends the log, and the rank's own error sits above it.
+_ERROR_LINE = re.compile(r"Error|error:|Exception|Traceback|terminate called|what\(\)|Fatal Python")
 
 
 def _raise_on_sigterm(signum: int, _frame: object) -> None:
@@ -101,10 +109,12 @@ class Procs:
         self.procs[name] = p
         return p
 
-    def tail(self, name: str, lines: int = 15) -> str:
+    def tail(self, name: str, lines: int = 15, errors: int = 8) -> str:
+        """The log's last `lines`, after the first `errors` error lines above them."""
         path = self.log_dir / f"{name}.log"
-        text = path.read_text(errors="replace") if path.exists() else ""
-        return "\n".join(f"  | {ln}" for ln in text.splitlines()[-lines:])
+        text = path.read_text(errors="replace").splitlines() if path.exists() else []
+        above = [ln for ln in text[:-lines] if _ERROR_LINE.search(ln)][:errors]
+        return "\n".join([*(f"  ! {ln}" for ln in above), *(f"  | {ln}" for ln in text[-lines:])])
 
     def wait_line(self, name: str, pattern: re.Pattern, timeout: float) -> re.Match:
         """The first match of `pattern` in the log of `name` (it must stay alive)."""
