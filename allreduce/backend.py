@@ -14,9 +14,7 @@ torchrun relaunches (--max-restarts) continues instead of starting over.
 from __future__ import annotations
 
 import contextlib
-import datetime
 import logging
-import os
 import re
 import time
 from pathlib import Path
@@ -26,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from allreduce import process_group
 from allreduce.hooks import register_wire_dtype
 from trainkit.atomic import atomic_save
 from trainkit.device_io import state_to_host
@@ -51,28 +50,11 @@ def list_checkpoints(folder: str) -> list[tuple[int, Path]]:
 
 
 def init_process_group(cfg: TrainConfig, device: torch.device) -> None:
-    """Join torchrun's process group (env://) with an explicit timeout."""
-    if dist.is_initialized():
-        return
+    """Join torchrun's group: NCCL on a GPU, gloo on CPUs, unless --ddp-backend says."""
     backend = cfg.ddp.backend
     if backend == "auto":
         backend = "nccl" if device.type == "cuda" else "gloo"
-    timeout = datetime.timedelta(seconds=cfg.ddp.pg_timeout_s)
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    if attempt != "0" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        # A relaunch (torchrun --max-restarts) reuses the agent's store: keep this
-        # attempt's keys apart, or a rank may read a dead rank's address and fail to
-        # connect ("Gloo connectFullMesh failed ... Connection refused").
-        store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
-        dist.init_process_group(
-            backend=backend,
-            store=dist.PrefixStore(f"/psar/attempt_{attempt}", store),
-            rank=rank,
-            world_size=world,
-            timeout=timeout,
-        )
-        return
-    dist.init_process_group(backend=backend, timeout=timeout)
+    process_group.init_process_group(backend, cfg.ddp.pg_timeout_s)
 
 
 class DDPBackend:
@@ -347,16 +329,7 @@ class DDPBackend:
     def finish(self) -> None:
         if self.cfg.ddp.checkpoint_dir:
             self._save()
-        if dist.is_initialized():
-            dist.barrier()
-            # Let gloo's worker thread finish destroying the barrier's work before the
-            # group can go: that destructor takes the GIL, and ~ProcessGroupGloo (run when
-            # the last reference drops, with the GIL held) joins that thread. Seen once as
-            # a rank hung at exit (torch 2.13: main thread in ~ProcessGroupGloo ->
-            # thread::join, worker in ~AsyncBarrierWork -> gil_scoped_acquire). The sleep
-            # releases the GIL; the work's destructor runs right after it completes.
-            time.sleep(0.05)
-            dist.destroy_process_group()
+        process_group.end_process_group()
 
 
 def _values(grad: torch.Tensor) -> torch.Tensor:

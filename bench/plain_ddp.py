@@ -61,6 +61,11 @@ def main() -> None:
                    loss=loss.item(), wall=time.time(), rank=rank, arch="plain", mode="ddp")  # fmt: skip
         log.write(json.dumps(rec) + "\n")
     if not a.no_comm:
+        # Barrier, then a pause without the GIL before the group goes: a DDP work object
+        # that gloo's thread drops at interpreter exit aborts the rank (SIGABRT after the
+        # last step). allreduce/process_group.py explains; psar's DDP backend does the same.
+        dist.barrier()
+        time.sleep(0.05)
         dist.destroy_process_group()
 
 
