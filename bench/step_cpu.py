@@ -18,9 +18,7 @@ import argparse
 import contextlib
 import json
 import os
-import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -130,52 +128,36 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("train", nargs="*", help="extra `psar train` flags (after --)")
     a = p.parse_args(argv)
     tmp = Path(tempfile.mkdtemp(prefix="psar-step-cpu-"))
-    env = c.child_env()
-    procs: list[tuple[str, subprocess.Popen]] = []
-    try:
-        addrs = []
-        for i in range(a.shards):
-            s = subprocess.Popen([*c.PSAR, "server", "--bind", "127.0.0.1:0", "--shard", str(i),
-                                  *a.server], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                 env=env, cwd=c.ROOT)  # fmt: skip
-            procs.append((f"shard{i}", s))
-            while m := s.stdout.readline():
-                if hit := re.search(r"listening on (\S+:\d+)", m):
-                    addrs.append(hit.group(1))
-                    break
-        for r in range(a.workers):
-            w = subprocess.Popen(
-                [*c.PSAR, "train", "--arch", "ps", "--servers", ",".join(addrs), "--rank", str(r),
-                 "--world-size", str(a.workers), *c.REF_TRAIN, "--steps", str(a.steps),
-                 "--run-dir", str(tmp / f"r{r}"), "--log-every", "0", *a.train],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=c.ROOT)  # fmt: skip
-            procs.append((f"worker{r}", w))
+    # Procs: every process logs to a file (a piped, undrained stdout could fill and stall
+    # a shard), a failed one raises with its log's tail, and all are killed on the way out.
+    with c.Procs(tmp) as procs:
+        addrs = ",".join(c.start_shards(procs, a.shards, server=a.server))
+        workers = [f"worker{r}" for r in range(a.workers)]
+        for r, name in enumerate(workers):
+            procs.start(name, [*c.PSAR, "train", "--arch", "ps", "--servers", addrs, "--rank",
+                               str(r), "--world-size", str(a.workers), *c.REF_TRAIN, "--steps",
+                               str(a.steps), "--run-dir", str(tmp / f"r{r}"), "--log-every", "0",
+                               *a.train])  # fmt: skip
         # Start-up and the first fifth of the steps stay outside the window.
-        got = sample_window({name: pr.pid for name, pr in procs}, tmp / "r0",
+        got = sample_window({name: pr.pid for name, pr in procs.procs.items()}, tmp / "r0",
                             after_step=max(2, a.steps // 5), window_s=a.window_s,
                             timeout=600)  # fmt: skip
-        for name, pr in procs:
-            if name.startswith("worker") and pr.wait(timeout=600) != 0:
-                raise SystemExit(f"{name} exited {pr.returncode}")
-        res = per_step(got, tmp / "r0")
-        if "cpu_ms_per_step" not in res:
-            raise SystemExit(f"no CPU window: {res.get('error', 'too few steps')}")
-        step = res["wall_ms_per_step"]
-        print(f"step {step:.1f} ms (rank 0's steps in the {a.window_s:g} s window); CPU:")
-        for name, ms in res["cpu_ms_per_step"].items():
-            print(f"  {name}: {ms:.1f} CPU ms/step ({100 * ms / step:.0f}%)")
-        total = res["cpu_ms_per_step_all"]
-        print(f"  all: {total:.1f} CPU ms/step = {total / step:.2f} cores busy")
-        logs = sorted((tmp / "r0").glob("steps-*.jsonl"))
-        recs = [json.loads(line) for line in logs[0].read_text().splitlines()]
-        recs = recs[len(recs) // 5 :]
-        phases = {k: 1e3 * statistics.median(r["phases"].get(k, 0.0) for r in recs)
-                  for k in recs[0].get("phases", {})}  # fmt: skip
-        print("  phases (median ms):", {k: round(v, 2) for k, v in phases.items()})
-    finally:
-        for _, pr in procs:
-            pr.kill()
-            pr.wait()
+        procs.wait(workers, timeout=600)
+    res = per_step(got, tmp / "r0")
+    if "cpu_ms_per_step" not in res:
+        raise SystemExit(f"no CPU window: {res.get('error', 'too few steps')}")
+    step = res["wall_ms_per_step"]
+    print(f"step {step:.1f} ms (rank 0's steps in the {a.window_s:g} s window); CPU:")
+    for name, ms in res["cpu_ms_per_step"].items():
+        print(f"  {name}: {ms:.1f} CPU ms/step ({100 * ms / step:.0f}%)")
+    total = res["cpu_ms_per_step_all"]
+    print(f"  all: {total:.1f} CPU ms/step = {total / step:.2f} cores busy")
+    logs = sorted((tmp / "r0").glob("steps-*.jsonl"))
+    recs = [json.loads(line) for line in logs[0].read_text().splitlines()]
+    recs = recs[len(recs) // 5 :]
+    phases = {k: 1e3 * statistics.median(r["phases"].get(k, 0.0) for r in recs)
+              for k in recs[0].get("phases", {})}  # fmt: skip
+    print("  phases (median ms):", {k: round(v, 2) for k, v in phases.items()})
     return 0
 
 

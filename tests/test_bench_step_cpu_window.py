@@ -9,6 +9,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 from bench import step_cpu
 
 # A "job": rank 0 logs a step every ~20 ms of busy CPU; with an argument it first starts
@@ -68,3 +70,16 @@ def test_a_run_that_ends_inside_the_window_gives_no_figure(tmp_path: Path) -> No
     short.wait()
     assert got["gone"] == ["job"]
     assert "ended inside the window" in step_cpu.per_step(got, tmp_path)["error"]
+
+
+@pytest.mark.slow
+def test_the_command_prints_every_process_cpu_per_step() -> None:
+    """`python -m bench.step_cpu` end to end: a real shard and two real workers."""
+    root = Path(__file__).resolve().parent.parent
+    p = subprocess.run([sys.executable, "-m", "bench.step_cpu", "--steps", "80", "--window-s",
+                        "0.5"], cwd=root, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert p.returncode == 0, p.stderr[-3000:]
+    lines = {ln.split(":")[0].strip(): ln for ln in p.stdout.splitlines() if ":" in ln}
+    for name in ("shard0", "worker0", "worker1", "all"):
+        assert "CPU ms/step" in lines[name], p.stdout
+    assert "phases (median ms)" in lines, p.stdout
