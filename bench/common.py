@@ -164,16 +164,17 @@ class Procs:
 
 
 def start_shards(procs: Procs, n: int, *, hosts: Sequence[Any] | None = None,
-                 timeout: float = 120.0, server: Sequence[str] = ()) -> list[str]:  # fmt: skip
-    """n `psar server` shards (shard i in hosts[i] when given; `server`: more flags);
-    their HOST:PORT."""
+                 timeout: float = 120.0, server: Sequence[str] = (),
+                 cpus: set[int] | None = None) -> list[str]:  # fmt: skip
+    """n `psar server` shards (shard i in hosts[i] when given; `server`: more flags;
+    pinned to `cpus` when given); their HOST:PORT."""
     binds = [h.addr if hosts else "127.0.0.1" for h in (hosts or [None] * n)]
     # Shards sharing this host split its cores under `--torch-threads auto`.
     env = None if hosts else child_env({"PSAR_SHARDS_PER_HOST": str(n)})
     for i in range(n):
         procs.start(f"shard{i}", [*PSAR, "server", "--bind", f"{binds[i]}:0", "--shard", str(i),
                                         *server],
-                    env=env, host=hosts[i] if hosts else None)  # fmt: skip
+                    env=env, host=hosts[i] if hosts else None, cpus=cpus)  # fmt: skip
     return [f"{binds[i]}:{procs.wait_line(f'shard{i}', _LISTEN, timeout).group(2)}"
             for i in range(n)]  # fmt: skip
 

@@ -43,7 +43,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
 import tempfile
 import threading
@@ -56,20 +55,7 @@ if __package__ in (None, ""):
 from bench import common as c
 from bench import step_cpu
 
-PSAR = [sys.executable, "-m", "worker.cli"]
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 WORLD = 2
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-LISTENING = re.compile(r"listening on (\S+:\d+)")
 
 
 def _run(
@@ -85,7 +71,7 @@ def _run(
     "after_step"}): the CPU ms per step of every process in `procs`, shards included,
     over a window of the run (bench/step_cpu.py)."""
     for name, argv in cmds.items():
-        procs.start(name, argv, env=ENV, cpus=cpus)
+        procs.start(name, argv, cpus=cpus)
     got: dict = {}
     sampler = None
     if cpu:
@@ -155,12 +141,9 @@ def bench(
     with tempfile.TemporaryDirectory() as tmp:
         t = Path(tmp)
         with c.Procs(t / "ps-logs") as procs:
-            for i in range(shards):
-                procs.start(f"shard{i}", [*PSAR, "server", "--bind", "127.0.0.1:0", "--shard",
-                            str(i)], env=ENV, cpus=c.parse_cpus(shard_cpus))  # fmt: skip
-            addrs = [procs.wait_line(f"shard{i}", LISTENING, 120).group(1) for i in range(shards)]
+            addrs = c.start_shards(procs, shards, cpus=c.parse_cpus(shard_cpus))
             cmds = {
-                f"worker{r}": [*PSAR, *common, "--arch", "ps", "--servers", ",".join(addrs),
+                f"worker{r}": [*c.PSAR, *common, "--arch", "ps", "--servers", ",".join(addrs),
                                "--rank", str(r), "--world-size", str(WORLD),
                                "--wire-dtype", "fp32",
                                "--sparse-wire-dtype", "fp32",  # rows too: DDP-sparse's bytes
@@ -183,7 +166,7 @@ def bench(
                 out[name] = {"skipped": f"rows > --dense-max-rows {dense_max_rows} (memory)"}
                 continue
             tr = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD),
-                  "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+                  "--master-addr", "127.0.0.1", "--master-port", str(c.free_port()),
                   "-m", "worker.cli", *common, "--arch", "allreduce", "--wire-dtype", wire,
                   "--workload-option", f"sparse={sparse}", "--report", str(t / f"{name}.json"),
                   "--run-dir", str(t / name)]  # fmt: skip

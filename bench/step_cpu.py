@@ -3,9 +3,9 @@
 Starts `psar server` shards and `psar train --arch ps` workers on the reference workload
 (as bench/step_throughput.py does), samples each process's CPU time (/proc/PID/stat,
 user + system) over a window in the middle of the run, and divides by the steps rank 0
-logged in the window (`sample_window`, `per_step`: bench/sparse.py uses them too). Next to it: the medians
-of the step phases. A 2-core machine is CPU-bound when the processes' CPU ms per step
-add up to about 2x the step time.
+logged in the window (`sample_window`, `per_step`: bench/sparse.py uses them too). Next
+to it: the medians of the step phases. A 2-core machine is CPU-bound when the processes'
+CPU ms per step add up to about 2x the step time.
 
     python -m bench.step_cpu                          # 2 workers, 1 shard, defaults
     python -m bench.step_cpu --workers 1 -- --no-overlap   # flags after -- go to psar train
@@ -28,12 +28,6 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import common as c
-
-
-def cpu_seconds(pid: int) -> float:
-    """user + system CPU seconds of one process so far (0 once it has ended)."""
-    got = _cpu(pid)
-    return 0.0 if got is None else got
 
 
 def descendants(pid: int) -> list[int]:

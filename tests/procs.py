@@ -17,6 +17,7 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 PSAR = [sys.executable, "-m", "worker.cli"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -33,6 +34,19 @@ def _kill(proc: subprocess.Popen) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=10)
+
+
+def run_own_group(args: Sequence[str], timeout: float, **popen: Any) -> subprocess.CompletedProcess:
+    """Run `args` to the end in a process group of its own (text output captured; popen:
+    more Popen arguments) and kill the group afterwards, so a child that hangs, a
+    torchrun rank say, ends with its test instead of outliving it."""
+    popen = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "env": ENV, **popen}
+    proc = subprocess.Popen(args, text=True, start_new_session=True, **popen)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        _kill(proc)
+    return subprocess.CompletedProcess(args, proc.returncode, out, err)
 
 
 @contextlib.contextmanager
@@ -112,17 +126,7 @@ def run_torchrun(world: int, tmp: Path, common: Sequence[str], timeout: float = 
         "-m", "worker.cli", "train", "--arch", "allreduce", "--threads", "1",
         "--report", str(tmp / "report-ddp.json"), "--log-every", "0", *common,
     ]  # fmt: skip
-    # Its own process group: on a timeout the ranks go too, not only torchrun (a rank
-    # hung at exit once and outlived its test).
-    proc = subprocess.Popen(
-        args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV,
-        start_new_session=True,
-    )  # fmt: skip
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    finally:
-        _kill(proc)
-    p = subprocess.CompletedProcess(args, proc.returncode, out, err)
+    p = run_own_group(args, timeout)  # a rank hung at exit once and outlived its test
     if p.returncode != 0:
         raise AssertionError(
             f"torchrun exited {p.returncode}:\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}"

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.procs import ENV, _kill, free_port
+from tests.procs import ENV, free_port, run_own_group
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -68,13 +68,7 @@ def _torchrun(tmp: Path, *program: str) -> subprocess.CompletedProcess:
     args = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
             "--master-addr", "127.0.0.1", "--master-port", str(free_port()), *program]  # fmt: skip
     env = {**ENV, "PYTHONPATH": f"{hook}:{ROOT}"}
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env, cwd=ROOT, start_new_session=True)  # fmt: skip
-    try:
-        out, _ = proc.communicate(timeout=180)
-    finally:
-        _kill(proc)
-    return subprocess.CompletedProcess(args, proc.returncode, out)
+    return run_own_group(args, 180, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
 
 
 def _script(tmp: Path, leave: str) -> subprocess.CompletedProcess:
