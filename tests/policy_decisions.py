@@ -22,11 +22,11 @@ from ps.errors import FailedPrecondition, InvalidArgument, Unavailable
 from ps.server import checkpoint
 from ps.server.checkpoint import CheckpointManager, list_checkpoints
 from ps.server.membership import TooLate
+from ps.server.recorder import NullShardRecorder
 from ps.server.shard import ShardState
 from ps.server.sparse_shard import RowPush, SparseTables
 from ps.sparse_spec import TableSpec
 from tests.ps_fixtures import grad_for, init_values, pull, push, weights_digest
-from trainkit.nullmetrics import NullMetrics
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ PROMISES = {
 }
 
 
-class WaitRecorder(NullMetrics):
+class WaitRecorder(NullShardRecorder):
     """Metrics that remember which pull-wait series was observed."""
 
     def __init__(self) -> None:

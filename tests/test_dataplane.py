@@ -402,7 +402,7 @@ def test_token_is_required_and_checked(tmp_path: Path) -> None:
     cfg = config(auth_token_file=str(tmp_path / "token"))
     with serving(cfg) as (port, state):
         state.init(job, init_values(job))
-        dp = state.metrics  # NullMetrics: nothing to read; the codes are what matters
+        dp = state.metrics  # NullShardRecorder: nothing to read; the codes are what matters
         del dp
         data_port = _data_port(port, token="s3cret")
         for token, why in (("", "missing"), ("nope", "wrong")):

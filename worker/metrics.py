@@ -48,7 +48,8 @@ PHASES: tuple[str, ...] = (
 
 
 class WorkerMetrics:
-    """Metrics of one worker; every series carries the ``arch`` label (``ps``/``allreduce``)."""
+    """Metrics of one worker; every series carries the ``arch`` label (``ps``/``allreduce``).
+    Its recording methods are exactly worker.recorder.WorkerRecorder's (tests/test_recorders.py)."""
 
     def __init__(self, registry: CollectorRegistry | None = None, *, arch: str) -> None:
         if arch not in ARCHS:

@@ -39,12 +39,12 @@ from ps.headers import PullHeader
 from ps.job import Job
 from ps.partition import Slot, bytes_per_shard, check_every_shard_holds_a_slot, plan_slots
 from trainkit.device_io import DeviceIO, state_to_host, to_host
-from trainkit.nullmetrics import NullMetrics
 from trainkit.optim import DynamicLossScale, LossScaleConfig, effective_loss_scale, with_run_length
 from trainkit.sparse_tables import release_tables
 from worker.backend import StepOutcome
 from worker.config import TrainConfig
 from worker.precision import PrecisionPolicy
+from worker.recorder import NullWorkerRecorder, WorkerRecorder
 
 log = logging.getLogger("psar.ps")
 
@@ -97,7 +97,7 @@ class PSBackend(OverlapMixin, ResyncMixin, LocalMixin):
         self.rank, self.world_size = rank, world_size
         self.device = precision.device
         self.total_steps = total_steps
-        self.metrics = metrics if metrics is not None else NullMetrics()
+        self.metrics: WorkerRecorder = metrics if metrics is not None else NullWorkerRecorder()
         self.addresses = cfg.ps.server_list()
         self.clock = 0
         self.bytes_pushed = 0

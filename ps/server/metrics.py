@@ -125,6 +125,7 @@ class _StampMode(Collector):
 
 class ShardMetrics:
     """Metrics of one PS shard; the shard calls the methods below under its own lock.
+    They are exactly ps.server.recorder.ShardRecorder's (tests/test_recorders.py).
 
     Every series carries ``shard`` and ``mode`` labels (bounded: one value each per
     instance) so that several shards scraped into one Prometheus stay apart even when

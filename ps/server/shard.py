@@ -44,11 +44,11 @@ from ps.server.pushdata import (
     zero_absent,
 )
 from ps.server.pushdata import check_header as _check_header
+from ps.server.recorder import NullShardRecorder, ShardRecorder
 from ps.server.recovery import Recovery
 from ps.server.shard_inspect import Inspection
 from ps.server.shard_pull import Pulls
 from ps.server.slot_step import SlotStepper
-from trainkit.nullmetrics import NullMetrics
 from trainkit.optim import DynamicLossScale, StepAdjust, build_optimizer, build_scheduler
 
 __all__ = ["PullHeader", "PushHeader", "PushTicket", "ShardState"]
@@ -63,7 +63,7 @@ class ShardState(Membership, Recovery, Inspection, Pulls):
     def __init__(
         self,
         *,
-        metrics: Any = None,
+        metrics: ShardRecorder | None = None,
         message_bytes: int = wire.DEFAULT_MESSAGE_BYTES,
         lease_s: float = DEFAULT_LEASE_S,
         join_grace_s: float = DEFAULT_JOIN_GRACE_S,
@@ -84,7 +84,7 @@ class ShardState(Membership, Recovery, Inspection, Pulls):
         self._pacing = 0
         """Pushes waiting in pace_push now: a completed or dropped slot wakes the shard's
         condition (and every pull waiting on it) only when one is."""
-        self.metrics = metrics if metrics is not None else NullMetrics()
+        self.metrics: ShardRecorder = metrics if metrics is not None else NullShardRecorder()
         self.message_bytes = message_bytes
         self._cond = threading.Condition()
         self.job: Job | None = None
