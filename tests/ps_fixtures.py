@@ -130,7 +130,7 @@ def push(
         overflow=overflow,
         retry=retry,
     )
-    ticket = st.begin_push(header, lock_timeout=5.0)
+    ticket = st.intake.begin_push(header, lock_timeout=5.0)
     try:
         if not overflow:
             assert grads is not None, "a push without overflow needs gradients"
@@ -140,8 +140,8 @@ def push(
                     continue
                 flat = t.detach().to(dtype).reshape(-1).contiguous()
                 for off, data in wire.iter_pieces(flat, piece_elems * itemsize):
-                    st.add_data(ticket, key, off, data)
-        return st.finish_push(ticket)
+                    st.intake.add_data(ticket, key, off, data)
+        return st.intake.finish_push(ticket)
     finally:
         ticket.release()
 
@@ -155,7 +155,7 @@ def pull(
     dtype: torch.dtype = torch.float32,
 ) -> tuple[PullHeader, dict[str, torch.Tensor]]:
     """A pull, reassembled into flat fp32-or-`dtype` tensors keyed by slot."""
-    header, pieces = st.pull(worker, clock, dtype, timeout)
+    header, pieces = st.pulls.pull(worker, clock, dtype, timeout)
     out = {key: torch.empty(n, dtype=dtype) for key, n in st.numel.items()}
     for key, off, data in pieces:
         src = wire.decode(data, dtype)

@@ -517,7 +517,7 @@ def test_draining_refuses_and_close_ends_connections() -> None:
     job = make_job("async", num_workers=1)
     with shard(job) as s, DataPlaneClient("127.0.0.1", s.data_port) as c:
         pull_into(c, job, 0, 0)
-        s.state.drain()
+        s.state.durability.drain()
         with pytest.raises(DataPlaneError) as e:
             c.push(header(0, 1), items(grad_for(job, 0, 1)), timeout_s=TIMEOUT)
         assert e.value.code() == SC.UNAVAILABLE and "draining" in e.value.details()

@@ -92,7 +92,7 @@ def trained(tmp_path_factory) -> Path:
 def digest_of(path: Path, step: int) -> str:
     """The state digest of a shard restored in-process from `path`."""
     state = ShardState()
-    state.restore(step, checkpoint.load(path))
+    state.durability.restore(step, checkpoint.load(path))
     return state.state_digest()
 
 

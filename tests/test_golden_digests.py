@@ -371,7 +371,7 @@ def _ckpt_round(st: Any, job: Job, clock: int) -> None:
         g = {s.key: _grad(1, w, clock, s.numel) for s in job.slots}
         base = st.version
         push(st, worker=w, clock=clock, base_version=base, grads=g)
-    with st._cond:
+    with st.cond:
         st.int_buffers.put(clock, 0, {INT_BUFFER: (clock,)})
 
 
@@ -398,7 +398,7 @@ def _write_checkpoint(mode: str, folder: Path) -> None:
     st.init(job, {s.key: torch.randn(s.numel, generator=gen) for s in job.slots})
     for clock in (1, 2, 3):
         _ckpt_round(st, job, clock)
-    assert st.checkpoint_now("shutdown", wait=True)
+    assert st.durability.checkpoint_now("shutdown", wait=True)
     st.checkpoints.close()
 
 
@@ -419,7 +419,7 @@ def test_checkpoints_of_earlier_code_restore_and_continue(mode: str, tmp_path: P
     assert found is not None and not rejected, f"{folder}: no checkpoint verifies"
     step, snap = found
     st = ShardState()
-    st.restore(step, snap)
+    st.durability.restore(step, snap)
     job = _ckpt_job(mode)
     assert st.job == job
     got = {"restored": _ckpt_digest(st)}

@@ -262,18 +262,18 @@ def test_slot_and_chunk_arrival_order_does_not_change_the_round() -> None:
             h = PushHeader(
                 worker=w, clock=1, base_version=0, dtype=torch.float32, verdict_follows=True
             )
-            ticket = st.begin_push(h)
+            ticket = st.intake.begin_push(h)
             keys = list(g) if order == "forward" else list(reversed(g))
             if order == "reverse":
-                st.add_verdict(ticket, False)  # the verdict may precede the last data
+                st.intake.add_verdict(ticket, False)  # the verdict may precede the last data
             for k in keys:
                 flat = g[k]
                 pieces = [(o, flat[o : o + 3]) for o in range(0, flat.numel(), 3)]
                 for off, piece in pieces:
-                    st.add_data(ticket, k, off, piece.numpy().tobytes())
+                    st.intake.add_data(ticket, k, off, piece.numpy().tobytes())
             if order == "forward":
-                st.add_verdict(ticket, False)
-            st.finish_push(ticket)
+                st.intake.add_verdict(ticket, False)
+            st.intake.finish_push(ticket)
         assert st.rounds == 1
         digests.append(st.state_digest())
     assert digests[0] == digests[1]

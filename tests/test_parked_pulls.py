@@ -198,7 +198,7 @@ def test_a_parked_pull_waits_through_a_drain_for_the_round_in_flight() -> None:
         call = stub.Pull(pb.PullRequest(worker=1, clock=2, dtype=pb.FLOAT32), timeout=TIMEOUT)
         parking = parking_of(state)
         eventually("the pull parked", lambda: len(parking) == 1)
-        state.drain()  # notifies the shard: the parked pull is looked at and stays
+        state.durability.drain()  # notifies the shard: the parked pull is looked at and stays
         time.sleep(0.3)
         assert len(parking) == 1  # (call.running() says nothing: unread replies keep it so)
         stub.Push(iter(push_chunks(header(0, 2, 1), grad_for(job, 0, 2))), timeout=TIMEOUT)

@@ -92,7 +92,7 @@ class PolicyContract(DecisionContract):
         with pytest.raises(InvalidArgument, match="not in this job"):
             pull(st, job.num_workers, 0)
         with pytest.raises(InvalidArgument, match="not in this job"):
-            st.leave(job.num_workers + 5)
+            st.members.leave(job.num_workers + 5)
         assert st.state_digest() == before
 
     def test_duplicate_clock_refused_retry_acknowledged(self, opt: str) -> None:
@@ -156,7 +156,7 @@ class PolicyContract(DecisionContract):
         with pytest.raises(FailedPrecondition, match="not initialised"):
             pull(st, 0, 0, timeout=0.01)
         with pytest.raises(FailedPrecondition, match="not initialised"):
-            st.leave(0)
+            st.members.leave(0)
         assert not st.initialized and st.state_digest() == before
 
     def test_identical_reinit_acknowledged_conflicting_refused(self, opt: str) -> None:
@@ -182,8 +182,8 @@ class PolicyContract(DecisionContract):
     def test_left_worker_cannot_push(self, opt: str) -> None:
         st, job, _ = self.setup(opt)
         last = job.num_workers - 1
-        assert st.leave(last) == job.num_workers - 1
-        assert st.leave(last) == job.num_workers - 1  # leaving twice is harmless
+        assert st.members.leave(last) == job.num_workers - 1
+        assert st.members.leave(last) == job.num_workers - 1  # leaving twice is harmless
         before = st.state_digest()
         with pytest.raises(FailedPrecondition, match="left") as e:
             push(st, worker=last, clock=1, base_version=0, grads=grad_for(job, last, 1))
@@ -409,10 +409,10 @@ class TestSyncContract(PolicyContract):
         if len(who_pushed) == job.num_workers:
             # Everyone pushed: the round closed; the last worker then leaves.
             assert st.rounds == 1
-            st.leave(3)
+            st.members.leave(3)
         else:
             assert st.rounds == 0
-            assert st.leave(3) == job.num_workers - 1
+            assert st.members.leave(3) == job.num_workers - 1
             assert st.rounds == 1
         # Mean over those who pushed.
         assert_weights_equal(
@@ -428,7 +428,7 @@ class TestSyncContract(PolicyContract):
         st, job, values = self.setup(opt)
         sent = {3: grad_for(job, 3, 1)}
         push(st, worker=3, clock=1, base_version=0, grads=sent[3])
-        st.leave(3)
+        st.members.leave(3)
         assert st.rounds == 0
         for w in (0, 1, 2):
             sent[w] = grad_for(job, w, 1)
@@ -564,7 +564,7 @@ class TestSSPContract(AsyncBehaviour):
             fut = ex.submit(pull, st, 0, 2, timeout=30.0)
             with pytest.raises(FutureTimeout):
                 fut.result(timeout=0.05)
-            assert st.leave(2) == 2
+            assert st.members.leave(2) == 2
             header, _ = fut.result(timeout=30.0)
         assert header.clock_gap == 1  # now measured against worker 1
 

@@ -81,7 +81,7 @@ def paced_state(lead: int) -> tuple[ShardState, object]:
 
 def pace_in_thread(st: ShardState, ticket: object) -> tuple[threading.Thread, list[float]]:
     waited: list[float] = []
-    th = threading.Thread(target=lambda: waited.append(st.pace_push(ticket, 0)), daemon=True)
+    th = threading.Thread(target=lambda: waited.append(st.intake.pace_push(ticket, 0)), daemon=True)
     th.start()
     return th, waited
 
@@ -93,7 +93,7 @@ def test_a_push_ahead_waits_until_the_slowest_catches_up() -> None:
     t0, t1 = begin(st, 0), begin(st, 1)
     try:
         stream(st, t0, g0, keys[:1])  # worker 0 is one slot (>= 16 bytes) ahead
-        assert st.pace_push(t0, 5) == 0.0  # mid-slot pieces are never held
+        assert st.intake.pace_push(t0, 5) == 0.0  # mid-slot pieces are never held
         th, waited = pace_in_thread(st, t0)
         th.join(0.3)
         assert th.is_alive(), "a push one slot ahead of the lead was not held back"
@@ -104,8 +104,8 @@ def test_a_push_ahead_waits_until_the_slowest_catches_up() -> None:
         stream(st, t0, g0, keys[1:])
         stream(st, t1, g1, keys[1:])
         for t in (t0, t1):
-            st.add_verdict(t, False)
-            st.finish_push(t)
+            st.intake.add_verdict(t, False)
+            st.intake.finish_push(t)
     finally:
         t0.release()
         t1.release()
@@ -138,8 +138,8 @@ def test_a_push_waits_at_most_its_budget(monkeypatch: pytest.MonkeyPatch) -> Non
     t0, t1 = begin(st, 0), begin(st, 1)
     try:
         stream(st, t0, grad_for(job, 0, 1), [job.slots[-1].key])
-        assert st.pace_push(t0, 0) > 0  # worker 1 never moves: the budget ends it
-        assert st.pace_push(t0, 0) == 0.0  # spent: never held again
+        assert st.intake.pace_push(t0, 0) > 0  # worker 1 never moves: the budget ends it
+        assert st.intake.pace_push(t0, 0) == 0.0  # spent: never held again
     finally:
         t0.release()
         t1.release()
@@ -152,7 +152,7 @@ def test_no_pacing_without_a_lead_or_per_chunk_rounds() -> None:
         t0, t1 = begin(st, 0), begin(st, 1)
         try:
             stream(st, t0, grad_for(job, 0, 1), [job.slots[-1].key])
-            assert st.pace_push(t0, 0) == 0.0
+            assert st.intake.pace_push(t0, 0) == 0.0
         finally:
             t0.release()
             t1.release()

@@ -219,7 +219,7 @@ def test_health_serving_then_not_serving_while_draining(serve) -> None:
         assert check(ch, "psar.v1.ParameterServer") == "SERVING"
         job = make_job("sync", num_workers=1)
         state.init(job, init_values(job))
-        state.drain()
+        state.durability.drain()
         server.psar_health.not_serving()
         assert check(ch) == "NOT_SERVING"
         with PSClient([addr], worker=0, cfg=ClientConfig(**FAST)) as c:

@@ -264,7 +264,7 @@ def test_served_weights_keep_one_copy_per_base_in_use() -> None:
     push(st, worker=1, clock=1, base_version=0, grads=_grad(job, 0.1))
     pull(st, 1, 1)
     assert sorted(bases.copies) == [1, 2]  # version 0 is nobody's base any more
-    st.leave(1)
+    st.members.leave(1)
     assert sorted(bases.copies) == [1]
 
 

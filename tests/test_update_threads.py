@@ -12,7 +12,7 @@ import warnings
 import pytest
 import torch
 
-from ps.server import checkpoint, slot_step
+from ps.server import slot_step
 from ps.server.config import SHARDS_PER_HOST_ENV, ServerConfig
 from ps.server.metrics import ShardMetrics
 from ps.server.shard import ShardState
@@ -68,7 +68,7 @@ def test_chunked_round_closed_by_a_leave_steps_its_slots_on_the_pool(opt: str) -
                 push(st, worker=w, clock=c, base_version=base, grads=grad_for(job, w, c))
         st.policy.quiesce()
         assert st.rounds == 1
-        st.leave(2)
+        st.members.leave(2)
         assert st.rounds == 2
         assert (st.stepper._pool is not None) == (threads > 1)
         digests.append(st.state_digest())
@@ -100,10 +100,12 @@ def test_a_restored_shard_keeps_stepping_the_same_bits(threads: int) -> None:
     scheduler was rebuilt after the optimizer's saved lr was loaded)."""
     one, job = _run("sync", "adamw", 1, clocks=2)
     many, _ = _run("sync", "adamw", threads, clocks=2)
-    with many._cond:
-        snap = checkpoint.snapshot(many)
+    with many.cond:
+        snap = many.durability.snapshot()
     back = ShardState(update_threads=threads)
-    back.restore(many.checkpoint_step, snap)  # new masters: the per-slot optimizers follow
+    back.durability.restore(
+        many.durability.checkpoint_step, snap
+    )  # new masters: the per-slot optimizers follow
     for st in (one, back):
         base = st.version
         for w in (0, 1):

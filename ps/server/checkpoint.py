@@ -22,7 +22,6 @@ not match them, so a damaged disk cannot restore wrong weights silently.
 
 from __future__ import annotations
 
-import copy
 import logging
 import os
 import queue
@@ -31,15 +30,11 @@ import threading
 import time
 import zlib
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
-from ps.server.buffers import IntBufferLog
 from trainkit.atomic import atomic_save
-
-if TYPE_CHECKING:
-    from ps.server.shard import ShardState
 
 log = logging.getLogger("psar.checkpoint")
 
@@ -47,6 +42,12 @@ FORMAT = 1
 DEFAULT_EVERY = 100
 DEFAULT_KEEP = 3
 _NAME = re.compile(r"^ckpt-s(\d+)-(\d{12})\.pt$")
+
+
+class CheckpointSource(Protocol):
+    """What the interval timer asks for checkpoints (ps/server/durability.py)."""
+
+    def checkpoint_now(self, reason: str, *, wait: bool = False) -> bool: ...
 
 
 class UnverifiedCheckpoints(ValueError):
@@ -168,52 +169,7 @@ def newest_verified(
     return None, rejected
 
 
-# ---- what goes in a checkpoint ----------------------------------------------------------
-
-
-def snapshot(st: ShardState) -> dict[str, Any]:
-    """A deep copy of the shard's state (call under the shard's lock)."""
-    from ps import serde
-
-    job = st.job
-    assert job is not None
-    st.policy.settle(st)  # per-chunk rounds: no slot of an open round in a checkpoint
-    sparse = getattr(st, "sparse", None)  # set by the sparse servicer or a restore
-    return {
-        "format": FORMAT,
-        "job": serde.job_to_pb(job).SerializeToString(),
-        "step": st.checkpoint_step,
-        "time": time.time(),
-        "masters": {k: p.detach().clone() for k, p in st.masters.items()},
-        "optimizer": copy.deepcopy(st.optimizer.state_dict()),
-        "scheduler": copy.deepcopy(st.scheduler.state_dict()),
-        "loss_scale": [float(st.loss_scale.scale), int(st.loss_scale.clean_steps)],
-        "counters": {
-            "version": st.version,
-            "rounds": st.rounds,
-            "updates_applied": st.updates_applied,
-            "skipped_rounds": st.skipped_rounds,
-            "last_round_skipped": st.last_round_skipped,
-            "dropped_nonfinite": st.dropped_nonfinite,
-            "max_clock_gap": st.max_clock_gap,
-            "restores": st.restores,
-        },
-        "clocks": list(st.clocks),
-        # Integer buffers as int64 tensors, so the checksums cover them too.
-        "int_buffers": {
-            str(c): {
-                "worker": w,
-                "values": {k: torch.tensor(v, dtype=torch.int64) for k, v in vals.items()},
-            }
-            for c, (w, vals) in st.int_buffers.by_clock.items()
-        },
-        "live": sorted(st.live),
-        "left": sorted(st.left),
-        "staleness": {int(k): int(v) for k, v in st.staleness_counts.items()},
-        # Sparse tables (ps/server/sparse_shard.py): rows, per-row optimizer state,
-        # versions and clocks; their tensors get checksums like every other one.
-        "sparse": sparse.snapshot() if sparse is not None else {"tables": {}, "clocks": []},
-    }
+# ---- what a checkpoint holds (ps/server/durability.py takes and loads the snapshots) --------
 
 
 def job_of(snap: dict[str, Any]):  # noqa: ANN201 - ps.job.Job
@@ -223,45 +179,6 @@ def job_of(snap: dict[str, Any]):  # noqa: ANN201 - ps.job.Job
     spec = pb.JobSpec()
     spec.ParseFromString(snap["job"])
     return serde.job_from_pb(spec)
-
-
-def load_tensors(st: ShardState, snap: dict[str, Any]) -> None:
-    """Put a snapshot's masters, optimizer, schedule, loss scale and counters into `st`
-    (under its lock; st.job must already be the snapshot's job)."""
-    from ps.server.policy_for_mode import make_policy
-    from trainkit.optim import DynamicLossScale, build_optimizer, build_scheduler
-
-    job = st.job
-    assert job is not None
-    st.masters = {
-        s.key: torch.nn.Parameter(snap["masters"][s.key].clone().reshape(-1)) for s in job.slots
-    }
-    st.numel = {s.key: s.numel for s in job.slots}
-    st.optimizer = build_optimizer(st.masters.values(), job.optimizer)
-    # The scheduler first: building it sets the group's lr to the schedule's start, which
-    # the optimizer's saved param group (lr included) must then overwrite.
-    st.scheduler = build_scheduler(st.optimizer, job.optimizer)
-    st.optimizer.load_state_dict(snap["optimizer"])
-    st.scheduler.load_state_dict(snap["scheduler"])
-    st.loss_scale = DynamicLossScale(job.loss_scale)
-    st.loss_scale.scale, st.loss_scale.clean_steps = snap["loss_scale"]
-    if getattr(st, "policy", None) is not None:
-        st.policy.close()  # a rollback: queued work of the old policy must not run
-    st.policy = make_policy(job.mode, job.staleness, chunk_rounds=st.chunk_rounds)
-    c = snap["counters"]
-    st.version, st.rounds = int(c["version"]), int(c["rounds"])
-    st.updates_applied, st.skipped_rounds = int(c["updates_applied"]), int(c["skipped_rounds"])
-    st.last_round_skipped = bool(c["last_round_skipped"])
-    st.dropped_nonfinite, st.max_clock_gap = int(c["dropped_nonfinite"]), int(c["max_clock_gap"])
-    st.staleness_counts.clear()
-    st.staleness_counts.update(snap["staleness"])
-    # A checkpoint written before integer buffers existed has none: workers keep theirs.
-    st.int_buffers = IntBufferLog.for_job(job)
-    for clock, e in sorted(snap.get("int_buffers", {}).items(), key=lambda kv: int(kv[0])):
-        values = {k: tuple(int(x) for x in t.tolist()) for k, t in e["values"].items()}
-        st.int_buffers.put(int(clock), int(e["worker"]), values)
-    st._snapshots.clear()
-    st._staging.clear()
 
 
 # ---- when checkpoints are written -------------------------------------------------------
@@ -326,8 +243,9 @@ class CheckpointManager:
         every = self.period(rounds=rounds)
         return bool(every) and step % every == 0 and step != self.last_step
 
-    def start_timer(self, state: ShardState) -> None:
-        """async/ssp: ask the shard for a checkpoint every interval_s seconds."""
+    def start_timer(self, state: CheckpointSource) -> None:
+        """async/ssp: ask the shard (its durability) for a checkpoint every interval_s
+        seconds."""
         if not self.interval_s or self._timer is not None:
             return
 

@@ -43,7 +43,7 @@ from ps.server.policies import StagedPush, SyncPolicy, unused_by_all
 
 if TYPE_CHECKING:
     from ps.server.pushdata import PushTicket
-    from ps.server.shard import ShardState
+    from ps.server.view import ShardView
 
 
 class ChunkedSyncPolicy(SyncPolicy):
@@ -87,21 +87,21 @@ class ChunkedSyncPolicy(SyncPolicy):
 
     # ---- hooks (under the shard lock) -----------------------------------------------
 
-    def push_started(self, st: ShardState, ticket: PushTicket) -> None:
+    def push_started(self, view: ShardView, ticket: PushTicket) -> None:
         if ticket.duplicate:
             return  # a retry of an accepted push: its data is dropped, the original counts
         w = ticket.header.worker
         if self.tickets.pop(w, None) is not None:
-            self._undo(st)  # defensive: a worker's earlier push ended without a drop
+            self._undo(view)  # defensive: a worker's earlier push ended without a drop
         if not ticket.header.overflow:
             self.tickets[w] = ticket
 
-    def slot_complete(self, st: ShardState, ticket: PushTicket, key: str) -> None:
+    def slot_complete(self, view: ShardView, ticket: PushTicket, key: str) -> None:
         if self.tickets.get(ticket.header.worker) is not ticket or key in self.applied:
             return
-        if key in st.buffer_keys:
+        if key in view.buffer_keys:
             return  # a buffer's value, taken when the round closes (never stepped)
-        workers = self._workers(st)
+        workers = self._workers(view)
         sources = []
         for w in workers:
             t = self.tickets.get(w)
@@ -112,25 +112,25 @@ class ChunkedSyncPolicy(SyncPolicy):
             self._queue.append((self._gen, key, workers, sources))
             if self._thread is None:
                 self._thread = threading.Thread(
-                    target=self._run, args=(st,), name="psar-chunk-apply", daemon=True
+                    target=self._run, args=(view,), name="psar-chunk-apply", daemon=True
                 )
                 self._thread.start()
             self._wake.notify()
 
-    def push_dropped(self, st: ShardState, ticket: PushTicket) -> None:
+    def push_dropped(self, view: ShardView, ticket: PushTicket) -> None:
         if self.tickets.get(ticket.header.worker) is ticket:
             del self.tickets[ticket.header.worker]
-            self._undo(st)
+            self._undo(view)
 
-    def on_leave(self, st: ShardState, worker: int) -> None:
+    def on_leave(self, view: ShardView, worker: int) -> None:
         if worker not in self.pending:
             # It had not pushed: the round's mean no longer counts it.
             self.tickets.pop(worker, None)
-            self._undo(st)
-        super().on_leave(st, worker)
+            self._undo(view)
+        super().on_leave(view, worker)
 
-    def settle(self, st: ShardState) -> None:
-        self._undo(st)
+    def settle(self, view: ShardView) -> None:
+        self._undo(view)
 
     def quiesce(self) -> None:
         """Wait until every queued early update has run or been dropped."""
@@ -157,7 +157,7 @@ class ChunkedSyncPolicy(SyncPolicy):
 
     # ---- the applier thread -----------------------------------------------------------
 
-    def _run(self, st: ShardState) -> None:
+    def _run(self, view: ShardView) -> None:
         while True:
             with self._wake:
                 if not self._queue and not self._wake.wait_for(lambda: self._queue, 5.0):
@@ -168,11 +168,11 @@ class ChunkedSyncPolicy(SyncPolicy):
             try:
                 with self._apply_lock:
                     if gen == self._gen and key not in self.applied:
-                        self._save(st, key)
-                        self._apply(st, key, sources)
+                        self._save(view, key)
+                        self._apply(view, key, sources)
                         self.applied[key] = workers
                         self.chunks_early += 1
-                        st.metrics.chunk_applied_early()
+                        view.metrics.chunk_applied_early()
             finally:
                 with self._wake:
                     self._busy = False
@@ -180,18 +180,18 @@ class ChunkedSyncPolicy(SyncPolicy):
 
     # ---- closing the round ----------------------------------------------------------
 
-    def _close(self, st: ShardState, pushes: list[StagedPush]) -> None:
+    def _close(self, view: ShardView, pushes: list[StagedPush]) -> None:
         try:
-            self._close_round(st, pushes)
+            self._close_round(view, pushes)
         finally:
-            self._notify()  # st.rounds has moved on (or the round was skipped)
+            self._notify()  # view.rounds has moved on (or the round was skipped)
 
-    def _close_round(self, st: ShardState, pushes: list[StagedPush]) -> None:
+    def _close_round(self, view: ShardView, pushes: list[StagedPush]) -> None:
         workers = tuple(p.worker for p in pushes)
         self.tickets.clear()
         if any(p.overflow for p in pushes):
-            self._undo(st)
-            st.skip_round("overflow")
+            self._undo(view)
+            view.skip_round("overflow")
             return
         sources = [p.grads for p in pushes]
         # A slot some push had no gradient for was applied early from bytes the verdict
@@ -199,11 +199,11 @@ class ChunkedSyncPolicy(SyncPolicy):
         # slot no push used is only restored, never stepped (docs/architectures.md).
         absent = frozenset().union(*(p.absent for p in pushes))
         unused = unused_by_all(pushes)
-        buffers = st.buffer_values(sources)
+        buffers = view.buffer_values(sources)
         with self._apply_lock:  # waits for an update in progress; drops queued ones
             self._gen += 1
             redo: dict[str, bool] = {}  # slots still to apply -> taken with other workers
-            for key in st.masters:
+            for key in view.masters:
                 done = self.applied.pop(key, None)
                 if done != workers or key in absent:
                     redo[key] = done is not None
@@ -211,24 +211,24 @@ class ChunkedSyncPolicy(SyncPolicy):
 
             def one(key: str) -> None:
                 if redo[key]:  # go back, then redo
-                    self._restore(st, key)
+                    self._restore(view, key)
                 if key not in unused and key not in buffers:
-                    self._apply(st, key, sources)
+                    self._apply(view, key, sources)
 
             # Slots are independent (own master, state, undo and sum buffers): the
             # shard's update threads may take them in any order, same bits.
-            st.set_buffers(buffers)
-            st.stepper.each(st, redo, one)
-        st.finish_update(staleness=[0] * len(pushes))
+            view.set_buffers(buffers)
+            view.step_each(redo, one)
+        view.finish_update(staleness=[0] * len(pushes))
 
     # ---- one slot -------------------------------------------------------------------
 
-    def _workers(self, st: ShardState) -> tuple[int, ...]:
+    def _workers(self, view: ShardView) -> tuple[int, ...]:
         """Whose gradients the round's mean takes if it closed now: every live worker,
         and any that pushed and then left."""
-        return tuple(sorted(st.live | self.pending.keys()))
+        return tuple(sorted(view.live | self.pending.keys()))
 
-    def _apply(self, st: ShardState, key: str, sources: list[dict[str, torch.Tensor]]) -> None:
+    def _apply(self, view: ShardView, key: str, sources: list[dict[str, torch.Tensor]]) -> None:
         """Mean of the sources' slot in rank order (as SyncPolicy sums), one step on it."""
         if len(sources) == 1:
             grad = sources[0][key]
@@ -240,29 +240,29 @@ class ChunkedSyncPolicy(SyncPolicy):
             for s in sources[2:]:
                 grad.add_(s[key])
             grad.div_(len(sources))
-        st.step_slot(key, grad)
+        view.step_slot(key, grad)
         self.writes[key] += 1
 
-    def _undo(self, st: ShardState) -> None:
+    def _undo(self, view: ShardView) -> None:
         with self._apply_lock:
             self._gen += 1  # queued updates were decided on what no longer holds
             if not self.applied:
                 return
             for key in self.applied:
-                self._restore(st, key)
+                self._restore(view, key)
             self.applied.clear()
         self.chunk_undos += 1
-        st.metrics.chunk_undo()
+        view.metrics.chunk_undo()
         self._notify()
 
-    def _save(self, st: ShardState, key: str) -> None:
+    def _save(self, view: ShardView, key: str) -> None:
         """Copy the slot's master and optimizer state into persistent undo buffers."""
-        p = st.masters[key]
+        p = view.masters[key]
         buf = self._undo_master.get(key)
         if buf is None:
             buf = self._undo_master[key] = torch.empty_like(p.detach())
         buf.copy_(p.detach())
-        state = st.optimizer.state.get(p)
+        state = view.optimizer.state.get(p)
         if not state:
             self._undo_state[key] = None
             return
@@ -279,15 +279,15 @@ class ChunkedSyncPolicy(SyncPolicy):
                 saved[name] = v
         self._undo_state[key] = saved
 
-    def _restore(self, st: ShardState, key: str) -> None:
+    def _restore(self, view: ShardView, key: str) -> None:
         self.writes[key] += 1
-        p = st.masters[key]
+        p = view.masters[key]
         p.detach().copy_(self._undo_master[key])
         saved = self._undo_state[key]
         if saved is None:
-            st.optimizer.state.pop(p, None)  # the step created it
+            view.optimizer.state.pop(p, None)  # the step created it
             return
-        cur = st.optimizer.state[p]
+        cur = view.optimizer.state[p]
         for name in [n for n in cur if n not in saved]:
             del cur[name]
         for name, v in saved.items():

@@ -19,107 +19,40 @@ worker lets nothing it pulled early into its parameters before that header
 
 A shard without per-chunk rounds (or in async/ssp) answers as for an ordinary pull, once
 the worker's push of that clock is in, so a worker may always ask for an early pull.
+
+The pull itself is Pulls.pull_early (ps/server/pulls.py); here is what it reads of the
+per-chunk rule's applied slots while the round is open.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ps import wire
-from ps.errors import Cancelled, DeadlineExceeded
+from ps.errors import Cancelled
+from ps.server.state import ShardData
 
-_ALIVE_EVERY_S = 1.0
+ALIVE_EVERY_S = 1.0
 """How often a waiting early pull asks whether its worker is still there."""
 
 if TYPE_CHECKING:
     from ps.server.chunk_rounds import ChunkedSyncPolicy
-    from ps.server.shard import ShardState
 
 EarlyItem = tuple[Any, ...]
 """("piece", key, offset, bytes) or ("header", PullHeader, early_void)."""
 
 
-def iter_early_pull(
-    st: ShardState,
-    worker: int,
-    clock: int,
-    dtype: torch.dtype,
-    timeout: float,
-    *,
-    incarnation: int = 0,
-    views: bool = False,
-    alive: Callable[[], bool] = lambda: True,
-) -> Iterator[EarlyItem]:
-    """The items of one early pull, in the order they go on the wire. Refusals (a bad
-    dtype, an old incarnation, a clock this worker is not pushing) raise at the first
-    next(), before anything is sent; a deadline raises after the early pieces.
-
-    alive(): is the worker still there? Asked about once a second while the pull waits: a
-    worker whose push failed cuts its early pull short, and the round this pull waits for
-    may then never close; Cancelled frees the thread instead of holding it to the deadline."""
-    started = time.monotonic()
-    deadline = started + timeout
-    with st._cond:
-        job, inc = st._admit_pull(worker, clock, dtype, incarnation, early=True)
-        policy = st.policy
-    sent: dict[str, int] = {}
-    early_bytes = 0
-    if policy.applies_chunks:
-        while (got := _next_applied(st, policy, clock, dtype, sent, deadline, alive)) is not None:
-            for key, stamp, pieces in got:
-                sent[key] = stamp
-                for off, data in pieces:
-                    early_bytes += len(data)
-                    yield ("piece", key, off, data)
-    with st._cond:
-        ready = early_ready(st, worker, clock, inc)
-        while not (ok := ready()) and (left := deadline - time.monotonic()) > 0:
-            st._cond.wait(min(left, _ALIVE_EVERY_S))
-            _check_alive(alive, clock)
-        check_pushed(st, worker, clock, inc, timeout)
-        header, pieces = st._serve_pull(job, worker, clock, dtype, inc, views, ok, started)
-        void = policy is not st.policy or any(policy.slot_writes(k) != n for k, n in sent.items())
-        if sent:
-            policy.early_slots += len(sent)
-            policy.early_voids += int(void)
-            st.metrics.early_pull_ended(len(sent), void)
-    rest = sum(len(p[2]) for p in pieces if void or p[0] not in sent)
-    st.metrics.bytes_sent(early_bytes + rest)
-    yield ("header", header, void)
-    for key, off, data in pieces:
-        if void or key not in sent:
-            yield ("piece", key, off, data)
-
-
-def _check_alive(alive: Callable[[], bool], clock: int) -> None:
+def check_alive(alive: Callable[[], bool], clock: int) -> None:
     if not alive():
         raise Cancelled(f"early pull at clock {clock}: the worker hung up while it waited")
 
 
-def early_ready(st: ShardState, worker: int, clock: int, inc: int) -> Callable[[], bool]:
-    """The ordinary pull's condition, and this worker's own push of `clock` is in (an
-    async shard would answer at once, before the gradient it is waiting on)."""
-    ready = st._pull_ready(worker, clock, inc)
-    return lambda: ready() and (st.clocks[worker] >= clock or st.incarnation != inc)
-
-
-def check_pushed(st: ShardState, worker: int, clock: int, inc: int, timeout: float) -> None:
-    """Under the lock, once an early pull's wait ended: refuse it if the shard moved to
-    another incarnation or the worker's push of `clock` never came."""
-    st.check_incarnation(inc)
-    if st.clocks[worker] < clock:
-        raise DeadlineExceeded(
-            f"early pull by worker {worker} at clock {clock}: its push of that clock did "
-            f"not arrive within {timeout:.1f}s; check the worker's push errors"
-        )
-
-
-def _next_applied(
-    st: ShardState,
+def next_applied(
+    data: ShardData,
     policy: ChunkedSyncPolicy,
     clock: int,
     dtype: torch.dtype,
@@ -135,12 +68,12 @@ def _next_applied(
         return [k for k in list(policy.applied) if k not in sent]
 
     def done() -> bool:
-        return st.rounds >= clock or policy.retired or time.monotonic() >= deadline
+        return data.rounds >= clock or policy.retired or time.monotonic() >= deadline
 
     with policy._wake:
         while not (news() or done()):
-            policy._wake.wait(min(max(0.0, deadline - time.monotonic()), _ALIVE_EVERY_S))
-            _check_alive(alive, clock)
+            policy._wake.wait(min(max(0.0, deadline - time.monotonic()), ALIVE_EVERY_S))
+            check_alive(alive, clock)
         keys = news()
         if not keys:
             return None
@@ -148,12 +81,12 @@ def _next_applied(
     with policy._apply_lock:  # no update or undo runs while the bytes are copied
         for key in keys:
             if key in policy.applied:
-                out.append((key, policy.writes[key], _copy(st, policy, key, dtype)))
+                out.append((key, policy.writes[key], _copy(data, policy, key, dtype)))
     return out
 
 
 def _copy(
-    st: ShardState, policy: ChunkedSyncPolicy, key: str, dtype: torch.dtype
+    data: ShardData, policy: ChunkedSyncPolicy, key: str, dtype: torch.dtype
 ) -> list[tuple[int, Any]]:
     """A slot's wire pieces, shared by every early puller of the same write."""
     stamp = policy.writes[key]
@@ -163,7 +96,7 @@ def _copy(
         return hit[1]
     # One copy, cast on the way (the master may be undone or stepped while the pieces are
     # on the wire); the pieces are views of it, which keep it alive.
-    fresh = st.masters[key].detach().reshape(-1).to(dtype, copy=True)
-    pieces = list(wire.iter_pieces(fresh, st.message_bytes, copy=False))
+    fresh = data.masters[key].detach().reshape(-1).to(dtype, copy=True)
+    pieces = list(wire.iter_pieces(fresh, data.message_bytes, copy=False))
     cache[(key, dtype)] = (stamp, pieces)
     return pieces

@@ -63,10 +63,11 @@ class LeaseTable:
 
 
 class Reaper:
-    """A daemon thread that calls `state.expire_leases()` every `period` seconds.
+    """A daemon thread that calls `members.expire_leases()` every `period` seconds (the
+    shard's membership, ps/server/membership.py).
 
-    It holds only a weak reference to the shard, so a forgotten reaper never keeps a
-    shard alive; `stop()` ends it.
+    It holds only a weak reference to it, so a forgotten reaper never keeps a shard
+    alive; `stop()` ends it.
     """
 
     def __init__(self, state: Any, period: float) -> None:

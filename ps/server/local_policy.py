@@ -21,7 +21,7 @@ from ps.errors import InvalidArgument
 from ps.server.policies import SyncPolicy
 
 if TYPE_CHECKING:
-    from ps.server.shard import ShardState
+    from ps.server.view import ShardView
 
 
 class LocalPolicy(SyncPolicy):
@@ -29,7 +29,7 @@ class LocalPolicy(SyncPolicy):
 
     mode = "local"
 
-    def nonfinite_unflagged(self, st: ShardState, worker: int) -> None:
+    def nonfinite_unflagged(self, view: ShardView, worker: int) -> None:
         raise InvalidArgument(
             f"non-finite pseudo-gradient from worker {worker} without the overflow flag: in "
             "local mode a worker whose weights went inf/nan must push overflow=true (no "

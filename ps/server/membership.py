@@ -1,7 +1,8 @@
 """Who is in a shard's live set: leases, heartbeats, leaving, registering and rejoining.
 
-A mixin of ShardState (ps/server/shard.py): every method takes the shard's lock. The rules,
-per mode (docs/reliability.md has the whole protocol):
+`Membership` is a component of the shard (ps/server/shard.py); it owns the live set, the
+leases and the workers' admission (clock, incarnation) and takes the shard's lock in every
+public method. The rules, per mode (docs/reliability.md has the whole protocol):
 
 - A worker is *live* while its lease holds. Sync rounds close when every live worker
   has pushed (the mean is over those that pushed); SSP waits only for live workers.
@@ -17,13 +18,12 @@ per mode (docs/reliability.md has the whole protocol):
 from __future__ import annotations
 
 import secrets
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ps.errors import Aborted, FailedPrecondition, InvalidArgument
-from ps.server.pushdata import PushHeader
-
-if TYPE_CHECKING:
-    from ps.server.shard import ShardState
+from ps.headers import PushHeader
+from ps.server.state import ShardData
+from ps.server.view import ShardView
 
 
 class Restored(Aborted):
@@ -51,32 +51,38 @@ def new_incarnation() -> int:
 
 
 class Membership:
-    """Lease and live-set handling of a ShardState (see the module docstring)."""
+    """Leases and the live set of a shard (see the module docstring). `view`: what the
+    update rule is told a worker left with (a sync round may close)."""
 
-    def check_worker(self: ShardState, worker: int) -> None:
-        job = self._require_job()
+    def __init__(self, data: ShardData, view: ShardView) -> None:
+        self.data = data
+        self.view = view
+
+    def check_worker(self, worker: int) -> None:
+        job = self.data.require_job()
         if not 0 <= worker < job.num_workers:
             raise InvalidArgument(
                 f"worker {worker} is not in this job (workers 0..{job.num_workers - 1})",
                 reason="bad_worker",
             )
 
-    def check_incarnation(self: ShardState, incarnation: int) -> None:
-        if incarnation and incarnation != self.incarnation:
+    def check_incarnation(self, incarnation: int) -> None:
+        if incarnation and incarnation != self.data.incarnation:
             raise Restored(
                 f"restored: this shard was restored or rolled back (incarnation "
-                f"{self.incarnation}, the request expected {incarnation}); register again "
+                f"{self.data.incarnation}, the request expected {incarnation}); register again "
                 f"(the client does this by itself) and retry"
             )
 
-    def _check_clock(self: ShardState, h: PushHeader) -> bool:
+    def check_clock(self, h: PushHeader) -> bool:
         """Clocks advance by one per push. Returns True for an acknowledged retry."""
+        d = self.data
         if h.clock < 1:
             raise InvalidArgument(
                 f"push clock must be >= 1 (the worker's clock after this push), got {h.clock}",
                 reason="malformed",
             )
-        last = self.clocks[h.worker]
+        last = d.clocks[h.worker]
         if h.clock <= last:
             if h.retry:
                 return True
@@ -86,16 +92,16 @@ class Membership:
                 f"re-sending a push whose reply was lost",
                 reason="duplicate",
             )
-        if h.worker in self.left:
+        if h.worker in d.left:
             raise FailedPrecondition(
                 f"worker {h.worker} has left the job; it cannot push any more",
                 reason="left",
             )
-        if h.worker not in self.live:
+        if h.worker not in d.live:
             raise Expired(
                 f"expired: worker {h.worker} is not in the live set (its lease of "
-                f"{self.leases.lease_s:g}s expired, or it waits to join at round "
-                f"{self.joining.get(h.worker, '?')}); register again to rejoin"
+                f"{d.leases.lease_s:g}s expired, or it waits to join at round "
+                f"{d.joining.get(h.worker, '?')}); register again to rejoin"
             )
         if h.clock != last + 1:
             raise FailedPrecondition(
@@ -104,131 +110,139 @@ class Membership:
             )
         return False
 
-    def touch(self: ShardState, worker: int) -> None:
+    def touch(self, worker: int) -> None:
         """The worker was heard from (under the lock)."""
-        if worker in self.live:
-            self.leases.renew(worker)
+        if worker in self.data.live:
+            self.data.leases.renew(worker)
 
-    def heartbeat(self: ShardState, worker: int) -> tuple[bool, int, float]:
+    def heartbeat(self, worker: int) -> tuple[bool, int, float]:
         """Renew the worker's lease; returns (live, incarnation, lease_s)."""
-        with self._cond:
+        d = self.data
+        with d.cond:
             self.check_worker(worker)
             self.touch(worker)
-            return worker in self.live, self.incarnation, self.leases.lease_s
+            return worker in d.live, d.incarnation, d.leases.lease_s
 
-    def expire_leases(self: ShardState) -> list[int]:
+    def expire_leases(self) -> list[int]:
         """Drop every live worker whose lease ran out; returns them."""
-        with self._cond:
-            if self.job is None:
+        d = self.data
+        with d.cond:
+            if d.job is None:
                 return []
-            gone = [w for w in self.leases.expired() if w in self.live]
+            gone = [w for w in d.leases.expired() if w in d.live]
             for w in gone:
-                self.leases.drop(w)
-                self.expired.add(w)
+                d.leases.drop(w)
+                d.expired.add(w)
                 self._remove_live(w)
-                self.lease_expirations += 1
-                self.metrics.lease_expired()
+                d.lease_expirations += 1
+                d.metrics.lease_expired()
             return gone
 
-    def leave(self: ShardState, worker: int) -> int:
+    def leave(self, worker: int) -> int:
         """`worker` is done: nobody waits for it any more. Returns live workers left."""
-        with self._cond:
+        d = self.data
+        with d.cond:
             self.check_worker(worker)
-            self.left.add(worker)
-            self.expired.discard(worker)
-            self.joining.pop(worker, None)
-            self.leases.drop(worker)
-            if worker in self.live:
+            d.left.add(worker)
+            d.expired.discard(worker)
+            d.joining.pop(worker, None)
+            d.leases.drop(worker)
+            if worker in d.live:
                 self._remove_live(worker)
-            return len(self.live)
+            return len(d.live)
 
-    def _remove_live(self: ShardState, worker: int) -> None:
-        self.live.discard(worker)
-        self.policy.on_leave(self, worker)
-        self.metrics.set_live_workers(len(self.live))
-        self._cond.notify_all()
+    def _remove_live(self, worker: int) -> None:
+        d = self.data
+        d.live.discard(worker)
+        d.policy.on_leave(self.view, worker)
+        d.metrics.set_live_workers(len(d.live))
+        d.cond.notify_all()
 
-    def _add_live(self: ShardState, worker: int) -> None:
-        self.live.add(worker)
-        self.left.discard(worker)
-        self.leases.grant([worker], grace=False)
-        self.metrics.set_live_workers(len(self.live))
-        self._cond.notify_all()
+    def _add_live(self, worker: int) -> None:
+        d = self.data
+        d.live.add(worker)
+        d.left.discard(worker)
+        d.leases.grant([worker], grace=False)
+        d.metrics.set_live_workers(len(d.live))
+        d.cond.notify_all()
 
-    def promote_joiners(self: ShardState) -> None:
+    def promote_joiners(self) -> None:
         """sync: a round just closed; workers waiting for this boundary become live."""
-        for w, c in list(self.joining.items()):
-            if c <= self.rounds:
-                del self.joining[w]
+        d = self.data
+        for w, c in list(d.joining.items()):
+            if c <= d.rounds:
+                del d.joining[w]
                 self._add_live(w)
 
     def register(
-        self: ShardState, worker: int, clock: int, *, query: bool = False, instance: str = ""
+        self, worker: int, clock: int, *, query: bool = False, instance: str = ""
     ) -> dict[str, Any]:
         """Join or rejoin the live set (see the module docstring); query only reads."""
-        with self._cond:
+        d = self.data
+        with d.cond:
             self.check_worker(worker)
-            job = self.job
+            job = d.job
             assert job is not None
             rejoined = False
             if not query:
-                was_live = worker in self.live
-                old = self.instances.get(worker, "")
-                lapsed = not was_live and (worker in self.expired or worker in self.left)
-                if self.policy.rounds:  # join at a round boundary
+                was_live = worker in d.live
+                old = d.instances.get(worker, "")
+                lapsed = not was_live and (worker in d.expired or worker in d.left)
+                if d.policy.rounds:  # join at a round boundary
                     self._register_sync(worker, clock)
                 else:
-                    self.clocks[worker] = max(self.clocks[worker], clock)
-                    self.joining.pop(worker, None)
+                    d.clocks[worker] = max(d.clocks[worker], clock)
+                    d.joining.pop(worker, None)
                     if not was_live:
                         self._add_live(worker)
                     self.touch(worker)
                 changed = bool(old) and bool(instance) and instance != old
                 if changed or lapsed:
                     rejoined = True
-                    self.rejoins += 1
-                    self.metrics.worker_rejoined()
-                self.expired.discard(worker)
+                    d.rejoins += 1
+                    d.metrics.worker_rejoined()
+                d.expired.discard(worker)
                 if instance:
-                    self.instances[worker] = instance
+                    d.instances[worker] = instance
             return {
-                "incarnation": self.incarnation,
-                "clock": self.clocks[worker],
-                "version": self.version,
-                "rounds": self.rounds,
-                "live": worker in self.live,
+                "incarnation": d.incarnation,
+                "clock": d.clocks[worker],
+                "version": d.version,
+                "rounds": d.rounds,
+                "live": worker in d.live,
                 "rejoined": rejoined,
-                "lease_s": self.leases.lease_s,
-                "restored": self.restored_pending,
-                "restores": self.restores,
+                "lease_s": d.leases.lease_s,
+                "restored": d.restored_pending,
+                "restores": d.restores,
             }
 
-    def _register_sync(self: ShardState, worker: int, clock: int) -> None:
-        if self.rounds > clock:
+    def _register_sync(self, worker: int, clock: int) -> None:
+        d = self.data
+        if d.rounds > clock:
             raise TooLate(
-                f"too late: round {clock + 1} cannot be joined, {self.rounds} rounds have "
-                f"closed here; register for round {self.rounds + 1} or later",
+                f"too late: round {clock + 1} cannot be joined, {d.rounds} rounds have "
+                f"closed here; register for round {d.rounds + 1} or later",
             )
-        if clock < self.clocks[worker]:
+        if clock < d.clocks[worker]:
             raise FailedPrecondition(
-                f"sync: worker {worker} already pushed for round {self.clocks[worker]}; "
-                f"register with clock >= {self.clocks[worker]}",
+                f"sync: worker {worker} already pushed for round {d.clocks[worker]}; "
+                f"register with clock >= {d.clocks[worker]}",
                 reason="out_of_order",
             )
-        if worker in self.live and self.clocks[worker] == clock == self.rounds + 1:
+        if worker in d.live and d.clocks[worker] == clock == d.rounds + 1:
             self.touch(worker)  # it already pushed for the open round: it is in it
             return
-        if self.rounds == clock:
-            self.joining.pop(worker, None)
-            self.clocks[worker] = clock
-            if worker not in self.live:
+        if d.rounds == clock:
+            d.joining.pop(worker, None)
+            d.clocks[worker] = clock
+            if worker not in d.live:
                 self._add_live(worker)
             self.touch(worker)
             return
         # Join at a later boundary: out of the live set until round `clock` closes.
-        if worker in self.live:
-            self.leases.drop(worker)
+        if worker in d.live:
+            d.leases.drop(worker)
             self._remove_live(worker)
-        self.clocks[worker] = clock
-        self.joining[worker] = clock
+        d.clocks[worker] = clock
+        d.joining[worker] = clock
         self.promote_joiners()  # leaving may have closed the round it waits for

@@ -106,11 +106,11 @@ class Parking:
 
 
 def parking_of(owner: Any) -> Parking:
-    """The Parking of an object with a `_cond` (a ShardState), made on first use (no lock:
+    """The Parking of an object with a `cond` (a shard), made on first use (no lock:
     dict.setdefault is atomic, and this runs on the event loop)."""
     p = owner.__dict__.get("_parking")
     if p is None:
-        p = owner.__dict__.setdefault("_parking", Parking(owner._cond))
+        p = owner.__dict__.setdefault("_parking", Parking(owner.cond))
     return p
 
 
@@ -147,13 +147,13 @@ class Wake:
 async def wait_until(
     owner: Any, ready: Callable[[], bool], timeout: float, executor: Executor | None = None
 ) -> bool:
-    """Await `ready()` (evaluated under `owner._cond`) for at most `timeout` seconds
+    """Await `ready()` (evaluated under `owner.cond`) for at most `timeout` seconds
     without holding a thread; returns whether it holds."""
     parking = parking_of(owner)
     wake = Wake()
 
     def check_or_park() -> Any:
-        with owner._cond:
+        with owner.cond:
             return True if ready() else parking.park(ready, wake)
 
     waiter = None

@@ -12,7 +12,9 @@ ps/server compares mode names (tests/test_mode_wall.py holds that):
 - what a non-finite gradient without the overflow flag means (`nonfinite_unflagged`);
 - how a sparse table's row pushes are applied (`rows`, ps/server/sparse_policy.py).
 The shard (ps/server/shard.py) owns the state, the locking and the validation, and calls the
-policy under its lock. tests/test_policy_contract.py runs one contract suite on each.
+policy under its lock, handing it a `ShardView`: what a rule may read and change of the shard
+(ps/server/updates.py implements it), nothing else. tests/test_policy_contract.py runs one
+contract suite on each.
 
 Definitions used everywhere: a shard's *version* is the number of update rounds it has
 applied; a worker's *clock* is the number of gradients it has pushed; the *staleness* of
@@ -32,10 +34,10 @@ from ps.errors import FailedPrecondition, InvalidArgument
 from ps.headers import PushOutcome
 from ps.server.sparse_policy import RowPolicy, RowRounds, RowsOnArrival
 from ps.server.staleness import ServedWeights, step_adjust
+from ps.server.view import ShardView
 
 if TYPE_CHECKING:
     from ps.server.pushdata import PushTicket
-    from ps.server.shard import ShardState
 
 
 @dataclass(slots=True)
@@ -79,21 +81,21 @@ class UpdatePolicy(ABC):
     early_voids: int = 0
 
     @abstractmethod
-    def check_push(self, st: ShardState, worker: int, clock: int, base_version: int) -> None:
+    def check_push(self, view: ShardView, worker: int, clock: int, base_version: int) -> None:
         """Refuse (raise) a push header this policy cannot take, before any byte is read."""
 
     @abstractmethod
-    def accept(self, st: ShardState, push: StagedPush) -> PushOutcome:
+    def accept(self, view: ShardView, push: StagedPush) -> PushOutcome:
         """Take a validated push (called under the shard lock)."""
 
     @abstractmethod
-    def pull_ready(self, st: ShardState, worker: int, clock: int) -> bool:
+    def pull_ready(self, view: ShardView, worker: int, clock: int) -> bool:
         """May a pull from `worker` at `clock` be answered now?"""
 
-    def on_leave(self, st: ShardState, worker: int) -> None:  # noqa: B027 - optional hook
+    def on_leave(self, view: ShardView, worker: int) -> None:  # noqa: B027 - optional hook
         """A worker left the live set (finished, or its lease expired)."""
 
-    def pull_waited(self, st: ShardState, seconds: float) -> None:  # noqa: B027
+    def pull_waited(self, view: ShardView, seconds: float) -> None:  # noqa: B027
         """A pull was answered after waiting `seconds` for `pull_ready` (metrics)."""
 
     def push_ahead(self, ticket: PushTicket, lead_bytes: int) -> bool:
@@ -107,11 +109,11 @@ class UpdatePolicy(ABC):
         pulls compare it; ps/server/chunk_rounds.py). 0: this policy sends nothing early."""
         return 0
 
-    def served(self, st: ShardState, worker: int) -> None:  # noqa: B027
-        """`worker`'s pull is answered with the weights of st.version (under the lock;
+    def served(self, view: ShardView, worker: int) -> None:  # noqa: B027
+        """`worker`'s pull is answered with the weights of view.version (under the lock;
         async/ssp delay compensation keeps them, ps/server/staleness.py)."""
 
-    def nonfinite_unflagged(self, st: ShardState, worker: int) -> None:  # noqa: B027
+    def nonfinite_unflagged(self, view: ShardView, worker: int) -> None:  # noqa: B027
         """A push holds inf/nan without the overflow flag: raise to refuse it; returning
         lets the shard drop it as an overflow (counted)."""
 
@@ -119,9 +121,9 @@ class UpdatePolicy(ABC):
         """Some worker has pushed for a round that has not closed (draining waits for it)."""
         return False
 
-    def checkpoint_step(self, st: ShardState) -> int:
+    def checkpoint_step(self, view: ShardView) -> int:
         """What checkpoints (and restores) are numbered by."""
-        return st.rounds if self.rounds else st.version
+        return view.rounds if self.rounds else view.version
 
     def takes_int_buffers(self, held: int | None, worker: int) -> bool:
         """Keep this push's integer buffers for its clock (ps/server/buffers.py)? `held`:
@@ -131,16 +133,16 @@ class UpdatePolicy(ABC):
 
     # Per-chunk hooks (called under the shard lock only when applies_chunks is set).
 
-    def push_started(self, st: ShardState, ticket: PushTicket) -> None:  # noqa: B027
+    def push_started(self, view: ShardView, ticket: PushTicket) -> None:  # noqa: B027
         """A push header passed its checks; its data follows."""
 
-    def slot_complete(self, st: ShardState, ticket: PushTicket, key: str) -> None:  # noqa: B027
+    def slot_complete(self, view: ShardView, ticket: PushTicket, key: str) -> None:  # noqa: B027
         """Every piece of slot `key` of this push arrived and was unscaled."""
 
-    def push_dropped(self, st: ShardState, ticket: PushTicket) -> None:  # noqa: B027
+    def push_dropped(self, view: ShardView, ticket: PushTicket) -> None:  # noqa: B027
         """This push's data no longer counts: refused, cut off, or an overflow verdict."""
 
-    def settle(self, st: ShardState) -> None:  # noqa: B027
+    def settle(self, view: ShardView) -> None:  # noqa: B027
         """Make masters and optimizer state those of the last closed round (before a
         checkpoint snapshot or an off-round pull)."""
 
@@ -167,36 +169,36 @@ class SyncPolicy(UpdatePolicy):
     def __init__(self) -> None:
         self.pending: dict[int, StagedPush] = {}
 
-    def check_push(self, st: ShardState, worker: int, clock: int, base_version: int) -> None:
-        open_round = st.rounds + 1
+    def check_push(self, view: ShardView, worker: int, clock: int, base_version: int) -> None:
+        open_round = view.rounds + 1
         if clock != open_round:
             raise FailedPrecondition(
                 f"sync: worker {worker} pushed for round {clock} but round {open_round} is "
                 f"open; pull (clock {open_round - 1}) before computing the next gradient",
                 reason="out_of_order",
             )
-        if base_version != st.version:
+        if base_version != view.version:
             raise FailedPrecondition(
                 f"sync: gradient computed from version {base_version}, but round {open_round} "
-                f"needs version {st.version}; pull the current weights first",
+                f"needs version {view.version}; pull the current weights first",
                 reason="too_stale",
             )
 
-    def accept(self, st: ShardState, push: StagedPush) -> PushOutcome:
+    def accept(self, view: ShardView, push: StagedPush) -> PushOutcome:
         self.pending[push.worker] = push
-        self._maybe_close(st)
+        self._maybe_close(view)
         return PushOutcome(applied=True, dropped_nonfinite=False, staleness=0)
 
-    def pull_ready(self, st: ShardState, worker: int, clock: int) -> bool:
-        return st.rounds >= clock
+    def pull_ready(self, view: ShardView, worker: int, clock: int) -> bool:
+        return view.rounds >= clock
 
-    def on_leave(self, st: ShardState, worker: int) -> None:
-        self._maybe_close(st)
+    def on_leave(self, view: ShardView, worker: int) -> None:
+        self._maybe_close(view)
 
-    def pull_waited(self, st: ShardState, seconds: float) -> None:
-        st.metrics.barrier_wait(seconds)
+    def pull_waited(self, view: ShardView, seconds: float) -> None:
+        view.metrics.barrier_wait(seconds)
 
-    def nonfinite_unflagged(self, st: ShardState, worker: int) -> None:
+    def nonfinite_unflagged(self, view: ShardView, worker: int) -> None:
         raise InvalidArgument(
             "non-finite gradient without the overflow flag: in sync mode a worker that sees "
             "inf/nan must push overflow=true (no data) so every shard skips the round",
@@ -211,19 +213,19 @@ class SyncPolicy(UpdatePolicy):
     def round_in_flight(self) -> bool:
         return bool(self.pending)
 
-    def _maybe_close(self, st: ShardState) -> None:
-        if not self.pending or not st.live.issubset(self.pending):
+    def _maybe_close(self, view: ShardView) -> None:
+        if not self.pending or not view.live.issubset(self.pending):
             return
         pushes = [self.pending[w] for w in sorted(self.pending)]
         self.pending = {}
-        self._close(st, pushes)
+        self._close(view, pushes)
 
-    def _close(self, st: ShardState, pushes: list[StagedPush]) -> None:
+    def _close(self, view: ShardView, pushes: list[StagedPush]) -> None:
         """Every live worker has pushed (`pushes`, in rank order): apply or skip."""
         if any(p.overflow for p in pushes):
-            st.skip_round("overflow")
+            view.skip_round("overflow")
             return
-        buffers = st.buffer_values([p.grads for p in pushes])  # before the sum below
+        buffers = view.buffer_values([p.grads for p in pushes])  # before the sum below
         # Sum in place into the lowest rank's staging buffers (they are consumed by this
         # round), always in rank order: the bits never depend on arrival order.
         total = pushes[0].grads
@@ -238,8 +240,8 @@ class SyncPolicy(UpdatePolicy):
         unused = unused_by_all(pushes)
         if unused or buffers:
             total = {k: t for k, t in total.items() if k not in unused and k not in buffers}
-        st.set_buffers(buffers)
-        st.apply_update(total, staleness=[0] * len(pushes))
+        view.set_buffers(buffers)
+        view.apply_update(total, staleness=[0] * len(pushes))
 
 
 def unused_by_all(pushes: list[StagedPush]) -> frozenset[str]:
@@ -258,33 +260,35 @@ class AsyncPolicy(UpdatePolicy):
     def __init__(self) -> None:
         self.bases = ServedWeights()
 
-    def check_push(self, st: ShardState, worker: int, clock: int, base_version: int) -> None:
-        if base_version > st.version:
+    def check_push(self, view: ShardView, worker: int, clock: int, base_version: int) -> None:
+        if base_version > view.version:
             raise InvalidArgument(
                 f"gradient claims base version {base_version}, but this shard is only at "
-                f"version {st.version}; send the version your last pull returned",
+                f"version {view.version}; send the version your last pull returned",
                 reason="bad_version",
             )
 
-    def accept(self, st: ShardState, push: StagedPush) -> PushOutcome:
-        staleness = st.version - push.base_version
+    def accept(self, view: ShardView, push: StagedPush) -> PushOutcome:
+        staleness = view.version - push.base_version
         if push.overflow:
-            st.drop_nonfinite()
+            view.drop_nonfinite()
             return PushOutcome(applied=False, dropped_nonfinite=True, staleness=staleness)
-        assert st.job is not None
-        if st.job.delay_compensation:
-            self.bases.compensate(st, push.worker, push.base_version, push.grads)
-        st.apply_update(push.grads, staleness=[staleness], adjust=step_adjust(st.job, staleness))
+        assert view.job is not None
+        if view.job.delay_compensation:
+            self.bases.compensate(view, push.worker, push.base_version, push.grads)
+        view.apply_update(
+            push.grads, staleness=[staleness], adjust=step_adjust(view.job, staleness)
+        )
         return PushOutcome(applied=True, dropped_nonfinite=False, staleness=staleness)
 
-    def pull_ready(self, st: ShardState, worker: int, clock: int) -> bool:
+    def pull_ready(self, view: ShardView, worker: int, clock: int) -> bool:
         return True
 
-    def served(self, st: ShardState, worker: int) -> None:
-        if st.job is not None and st.job.delay_compensation:
-            self.bases.served(st, worker)
+    def served(self, view: ShardView, worker: int) -> None:
+        if view.job is not None and view.job.delay_compensation:
+            self.bases.served(view, worker)
 
-    def on_leave(self, st: ShardState, worker: int) -> None:
+    def on_leave(self, view: ShardView, worker: int) -> None:
         self.bases.forget(worker)
 
 
@@ -302,8 +306,8 @@ class SSPPolicy(AsyncPolicy):
         super().__init__()
         self.staleness = staleness
 
-    def pull_ready(self, st: ShardState, worker: int, clock: int) -> bool:
-        return clock - st.slowest_live_clock(default=clock) <= self.staleness
+    def pull_ready(self, view: ShardView, worker: int, clock: int) -> bool:
+        return clock - view.slowest_live_clock(default=clock) <= self.staleness
 
-    def pull_waited(self, st: ShardState, seconds: float) -> None:
-        st.metrics.ssp_wait(seconds)
+    def pull_waited(self, view: ShardView, seconds: float) -> None:
+        view.metrics.ssp_wait(seconds)

@@ -64,11 +64,11 @@ def build_state(cfg: ServerConfig, metrics: Any = None) -> ShardState:
             )
         else:
             step, snap = found
-            state.restore(step, snap)
+            state.durability.restore(step, snap)
             log.info("restored shard %d from step %d of %s", shard, step, cfg.restore)
             print(f"psar server restored step {step} from {cfg.restore}", flush=True)
     if manager is not None:
-        manager.start_timer(state)
+        manager.start_timer(state.durability)
     return state
 
 
@@ -160,7 +160,7 @@ def start_server(
     server.psar_health = health  # type: ignore[attr-defined]
     server.psar_dataplane = dataplane  # type: ignore[attr-defined]
     if getattr(state, "_reaper", None) is None:
-        state._reaper = Reaper(state, period=min(1.0, state.leases.lease_s / 4))  # type: ignore[attr-defined]
+        state._reaper = Reaper(state.members, period=min(1.0, state.leases.lease_s / 4))  # type: ignore[attr-defined]
     return server, port, state
 
 
@@ -205,11 +205,12 @@ def shutdown(server: ShardServer, state: ShardState, drain_timeout_s: float) -> 
     health = getattr(server, "psar_health", None)
     if health is not None:
         health.not_serving()
-    state.drain()
-    if not state.wait_drained(drain_timeout_s):
+    durability = state.durability
+    durability.drain()
+    if not durability.wait_drained(drain_timeout_s):
         log.warning("the sync round in flight did not finish in %.1fs", drain_timeout_s)
-    if state.checkpoint_now("shutdown", wait=True):
-        print(f"psar server final checkpoint at step {state.checkpoint_step}", flush=True)
+    if durability.checkpoint_now("shutdown", wait=True):
+        print(f"psar server final checkpoint at step {durability.checkpoint_step}", flush=True)
     if health is not None:
         health.shutdown()
     stop_server(server, grace=2)

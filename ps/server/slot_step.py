@@ -36,7 +36,7 @@ import torch
 from trainkit.optim import StepAdjust, adjusted, build_optimizer
 
 if TYPE_CHECKING:
-    from ps.server.shard import ShardState
+    from ps.server.state import ShardData
 
 #: Below this many elements in a step the pool costs more than it saves (each slot's
 #: step has ~50 us of Python around it): step on the calling thread.
@@ -52,7 +52,7 @@ def apply_torch_threads(setting: str) -> None:
 
 
 class SlotStepper:
-    """Steps a ShardState's slots on `threads` threads; accounts the update's time."""
+    """Steps a shard's slots on `threads` threads; accounts the update's time."""
 
     def __init__(self, threads: int = 1) -> None:
         self.threads = max(1, int(threads))
@@ -68,7 +68,7 @@ class SlotStepper:
 
     # ---- stepping --------------------------------------------------------------------
 
-    def step_all(self, st: ShardState, adjust: StepAdjust | None = None) -> None:
+    def step_all(self, st: ShardData, adjust: StepAdjust | None = None) -> None:
         """One optimizer step of every slot; each master's .grad is already set. `adjust`
         changes this step's lr / momentum (async/ssp staleness-aware updates); the per-slot
         optimizers take the adjusted values from the shard optimizer's group."""
@@ -80,7 +80,7 @@ class SlotStepper:
                 st.optimizer.step()
         self._add(time.perf_counter() - t0)
 
-    def step_slot(self, st: ShardState, key: str, grad: torch.Tensor) -> None:
+    def step_slot(self, st: ShardData, key: str, grad: torch.Tensor) -> None:
         """One optimizer step of slot `key` only (per-chunk rounds). Safe to call from
         several threads at once for different slots when threads > 1."""
         t0 = time.perf_counter()
@@ -96,7 +96,7 @@ class SlotStepper:
         if not getattr(self._local, "batched", False):
             self._add(time.perf_counter() - t0)
 
-    def each(self, st: ShardState, keys: Iterable[str], fn: Callable[[str], Any]) -> None:
+    def each(self, st: ShardData, keys: Iterable[str], fn: Callable[[str], Any]) -> None:
         """fn(key) for each slot, on the pool when it pays (fn may call step_slot);
         timed as one batch of update work."""
         keys = list(keys)
@@ -136,7 +136,7 @@ class SlotStepper:
         with self._lock:
             self._pending_s += seconds
 
-    def _parallel(self, st: ShardState, params: Iterable[torch.Tensor]) -> bool:
+    def _parallel(self, st: ShardData, params: Iterable[torch.Tensor]) -> bool:
         if self.threads < 2 or len(st.optimizer.param_groups) != 1:
             return False
         sizes = [p.numel() for p in params]
@@ -154,7 +154,7 @@ class SlotStepper:
         finally:
             self._local.batched = False
 
-    def _run(self, st: ShardState) -> None:
+    def _run(self, st: ShardData) -> None:
         """Step every slot (grads set) on the pool, largest first so the tail is short."""
         for key, p in st.masters.items():
             self._view(st, key, p)  # built here: the pool threads only read the cache
@@ -162,7 +162,7 @@ class SlotStepper:
         items = sorted(st.masters.items(), key=lambda kv: -kv[1].numel())
         _wait_all([pool.submit(self._view_step, st, k, p) for k, p in items])
 
-    def _view(self, st: ShardState, key: str, p: torch.Tensor) -> torch.optim.Optimizer:
+    def _view(self, st: ShardData, key: str, p: torch.Tensor) -> torch.optim.Optimizer:
         """The per-slot optimizer of `key` (rebuilt when the masters were replaced)."""
         cached = self._views.get(key)
         if cached is not None and cached[0] is p:
@@ -172,7 +172,7 @@ class SlotStepper:
         self._views[key] = (p, view)
         return view
 
-    def _view_step(self, st: ShardState, key: str, p: torch.Tensor) -> None:
+    def _view_step(self, st: ShardData, key: str, p: torch.Tensor) -> None:
         main = st.optimizer
         view = self._view(st, key, p)
         view.state = main.state  # shared: checkpoints and digests read the shard's optimizer

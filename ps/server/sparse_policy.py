@@ -18,13 +18,37 @@ Both are stateless: the open rounds, counters and clocks stay in SparseTables
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING
+from collections import Counter
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from ps.server.sparse_shard import RowPush, SparseTables
-    from ps.server.sparse_table import SparseTable
+from ps.server.sparse_table import SparseTable
+
+
+@dataclass
+class RowPush:
+    """One worker's validated row gradients of one table for one clock."""
+
+    worker: int
+    clock: int
+    base_version: int
+    overflow: bool
+    ids: torch.Tensor
+    grads: torch.Tensor
+    """fp32 (n, dim), loss scale already divided out."""
+
+
+class TableRounds(Protocol):
+    """What a row rule may change of a shard's tables (ps/server/sparse_shard.py holds them)."""
+
+    pending: dict[tuple[str, int], dict[int, RowPush]]
+    """(table, clock) -> the pushes of a round still open, by worker."""
+    clocks: dict[tuple[str, int], int]
+    """(table, worker) -> the newest clock pushed."""
+    skipped: Counter[str]
+    staleness: dict[str, Counter[int]]
 
 
 class RowPolicy(ABC):
@@ -32,7 +56,7 @@ class RowPolicy(ABC):
 
     @abstractmethod
     def accept(
-        self, tables: SparseTables, name: str, t: SparseTable, p: RowPush, live: set[int]
+        self, tables: TableRounds, name: str, t: SparseTable, p: RowPush, live: set[int]
     ) -> tuple[bool, int]:
         """Returns (accepted, staleness); `live` is the shard's live set at the push."""
 
@@ -46,7 +70,7 @@ class RowsOnArrival(RowPolicy):
     """Apply every push at once; an overflowing push is skipped (and counted)."""
 
     def accept(
-        self, tables: SparseTables, name: str, t: SparseTable, p: RowPush, live: set[int]
+        self, tables: TableRounds, name: str, t: SparseTable, p: RowPush, live: set[int]
     ) -> tuple[bool, int]:
         if p.overflow:
             tables.skipped[name] += 1
@@ -62,7 +86,7 @@ class RowRounds(RowPolicy):
     has pushed, as the mean in worker-rank order."""
 
     def accept(
-        self, tables: SparseTables, name: str, t: SparseTable, p: RowPush, live: set[int]
+        self, tables: TableRounds, name: str, t: SparseTable, p: RowPush, live: set[int]
     ) -> tuple[bool, int]:
         tables.pending.setdefault((name, p.clock), {})[p.worker] = p
         # Rounds close in clock order; an older one still open closes here once the
@@ -82,7 +106,7 @@ class RowRounds(RowPolicy):
         # a later clock was sent to this shard before a restore or rollback took it back.
         return clock > rounds + 1
 
-    def _close(self, tables: SparseTables, t: SparseTable, name: str, clock: int) -> None:
+    def _close(self, tables: TableRounds, t: SparseTable, name: str, clock: int) -> None:
         rnd = tables.pending.pop((name, clock))
         if any(q.overflow for q in rnd.values()):
             tables.skipped[name] += 1

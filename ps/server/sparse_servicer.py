@@ -35,7 +35,7 @@ class SparseServicer(ParameterServerServicer):
 
     def __init__(self, state: ShardState) -> None:
         super().__init__(state)
-        if not hasattr(state, "sparse"):
+        if state.sparse is None:
             state.sparse = SparseTables(state)
         self.sparse: SparseTables = state.sparse
 

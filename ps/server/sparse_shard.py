@@ -1,7 +1,7 @@
 """A shard's sparse tables: create, pull rows, push row gradients.
 
-Lives next to the dense ShardState (ps/server/shard.py) and reads its job (workers), live
-set and update policy, but keeps its own lock, versions and clocks per table. What a
+Lives next to the dense shard (ps/server/state.py) and reads its job (workers), live set
+and update policy, but keeps its own lock, versions and clocks per table. What a
 validated push does is the policy's decision: its `rows` (ps/server/sparse_policy.py)
 holds sync pushes for a round, or applies async/ssp ones on arrival. Workers push rows
 before their dense gradient of the same clock, so by the time a dense sync pull returns,
@@ -15,13 +15,12 @@ from __future__ import annotations
 import logging
 import threading
 from collections import Counter
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from ps.errors import FailedPrecondition, InvalidArgument, NotFound, quote
-from ps.server.sparse_policy import RowPolicy
+from ps.server.sparse_policy import RowPolicy, RowPush
 from ps.server.sparse_table import SparseTable
 from ps.sparse_spec import TableSpec
 from trainkit.finite import all_finite_readonly
@@ -34,19 +33,20 @@ class TablesMismatch(ValueError):
     that `psar server --restore` exits non-zero with the message)."""
 
 
-@dataclass
-class RowPush:
-    worker: int
-    clock: int
-    base_version: int
-    overflow: bool
-    ids: torch.Tensor
-    grads: torch.Tensor
-    """fp32 (n, dim), loss scale already divided out."""
+class DenseShard(Protocol):
+    """What the tables read of their dense shard (ps/server/state.py): its lock, job, live
+    set, rounds and update rule (whose `rows` decides what a row push does)."""
+
+    cond: threading.Condition
+    live: set[int]
+    rounds: int
+    policy: Any
+
+    def require_job(self) -> Any: ...
 
 
 class SparseTables:
-    def __init__(self, state: Any) -> None:
+    def __init__(self, state: DenseShard) -> None:
         self.state = state
         self.tables: dict[str, SparseTable] = {}
         self.specs: list[TableSpec] | None = None
@@ -112,8 +112,8 @@ class SparseTables:
         """The shard's row policy, live set, number of workers and rounds, read under its
         lock."""
         st = self.state
-        with st._cond:
-            job = st._require_job()
+        with st.cond:
+            job = st.require_job()
             return st.policy.rows, set(st.live), job.num_workers, st.rounds
 
     # ---- pull -----------------------------------------------------------------------
@@ -195,7 +195,7 @@ class SparseTables:
                 for name, t in self.tables.items()
             }
 
-    # ---- checkpoints (ps/server/checkpoint.py, recovery.py) -------------------------
+    # ---- checkpoints (ps/server/durability.py) -------------------------
 
     def snapshot(self) -> dict[str, Any]:
         """A copy of every table (rows, optimizer state, version, counters) and of the
@@ -273,7 +273,7 @@ class SparseTables:
             if clocks_at is None:
                 self.clocks = {(str(n), int(w)): int(c) for n, w, c in snap.get("clocks", [])}
             else:
-                n_workers = self.state.job.num_workers
+                n_workers = self.state.require_job().num_workers
                 self.clocks = {(n, w): clocks_at for n in tables for w in range(n_workers)}
             self.restored_from = where if tables else ""
 

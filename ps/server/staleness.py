@@ -32,7 +32,7 @@ from trainkit.optim import StepAdjust, async_momentum, delay_compensate_, stalen
 
 if TYPE_CHECKING:
     from ps.job import Job
-    from ps.server.shard import ShardState
+    from ps.server.view import ShardView
 
 
 def step_adjust(job: Job, staleness: int) -> StepAdjust | None:
@@ -85,11 +85,11 @@ class ServedWeights:
         """--dc-adaptive: slot -> moving mean of g * g (not checkpointed: a restored shard
         starts it afresh, from the first push after the restore)."""
 
-    def served(self, st: ShardState, worker: int) -> None:
+    def served(self, view: ShardView, worker: int) -> None:
         """`worker` is sent the weights of the shard's current version (under the lock)."""
-        v = st.version
+        v = view.version
         if v not in self.copies:
-            self.copies[v] = {k: p.detach().clone() for k, p in st.masters.items()}
+            self.copies[v] = {k: p.detach().clone() for k, p in view.masters.items()}
         self.base_of[worker] = v
         self._evict()
 
@@ -99,22 +99,22 @@ class ServedWeights:
         self._evict()
 
     def compensate(
-        self, st: ShardState, worker: int, base_version: int, grads: dict[str, torch.Tensor]
+        self, view: ShardView, worker: int, base_version: int, grads: dict[str, torch.Tensor]
     ) -> None:
         """DC-ASGD on `grads` in place (under the lock, before the step)."""
-        lam = st.job.delay_compensation if st.job is not None else 0.0
-        adaptive = st.job is not None and st.job.dc_adaptive
+        lam = view.job.delay_compensation if view.job is not None else 0.0
+        adaptive = view.job is not None and view.job.dc_adaptive
         if adaptive:  # every push feeds the mean square, fresh ones too (the paper's MeanSquare)
             for key, g in grads.items():
                 self.mean_sq[key] = mean_square_update(self.mean_sq.get(key), g)
-        if not lam or base_version == st.version:
+        if not lam or base_version == view.version:
             return  # nothing moved since the worker's pull: no correction
         base = self.copies.get(base_version) if self.base_of.get(worker) == base_version else None
         if base is None:
             self.missing += 1
             return
         for key, g in grads.items():
-            w_now = st.masters[key].detach()
+            w_now = view.masters[key].detach()
             if adaptive:
                 dc_adaptive_(g, lam, self.mean_sq[key], w_now, base[key])
             else:
