@@ -118,7 +118,7 @@ class DDPBackend:
         self.local: LocalSteps | None = None
         """--mode local: the inner optimizer and anchor (trainkit/local_sgd.py)."""
         if cfg.local_sgd:
-            self.mode = "local"
+            self.mode = cfg.ps.mode  # --mode local
 
     def setup(self, model: torch.nn.Module) -> torch.nn.Module:
         init_process_group(self.cfg, self.device)

@@ -21,6 +21,7 @@ import torch
 from ps.errors import FailedPrecondition, InvalidArgument, Unavailable
 from ps.server.checkpoint import CheckpointManager, list_checkpoints
 from ps.server.membership import TooLate
+from ps.server.modes import Modes
 from ps.server.recorder import NullShardRecorder
 from ps.server.shard import ShardState
 from ps.server.sparse_shard import RowPush, SparseTables
@@ -34,13 +35,16 @@ class Promises:
     """Updates come in rounds every live worker joins: see UpdatePolicy.rounds."""
     pull_wait: str | None
     """The ShardMetrics method a released pull's wait goes to (None: not recorded)."""
+    shard_loss_scale: bool = False
+    """The shard owns the job's loss scale (it backs off on a skipped round)."""
 
 
 PROMISES = {
-    "sync": Promises(rounds=True, pull_wait="barrier_wait"),
+    "sync": Promises(rounds=True, pull_wait="barrier_wait", shard_loss_scale=True),
     "async": Promises(rounds=False, pull_wait=None),
     "ssp": Promises(rounds=False, pull_wait="ssp_wait"),
-    "local": Promises(rounds=True, pull_wait="barrier_wait"),  # sync rounds of pseudo-gradients
+    # sync rounds of pseudo-gradients; the workers keep the loss scale of their inner steps
+    "local": Promises(rounds=True, pull_wait="barrier_wait"),
 }
 
 
@@ -62,6 +66,7 @@ class DecisionContract:
 
     mode: str
     chunk_rounds: bool
+    modes: Modes
     job: Any
     setup: Any
     new_state: Any
@@ -69,12 +74,15 @@ class DecisionContract:
 
     @property
     def promises(self) -> Promises:
+        """What the suite's mode promises (a mode of one's own overrides this)."""
         return PROMISES[self.mode]
 
     def _with_checkpoints(self, tmp_path: Path, **kw: Any) -> tuple[ShardState, Any]:
         job = self.job("sgd")
         st = ShardState(
-            checkpoints=CheckpointManager(tmp_path, **kw), chunk_rounds=self.chunk_rounds
+            modes=self.modes,
+            checkpoints=CheckpointManager(tmp_path, **kw),
+            chunk_rounds=self.chunk_rounds,
         )
         st.init(job, init_values(job))
         return st, job
@@ -84,7 +92,7 @@ class DecisionContract:
         self.push_clock(st, job, 1)
         n = job.num_workers
         assert (st.rounds, st.version) == ((1, 1) if self.promises.rounds else (0, n))
-        assert st.policy.rounds == self.promises.rounds
+        assert st.traits.rounds == self.promises.rounds
 
     def test_checkpoints_are_numbered_and_placed_as_the_mode_says(self, tmp_path: Path) -> None:
         st, job = self._with_checkpoints(tmp_path, every=2)
@@ -108,7 +116,9 @@ class DecisionContract:
         job = self.job(opt)
         values = init_values(job)
         st = ShardState(
-            checkpoints=CheckpointManager(tmp_path, every=1), chunk_rounds=self.chunk_rounds
+            modes=self.modes,
+            checkpoints=CheckpointManager(tmp_path, every=1),
+            chunk_rounds=self.chunk_rounds,
         )
         st.init(job, values)
         for clock in (1, 2):
@@ -133,7 +143,7 @@ class DecisionContract:
         self.push_clock(st, job, 1)
         with st.cond:
             snap = st.durability.snapshot()
-        back = ShardState(chunk_rounds=self.chunk_rounds)
+        back = ShardState(modes=self.modes, chunk_rounds=self.chunk_rounds)
         back.durability.restore(st.durability.checkpoint_step, snap)
         assert back.restored_pending is self.promises.rounds
         assert back.members.register(0, 1, query=True)["restored"] is self.promises.rounds
@@ -153,7 +163,7 @@ class DecisionContract:
 
     def test_a_pull_wait_is_recorded_as_the_mode_says(self) -> None:
         job = self.job("sgd")
-        st = ShardState(metrics=WaitRecorder(), chunk_rounds=self.chunk_rounds)
+        st = ShardState(modes=self.modes, metrics=WaitRecorder(), chunk_rounds=self.chunk_rounds)
         st.init(job, init_values(job))
         self.push_clock(st, job, 1)
         pull(st, 0, 1, timeout=1.0)

@@ -235,9 +235,9 @@ class CheckpointManager:
 
     def every_for(self, mode: str) -> int:
         """period() for a mode name (tools and tests; the shard asks its policy)."""
-        from ps.server.policy_for_mode import make_policy
+        from ps.server.modes import BUILTIN  # tools only: the shard asks its job's traits
 
-        return self.period(rounds=make_policy(mode, 0).rounds)
+        return self.period(rounds=BUILTIN.get(mode).traits.rounds)
 
     def due(self, step: int, *, rounds: bool) -> bool:
         every = self.period(rounds=rounds)

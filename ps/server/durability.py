@@ -67,12 +67,10 @@ class Durability:
 
     @property
     def checkpoint_step(self) -> int:
-        """What checkpoints are numbered by: the round (sync) or the version (the policy's
-        choice)."""
+        """What checkpoints are numbered by: the round (modes in rounds: every shard then
+        checkpoints the same rounds) or the version."""
         d = self.data
-        if d.job is None or d.policy is None:
-            return d.version
-        return d.policy.checkpoint_step(self.updates)
+        return d.rounds if d.job is not None and d.traits.rounds else d.version
 
     def maybe_checkpoint(self, force: bool = False) -> None:
         """Under the lock, after an update or a round: a checkpoint if one is due."""
@@ -81,7 +79,7 @@ class Durability:
         if m is None or job is None:
             return
         step = self.checkpoint_step
-        if force or m.due(step, rounds=self.updates.policy.rounds):
+        if force or m.due(step, rounds=d.traits.rounds):
             m.submit(step, self.snapshot())
 
     def checkpoint_now(self, reason: str, *, wait: bool = False) -> bool:
@@ -90,7 +88,7 @@ class Durability:
         d = self.data
         with d.cond:
             m, job = d.checkpoints, d.job
-            if m is None or job is None or (self.updates.policy.rounds and not wait):
+            if m is None or job is None or (d.traits.rounds and not wait):
                 return False
             step = self.checkpoint_step
             if not wait and step == m.last_step:
@@ -187,6 +185,7 @@ class Durability:
             where = f"the checkpoint of step {step}"
             # Checked before anything changes: TablesMismatch stops `psar server`.
             tables = SparseTables.parse(snap.get("sparse"), job, where)
+            job = d.modes.serve(job)  # with its mode's traits (a file may predate them)
             d.job = job
             self._load(snap)
             if d.sparse is None:
@@ -197,7 +196,7 @@ class Durability:
             d.left = set(snap["left"])
             d.restores = int(snap["counters"]["restores"]) + 1
             d.restored_step = step
-            d.restored_pending = self.updates.policy.rounds  # every shard must follow it back
+            d.restored_pending = d.traits.rounds  # every shard must follow it back
             if d.checkpoints is not None:
                 d.checkpoints.last_step = step
             self._started(job)
@@ -209,7 +208,7 @@ class Durability:
         d = self.data
         with d.cond:
             job = d.require_job()
-            if not self.updates.policy.rounds:
+            if not d.traits.rounds:
                 raise FailedPrecondition("rollback is for sync mode only", reason="malformed")
             if d.rounds <= max_round:
                 return self._rollback_reply(False)

@@ -2,7 +2,7 @@
 `psar server --chunk-rounds`, the TCP data plane; docs/architectures.md, "Early pulls").
 
 Why: with per-chunk rounds a shard applies each slot as soon as every worker has pushed
-it (ps/server/chunk_rounds.py). An ordinary pull still waits for the whole round, so a
+it (ps/server/modes/sync_chunks.py). An ordinary pull still waits for the whole round, so a
 worker's link carries its push, then its pull: 2M/B per step. Sent back as soon as each
 slot is applied, the pull travels on the link's other direction while the rest of the
 push arrives, which is what lets a PS with its own shard hosts beat ring allreduce's
@@ -40,7 +40,7 @@ ALIVE_EVERY_S = 1.0
 """How often a waiting early pull asks whether its worker is still there."""
 
 if TYPE_CHECKING:
-    from ps.server.chunk_rounds import ChunkedSyncPolicy
+    from ps.server.modes.sync_chunks import ChunkedSyncPolicy
 
 EarlyItem = tuple[Any, ...]
 """("piece", key, offset, bytes) or ("header", PullHeader, early_void)."""

@@ -26,7 +26,7 @@ from ps.headers import PushHeader, PushOutcome
 from ps.server import push_pacing
 from ps.server.buffers import check_int_buffers
 from ps.server.membership import Membership, Restored
-from ps.server.policies import StagedPush
+from ps.server.modes.base import StagedPush
 from ps.server.pushdata import (
     PushTicket,
     add_piece,

@@ -22,8 +22,8 @@ from typing import Any
 
 from ps.errors import Aborted, FailedPrecondition, InvalidArgument
 from ps.headers import PushHeader
+from ps.server.modes.view import ShardView
 from ps.server.state import ShardData
-from ps.server.view import ShardView
 
 
 class Restored(Aborted):
@@ -188,7 +188,7 @@ class Membership:
                 was_live = worker in d.live
                 old = d.instances.get(worker, "")
                 lapsed = not was_live and (worker in d.expired or worker in d.left)
-                if d.policy.rounds:  # join at a round boundary
+                if d.traits.rejoin == "at_round_boundary":
                     self._register_sync(worker, clock)
                 else:
                     d.clocks[worker] = max(d.clocks[worker], clock)

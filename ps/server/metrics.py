@@ -27,6 +27,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
+from ps.server.modes import BUILTIN
+from trainkit.choices import DEFAULT_MODE
 from trainkit.prom import (
     DURATION_BUCKETS,
     OTHER,
@@ -95,7 +97,8 @@ RPC_METHODS: tuple[str, ...] = (
     OTHER,
 )
 
-SHARD_MODES: tuple[str, ...] = ("sync", "async", "ssp", "local")
+SHARD_MODES: tuple[str, ...] = BUILTIN.names()
+"""The ``mode`` label's values: the modes the stock shard serves (ps/server/modes/)."""
 
 
 class _StampMode(Collector):
@@ -134,10 +137,17 @@ class ShardMetrics:
     """
 
     def __init__(
-        self, registry: CollectorRegistry | None = None, *, shard: int = 0, mode: str = "sync"
+        self,
+        registry: CollectorRegistry | None = None,
+        *,
+        shard: int = 0,
+        mode: str = DEFAULT_MODE,
+        modes: tuple[str, ...] = SHARD_MODES,
     ) -> None:
-        if mode not in SHARD_MODES:
-            raise ValueError(f"mode must be one of {SHARD_MODES}, got {mode!r}")
+        self.modes = modes
+        """The ``mode`` label's values (a shard serving more modes passes their names)."""
+        if mode not in modes:
+            raise ValueError(f"mode must be one of {modes}, got {mode!r}")
         if int(shard) < 0:
             raise ValueError(f"shard must be >= 0, got {shard}")
         self.registry = registry if registry is not None else CollectorRegistry()
@@ -295,8 +305,8 @@ class ShardMetrics:
 
         Counts recorded so far are kept and shown under the new mode.
         """
-        if mode not in SHARD_MODES:
-            raise ValueError(f"mode must be one of {SHARD_MODES}, got {mode!r}")
+        if mode not in self.modes:
+            raise ValueError(f"mode must be one of {self.modes}, got {mode!r}")
         self.mode = mode
 
     # -- counters ---------------------------------------------------------------------

@@ -10,7 +10,7 @@ optimizer state byte-for-byte unchanged.
 owning its part of the behaviour and changing the data under the shard's lock:
 
 - `updates` (ps/server/updates.py): optimizer steps, versions, rounds; the ShardView the
-  update rule (ps/server/policies.py, chosen by the job's mode) is handed;
+  update rule (chosen by the job's mode in the shard's registry, ps/server/modes/) is handed;
 - `members` (ps/server/membership.py): the live set, leases, registering and rejoining;
 - `durability` (ps/server/durability.py): checkpoints, restore, rollback, draining;
 - `pulls` (ps/server/pulls.py): pulls, parked pulls and early pulls;
@@ -38,6 +38,7 @@ from ps.server.durability import Durability, new_incarnation
 from ps.server.intake import Intake
 from ps.server.lease import DEFAULT_JOIN_GRACE_S, DEFAULT_LEASE_S, LeaseTable
 from ps.server.membership import Membership
+from ps.server.modes import BUILTIN, Modes
 from ps.server.pulls import Pulls
 from ps.server.recorder import NullShardRecorder, ShardRecorder
 from ps.server.slot_step import SlotStepper
@@ -54,6 +55,7 @@ class ShardState(ShardData):
     def __init__(
         self,
         *,
+        modes: Modes = BUILTIN,
         metrics: ShardRecorder | None = None,
         message_bytes: int = wire.DEFAULT_MESSAGE_BYTES,
         lease_s: float = DEFAULT_LEASE_S,
@@ -65,6 +67,7 @@ class ShardState(ShardData):
         push_lead_bytes: int = 0,
     ) -> None:
         super().__init__(
+            modes=modes,
             metrics=metrics if metrics is not None else NullShardRecorder(),
             message_bytes=message_bytes,
             leases=LeaseTable(lease_s, join_grace_s, clock),
@@ -110,6 +113,7 @@ class ShardState(ShardData):
         with self.cond:
             if self.check_job(job):
                 return True
+            job = self.modes.serve(job)
             numel = {s.key: s.numel for s in job.slots}
             missing = sorted(set(numel) - set(values))
             extra = sorted(set(values) - set(numel))
@@ -138,10 +142,12 @@ class ShardState(ShardData):
             return False
 
     def check_job(self, job: Job) -> bool:
-        """True if `job` is the one installed, False if none is; raises on a conflict."""
+        """True if `job` is the one installed, False if none is; raises on a conflict, or
+        on a job this shard cannot serve (its mode, its configuration: InvalidArgument)."""
+        served = self.modes.serve(job)
         if self.job is None:
             return False
-        if self.job == job:
+        if self.job == served:
             return True
         raise FailedPrecondition(
             f"shard already initialised for a different job (mode {self.job.mode}, "

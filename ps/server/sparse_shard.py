@@ -2,7 +2,7 @@
 
 Lives next to the dense shard (ps/server/state.py) and reads its job (workers), live set
 and update policy, but keeps its own lock, versions and clocks per table. What a
-validated push does is the policy's decision: its `rows` (ps/server/sparse_policy.py)
+validated push does is the policy's decision: its `rows` (ps/server/modes/rows.py)
 holds sync pushes for a round, or applies async/ssp ones on arrival. Workers push rows
 before their dense gradient of the same clock, so by the time a dense sync pull returns,
 the table's round of that clock has closed too.
@@ -20,7 +20,7 @@ from typing import Any, Protocol
 import torch
 
 from ps.errors import FailedPrecondition, InvalidArgument, NotFound, quote
-from ps.server.sparse_policy import RowPolicy, RowPush
+from ps.server.modes.rows import RowPolicy, RowPush
 from ps.server.sparse_table import SparseTable
 from ps.sparse_spec import TableSpec
 from trainkit.finite import all_finite_readonly

@@ -5,7 +5,7 @@ under `cond` (every change is followed by `cond.notify_all()` where a waiter may
 
 | fields | written by |
 |---|---|
-| job, numel, masters, optimizer, scheduler, loss_scale, policy | updates.py (install), durability.py (restore, rollback) |
+| job, numel, masters, optimizer, scheduler, loss_scale, policy | shard.py (init), updates.py (install), durability.py (restore, rollback) |
 | version, rounds, skipped_rounds, last_round_skipped, updates_applied, dropped_nonfinite, staleness_counts | updates.py |
 | clocks, int_buffers, push_paced_s | intake.py (clocks: also membership.py on register, durability.py) |
 | live, left, expired, joining, instances, leases, lease_expirations, rejoins | membership.py |
@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ps.errors import FailedPrecondition
-from ps.job import Job
+from ps.job import Job, ModeTraits
 from ps.server.buffers import IntBufferLog
 from ps.server.lease import LeaseTable
 from ps.server.recorder import ShardRecorder
@@ -34,7 +34,7 @@ from trainkit.optim import DynamicLossScale
 
 if TYPE_CHECKING:
     from ps.server.checkpoint import CheckpointManager
-    from ps.server.policies import UpdatePolicy
+    from ps.server.modes import Modes, UpdatePolicy
     from ps.server.sparse_shard import SparseTables
 
 
@@ -44,6 +44,7 @@ class ShardData:
     def __init__(
         self,
         *,
+        modes: Modes,
         metrics: ShardRecorder,
         message_bytes: int,
         leases: LeaseTable,
@@ -53,17 +54,21 @@ class ShardData:
     ) -> None:
         self.cond = threading.Condition()
         """The shard's lock; every state change is made holding it."""
+        self.modes = modes
+        """The modes this shard serves (ps/server/modes/): a job's mode becomes its traits
+        and its update rule there."""
         self.metrics = metrics
         self.message_bytes = message_bytes
         """Bytes of tensor data per piece of a pull."""
         self.chunk_rounds = chunk_rounds
         """sync: apply each slot as soon as every worker's piece of it is in
-        (ps/server/chunk_rounds.py); results are bit-identical either way."""
+        (ps/server/modes/sync_chunks.py); results are bit-identical either way."""
         self.push_lead_bytes = push_lead_bytes
         """Per-chunk rounds, data plane: read a push at most this far ahead of the slowest
         push of its round still streaming (ps/server/push_pacing.py); 0: no pacing."""
         # ---- the job and the update ----------------------------------------------------
         self.job: Job | None = None
+        """The job as this shard holds it (Modes.serve: with its mode's traits)."""
         self.numel: dict[str, int] = {}
         self.masters: dict[str, torch.nn.Parameter] = {}
         self.optimizer: torch.optim.Optimizer
@@ -117,6 +122,13 @@ class ShardData:
     def buffer_keys(self) -> frozenset[str]:
         """The slots holding model buffers (values, never stepped)."""
         return frozenset(self.job.buffer_slots) if self.job is not None else frozenset()
+
+    @property
+    def traits(self) -> ModeTraits:
+        """How the job's mode behaves (rounds, rejoining, ...); only once a job is held."""
+        traits = self.require_job().traits
+        assert traits is not None, "a held job carries its mode's traits (Modes.serve)"
+        return traits
 
     def require_job(self) -> Job:
         """The job, or the refusal of a request that came before it."""

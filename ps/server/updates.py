@@ -1,7 +1,7 @@
 """The shard's update: optimizer steps on the masters, versions, rounds; the ShardView rules get.
 
-`Updates` is the component every update rule (ps/server/policies.py and the mode modules) is
-handed as its `ShardView` (ps/server/view.py): the reads and changes a rule may make, under
+`Updates` is the component every update rule (ps/server/modes/) is handed as its
+`ShardView` (ps/server/modes/view.py): the reads and changes a rule may make, under
 the shard's lock, and nothing else. It owns the masters' optimizer, schedule and loss
 scale (`install`), steps them (ps/server/slot_step.py), and counts what an update or a
 skipped round changes. What happens when a round closes beyond that (joiners become live,
@@ -18,14 +18,14 @@ import torch
 
 from ps.job import Job
 from ps.server.buffers import round_buffers
-from ps.server.policy_for_mode import make_policy
+from ps.server.modes.registry import RuleOptions
 from ps.server.recorder import ShardRecorder
 from ps.server.slot_step import SlotStepper
 from ps.server.state import ShardData
 from trainkit.optim import DynamicLossScale, StepAdjust, build_optimizer, build_scheduler
 
 if TYPE_CHECKING:
-    from ps.server.policies import UpdatePolicy
+    from ps.server.modes import UpdatePolicy
 
 
 class Updates:
@@ -57,7 +57,7 @@ class Updates:
         d.numel = {s.key: s.numel for s in job.slots}
         if d.policy is not None:
             d.policy.close()
-        d.policy = make_policy(job.mode, job.staleness, chunk_rounds=d.chunk_rounds)
+        d.policy = d.modes.rule(job, RuleOptions(chunk_rounds=d.chunk_rounds))
         d.optimizer = build_optimizer(masters.values(), job.optimizer)
         # The schedule after the optimizer: building it sets the group's lr to the
         # schedule's start (a restore then loads the saved param group over it).
@@ -158,7 +158,7 @@ class Updates:
         for s in staleness:
             d.staleness_counts[s] += 1
             d.metrics.gradient_applied(s)
-        if self.policy.rounds:
+        if d.traits.rounds:
             self._close_round(skipped=False)
         else:
             self._on_update()

@@ -1,8 +1,9 @@
 """Staleness-aware updates of the async and ssp policies (issue #17, item 5).
 
 An async/ssp shard applies each push as its own optimizer step, on weights that moved
-since the worker computed the gradient (its *staleness*, ps/server/policies.py). Three
-corrections, all decided here from the job and used only by AsyncPolicy / SSPPolicy:
+since the worker computed the gradient (its *staleness*, ps/server/modes/base.py). Three
+corrections, all decided here from the job and used only by AsyncPolicy / SSPPolicy
+(ps/server/modes/asynchronous.py, ssp.py):
 
 - **Momentum rule** (`Job.momentum_correction`, on by default): asynchrony with N workers
   acts as an implicit momentum of about 1 - 1/N (Mitliagkas et al., "Asynchrony begets
@@ -32,7 +33,7 @@ from trainkit.optim import StepAdjust, async_momentum, delay_compensate_, stalen
 
 if TYPE_CHECKING:
     from ps.job import Job
-    from ps.server.view import ShardView
+    from ps.server.modes.view import ShardView
 
 
 def step_adjust(job: Job, staleness: int) -> StepAdjust | None:

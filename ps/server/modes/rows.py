@@ -1,7 +1,8 @@
-"""The sparse side of an update policy: how a table's row pushes become row updates.
+"""The sparse tables' row rules: how a table's row pushes become row updates.
 
-Each UpdatePolicy (ps/server/policies.py) names one of these as its `rows`, so a sparse
-table follows the dense policy of its shard and never compares mode names itself:
+Each mode's UpdatePolicy (ps/server/modes/) names one of these as its `rows`, so a sparse
+table follows the dense rule of its shard and never compares mode names itself; a row rule
+sees only the tables' open rounds, clocks and counters (`TableRounds`):
 
 - `RowRounds` (sync): a table's round for clock c closes when every live worker has
   pushed its rows for c (an empty push counts). The row gradients are summed per row in

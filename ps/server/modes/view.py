@@ -1,6 +1,6 @@
-"""What an update rule may see of its shard: `ShardView`, the narrow interface every
-UpdatePolicy (ps/server/policies.py and the mode modules) is handed, under the shard's lock.
-ps/server/updates.py implements it; nothing else of the shard is reachable from a rule."""
+"""What an update rule may see of its shard: `ShardView`, the narrow interface every mode's
+UpdatePolicy (ps/server/modes/) is handed, under the shard's lock. ps/server/updates.py
+implements it; nothing else of the shard is reachable from a rule."""
 
 from __future__ import annotations
 

@@ -39,11 +39,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ps.server import push_pacing
-from ps.server.policies import StagedPush, SyncPolicy, unused_by_all
+from ps.server.modes.base import StagedPush
+from ps.server.modes.rounds import SyncPolicy, unused_by_all
 
 if TYPE_CHECKING:
+    from ps.server.modes.view import ShardView
     from ps.server.pushdata import PushTicket
-    from ps.server.view import ShardView
 
 
 class ChunkedSyncPolicy(SyncPolicy):
