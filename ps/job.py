@@ -90,7 +90,7 @@ class Job:
 
     staleness_lr: bool = False
     """async/ssp: apply a gradient `staleness` updates old with lr / (1 + staleness)
-    (Zhang et al., "Staleness-aware Async-SGD", IJCAI 2016; ps/server/staleness.py)."""
+    (Zhang et al., "Staleness-aware Async-SGD", IJCAI 2016; ps/server/modes/staleness.py)."""
     delay_compensation: float = 0.0
     """async/ssp: DC-ASGD's lambda (Zheng et al., ICML 2017): each gradient g is applied as
     g + lambda * g * g * (w_now - w_base); 0 disables it."""

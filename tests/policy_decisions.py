@@ -19,12 +19,12 @@ import pytest
 import torch
 
 from ps.errors import FailedPrecondition, InvalidArgument, Unavailable
-from ps.server.checkpoint import CheckpointManager, list_checkpoints
-from ps.server.membership import TooLate
+from ps.server.durability.checkpoints import CheckpointManager, list_checkpoints
+from ps.server.membership.membership import TooLate
+from ps.server.metrics.recorder import NullShardRecorder
 from ps.server.modes import Modes
-from ps.server.recorder import NullShardRecorder
 from ps.server.shard import ShardState
-from ps.server.sparse_shard import RowPush, SparseTables
+from ps.server.sparse.tables import RowPush, SparseTables
 from ps.sparse_spec import TableSpec
 from tests.ps_fixtures import grad_for, init_values, pull, push, weights_digest
 

@@ -1,4 +1,4 @@
-"""Per-chunk rounds (ps/server/chunk_rounds.py): slots are updated while the round's last push
+"""Per-chunk rounds (ps/server/modes/sync_chunks.py): slots are updated while the round's last push
 still streams, and every way a round can change its mind undoes them, bit for bit.
 
 Each test drives a chunked shard and a plain sync shard through the same calls: the
@@ -15,7 +15,7 @@ import torch
 
 from ps.errors import FailedPrecondition, InvalidArgument
 from ps.job import Job
-from ps.server.pushdata import PushHeader, PushTicket
+from ps.server.intake.pieces import PushHeader, PushTicket
 from ps.server.shard import ShardState
 from tests.ps_fixtures import OPTIMIZERS, grad_for, init_values, make_job, make_state, masters
 

@@ -1,4 +1,4 @@
-"""Early pulls (ps/server/early_pull.py): a worker's pull streams while its push still
+"""Early pulls (ps/server/pulls/early.py): a worker's pull streams while its push still
 arrives, slot by slot as the shard applies them; the header comes last and says whether
 what came early still holds. Timing changes, never results.
 

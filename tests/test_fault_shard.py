@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from ps.errors import FailedPrecondition, Unavailable
-from ps.server.checkpoint import CheckpointManager, list_checkpoints
-from ps.server.lease import LeaseTable
-from ps.server.membership import Expired, Restored, TooLate
-from ps.server.pushdata import PushHeader
+from ps.server.durability.checkpoints import CheckpointManager, list_checkpoints
+from ps.server.intake.pieces import PushHeader
+from ps.server.membership.leases import LeaseTable
+from ps.server.membership.membership import Expired, Restored, TooLate
 from ps.server.shard import ShardState
 from tests.ps_fixtures import (
     assert_weights_equal,

@@ -361,7 +361,7 @@ def _ckpt_job(mode: str) -> Job:
 
 def _ckpt_round(st: Any, job: Job, clock: int) -> None:
     """Every worker pushes its rows and its gradient of `clock` (tests/ps_fixtures.push)."""
-    from ps.server.sparse_shard import RowPush
+    from ps.server.sparse.tables import RowPush
     from tests.ps_fixtures import push
 
     for w in range(job.num_workers):
@@ -386,9 +386,9 @@ def _ckpt_digest(st: Any) -> str:
 
 
 def _write_checkpoint(mode: str, folder: Path) -> None:
-    from ps.server.checkpoint import CheckpointManager
+    from ps.server.durability.checkpoints import CheckpointManager
     from ps.server.shard import ShardState
-    from ps.server.sparse_shard import SparseTables
+    from ps.server.sparse.tables import SparseTables
 
     job = _ckpt_job(mode)
     st = ShardState(checkpoints=CheckpointManager(folder, every=1000))
@@ -406,7 +406,7 @@ def _write_checkpoint(mode: str, folder: Path) -> None:
 def test_checkpoints_of_earlier_code_restore_and_continue(mode: str, tmp_path: Path) -> None:
     """A checkpoint written by the code before the restructuring (tests/golden_checkpoints)
     restores to the same state, and the next round gives the same bits as then."""
-    from ps.server.checkpoint import newest_verified
+    from ps.server.durability.checkpoints import newest_verified
     from ps.server.shard import ShardState
 
     folder = CKPTS / mode

@@ -19,7 +19,7 @@ from ps.client.int_buffers import IntBuffers
 from ps.errors import InvalidArgument
 from ps.headers import PushHeader
 from ps.job import MAX_INT_BUFFER_ELEMENTS
-from ps.server import checkpoint
+from ps.server.durability import checkpoints
 from ps.server.shard import ShardState
 from tests.ps_fixtures import grad_for, make_job, make_state, pull
 from tests.test_dataplane import header, items, shard
@@ -128,7 +128,7 @@ def test_checkpoints_keep_them_and_their_owner() -> None:
     with st.cond:
         snap = st.durability.snapshot()
     # The writer's checksums cover the int64 tensors: a damaged counter is caught.
-    sums = checkpoint.checksums(snap)
+    sums = checkpoints.checksums(snap)
     path = "/int_buffers/1/values/counts"
     assert path in sums
     damaged = {**snap, "checksums": sums}
@@ -136,7 +136,7 @@ def test_checkpoints_keep_them_and_their_owner() -> None:
     damaged["int_buffers"]["1"]["values"]["counts"] = (
         snap["int_buffers"]["1"]["values"]["counts"] + 1
     )
-    assert checkpoint.verify(damaged) == [path]
+    assert checkpoints.verify(damaged) == [path]
     back = ShardState()
     back.durability.restore(5, snap)
     assert back.int_buffers.newest() == (1, 0, ints(10))

@@ -4,7 +4,7 @@ Every decision that differs between the modes is a method or attribute of the sh
 UpdatePolicy or one of the mode's traits, both declared by the mode's module in
 ps/server/modes/ (the sparse side in ps/server/modes/rows.py); the registry there is the one
 place a mode name becomes a rule. Anywhere else in ps/server a mode may be named only to
-label metrics (`set_mode`, ps/server/metrics.py) or in a message. The workers' side
+label metrics (`set_mode`, ps/server/metrics/prometheus.py) or in a message. The workers' side
 (ps/client) compares no mode name at all: it acts on the traits the shards send with the
 job. The test reads the source (AST), so a new `job.mode == "sync"` fails it.
 """
@@ -24,8 +24,8 @@ MODES = {"sync", "async", "ssp", "local"}
 MODES_PACKAGE = SERVER / "modes"
 # Calls that may take a mode as an argument: label the metrics.
 MODE_SINKS = {"set_mode"}
-# metrics.py keeps the mode as a metrics label (its own `mode` attribute, validated).
-LABEL_MODULES = {"metrics.py"}
+# metrics/prometheus.py keeps the mode as a metrics label (its own `mode` attribute, validated).
+LABEL_MODULES = {"prometheus.py"}
 
 
 def _is_mode_value(node: ast.AST) -> bool:

@@ -18,7 +18,7 @@ import torch
 from ps.client.overlap import PushBuckets, bucket_params
 from ps.client.pull_gate import PullGate
 from ps.partition import plan_slots
-from ps.server.pushdata import PushHeader
+from ps.server.intake.pieces import PushHeader
 from ps.server.shard import ShardState
 from tests.procs import run_ps_workers, shards
 from tests.ps_fixtures import grad_for, init_values, make_job

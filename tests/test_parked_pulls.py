@@ -4,7 +4,7 @@ Under the sync grpc.server each sync-mode pull waiting for its round held one of
 `--threads` handler threads: with as many waiting pulls as threads, Stats and the push
 that would close the round timed out. The shard now serves with grpc.aio
 (ps/server/aio_host.py) and a waiting Pull or GetJob(wait) parks on its event loop
-(ps/server/parking.py). Against a real shard on loopback with `--threads 16`:
+(ps/server/pulls/parking.py). Against a real shard on loopback with `--threads 16`:
 
 - 128 sync pulls wait for the round of a 129-worker job: Stats and Heartbeat still
   answer, worker 0's round-closing push completes, then all 128 pulls are served the
@@ -33,7 +33,7 @@ from ps import serde, wire
 from ps._gen.psar.v1 import ps_pb2 as pb
 from ps._gen.psar.v1 import ps_pb2_grpc as pb_grpc
 from ps.server.config import ServerConfig
-from ps.server.parking import parking_of
+from ps.server.pulls.parking import parking_of
 from tests.ps_fixtures import (
     grad_for,
     init_chunks,

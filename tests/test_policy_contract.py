@@ -454,7 +454,7 @@ class TestChunkedSyncContract(TestSyncContract):
 
 
 class TestLocalContract(TestSyncContract):
-    """--mode local (ps/server/local_policy.py): pushes are pseudo-gradients and the job's
+    """--mode local (ps/server/modes/local.py): pushes are pseudo-gradients and the job's
     optimizer is the outer one, but the shard keeps every promise of a sync round."""
 
     mode = "local"

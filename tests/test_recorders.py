@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from ps.server.metrics import ShardMetrics
-from ps.server.recorder import NullShardRecorder, ShardRecorder
+from ps.server.metrics.prometheus import ShardMetrics
+from ps.server.metrics.recorder import NullShardRecorder, ShardRecorder
 from worker.metrics import WorkerMetrics
 from worker.recorder import NullWorkerRecorder, WorkerRecorder
 

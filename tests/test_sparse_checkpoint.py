@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from ps.errors import FailedPrecondition
-from ps.server import checkpoint
-from ps.server.checkpoint import CheckpointManager, newest_verified, path_for
+from ps.server.durability import checkpoints
+from ps.server.durability.checkpoints import CheckpointManager, newest_verified, path_for
 from ps.server.shard import ShardState
-from ps.server.sparse_shard import RowPush, SparseTables, TablesMismatch
+from ps.server.sparse.tables import RowPush, SparseTables, TablesMismatch
 from ps.sparse_spec import TableSpec
 from tests.ps_fixtures import grad_for, init_values, make_job, make_slots, push
 from tests.test_fault_checksum import damage
@@ -101,7 +101,7 @@ def test_round_trip_restores_every_table_bit_for_bit_and_training_continues_iden
     found, rejected = newest_verified(tmp_path, 0)
     assert found is not None and not rejected
     step, loaded = found
-    assert {p for p in checkpoint.checksums(loaded) if p.startswith("/sparse/")} >= {
+    assert {p for p in checkpoints.checksums(loaded) if p.startswith("/sparse/")} >= {
         "/sparse/tables/t.sgd/weight", "/sparse/tables/t.adagrad/acc",
         "/sparse/tables/t.lazy_adam/m", "/sparse/tables/t.lazy_adam/v",
         "/sparse/tables/t.lazy_adam/steps",

@@ -11,8 +11,8 @@ from ps import serde
 from ps._gen.psar.v1 import ps_pb2 as pb
 from ps.client.psclient import PSClient
 from ps.client.sparse_client import create_tables, pull_rows, push_rows
-from ps.server.sparse_shard import RowPush, SparseTables
-from ps.server.sparse_table import SparseTable, dense_reference_step
+from ps.server.sparse.table import SparseTable, dense_reference_step
+from ps.server.sparse.tables import RowPush, SparseTables
 from ps.sparse_spec import TableSpec, init_rows
 from tests.ps_fixtures import make_job, make_slots, make_state, raw_stub, serving
 

@@ -1,4 +1,4 @@
-"""--staleness-lr-power and --dc-adaptive (issue #17, item 5; ps/server/staleness.py).
+"""--staleness-lr-power and --dc-adaptive (issue #17, item 5; ps/server/modes/staleness.py).
 
 The arithmetic by hand (pure logic, on an in-process ShardState), validation in the
 config, the Job and on the wire (a real gRPC shard), and one run of real `psar server` /

@@ -1,5 +1,5 @@
 """The shard's update on several threads (`psar server --torch-threads N|auto`,
-ps/server/slot_step.py): bit-identical to one thread in every mode, with per-chunk rounds,
+ps/server/update/stepper.py): bit-identical to one thread in every mode, with per-chunk rounds,
 a learning-rate schedule and a restore; the update rate in Stats and /metrics; the flag.
 """
 
@@ -12,10 +12,10 @@ import warnings
 import pytest
 import torch
 
-from ps.server import slot_step
 from ps.server.config import SHARDS_PER_HOST_ENV, ServerConfig
-from ps.server.metrics import ShardMetrics
+from ps.server.metrics.prometheus import ShardMetrics
 from ps.server.shard import ShardState
+from ps.server.update import stepper
 from tests.ps_fixtures import grad_for, init_values, make_job, optimizer_config, pull, push
 from worker.cli_gen import add_flags, build
 
@@ -23,7 +23,7 @@ from worker.cli_gen import add_flags, build
 @pytest.fixture(autouse=True)
 def _pool_for_tiny_slots(monkeypatch: pytest.MonkeyPatch) -> None:
     """The test slots are tiny: use the pool anyway (the threshold only saves time)."""
-    monkeypatch.setattr(slot_step, "MIN_PARALLEL_NUMEL", 0)
+    monkeypatch.setattr(stepper, "MIN_PARALLEL_NUMEL", 0)
 
 
 def _run(mode: str, opt: str, threads: int, *, chunk_rounds: bool = False, clocks: int = 4):
@@ -77,13 +77,13 @@ def test_chunked_round_closed_by_a_leave_steps_its_slots_on_the_pool(opt: str) -
 
 def test_the_pool_steps_on_its_own_threads(monkeypatch: pytest.MonkeyPatch) -> None:
     names: set[str] = set()
-    step = slot_step.SlotStepper._view_step
+    step = stepper.SlotStepper._view_step
 
     def spy(self, st, key, p):  # noqa: ANN001, ANN202
         names.add(threading.current_thread().name)
         return step(self, st, key, p)
 
-    monkeypatch.setattr(slot_step.SlotStepper, "_view_step", spy)
+    monkeypatch.setattr(stepper.SlotStepper, "_view_step", spy)
     _run("async", "adamw", 2, clocks=1)
     assert names and all(n.startswith("psar-update") for n in names)
 
@@ -162,7 +162,7 @@ def test_flag_refuses_anything_else(bad: str) -> None:
 def test_torch_keeps_one_thread_unless_zero(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[int] = []
     monkeypatch.setattr(torch, "set_num_threads", calls.append)
-    slot_step.apply_torch_threads("auto")
-    slot_step.apply_torch_threads("4")
-    slot_step.apply_torch_threads("0")
+    stepper.apply_torch_threads("auto")
+    stepper.apply_torch_threads("4")
+    stepper.apply_torch_threads("0")
     assert calls == [1, 1]

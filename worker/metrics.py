@@ -4,7 +4,7 @@ Like :class:`ps.server.metrics.ShardMetrics`, each :class:`WorkerMetrics` owns i
 (several workers run in one test process) and creates every labelled child up front,
 so the first scrape lists every series and the per-step methods stay cheap.
 
-The serving helpers live in :mod:`ps.server.metrics` (one implementation); they are
+The serving helpers live in :mod:`ps.server.metrics.prometheus` (one implementation); they are
 re-exported here so worker code needs a single import.
 """
 

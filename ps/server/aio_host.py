@@ -3,7 +3,7 @@
 Why aio: under the sync grpc.server every call holds a pool thread until it returns, so
 `--threads` pulls waiting for their sync round left none for Stats or for the push that
 closes the round (issue #18). grpc.aio runs coroutine handlers on its loop (a waiting
-Pull or GetJob parks there, ps/server/parking.py) and every plain handler in the
+Pull or GetJob parks there, ps/server/pulls/parking.py) and every plain handler in the
 `migration_thread_pool`, unchanged: that pool is `--threads` threads, as before.
 
 A message gRPC cannot decode is refused INVALID_ARGUMENT by the handler (`guard`), not

@@ -296,7 +296,7 @@ class _Connection:
 
     def _pull_early(self, req: pb.DataPullRequest, timeout: float) -> None:
         """Pieces as the round applies them, the header once it closed, the rest
-        (ps/server/early_pull.py). A refusal before or after the early pieces is a
+        (ps/server/pulls/early.py). A refusal before or after the early pieces is a
         status frame in place of the next piece or header."""
         # The worker sends nothing until this answer ends: anything readable means it
         # hung up (its push failed and it cut this pull short), so stop waiting for it.

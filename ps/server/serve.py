@@ -19,15 +19,15 @@ from typing import Any
 from ps import auth
 from ps._gen.psar.v1 import ps_pb2_grpc as pb_grpc
 from ps.grpc_limits import grpc_options
-from ps.server import checkpoint
 from ps.server.aio_host import ShardServer
 from ps.server.config import ServerConfig
 from ps.server.dataplane import DataPlaneServer, server_ssl_context, start_dataplane
+from ps.server.durability import checkpoints
 from ps.server.health import ShardHealth
-from ps.server.lease import Reaper
+from ps.server.membership.leases import Reaper
 from ps.server.shard import ShardState
-from ps.server.slot_step import apply_torch_threads
 from ps.server.sparse_servicer import SparseServicer
+from ps.server.update.stepper import apply_torch_threads
 from trainkit.roles import resolve_shard
 
 log = logging.getLogger("psar.server")
@@ -38,7 +38,7 @@ def build_state(cfg: ServerConfig, metrics: Any = None) -> ShardState:
     shard = resolve_shard(cfg.shard, os.environ)
     manager = None
     if cfg.checkpoint_folder:
-        manager = checkpoint.CheckpointManager(
+        manager = checkpoints.CheckpointManager(
             cfg.checkpoint_folder,
             shard=shard,
             every=cfg.checkpoint_every,
@@ -78,21 +78,21 @@ def _find_restore(
     """The checkpoint to restore, or None for a folder without any of this shard (start
     fresh). Checkpoints that exist but none of which verifies: refuse to start, naming
     them (UnverifiedCheckpoints), unless fresh_ok (--restore-or-fresh)."""
-    found, rejected = checkpoint.newest_verified(folder, shard)
+    found, rejected = checkpoints.newest_verified(folder, shard)
     if found is None and not rejected:
         # Only one shard's files in the folder and no --shard given: take those.
-        present = checkpoint.shards_in(folder)
+        present = checkpoints.shards_in(folder)
         if len(present) == 1:
             (only,) = present
             log.warning("--restore: no files of shard %d; using shard %d's", shard, only)
-            found, rejected = checkpoint.newest_verified(folder, only)
+            found, rejected = checkpoints.newest_verified(folder, only)
     if found is not None:
         if rejected:
             log.warning("--restore: skipped %d damaged checkpoint(s): %s", len(rejected),
                         "; ".join(rejected))  # fmt: skip
         return found
     if rejected and not fresh_ok:
-        raise checkpoint.UnverifiedCheckpoints(
+        raise checkpoints.UnverifiedCheckpoints(
             f"--restore {folder}: no checkpoint of shard {shard} verifies, refusing to start "
             f"(--restore-or-fresh starts an empty shard instead): {'; '.join(rejected)}"
         )
@@ -167,7 +167,7 @@ def start_server(
 def serve(cfg: ServerConfig) -> int:
     """Run a shard until SIGTERM/SIGINT; returns the process exit code."""
     cfg.shard = resolve_shard(cfg.shard, os.environ)
-    apply_torch_threads(cfg.torch_threads)  # one torch thread unless 0 (slot_step.py)
+    apply_torch_threads(cfg.torch_threads)  # one torch thread unless 0 (update/stepper.py)
     metrics = _make_metrics(cfg)
     server, port, state = start_server(cfg, metrics=metrics)
     host = cfg.bind.rpartition(":")[0]
@@ -221,7 +221,7 @@ def shutdown(server: ShardServer, state: ShardState, drain_timeout_s: float) -> 
 def _make_metrics(cfg: ServerConfig):  # noqa: ANN202 - metrics type is optional here
     if not cfg.metrics_port:
         return None
-    from ps.server.metrics import ShardMetrics, serve_metrics
+    from ps.server.metrics.prometheus import ShardMetrics, serve_metrics
 
     metrics = ShardMetrics(shard=cfg.shard)
     serve_metrics(metrics.registry, cfg.metrics_port, cfg.metrics_addr)

@@ -1,11 +1,11 @@
 """The gRPC servicer: proto in, ShardState call, proto out; PSError -> status code.
 
 No logic lives here (thin servicers, serde at the edge): every decision is made by
-ps/server/shard.py and ps/server/policies.py, which tests drive without a socket.
+ps/server/shard.py and the mode modules (ps/server/modes/), which tests drive without a socket.
 
 The server is grpc.aio (ps/server/aio_host.py): most handlers are plain functions run in
 the --threads pool as they always were; the ones that wait (Pull, GetJob(wait)) are
-coroutines that park on the event loop (ps/server/parking.py) and hold no thread.
+coroutines that park on the event loop (ps/server/pulls/parking.py) and hold no thread.
 
 A push and a pull arrive through two doors, this servicer and the TCP data plane
 (ps/server/dataplane.py). Both frame them with PushCall and start_pull below: one
@@ -38,7 +38,7 @@ from ps.errors import (
     quote,
 )
 from ps.server.aio_host import Undecodable
-from ps.server.parking import wait_until
+from ps.server.pulls.parking import wait_until
 from ps.server.shard import ShardState
 
 
@@ -185,7 +185,7 @@ def start_pull_early(
     views: bool = False,
     alive: Callable[[], bool] = lambda: True,
 ) -> Iterator[tuple[Any, ...]]:
-    """An early pull (req.early; ps/server/early_pull.py) as the data plane serves it:
+    """An early pull (req.early; ps/server/pulls/early.py) as the data plane serves it:
     ("piece", key, offset, bytes) items, then ("header", pb.PullHeader) with early_void
     set, then the rest. Refusals raise at the first next(), before anything is sent."""
     dtype, clock, wait = _pull_args(req, timeout)
@@ -375,7 +375,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     async def Pull(
         self, request: pb.PullRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[Any]:
-        # async: a pull waiting for its round parks on the event loop (ps/server/parking.py)
+        # async: a pull waiting for its round parks on the event loop (ps/server/pulls/parking.py)
         # instead of holding one of the --threads handler threads.
         t0 = time.monotonic()
         try:

@@ -9,12 +9,12 @@ optimizer state byte-for-byte unchanged.
 `ShardState` is the shard's data (ps/server/state.py) with its components attached, each
 owning its part of the behaviour and changing the data under the shard's lock:
 
-- `updates` (ps/server/updates.py): optimizer steps, versions, rounds; the ShardView the
+- `updates` (ps/server/update/updates.py): optimizer steps, versions, rounds; the ShardView the
   update rule (chosen by the job's mode in the shard's registry, ps/server/modes/) is handed;
-- `members` (ps/server/membership.py): the live set, leases, registering and rejoining;
-- `durability` (ps/server/durability.py): checkpoints, restore, rollback, draining;
-- `pulls` (ps/server/pulls.py): pulls, parked pulls and early pulls;
-- `intake` (ps/server/intake.py): pushes, their pieces and verdicts, pacing.
+- `members` (ps/server/membership/membership.py): the live set, leases, registering and rejoining;
+- `durability` (ps/server/durability/durability.py): checkpoints, restore, rollback, draining;
+- `pulls` (ps/server/pulls/pulls.py): pulls, parked pulls and early pulls;
+- `intake` (ps/server/intake/intake.py): pushes, their pieces and verdicts, pacing.
 
 What is left here is the job's installation (init) and the read-only views (stats, the
 state digest).
@@ -32,18 +32,18 @@ import torch
 from ps import wire
 from ps.errors import FailedPrecondition, InvalidArgument, quote
 from ps.job import Job
-from ps.server import checkpoint
-from ps.server.buffers import IntBufferLog
-from ps.server.durability import Durability, new_incarnation
-from ps.server.intake import Intake
-from ps.server.lease import DEFAULT_JOIN_GRACE_S, DEFAULT_LEASE_S, LeaseTable
-from ps.server.membership import Membership
+from ps.server.durability.checkpoints import CheckpointManager
+from ps.server.durability.durability import Durability, new_incarnation
+from ps.server.intake.intake import Intake
+from ps.server.membership.leases import DEFAULT_JOIN_GRACE_S, DEFAULT_LEASE_S, LeaseTable
+from ps.server.membership.membership import Membership
+from ps.server.metrics.recorder import NullShardRecorder, ShardRecorder
 from ps.server.modes import BUILTIN, Modes
-from ps.server.pulls import Pulls
-from ps.server.recorder import NullShardRecorder, ShardRecorder
-from ps.server.slot_step import SlotStepper
+from ps.server.pulls.pulls import Pulls
 from ps.server.state import ShardData
-from ps.server.updates import Updates
+from ps.server.update.buffers import IntBufferLog
+from ps.server.update.stepper import SlotStepper
+from ps.server.update.updates import Updates
 from trainkit.optim import StepAdjust
 
 __all__ = ["ShardState"]
@@ -61,7 +61,7 @@ class ShardState(ShardData):
         lease_s: float = DEFAULT_LEASE_S,
         join_grace_s: float = DEFAULT_JOIN_GRACE_S,
         clock: Callable[[], float] = time.monotonic,
-        checkpoints: checkpoint.CheckpointManager | None = None,
+        checkpoints: CheckpointManager | None = None,
         chunk_rounds: bool = False,
         update_threads: int = 1,
         push_lead_bytes: int = 0,

@@ -1,5 +1,5 @@
 """gRPC edge of the sparse tables (CreateTables, PullRows, PushRows, PushTables): proto in,
-SparseTables call (ps/server/sparse_shard.py), proto out; PSError -> status code. Bad input
+SparseTables call (ps/server/sparse/tables.py), proto out; PSError -> status code. Bad input
 is refused before anything is applied (INVALID_ARGUMENT naming the table and the ids)."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from ps._gen.psar.v1 import ps_pb2 as pb
 from ps.errors import InvalidArgument, PSError, bound_details, quote
 from ps.server.servicer import ParameterServerServicer, decoded, require_clean_end
 from ps.server.shard import ShardState
-from ps.server.sparse_shard import RowPush, SparseTables
+from ps.server.sparse.tables import RowPush, SparseTables
 
 
 def decode_ids(data: bytes) -> torch.Tensor:

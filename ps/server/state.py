@@ -27,15 +27,15 @@ import torch
 
 from ps.errors import FailedPrecondition
 from ps.job import Job, ModeTraits
-from ps.server.buffers import IntBufferLog
-from ps.server.lease import LeaseTable
-from ps.server.recorder import ShardRecorder
+from ps.server.membership.leases import LeaseTable
+from ps.server.metrics.recorder import ShardRecorder
+from ps.server.update.buffers import IntBufferLog
 from trainkit.optim import DynamicLossScale
 
 if TYPE_CHECKING:
-    from ps.server.checkpoint import CheckpointManager
+    from ps.server.durability.checkpoints import CheckpointManager
     from ps.server.modes import Modes, UpdatePolicy
-    from ps.server.sparse_shard import SparseTables
+    from ps.server.sparse.tables import SparseTables
 
 
 class ShardData:
@@ -65,7 +65,7 @@ class ShardData:
         (ps/server/modes/sync_chunks.py); results are bit-identical either way."""
         self.push_lead_bytes = push_lead_bytes
         """Per-chunk rounds, data plane: read a push at most this far ahead of the slowest
-        push of its round still streaming (ps/server/push_pacing.py); 0: no pacing."""
+        push of its round still streaming (ps/server/intake/pacing.py); 0: no pacing."""
         # ---- the job and the update ----------------------------------------------------
         self.job: Job | None = None
         """The job as this shard holds it (Modes.serve: with its mode's traits)."""
@@ -87,7 +87,7 @@ class ShardData:
         self.clocks: list[int] = []
         self.max_clock_gap = 0
         self.int_buffers = IntBufferLog()
-        """Shard 0: rank 0's integer buffers by clock (ps/server/buffers.py), sent with
+        """Shard 0: rank 0's integer buffers by clock (ps/server/update/buffers.py), sent with
         every pull."""
         self.live: set[int] = set()
         self.left: set[int] = set()

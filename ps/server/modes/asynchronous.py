@@ -27,7 +27,7 @@ TRAITS = ModeTraits(
 class AsyncPolicy(UpdatePolicy):
     """Every push is applied on arrival as its own optimizer step; staleness is recorded.
 
-    Each step is staleness-aware (ps/server/staleness.py): the momentum rule for
+    Each step is staleness-aware (ps/server/modes/staleness.py): the momentum rule for
     asynchrony (on by default), and on request lr / (1 + staleness) and DC-ASGD."""
 
     def __init__(self) -> None:

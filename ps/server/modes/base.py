@@ -36,7 +36,7 @@ from ps.server.modes.rows import RowPolicy, RowsOnArrival
 from ps.server.modes.view import ShardView
 
 if TYPE_CHECKING:
-    from ps.server.pushdata import PushTicket
+    from ps.server.intake.pieces import PushTicket
 
 
 @dataclass(slots=True)
@@ -67,7 +67,7 @@ class UpdatePolicy(ABC):
     #: Diagnostic counters of per-chunk rounds (Stats); zero for every other policy.
     chunks_early: int = 0
     chunk_undos: int = 0
-    #: Early pulls (ps/server/early_pull.py): slots sent before their round closed, and
+    #: Early pulls (ps/server/pulls/early.py): slots sent before their round closed, and
     #: pulls whose early slots had changed again (Stats); zero where nothing is early.
     early_slots: int = 0
     early_voids: int = 0
@@ -92,7 +92,7 @@ class UpdatePolicy(ABC):
 
     def push_ahead(self, ticket: PushTicket, lead_bytes: int) -> bool:
         """Whether this push runs `lead_bytes` ahead of the slowest other push of its
-        round still streaming (push pacing, ps/server/push_pacing.py; under the lock).
+        round still streaming (push pacing, ps/server/intake/pacing.py; under the lock).
         False where pushes do not close rounds slot by slot."""
         return False
 
@@ -114,7 +114,7 @@ class UpdatePolicy(ABC):
         return False
 
     def takes_int_buffers(self, held: int | None, worker: int) -> bool:
-        """Keep this push's integer buffers for its clock (ps/server/buffers.py)? `held`:
+        """Keep this push's integer buffers for its clock (ps/server/update/buffers.py)? `held`:
         the worker whose values of that clock the shard holds (None: none yet). Here
         (async, ssp): worker 0's, as their float buffers."""
         return worker == 0

@@ -13,7 +13,7 @@ sees only the tables' open rounds, clocks and counters (`TableRounds`):
   by the dense pull). Staleness = table version at apply - version the rows were pulled at.
 
 Both are stateless: the open rounds, counters and clocks stay in SparseTables
-(ps/server/sparse_shard.py), so a policy replaced by a restore loses nothing.
+(ps/server/sparse/tables.py), so a policy replaced by a restore loses nothing.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Protocol
 
 import torch
 
-from ps.server.sparse_table import SparseTable
+from ps.server.sparse.table import SparseTable
 
 
 @dataclass
@@ -42,7 +42,7 @@ class RowPush:
 
 
 class TableRounds(Protocol):
-    """What a row rule may change of a shard's tables (ps/server/sparse_shard.py holds them)."""
+    """What a row rule may change of a shard's tables (ps/server/sparse/tables.py holds them)."""
 
     pending: dict[tuple[str, int], dict[int, RowPush]]
     """(table, clock) -> the pushes of a round still open, by worker."""

@@ -20,7 +20,7 @@ worker's stream never waits for them (torch releases the GIL while it computes).
 event above invalidates queued work by bumping a generation number under the apply
 lock, which an update in progress holds, so an undo never races an update.
 
-Early pulls (ps/server/early_pull.py) read the slots applied so far while the round is
+Early pulls (ps/server/pulls/early.py) read the slots applied so far while the round is
 still open: `writes` counts every change of a slot's master (apply, undo), so a puller
 can tell at the close whether what it sent early still holds, and `_wake` is notified
 whenever a slot is applied, undone, or the round closes.
@@ -38,13 +38,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ps.server import push_pacing
+from ps.server.intake import pacing
 from ps.server.modes.base import StagedPush
 from ps.server.modes.rounds import SyncPolicy, unused_by_all
 
 if TYPE_CHECKING:
+    from ps.server.intake.pieces import PushTicket
     from ps.server.modes.view import ShardView
-    from ps.server.pushdata import PushTicket
 
 
 class ChunkedSyncPolicy(SyncPolicy):
@@ -149,7 +149,7 @@ class ChunkedSyncPolicy(SyncPolicy):
         return self.writes[key]
 
     def push_ahead(self, ticket: PushTicket, lead_bytes: int) -> bool:
-        return push_pacing.ahead(self.tickets, ticket, lead_bytes)
+        return pacing.ahead(self.tickets, ticket, lead_bytes)
 
     def _notify(self) -> None:
         """Wake the early pulls: a slot was applied or undone, or the round closed."""

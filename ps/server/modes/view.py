@@ -1,5 +1,5 @@
 """What an update rule may see of its shard: `ShardView`, the narrow interface every mode's
-UpdatePolicy (ps/server/modes/) is handed, under the shard's lock. ps/server/updates.py
+UpdatePolicy (ps/server/modes/) is handed, under the shard's lock. ps/server/update/updates.py
 implements it; nothing else of the shard is reachable from a rule."""
 
 from __future__ import annotations
@@ -10,13 +10,13 @@ from typing import Any, Protocol
 import torch
 
 from ps.job import Job
-from ps.server.recorder import ShardRecorder
+from ps.server.metrics.recorder import ShardRecorder
 from trainkit.optim import StepAdjust
 
 
 class ShardView(Protocol):
     """What an update rule may read and change of its shard, and nothing else: called under
-    the shard's lock (ps/server/updates.py is the shard's implementation)."""
+    the shard's lock (ps/server/update/updates.py is the shard's implementation)."""
 
     @property
     def job(self) -> Job | None:
@@ -51,7 +51,7 @@ class ShardView(Protocol):
 
     @property
     def metrics(self) -> ShardRecorder:
-        """Where a rule records what it did (ps/server/recorder.py)."""
+        """Where a rule records what it did (ps/server/metrics/recorder.py)."""
         ...
 
     @property
@@ -90,7 +90,7 @@ class ShardView(Protocol):
         ...
 
     def buffer_values(self, grads: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        """A round's buffer values from its pushes in rank order (ps/server/buffers.py)."""
+        """A round's buffer values from its pushes in rank order (ps/server/update/buffers.py)."""
         ...
 
     def drop_nonfinite(self) -> None:

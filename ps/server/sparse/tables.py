@@ -21,7 +21,7 @@ import torch
 
 from ps.errors import FailedPrecondition, InvalidArgument, NotFound, quote
 from ps.server.modes.rows import RowPolicy, RowPush
-from ps.server.sparse_table import SparseTable
+from ps.server.sparse.table import SparseTable
 from ps.sparse_spec import TableSpec
 from trainkit.finite import all_finite_readonly
 
@@ -195,7 +195,7 @@ class SparseTables:
                 for name, t in self.tables.items()
             }
 
-    # ---- checkpoints (ps/server/durability.py) -------------------------
+    # ---- checkpoints (ps/server/durability/durability.py) -------------------------
 
     def snapshot(self) -> dict[str, Any]:
         """A copy of every table (rows, optimizer state, version, counters) and of the

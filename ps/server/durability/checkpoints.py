@@ -45,7 +45,7 @@ _NAME = re.compile(r"^ckpt-s(\d+)-(\d{12})\.pt$")
 
 
 class CheckpointSource(Protocol):
-    """What the interval timer asks for checkpoints (ps/server/durability.py)."""
+    """What the interval timer asks for checkpoints (ps/server/durability/durability.py)."""
 
     def checkpoint_now(self, reason: str, *, wait: bool = False) -> bool: ...
 
@@ -169,7 +169,7 @@ def newest_verified(
     return None, rejected
 
 
-# ---- what a checkpoint holds (ps/server/durability.py takes and loads the snapshots) --------
+# ---- what a checkpoint holds (ps/server/durability/durability.py takes and loads the snapshots) --------
 
 
 def job_of(snap: dict[str, Any]):  # noqa: ANN201 - ps.job.Job

@@ -1,7 +1,7 @@
 """A shard's pulls (a component of the shard, ps/server/shard.py): wait for the update rule,
 then send a snapshot of the weights shared by every puller of a version. A pull waits
 holding its thread (pull, the data plane) or parked on the event loop (pull_parked, gRPC);
-an early pull streams while its push still arrives (ps/server/early_pull.py)."""
+an early pull streams while its push still arrives (ps/server/pulls/early.py)."""
 
 from __future__ import annotations
 
@@ -16,11 +16,11 @@ from ps import wire
 from ps.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
 from ps.headers import PullHeader
 from ps.job import Job
-from ps.server.early_pull import ALIVE_EVERY_S, EarlyItem, check_alive, next_applied
-from ps.server.membership import Membership
-from ps.server.parking import Wake, in_pool, parking_of
+from ps.server.membership.membership import Membership
+from ps.server.pulls.early import ALIVE_EVERY_S, EarlyItem, check_alive, next_applied
+from ps.server.pulls.parking import Wake, in_pool, parking_of
 from ps.server.state import ShardData
-from ps.server.updates import Updates
+from ps.server.update.updates import Updates
 
 
 class Pulls:
@@ -76,7 +76,7 @@ class Pulls:
         alive: Callable[[], bool] = lambda: True,
     ) -> Iterator[EarlyItem]:
         """A pull of the round this worker is pushing now, its slots sent as they are
-        applied, the header last (ps/server/early_pull.py): the items in the order they go
+        applied, the header last (ps/server/pulls/early.py): the items in the order they go
         on the wire. Refusals (a bad dtype, an old incarnation, a clock this worker is not
         pushing) raise at the first next(), before anything is sent; a deadline raises
         after the early pieces. Holds the calling thread.
@@ -151,7 +151,7 @@ class Pulls:
         early: bool = False,
     ) -> tuple[PullHeader, list[tuple[str, int, Any]]]:
         """pull() for an asyncio server: the same checks, answers and errors, but a pull
-        that has to wait parks (ps/server/parking.py) and holds no thread meanwhile. The
+        that has to wait parks (ps/server/pulls/parking.py) and holds no thread meanwhile. The
         short locked steps run in `executor`, never on the event loop.
 
         early: an early pull asked through gRPC, which does not stream early: it is

@@ -1,16 +1,16 @@
 """A shard's durability: checkpoints, restore, rollback and draining (a component of the
-shard, ps/server/shard.py; the files themselves are ps/server/checkpoint.py's).
+shard, ps/server/shard.py; the files themselves are ps/server/durability/checkpoints.py's).
 
 - Checkpoints are taken at steps that are multiples of --checkpoint-every (the step is
   the round in sync mode, the version otherwise), after init (step 0), by the interval
   timer (async/ssp) and on SIGTERM. The snapshot is taken under the shard's lock and
-  written by ps/server/checkpoint.py's background writer.
+  written by ps/server/durability/checkpoints.py's background writer.
 - `restore` turns a fresh shard into the one a checkpoint describes (--restore DIR),
-  its sparse tables included (ps/server/sparse_shard.py: snapshot, parse, install).
+  its sparse tables included (ps/server/sparse/tables.py: snapshot, parse, install).
 - `rollback` (sync) goes back to an older checkpoint of this shard, so that every shard
   of the job continues from the same round (docs/reliability.md).
 - `drain` (SIGTERM) refuses new pushes but lets the sync round in flight finish (the
-  intake refuses them, ps/server/intake.py).
+  intake refuses them, ps/server/intake/intake.py).
 """
 
 from __future__ import annotations
@@ -27,11 +27,11 @@ import torch
 from ps import serde
 from ps.errors import FailedPrecondition
 from ps.job import Job
-from ps.server import checkpoint
-from ps.server.buffers import IntBufferLog
-from ps.server.sparse_shard import SparseTables, TablesMismatch
+from ps.server.durability import checkpoints
+from ps.server.sparse.tables import SparseTables, TablesMismatch
 from ps.server.state import ShardData
-from ps.server.updates import Updates
+from ps.server.update.buffers import IntBufferLog
+from ps.server.update.updates import Updates
 
 log = logging.getLogger("psar.shard")
 
@@ -111,7 +111,7 @@ class Durability:
         self.updates.policy.settle(self.updates)  # per-chunk rounds: no slot of an open round
         sparse = d.sparse
         return {
-            "format": checkpoint.FORMAT,
+            "format": checkpoints.FORMAT,
             "job": serde.job_to_pb(job).SerializeToString(),
             "step": self.checkpoint_step,
             "time": time.time(),
@@ -141,7 +141,7 @@ class Durability:
             "live": sorted(d.live),
             "left": sorted(d.left),
             "staleness": {int(k): int(v) for k, v in d.staleness_counts.items()},
-            # Sparse tables (ps/server/sparse_shard.py): rows, per-row optimizer state,
+            # Sparse tables (ps/server/sparse/tables.py): rows, per-row optimizer state,
             # versions and clocks; their tensors get checksums like every other one.
             "sparse": sparse.snapshot() if sparse is not None else {"tables": {}, "clocks": []},
         }
@@ -181,7 +181,7 @@ class Durability:
         with d.cond:
             if d.job is not None:
                 raise FailedPrecondition("restore: this shard is already initialised")
-            job = checkpoint.job_of(snap)
+            job = checkpoints.job_of(snap)
             where = f"the checkpoint of step {step}"
             # Checked before anything changes: TablesMismatch stops `psar server`.
             tables = SparseTables.parse(snap.get("sparse"), job, where)

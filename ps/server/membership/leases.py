@@ -64,7 +64,7 @@ class LeaseTable:
 
 class Reaper:
     """A daemon thread that calls `members.expire_leases()` every `period` seconds (the
-    shard's membership, ps/server/membership.py).
+    shard's membership, ps/server/membership/membership.py).
 
     It holds only a weak reference to it, so a forgotten reaper never keeps a shard
     alive; `stop()` ends it.

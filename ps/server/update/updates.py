@@ -3,7 +3,7 @@
 `Updates` is the component every update rule (ps/server/modes/) is handed as its
 `ShardView` (ps/server/modes/view.py): the reads and changes a rule may make, under
 the shard's lock, and nothing else. It owns the masters' optimizer, schedule and loss
-scale (`install`), steps them (ps/server/slot_step.py), and counts what an update or a
+scale (`install`), steps them (ps/server/update/stepper.py), and counts what an update or a
 skipped round changes. What happens when a round closes beyond that (joiners become live,
 a checkpoint falls due) is the membership's and the durability's: `on_round_closed` and
 `on_update` are theirs.
@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ps.job import Job
-from ps.server.buffers import round_buffers
+from ps.server.metrics.recorder import ShardRecorder
 from ps.server.modes.registry import RuleOptions
-from ps.server.recorder import ShardRecorder
-from ps.server.slot_step import SlotStepper
 from ps.server.state import ShardData
+from ps.server.update.buffers import round_buffers
+from ps.server.update.stepper import SlotStepper
 from trainkit.optim import DynamicLossScale, StepAdjust, build_optimizer, build_scheduler
 
 if TYPE_CHECKING:
@@ -41,7 +41,7 @@ class Updates:
     ) -> None:
         self.data = data
         self.stepper = stepper
-        """Runs and times the optimizer steps (ps/server/slot_step.py: --torch-threads)."""
+        """Runs and times the optimizer steps (ps/server/update/stepper.py: --torch-threads)."""
         self._on_round_closed = on_round_closed
         """A round closed: joiners waiting for it become live, a checkpoint may fall due."""
         self._on_update = on_update
@@ -113,7 +113,7 @@ class Updates:
         self, grads: dict[str, torch.Tensor], staleness: list[int], adjust: StepAdjust | None = None
     ) -> None:
         """One optimizer step with these fp32 gradients (keyed by slot); `adjust`: this
-        step's learning-rate scale / momentum (async/ssp, ps/server/staleness.py). A slot
+        step's learning-rate scale / momentum (async/ssp, ps/server/modes/staleness.py). A slot
         missing from `grads` (no gradient: an unused parameter) is not stepped at all:
         torch's optimizers skip a parameter whose .grad is None, state and weight decay
         included, as they do for a DDP parameter no rank used."""
@@ -136,7 +136,7 @@ class Updates:
         self.stepper.each(self.data, keys, fn)
 
     def buffer_values(self, grads: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        """A sync round's buffer values (ps/server/buffers.py)."""
+        """A sync round's buffer values (ps/server/update/buffers.py)."""
         job = self.data.job
         return round_buffers(job, grads) if job is not None else {}
 

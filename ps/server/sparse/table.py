@@ -26,7 +26,7 @@ from ps.sparse_spec import TableSpec, init_rows, local_rows
 
 class SparseTable:
     """One shard's rows of one table with their optimizer state. Not locked: the caller
-    (ps/server/sparse_shard.py) serialises calls."""
+    (ps/server/sparse/tables.py) serialises calls."""
 
     def __init__(self, spec: TableSpec) -> None:
         self.spec = spec

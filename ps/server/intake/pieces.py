@@ -45,7 +45,7 @@ class PushTicket:
     their data counts as zeros, and a slot absent from every push of a round is not
     stepped (DDP's find_unused_parameters semantics, docs/architectures.md)."""
     paced_s: float = 0.0
-    """Seconds the shard held this push back to keep it in step (ps/server/push_pacing.py)."""
+    """Seconds the shard held this push back to keep it in step (ps/server/intake/pacing.py)."""
     on_drop: Callable[[PushTicket], None] | None = None
     """Called on release of a push that was never accepted (refused, cut off, or a
     duplicate), before its worker may push again (per-chunk rounds undo with it)."""

@@ -1,7 +1,7 @@
 """What a shard records: the one interface of its metrics, and the recorder that drops them.
 
 Every component of a shard records through `ShardRecorder`; `ShardMetrics`
-(ps/server/metrics.py: Prometheus series, names pinned by docs/metrics.md) and
+(ps/server/metrics/prometheus.py: Prometheus series, names pinned by docs/metrics.md) and
 `NullShardRecorder` (no /metrics endpoint asked for) implement exactly these methods, so
 a misspelt call fails at once instead of vanishing into a catch-all
 (tests/test_recorders.py holds both the method sets and every call site to it).

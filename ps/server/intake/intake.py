@@ -4,12 +4,12 @@ A component of the shard (ps/server/shard.py). Both doors (the gRPC servicer and
 data plane) feed a push through the same four calls: `begin_push` (the header: checked
 completely, the worker's push lock taken), `add_data` / `add_data_from` (each piece,
 validated from its description before a byte lands in the worker's staging buffers,
-ps/server/pushdata.py), `add_verdict` (the finiteness verdict of a push streamed during
+ps/server/intake/pieces.py), `add_verdict` (the finiteness verdict of a push streamed during
 backward), `finish_push` (complete and finite: the update rule takes it). A refused push
 changes nothing: masters and optimizer state stay byte for byte.
 
 Per-chunk rules (sync with --chunk-rounds) hear of each slot as it completes, and a push
-running ahead of its round's slowest is paced (ps/server/push_pacing.py).
+running ahead of its round's slowest is paced (ps/server/intake/pacing.py).
 """
 
 from __future__ import annotations
@@ -23,11 +23,8 @@ import torch
 
 from ps.errors import DeadlineExceeded, Unavailable
 from ps.headers import PushHeader, PushOutcome
-from ps.server import push_pacing
-from ps.server.buffers import check_int_buffers
-from ps.server.membership import Membership, Restored
-from ps.server.modes.base import StagedPush
-from ps.server.pushdata import (
+from ps.server.intake import pacing
+from ps.server.intake.pieces import (
     PushTicket,
     add_piece,
     add_piece_streamed,
@@ -40,8 +37,11 @@ from ps.server.pushdata import (
     unscale_slot,
     zero_absent,
 )
+from ps.server.membership.membership import Membership, Restored
+from ps.server.modes.base import StagedPush
 from ps.server.state import ShardData
-from ps.server.updates import Updates
+from ps.server.update.buffers import check_int_buffers
+from ps.server.update.updates import Updates
 
 
 class Intake:
@@ -143,12 +143,12 @@ class Intake:
 
     def pace_push(self, ticket: PushTicket, offset: int) -> float:
         """Before a slot's first piece is read: wait while this push runs `push_lead_bytes`
-        ahead of the slowest other push of its round (ps/server/push_pacing.py). Returns
+        ahead of the slowest other push of its round (ps/server/intake/pacing.py). Returns
         the seconds waited."""
         d = self.data
         if offset or not d.push_lead_bytes or not self.updates.policy.applies_chunks:
             return 0.0
-        left = push_pacing.BUDGET_S - ticket.paced_s
+        left = pacing.BUDGET_S - ticket.paced_s
         if left <= 0:
             return 0.0
         t0 = time.monotonic()

@@ -20,7 +20,7 @@ worker lets nothing it pulled early into its parameters before that header
 A shard without per-chunk rounds (or in async/ssp) answers as for an ordinary pull, once
 the worker's push of that clock is in, so a worker may always ask for an early pull.
 
-The pull itself is Pulls.pull_early (ps/server/pulls.py); here is what it reads of the
+The pull itself is Pulls.pull_early (ps/server/pulls/pulls.py); here is what it reads of the
 per-chunk rule's applied slots while the round is open.
 """
 

@@ -76,7 +76,7 @@ REJECT_REASONS: tuple[str, ...] = (
     "restored",
     "expired",
     "too_late",
-    # An early pull whose worker hung up while it waited (ps/server/early_pull.py).
+    # An early pull whose worker hung up while it waited (ps/server/pulls/early.py).
     "cancelled",
     OTHER,
 )
