@@ -1,4 +1,4 @@
-"""The data plane (ps/server/dataplane.py, ps/client/tcp_transport.py): push and pull as plain TCP
+"""The data plane (ps/server/doors/dataplane.py, ps/client/tcp_transport.py): push and pull as plain TCP
 frames next to gRPC, against real shards and sockets on loopback (no mocks).
 
 - The same pushes through the data plane and through gRPC leave byte-identical shards

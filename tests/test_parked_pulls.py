@@ -3,7 +3,7 @@
 Under the sync grpc.server each sync-mode pull waiting for its round held one of the
 `--threads` handler threads: with as many waiting pulls as threads, Stats and the push
 that would close the round timed out. The shard now serves with grpc.aio
-(ps/server/aio_host.py) and a waiting Pull or GetJob(wait) parks on its event loop
+(ps/server/doors/aio_host.py) and a waiting Pull or GetJob(wait) parks on its event loop
 (ps/server/pulls/parking.py). Against a real shard on loopback with `--threads 16`:
 
 - 128 sync pulls wait for the round of a 129-worker job: Stats and Heartbeat still
@@ -209,7 +209,7 @@ def test_a_parked_pull_waits_through_a_drain_for_the_round_in_flight() -> None:
 @pytest.mark.parametrize("method", ["Stats", "GetJob", "Pull", "Heartbeat", "PullRows"])
 def test_an_undecodable_request_is_invalid_argument_not_unknown(method: str) -> None:
     """grpc.aio answers a request it cannot decode UNKNOWN from outside the handler; the
-    shard's handlers refuse it themselves (ps/server/aio_host.py guard), saying so."""
+    shard's handlers refuse it themselves (ps/server/doors/aio_host.py guard), saying so."""
     job = make_job("sync", num_workers=1)
     with serving(config()) as (port, state), stubs(port, 1) as (stub,):
         stub.Init(iter(init_chunks(job, init_values(job))), timeout=TIMEOUT)

@@ -21,7 +21,7 @@ import torch
 from ps.client.psclient import ClientConfig, PSClient, PSClientError
 from ps.partition import plan_slots
 from ps.server.config import ServerConfig
-from ps.server.health import check
+from ps.server.doors.health import check
 from ps.server.metrics.prometheus import ShardMetrics
 from ps.server.serve import shutdown, start_server, stop_server
 from tests.ps_fixtures import PARAMS, init_values, make_job

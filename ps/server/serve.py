@@ -1,7 +1,7 @@
 """`psar server`: one parameter-server shard as a gRPC server process.
 
 Besides the ParameterServer service it serves the standard gRPC health service
-(ps/server/health.py), writes checkpoints (--checkpoint-dir), resumes from them (--restore),
+(ps/server/doors/health.py), writes checkpoints (--checkpoint-dir), resumes from them (--restore),
 expires worker leases (--lease-s), and can demand TLS and a bearer token (ps/auth.py).
 On SIGTERM it drains: NOT_SERVING, no new pushes, the sync round in flight finishes,
 a final checkpoint is written. docs/reliability.md describes all of it.
@@ -19,14 +19,14 @@ from typing import Any
 from ps import auth
 from ps._gen.psar.v1 import ps_pb2_grpc as pb_grpc
 from ps.grpc_limits import grpc_options
-from ps.server.aio_host import ShardServer
 from ps.server.config import ServerConfig
-from ps.server.dataplane import DataPlaneServer, server_ssl_context, start_dataplane
+from ps.server.doors.aio_host import ShardServer
+from ps.server.doors.dataplane import DataPlaneServer, server_ssl_context, start_dataplane
+from ps.server.doors.health import ShardHealth
+from ps.server.doors.sparse_servicer import SparseServicer
 from ps.server.durability import checkpoints
-from ps.server.health import ShardHealth
 from ps.server.membership.leases import Reaper
 from ps.server.shard import ShardState
-from ps.server.sparse_servicer import SparseServicer
 from ps.server.update.stepper import apply_torch_threads
 from trainkit.roles import resolve_shard
 
@@ -106,10 +106,10 @@ def start_server(
 ) -> tuple[ShardServer, int, ShardState]:
     """Start a shard's gRPC server; returns (server, bound port, state). Non-blocking.
 
-    The server is grpc.aio with --threads handler threads (ps/server/aio_host.py): calls
+    The server is grpc.aio with --threads handler threads (ps/server/doors/aio_host.py): calls
     that wait (Pull, GetJob(wait)) park on its event loop and hold none of them.
-    The server's health service is reachable as `server.psar_health` (ps/server/health.py),
-    its data plane (None when off) as `server.psar_dataplane` (ps/server/dataplane.py).
+    The server's health service is reachable as `server.psar_health` (ps/server/doors/health.py),
+    its data plane (None when off) as `server.psar_dataplane` (ps/server/doors/dataplane.py).
     """
     if state is None:
         state = build_state(cfg, metrics)

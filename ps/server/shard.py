@@ -1,6 +1,6 @@
 """A parameter-server shard: its state as data, its behaviour in components, composed here.
 
-No gRPC here: the doors (ps/server/servicer.py, ps/server/dataplane.py) decode requests
+No gRPC here: the doors (ps/server/doors/servicer.py, ps/server/doors/dataplane.py) decode requests
 and call the components; the errors raised (ps/errors.py) become status codes there, so
 everything below is testable without a socket. Every request is validated completely
 before anything is mutated: a refused push, pull or init leaves the master weights and

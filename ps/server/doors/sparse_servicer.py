@@ -15,7 +15,7 @@ import torch
 from ps import serde, wire
 from ps._gen.psar.v1 import ps_pb2 as pb
 from ps.errors import InvalidArgument, PSError, bound_details, quote
-from ps.server.servicer import ParameterServerServicer, decoded, require_clean_end
+from ps.server.doors.servicer import ParameterServerServicer, decoded, require_clean_end
 from ps.server.shard import ShardState
 from ps.server.sparse.tables import RowPush, SparseTables
 

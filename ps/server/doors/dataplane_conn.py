@@ -1,4 +1,4 @@
-"""One data-plane connection on the shard side (ps/server/dataplane.py holds the listener):
+"""One data-plane connection on the shard side (ps/server/doors/dataplane.py holds the listener):
 its hello, then push and pull frames until it ends. Pushes and pulls go through the
 servicer's PushCall and start_pull / start_pull_early, so both doors refuse the same
 things with the same words."""
@@ -16,10 +16,10 @@ from ps import framing as fr
 from ps import sealed, serde
 from ps._gen.psar.v1 import ps_pb2 as pb
 from ps.errors import InvalidArgument, PSError, bound_details
-from ps.server.servicer import PushCall, start_pull, start_pull_early
+from ps.server.doors.servicer import PushCall, start_pull, start_pull_early
 
 if TYPE_CHECKING:
-    from ps.server.dataplane import DataPlaneServer
+    from ps.server.doors.dataplane import DataPlaneServer
 
 _DRAIN_AFTER_ERROR_S = 2.0
 

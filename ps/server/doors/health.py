@@ -15,13 +15,13 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 if TYPE_CHECKING:
-    from ps.server.aio_host import ShardServer
+    from ps.server.doors.aio_host import ShardServer
 
 SERVICE = "psar.v1.ParameterServer"
 
 
 class ShardHealth:
-    """The health service of a shard's grpc.aio server (ps/server/aio_host.py): its asyncio
+    """The health service of a shard's grpc.aio server (ps/server/doors/aio_host.py): its asyncio
     servicer, so a Watch parks on the loop instead of holding a handler thread; status
     changes are made on that loop from whichever thread asks."""
 

@@ -56,7 +56,7 @@ class Undecodable:
     """Stands in for a request message gRPC could not decode. grpc.aio raises the decode
     error outside any handler and answers UNKNOWN ("Unexpected DecodeError"); the sync
     server answered INTERNAL. With this the handler itself refuses it: INVALID_ARGUMENT
-    saying so (a streaming request's handler ends its stream, ps/server/servicer.py)."""
+    saying so (a streaming request's handler ends its stream, ps/server/doors/servicer.py)."""
 
     __slots__ = ("error",)
 

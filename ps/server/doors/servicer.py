@@ -3,12 +3,12 @@
 No logic lives here (thin servicers, serde at the edge): every decision is made by
 ps/server/shard.py and the mode modules (ps/server/modes/), which tests drive without a socket.
 
-The server is grpc.aio (ps/server/aio_host.py): most handlers are plain functions run in
+The server is grpc.aio (ps/server/doors/aio_host.py): most handlers are plain functions run in
 the --threads pool as they always were; the ones that wait (Pull, GetJob(wait)) are
 coroutines that park on the event loop (ps/server/pulls/parking.py) and hold no thread.
 
 A push and a pull arrive through two doors, this servicer and the TCP data plane
-(ps/server/dataplane.py). Both frame them with PushCall and start_pull below: one
+(ps/server/doors/dataplane.py). Both frame them with PushCall and start_pull below: one
 decode/validate path for a push's header, pieces and verdict (pieces go through
 ShardState.add_data_from whichever door: bytes in hand or still in a socket), one for a
 pull's request and header, so the two doors refuse the same things with the same words.
@@ -37,7 +37,7 @@ from ps.errors import (
     bound_details,
     quote,
 )
-from ps.server.aio_host import Undecodable
+from ps.server.doors.aio_host import Undecodable
 from ps.server.pulls.parking import wait_until
 from ps.server.shard import ShardState
 
@@ -61,7 +61,7 @@ def _broken(method: str) -> StreamBroken:
 
 def decoded(request_iterator: Iterator[Any], method: str) -> Iterator[Any]:
     """The messages of a request stream; a message gRPC could not decode (an Undecodable
-    from ps/server/aio_host.py, or an error raised by the iterator) ends it with
+    from ps/server/doors/aio_host.py, or an error raised by the iterator) ends it with
     StreamBroken, INVALID_ARGUMENT."""
     it = iter(request_iterator)
     while True:
@@ -223,7 +223,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         self.state = state
         self.metrics = state.metrics
         self.data_port = 0
-        """Port of the shard's data plane (ps/server/dataplane.py) advertised by GetJob; 0: none."""
+        """Port of the shard's data plane (ps/server/doors/dataplane.py) advertised by GetJob; 0: none."""
         self._init_failure: pb.InitFailedRequest | None = None
         """Rank 0's report that its init failed (ReportInitFailure); cleared by an Init."""
         self._lock = threading.Lock()

@@ -4,7 +4,7 @@ Python gRPC tops out at ~1.4-2 GB/s on loopback here (protobuf copies, 1 MiB mes
 through the C core); these frames (ps/framing.py, proto/psar/v1/ps.proto) carry the
 same push and pull with one copy on each end. It is a second door to the SAME shard:
 pushes and pulls are decoded and validated by the servicer's PushCall and start_pull
-(ps/server/servicer.py), which every decision then leaves to ShardState, so errors get
+(ps/server/doors/servicer.py), which every decision then leaves to ShardState, so errors get
 the status codes and messages gRPC gives, and the same metrics are counted. gRPC keeps
 everything else (init, jobs, leases, stats, health).
 
@@ -42,7 +42,7 @@ import grpc
 
 from ps import framing as fr
 from ps import sealed
-from ps.server.dataplane_conn import _Connection
+from ps.server.doors.dataplane_conn import _Connection
 from ps.server.shard import ShardState
 
 log = logging.getLogger("psar.dataplane")
