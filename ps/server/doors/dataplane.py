@@ -3,9 +3,10 @@
 Python gRPC tops out at ~1.4-2 GB/s on loopback here (protobuf copies, 1 MiB messages
 through the C core); these frames (ps/framing.py, proto/psar/v1/ps.proto) carry the
 same push and pull with one copy on each end. It is a second door to the SAME shard:
-pushes and pulls are decoded and validated by the servicer's PushCall and start_pull
-(ps/server/doors/servicer.py), which every decision then leaves to ShardState, so errors get
-the status codes and messages gRPC gives, and the same metrics are counted. gRPC keeps
+pushes and pulls are decoded and validated by PushCall and start_pull
+(ps/server/doors/calls.py), as the servicer's are, which leave every decision to the
+shard's intake and pulls, so errors get the status codes and messages gRPC gives, and the
+same metrics are counted. gRPC keeps
 everything else (init, jobs, leases, stats, health).
 
 One thread per connection (workers keep a few pooled connections per shard). A refused

@@ -1,14 +1,14 @@
 """One data-plane connection on the shard side (ps/server/doors/dataplane.py holds the listener):
-its hello, then push and pull frames until it ends. Pushes and pulls go through the
-servicer's PushCall and start_pull / start_pull_early, so both doors refuse the same
-things with the same words."""
+its hello, then push and pull frames until it ends. Pushes and pulls go through
+ps/server/doors/calls.py's PushCall and start_pull / start_pull_early, as the servicer's
+do, so both doors refuse the same things with the same words."""
 
 from __future__ import annotations
 
 import hmac
 import socket
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import grpc
 
@@ -16,12 +16,30 @@ from ps import framing as fr
 from ps import sealed, serde
 from ps._gen.psar.v1 import ps_pb2 as pb
 from ps.errors import InvalidArgument, PSError, bound_details
-from ps.server.doors.servicer import PushCall, start_pull, start_pull_early
-
-if TYPE_CHECKING:
-    from ps.server.doors.dataplane import DataPlaneServer
+from ps.server.doors.calls import PushCall, start_pull, start_pull_early
+from ps.server.metrics.recorder import ShardRecorder
+from ps.server.shard import ShardState
 
 _DRAIN_AFTER_ERROR_S = 2.0
+
+
+class Listener(Protocol):
+    """What a connection uses of its listener (ps/server/doors/dataplane.py's
+    DataPlaneServer): the shard, the bounds, and the listener's own bookkeeping."""
+
+    state: ShardState
+    metrics: ShardRecorder
+    token: str
+    max_payload_bytes: int
+    idle_s: float
+    frame_s: float
+    seal_records: bool
+
+    def _count(self, key: str, n: int = 1) -> None: ...
+    def _supersede(self, worker: int, conn: _Connection) -> None: ...
+    def _push_began(self, worker: int, conn: _Connection) -> None: ...
+    def _push_ended(self, worker: int, conn: _Connection) -> None: ...
+    def _rehome(self, old: socket.socket, new: socket.socket) -> None: ...
 
 
 class _Refused(PSError):
@@ -33,7 +51,7 @@ class _Refused(PSError):
 
 
 class _Connection:
-    def __init__(self, server: DataPlaneServer, sock: socket.socket) -> None:
+    def __init__(self, server: Listener, sock: socket.socket) -> None:
         self.server = server
         self.state = server.state
         self.metrics = server.metrics
@@ -254,7 +272,7 @@ class _Connection:
         """One pushed piece: checked from its description, then received straight into
         the staging buffer (fp32). A refusal still reads its payload (the stream goes on)."""
         if call.ticket is not None:
-            waited = self.state.pace_push(call.ticket, piece.offset)
+            waited = self.state.intake.pace_push(call.ticket, piece.offset)
             if waited and self.clock.deadline is not None:
                 self.clock.deadline += waited  # the shard's delay, not the sender's
         deadline = self.clock.deadline

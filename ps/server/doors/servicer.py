@@ -1,4 +1,4 @@
-"""The gRPC servicer: proto in, ShardState call, proto out; PSError -> status code.
+"""The gRPC servicer: proto in, a shard component's call, proto out; PSError -> status code.
 
 No logic lives here (thin servicers, serde at the edge): every decision is made by
 ps/server/shard.py and the mode modules (ps/server/modes/), which tests drive without a socket.
@@ -8,10 +8,10 @@ the --threads pool as they always were; the ones that wait (Pull, GetJob(wait)) 
 coroutines that park on the event loop (ps/server/pulls/parking.py) and hold no thread.
 
 A push and a pull arrive through two doors, this servicer and the TCP data plane
-(ps/server/doors/dataplane.py). Both frame them with PushCall and start_pull below: one
-decode/validate path for a push's header, pieces and verdict (pieces go through
-ShardState.add_data_from whichever door: bytes in hand or still in a socket), one for a
-pull's request and header, so the two doors refuse the same things with the same words.
+(ps/server/doors/dataplane.py). Both frame them with ps/server/doors/calls.py's PushCall
+and start_pull: one decode/validate path for a push's header, pieces and verdict into the
+shard's intake, one for a pull's request and header from its pulls, so the two doors
+refuse the same things with the same words.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import Executor
-from typing import Any, NoReturn
+from typing import Any
 
 import grpc
 import torch
@@ -38,6 +38,7 @@ from ps.errors import (
     quote,
 )
 from ps.server.doors.aio_host import Undecodable
+from ps.server.doors.calls import PushCall, start_pull_parked
 from ps.server.pulls.parking import wait_until
 from ps.server.shard import ShardState
 
@@ -92,130 +93,6 @@ def physical_memory_bytes() -> int:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
         return 1 << 40
-
-
-class PushCall:
-    """One push as either door receives it: a header, then pieces and at most one
-    verdict in any order, then its end. Each door reads its own messages or frames and
-    calls these; a refusal raises the PSError both doors answer with."""
-
-    def __init__(self, state: ShardState, head: pb.PushHeader) -> None:
-        self.state = state
-        self.ticket: Any = state.begin_push(
-            serde.push_header_from_pb(head), incarnation=head.incarnation
-        )
-
-    def piece(
-        self,
-        key: str,
-        offset: int,
-        nbytes: int,
-        read_into: Callable[[memoryview], None],
-        read: Callable[[int], Any],
-    ) -> None:
-        """One piece: checked from its description (slot, offset, length) before a byte
-        is read, then read straight into the staging buffer (or converted)."""
-        self.state.add_data_from(self.ticket, key, offset, nbytes, read_into, read)
-
-    def piece_bytes(self, key: str, offset: int, data: bytes) -> None:
-        """A piece whose bytes are in hand (a gRPC message): the same path as piece()."""
-
-        def read_into(view: memoryview) -> None:
-            view[:] = data
-
-        self.piece(key, offset, len(data), read_into, lambda _n: data)
-
-    def verdict(self, overflow: bool, absent: tuple[str, ...] = ()) -> None:
-        self.state.add_verdict(self.ticket, overflow, absent)
-
-    def misplaced(self, kind: str | None) -> NoReturn:
-        raise InvalidArgument(
-            f"Push: a {kind or 'empty'} message inside a push; only one header allowed, "
-            "then pieces, one verdict and the end",
-            reason="malformed",
-        )
-
-    def finish(self) -> pb.PushReply:
-        """Hand the complete push to the shard (which releases the ticket either way)."""
-        ticket, self.ticket = self.ticket, None
-        incarnation = ticket.incarnation
-        outcome, version, already = self.state.finish_push(ticket)
-        return serde.push_reply_to_pb(outcome, version, already, incarnation)
-
-    def release(self) -> None:
-        """Drop a push that will not finish (refused, or its stream broke)."""
-        if self.ticket is not None:
-            self.ticket.release()
-            self.ticket = None
-
-
-def _pull_args(req: pb.PullRequest, timeout: float | None) -> tuple[torch.dtype, int, float]:
-    """A pull request's dtype, clock and how long it may wait, checked."""
-    dtype = serde.dtype_from_pb(req.dtype)
-    clock = serde.check_count("pull clock", req.clock)
-    # None (no deadline) or a huge one waits at most MAX_WAIT_S (Condition.wait overflows).
-    wait = serde.wait_seconds("pull timeout", serde.MAX_WAIT_S if timeout is None else timeout)
-    return dtype, clock, wait
-
-
-def _pull_head(state: ShardState, header: Any) -> pb.PullHeader:
-    head = serde.pull_header_to_pb(header)
-    head.incarnation = state.incarnation
-    return head
-
-
-def start_pull(
-    state: ShardState, req: pb.PullRequest, timeout: float | None, *, views: bool = False
-) -> tuple[pb.PullHeader, list[tuple[str, int, Any]]]:
-    """A pull as either door serves it: wait as the mode requires, then the header (with
-    the incarnation it was served at) and the pieces (key, offset, bytes) to send. This
-    one holds the calling thread while it waits; the gRPC door uses start_pull_parked."""
-    dtype, clock, wait = _pull_args(req, timeout)
-    header, pieces = state.pull(
-        req.worker, clock, dtype, wait, incarnation=req.incarnation, views=views
-    )
-    return _pull_head(state, header), pieces
-
-
-def start_pull_early(
-    state: ShardState,
-    req: pb.PullRequest,
-    timeout: float | None,
-    *,
-    views: bool = False,
-    alive: Callable[[], bool] = lambda: True,
-) -> Iterator[tuple[Any, ...]]:
-    """An early pull (req.early; ps/server/pulls/early.py) as the data plane serves it:
-    ("piece", key, offset, bytes) items, then ("header", pb.PullHeader) with early_void
-    set, then the rest. Refusals raise at the first next(), before anything is sent."""
-    dtype, clock, wait = _pull_args(req, timeout)
-    items = state.pull_early(
-        req.worker, clock, dtype, wait, incarnation=req.incarnation, views=views, alive=alive
-    )
-    for item in items:
-        if item[0] == "header":
-            head = _pull_head(state, item[1])
-            head.early_void = item[2]
-            yield ("header", head)
-        else:
-            yield item
-
-
-async def start_pull_parked(
-    state: ShardState, req: pb.PullRequest, timeout: float | None, executor: Executor | None
-) -> tuple[pb.PullHeader, list[tuple[str, int, Any]]]:
-    """start_pull on the event loop: a pull that has to wait holds no thread meanwhile."""
-    dtype, clock, wait = _pull_args(req, timeout)
-    header, pieces = await state.pull_parked(
-        req.worker,
-        clock,
-        dtype,
-        wait,
-        incarnation=req.incarnation,
-        executor=executor,
-        early=req.early,  # answered whole once the push is in: gRPC does not stream early
-    )
-    return _pull_head(state, header), pieces
 
 
 class ParameterServerServicer(pb_grpc.ParameterServerServicer):
@@ -393,7 +270,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
 
     def Leave(self, request: pb.LeaveRequest, context: grpc.ServicerContext) -> Any:
         try:
-            return pb.LeaveReply(live_workers=self.state.leave(request.worker))
+            return pb.LeaveReply(live_workers=self.state.members.leave(request.worker))
         except PSError as e:
             self._fail(context, "Leave", e)
 
@@ -402,7 +279,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
 
     def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> Any:
         try:
-            live, incarnation, lease_s = self.state.heartbeat(request.worker)
+            live, incarnation, lease_s = self.state.members.heartbeat(request.worker)
             return pb.HeartbeatReply(live=live, incarnation=incarnation, lease_s=lease_s)
         except PSError as e:
             self._fail(context, "Heartbeat", e)
@@ -411,7 +288,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         t0 = time.monotonic()
         try:
             clock = serde.check_count("register clock", request.clock)
-            reply = self.state.register(
+            reply = self.state.members.register(
                 request.worker, clock, query=request.query, instance=request.instance
             )
             return pb.RegisterReply(**reply)
@@ -423,7 +300,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     def Rollback(self, request: pb.RollbackRequest, context: grpc.ServicerContext) -> Any:
         t0 = time.monotonic()
         try:
-            return pb.RollbackReply(**self.state.rollback(request.max_round))
+            return pb.RollbackReply(**self.state.durability.rollback(request.max_round))
         except PSError as e:
             self._fail(context, "Rollback", e)
         finally:
