@@ -171,3 +171,23 @@ def test_a_ddp_process_loads_nothing_of_the_parameter_server() -> None:
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
     )
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []
+
+
+def test_the_shard_is_composed_not_mixed_in() -> None:
+    """No class of ps/server has more than one base of the project's own (the shard's
+    components are attributes of ShardState, not mixins of it)."""
+    mixed = []
+    for f in sorted((ROOT / "ps" / "server").rglob("*.py")):
+        tree = ast.parse(f.read_text())
+        local = {
+            a.asname or a.name
+            for n in ast.walk(tree)
+            if isinstance(n, ast.ImportFrom) and n.module and n.module.startswith("ps.")
+            for a in n.names
+        } | {n.name for n in ast.walk(tree) if isinstance(n, ast.ClassDef)}
+        for n in ast.walk(tree):
+            if isinstance(n, ast.ClassDef):
+                own = [ast.unparse(b) for b in n.bases if ast.unparse(b).split(".")[0] in local]
+                if len(own) > 1:
+                    mixed.append(f"{f.relative_to(ROOT)}: {n.name}({', '.join(own)})")
+    assert not mixed, "classes mixing several of the project's bases:\n" + "\n".join(mixed)
