@@ -1,16 +1,18 @@
 """A shard's state as data: what its components share, checkpoints hold and Stats report.
 
-No behaviour lives here. The components of ps/server/shard.py change it, each its own part,
-under `cond` (every change is followed by `cond.notify_all()` where a waiter may care):
+No behaviour lives here (a few read-only accessors). The components of ps/server/shard.py
+change it, each its own part, under `cond` (every change is followed by
+`cond.notify_all()` where a waiter may care):
 
-| fields | written by |
+| fields | written by (ps/server/...) |
 |---|---|
-| job, numel, masters, optimizer, scheduler, loss_scale, policy | shard.py (init), updates.py (install), durability.py (restore, rollback) |
-| version, rounds, skipped_rounds, last_round_skipped, updates_applied, dropped_nonfinite, staleness_counts | updates.py |
-| clocks, int_buffers, push_paced_s | intake.py (clocks: also membership.py on register, durability.py) |
-| live, left, expired, joining, instances, leases, lease_expirations, rejoins | membership.py |
-| incarnation, restores, restored_step, restored_pending, draining | durability.py (incarnation: also the shard's init) |
-| max_clock_gap | pulls.py |
+| job, numel, masters, optimizer, scheduler, loss_scale, policy | shard.py (init), update/updates.py (install), durability/durability.py (restore, rollback) |
+| version, rounds, skipped_rounds, last_round_skipped, updates_applied, dropped_nonfinite, staleness_counts | update/updates.py |
+| clocks, int_buffers, push_paced_s | intake/intake.py (clocks: also membership/membership.py on register, durability/durability.py) |
+| live, left, expired, joining, instances, leases, lease_expirations, rejoins | membership/membership.py |
+| incarnation, restores, restored_step, restored_pending, draining | durability/durability.py (incarnation: also shard.py's init) |
+| max_clock_gap | pulls/pulls.py |
+| sparse | the sparse servicer (doors/sparse_servicer.py) or a restore |
 
 A worker's *clock* is the number of gradients it has pushed; the shard's *version* the
 number of updates it has applied; a *round* (modes whose updates come in rounds) closes
