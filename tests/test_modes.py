@@ -148,3 +148,56 @@ def test_a_job_the_shard_cannot_serve_is_refused_at_init(job: Job, words: str) -
             assert c.get_jobs(wait=False) == [None]  # nothing was installed
     finally:
         stop_server(server)
+
+
+# ---- what a rule may touch of its shard ---------------------------------------------------------
+
+
+def view_members() -> set[str]:
+    from ps.server.modes.view import ShardView
+
+    return {n for n in vars(ShardView) if not n.startswith("_")}
+
+
+def reaches_past_the_view(source: str, allowed: set[str]) -> list[str]:
+    """`line: view.name` for every attribute a rule reads of its view outside `allowed`."""
+    import ast
+
+    return [
+        f"{node.lineno}: view.{node.attr}"
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Attribute)
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "view"
+        and node.attr not in allowed
+    ]
+
+
+def test_rules_touch_only_what_the_view_offers() -> None:
+    allowed = view_members()
+    assert {"apply_update", "skip_round", "live", "version", "metrics"} <= allowed
+    files = [
+        *sorted((ROOT / "ps" / "server" / "modes").glob("*.py")),
+        ROOT / "tests" / "drop_stale_mode.py",
+    ]
+    bad = [f"{f.name}:{v}" for f in files for v in reaches_past_the_view(f.read_text(), allowed)]
+    assert not bad, "rules reaching past their ShardView:\n" + "\n".join(bad)
+    assert reaches_past_the_view("view.data.clocks[0] = 1", allowed) == ["1: view.data"]
+
+
+def test_rules_import_nothing_else_of_the_shard() -> None:
+    """A mode module reaches the shard through its ShardView only: of ps/server it imports
+    the modes, the recorder's interface, the sparse table rows rules step, and the in-flight
+    push (its type, and pacing's answer) that per-chunk rules hear of."""
+    import ast
+
+    allowed = {"ps.server.metrics.recorder", "ps.server.sparse.table", "ps.server.intake.pieces",
+               "ps.server.intake"}  # fmt: skip
+    bad = []
+    for f in sorted((ROOT / "ps" / "server" / "modes").glob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("ps.server"):
+                m = node.module or ""
+                if not m.startswith("ps.server.modes") and m not in allowed:
+                    bad.append(f"{f.name}: from {m} import ...")
+    assert not bad, "\n".join(bad)
