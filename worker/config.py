@@ -247,7 +247,9 @@ class TrainConfig:
     grad_accum: int = 1
     """Accumulate gradients over K micro-batches per step (one push / one allreduce per step)."""
     seed: int = 0
-    """Seed for the model's initial weights and the data order (same in both architectures)."""
+    """Seed for the model's initial weights and the data order (same in both architectures);
+    once the model is built, each process's torch/random/numpy generators are seeded from
+    it and the rank, so dropout draws are the same run after run and under either --arch."""
     precision: str = "auto"
     """Compute precision: auto (fp16 on CUDA, bf16 on CPU) | fp32 | fp16 | bf16."""
     wire_dtype: str = "auto"

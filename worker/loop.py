@@ -25,6 +25,7 @@ import torch
 
 from trainkit.nullmetrics import NullMetrics
 from trainkit.roles import resolve_local_rank, resolve_rank, resolve_world_size
+from trainkit.seeding import seed_process
 from worker.backend import Backend, StepOutcome
 from worker.config import TrainConfig
 from worker.data import ShardedBatches, evaluate
@@ -126,6 +127,9 @@ def train(cfg: TrainConfig, env: dict[str, str] | None = None) -> dict[str, Any]
     )
     module = backend.setup(run.workload.model)
     module.train()
+    # Dropout and other draws during training: the same in every run of this job, and
+    # the same for rank r under either architecture (trainkit/seeding.py).
+    seed_process(cfg.seed, run.rank)
     tally, wall = _run_steps(run, module)
     summary = _finish(run, tally, wall)
     if cfg.metrics_port and cfg.metrics_linger_s:
