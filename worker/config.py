@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from trainkit.choices import OUTER_OPTIMIZERS, SPARSE_OPTIMIZERS, check_mode
 from trainkit.connection import ConnectionConfig
 from trainkit.optim import LossScaleConfig, OptimizerConfig
+from worker.precision import check_weights_dtype
 
 ARCHS = ("ps", "allreduce")
 
@@ -254,8 +255,12 @@ class TrainConfig:
     """Compute precision: auto (fp16 on CUDA, bf16 on CPU) | fp32 | fp16 | bf16."""
     wire_dtype: str = "auto"
     """dtype of gradients on the wire: auto (as --precision) | fp32 | fp16 | bf16."""
-    worker_weights: str = "fp32"
-    """PS: dtype of the weights a worker keeps (fp16/bf16 halve memory and pull bytes)."""
+    worker_weights: str = "auto"
+    """PS: dtype of the weights a worker keeps (fp32 masters stay on the shards): auto |
+    fp32 | fp16 | bf16. fp16/bf16 halve the worker's memory and the pull's bytes. auto:
+    the compute dtype on CUDA when --precision is fp16 or bf16, else fp32. A low-precision
+    choice must match a low-precision --precision (fp16 weights under bf16 compute would
+    mix dtypes in norms and losses)."""
     device: str = "auto"
     """auto (cuda:LOCAL_RANK if CUDA is present, else cpu) | cpu | cuda."""
     threads: int = 0
@@ -316,7 +321,7 @@ class TrainConfig:
         choices = {
             "precision": ("auto", "fp32", "fp16", "bf16"),
             "wire_dtype": ("auto", "fp32", "fp16", "bf16"),
-            "worker_weights": ("fp32", "fp16", "bf16"),
+            "worker_weights": ("auto", "fp32", "fp16", "bf16"),
             "device": ("auto", "cpu", "cuda"),
         }
         for name, accepted in choices.items():
@@ -326,6 +331,7 @@ class TrainConfig:
                     f"{flag}: unknown {getattr(self, name)!r}; accepted: {', '.join(accepted)}"
                 )
         self._check_local()
+        check_weights_dtype(self.worker_weights, self.precision)
         for opt in self.workload_option:
             if "=" not in opt:
                 raise ValueError(f"--workload-option: expected key=value, got {opt!r}")
@@ -350,7 +356,7 @@ class TrainConfig:
                 "--checkpoint-dir with --mode local: DDP checkpoints do not hold the outer "
                 "optimizer and anchor weights yet; leave --checkpoint-dir out"
             )
-        if self.local_sgd and self.worker_weights != "fp32":
+        if self.local_sgd and self.worker_weights not in ("auto", "fp32"):
             raise ValueError(
                 f"--worker-weights {self.worker_weights} with --mode local: the inner "
                 "optimizer steps the worker's own weights, which must be fp32; accepted: fp32"

@@ -143,7 +143,9 @@ def _prepare(cfg: TrainConfig, env: dict[str, str]) -> _Run:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     device = pick_device(cfg.device, local_rank)
-    precision = resolve(device, cfg.precision, cfg.wire_dtype, cfg.worker_weights)
+    # --mode local steps the worker's own weights with its inner optimizer: fp32 there.
+    weights = "fp32" if cfg.local_sgd and cfg.worker_weights == "auto" else cfg.worker_weights
+    precision = resolve(device, cfg.precision, cfg.wire_dtype, weights)
     # The metrics exist before the backend (a PS backend records its transport in them),
     # so their arch label comes from the backend's class.
     metrics = _metrics(cfg, backend_class(cfg).arch, local_rank)
