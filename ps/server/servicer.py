@@ -52,6 +52,12 @@ class StreamBroken(InvalidArgument):
     reason = "malformed"
 
 
+class StreamCancelled(StreamBroken):
+    """A request stream the client cancelled (it will never read an answer)."""
+
+    reason = "cancelled"
+
+
 def _broken(method: str) -> StreamBroken:
     return StreamBroken(
         f"{method}: the request stream did not end cleanly (a message could not be "
@@ -77,13 +83,30 @@ def decoded(request_iterator: Iterator[Any], method: str) -> Iterator[Any]:
 
 
 def require_clean_end(context: Any, method: str) -> None:
-    """Refuse a stream whose iterator ended without the client's clean half-close. The
-    sync server marks such a call finished (a status already sent, or cancelled), so it
-    is no longer active; a stream that really ended is still active until we answer it.
-    (grpc.aio's context for sync handlers has no is_active: there `decoded` catches it.)"""
+    """Refuse a stream whose iterator ended without the client's clean half-close, before
+    anything of it takes effect (issue #33: a push cancelled after its last piece was
+    applied).
+
+    - The sync server marks such a call finished (a status already sent, or cancelled),
+      so it is no longer active; a stream that really ended is active until answered.
+    - grpc.aio (our shards, ps/server/aio_host.py) ends a sync handler's request
+      iterator the same way for the client's half-close and for its cancel (its
+      _receive_message merges a failed read into EOF) and tells the handler nothing
+      else. But a cancelled call refuses every new batch: sending the initial metadata
+      now (which the reply would send anyway) raises exactly when the client cancelled.
+      A cancel that arrives after this point came after a clean end, like one after the
+      reply was sent: the push stands, as it would on the data plane after `end`.
+    """
     is_active = getattr(context, "is_active", None)
-    if is_active is not None and not is_active():
-        raise _broken(method)
+    if is_active is not None:
+        if not is_active():
+            raise _broken(method)
+        return
+    try:
+        context.send_initial_metadata(())
+    except Exception as e:  # noqa: BLE001 - grpc.aio's ExecuteBatchError: the call is over
+        raise StreamCancelled(f"{method}: cancelled by the client before its stream ended; "
+                              "nothing was applied") from e  # fmt: skip
 
 
 def physical_memory_bytes() -> int:
@@ -234,6 +257,10 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     def _fail(self, context: grpc.ServicerContext, method: str, e: PSError) -> None:
         if method == "Push":
             self.metrics.push_rejected(e.reason)
+        if isinstance(e, StreamCancelled):
+            # Nobody reads an answer, and the call takes no more batches (abort would
+            # fail in grpc): end the handler; grpc.aio has cancelled the call's task.
+            raise e
         # Details are bounded: they travel in a trailer, and past gRPC's metadata limit
         # the client would get RESOURCE_EXHAUSTED instead of this status. (Under the sync
         # server a StreamBroken call was answered by grpc already: its status stands.)
