@@ -36,12 +36,13 @@ import pytest
 from ps import framing as fr
 from ps._gen.psar.v1 import ps_pb2 as pb
 from ps._gen.psar.v1 import ps_pb2_grpc as pb_grpc
+from ps.client.tcp_transport import DataPlaneClient
 from ps.job import Job
 from ps.server.config import ServerConfig
 from ps.server.serve import start_server, stop_server
 from ps.server.shard import ShardState
 from tests.ps_fixtures import grad_for, init_values, make_job, push_chunks
-from tests.test_dataplane import header, raw_conn
+from tests.test_dataplane import header, items, raw_conn
 from tests.test_dataplane_bounds import until
 
 TIMEOUT = 10.0
@@ -210,3 +211,65 @@ def test_a_push_that_half_closes_is_applied(mode: str) -> None:
         before = s.digest()
         reply = s.stub.Push(iter(chunks(s, 0, 1, verdict=True)), timeout=TIMEOUT)
         assert reply.applied and not reply.already_applied and s.digest() != before
+
+
+# ---- item 3: a stalled data-plane push is superseded by a gRPC push -----------------------
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_stalled_data_plane_push_is_superseded_by_a_grpc_push(mode: str) -> None:
+    """A data-plane push that stalls after one piece holds its worker's push lock; the
+    worker's push of the same clock over gRPC takes over at once (well within a deadline
+    far under the 60 s the lock would make it wait) and is applied; the stalled
+    connection is cut and can no longer finish its push."""
+    with shard(mode, workers=1) as s:
+        stream = chunks(s, 0, 1, verdict=False)
+        frames = frames_of(stream)
+        stalled = raw_conn(s.data_port)
+        try:
+            stalled.sendall(b"".join(fr.encode(f, len(p)) + p for f, p in frames[:2]))
+            until(lambda: s.spy.pieces == 1, "the stalled push took its first piece")
+            reply = s.stub.Push(iter(stream), timeout=5.0)
+            assert reply.applied and not reply.already_applied and s.state.version == 1
+            assert s.state.in_flight.superseded == 1
+            # The stalled connection was cut: finishing its push late changes nothing.
+            stalled.settimeout(TIMEOUT)
+            with contextlib.suppress(OSError):
+                rest = frames[2:] + [(pb.DataFrame(end=pb.DataEnd()), b"")]
+                stalled.sendall(b"".join(fr.encode(f, len(p)) + p for f, p in rest))
+                while stalled.recv(1 << 16):
+                    pass
+        finally:
+            stalled.close()
+        until(s.spy.released, "the stalled push let go of its worker")
+        assert s.state.version == 1 and s.state.clocks == [1]
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_stalled_grpc_push_is_superseded_by_a_data_plane_push(mode: str) -> None:
+    """The other way round: a gRPC push that stalls after one piece (its stream open, no
+    more messages) does not make the worker's data-plane push wait; the gRPC call ends
+    with ABORTED saying it was superseded, and applies nothing."""
+    with shard(mode, workers=1) as s:
+        stream = chunks(s, 0, 1, verdict=False)
+        hold = threading.Event()
+
+        def requests() -> Iterator[pb.PushChunk]:
+            yield from stream[:2]
+            hold.wait(TIMEOUT)
+
+        stalled = s.stub.Push.future(requests(), timeout=30.0)
+        try:
+            until(lambda: s.spy.pieces == 1, "the stalled push took its first piece")
+            with DataPlaneClient("127.0.0.1", s.data_port) as c:
+                g = grad_for(s.job, 0, 1)
+                reply = c.push(header(0, 1), items(g), timeout_s=5.0)
+            assert reply.applied and not reply.already_applied and s.state.version == 1
+            with pytest.raises(grpc.RpcError) as e:
+                stalled.result(timeout=TIMEOUT)
+            assert e.value.code() == grpc.StatusCode.ABORTED, e.value
+            assert "superseded" in e.value.details()
+        finally:
+            hold.set()
+        until(s.spy.released, "the stalled push let go of its worker")
+        assert s.state.version == 1 and s.state.clocks == [1]

@@ -85,8 +85,6 @@ class DataPlaneServer:
         """Under TLS, agree to carry a connection in sealed records after its hello when
         the worker asks (ps/sealed.py); else TLS records throughout."""
         self._per_peer: dict[str, int] = {}
-        self._pushing: dict[int, _Connection] = {}
-        """Worker -> the connection whose push of that worker is streaming."""
         self._counts = dict.fromkeys(STAT_KEYS, 0)
         host = host.strip("[]")
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -125,26 +123,23 @@ class DataPlaneServer:
                 self._counts["peak_buffered_bytes"] = max(peak, self._counts[key])
 
     def _supersede(self, worker: int, conn: _Connection) -> None:
-        """conn starts a push of `worker`: cut the connection still streaming an accepted
-        push of it (the worker gave up on that one: a retry, or a stalled peer), so that
-        push is released unapplied and this one need not wait for its worker lock."""
-        with self._lock:
-            old = self._pushing.pop(worker, None)
-        if old is not None and old is not conn:
-            log.warning("data plane: a new push of worker %d supersedes its stalled one", worker)
-            self._count("superseded")
-            old.superseded = True
-            fr.hard_shutdown(old.sock)
+        """conn starts a push of `worker`: cut off the push of it still streaming, on
+        this door or gRPC (ps/server/push_takeover.py), so that one is released unapplied
+        and this one need not wait for its worker lock."""
+        self.state.in_flight.supersede(worker, conn, "data plane")
 
     def _push_began(self, worker: int, conn: _Connection) -> None:
         """conn's push of `worker` was accepted (it holds the worker's push lock)."""
-        with self._lock:
-            self._pushing[worker] = conn
+
+        def cut_off() -> None:  # from the superseding push's thread
+            self._count("superseded")
+            conn.superseded = True
+            fr.hard_shutdown(conn.sock)  # its thread wakes from recv and lets go
+
+        self.state.in_flight.began(worker, conn, "data plane", cut_off)
 
     def _push_ended(self, worker: int, conn: _Connection) -> None:
-        with self._lock:
-            if self._pushing.get(worker) is conn:
-                del self._pushing[worker]
+        self.state.in_flight.ended(worker, conn)
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Stop accepting, end every connection (calls in flight fail), join the threads."""

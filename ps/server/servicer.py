@@ -109,6 +109,22 @@ def require_clean_end(context: Any, method: str) -> None:
                               "nothing was applied") from e  # fmt: skip
 
 
+def _cut_off(context: Any, cut: threading.Event) -> None:
+    """Cut off a gRPC push superseded by a newer push of its worker (from that push's
+    thread): answer it ABORTED now. grpc.aio then wakes its handler, blocked in the
+    request iterator, with an AbortError (StreamBroken in Push), and ends the call
+    quietly whatever the handler returns after that."""
+    cut.set()
+    try:
+        context.abort(
+            grpc.StatusCode.ABORTED,
+            "Push: superseded by a newer push of this worker (a retry, on gRPC or the data "
+            "plane) while this one was still streaming; this one applies nothing",
+        )
+    except Exception:  # noqa: BLE001, S110 - grpc.aio raises its AbortError here too
+        pass
+
+
 def physical_memory_bytes() -> int:
     """RAM of this machine (a generous bound for what one Init may ask to allocate)."""
     try:
@@ -376,12 +392,19 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     def Push(self, request_iterator: Iterator[pb.PushChunk], context: grpc.ServicerContext) -> Any:
         t0 = time.monotonic()
         call: PushCall | None = None
+        cut = threading.Event()  # this push's token in state.in_flight; set once cut off
+        worker: int | None = None
         try:
             request_iterator = decoded(request_iterator, "Push")
             first = next(request_iterator, None)
             if first is None or first.WhichOneof("kind") != "header":
                 raise InvalidArgument("Push stream must start with a header", reason="malformed")
+            # A push of this worker still streaming (either door) is cut off rather than
+            # waited for (ps/server/push_takeover.py); this one may be cut off in turn.
+            worker = first.header.worker
+            self.state.in_flight.supersede(worker, cut, "gRPC")
             call = PushCall(self.state, first.header)
+            self.state.in_flight.began(worker, cut, "gRPC", lambda: _cut_off(context, cut))
             for msg in request_iterator:
                 kind = msg.WhichOneof("kind")
                 if kind == "data":
@@ -393,10 +416,14 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             require_clean_end(context, "Push")
             return call.finish()
         except PSError as e:
+            if cut.is_set():  # answered ABORTED by _cut_off; grpc.aio ends the call quietly
+                return None
             self._fail(context, "Push", e)
         finally:
             if call is not None:
                 call.release()
+            if worker is not None:
+                self.state.in_flight.ended(worker, cut)
             self.metrics.rpc_observed("Push", time.monotonic() - t0)
 
     async def Pull(
