@@ -285,7 +285,7 @@ def test_pushes_and_pulls_are_sealed_and_give_the_same_bits(certs: Path) -> None
     job = make_job("async", num_workers=1, slots=plan_slots([("w", 300_001), ("b", 7)], 1))
     got: dict[bool, dict[str, torch.Tensor]] = {}
     for seal in (True, False):
-        with tls_shard(certs) as (_, dp, state):
+        with tls_shard(certs, data_sealed_records=True) as (_, dp, state):
             state.init(job, init_values(job))
             with DataPlaneClient("127.0.0.1", dp.port, ssl_context=tls(certs),
                                  seal_records=seal) as c:  # fmt: skip
@@ -300,9 +300,13 @@ def test_pushes_and_pulls_are_sealed_and_give_the_same_bits(certs: Path) -> None
         assert torch.equal(got[True][k], got[False][k]), k
 
 
-def test_a_shard_with_tls_records_does_not_seal(certs: Path) -> None:  # noqa: F811
+@pytest.mark.parametrize("kw", [{}, {"data_tls_records": True}], ids=["default", "tls-records"])
+def test_a_shard_keeps_tls_records_unless_it_opts_in(certs: Path, kw: dict) -> None:  # noqa: F811
+    """Secure by default (issue #33): a worker asks for sealed records (its hello carries a
+    share), but a shard without --data-sealed-records (the default, or the old
+    --data-tls-records, now an alias of the default) answers without one: TLS records."""
     job = make_job("async", num_workers=1)
-    with tls_shard(certs, data_tls_records=True) as (_, dp, state):
+    with tls_shard(certs, **kw) as (_, dp, state):
         state.init(job, init_values(job))
         with DataPlaneClient("127.0.0.1", dp.port, ssl_context=tls(certs)) as c:
             assert c.push(header(0, 1), items(grad_for(job, 0, 1)), timeout_s=10).applied
@@ -314,7 +318,7 @@ def test_a_bad_share_is_refused_and_garbage_after_the_switch_changes_nothing(
     certs: Path,  # noqa: F811
 ) -> None:
     job = make_job("async", num_workers=1)
-    with tls_shard(certs) as (_, dp, state):
+    with tls_shard(certs, data_sealed_records=True) as (_, dp, state):
         state.init(job, init_values(job))
         before = without_speculation(state.stats())
         ctx = tls(certs)
@@ -374,7 +378,7 @@ def test_damaged_sealed_pushes_change_nothing(certs: Path) -> None:  # noqa: F81
         frames.append((pb.DataFrame(piece=pb.DataPiece(key=k, offset=0)), t.numpy().tobytes()))
     frames.append((pb.DataFrame(end=pb.DataEnd()), b""))
     rng = random.Random(18)
-    with tls_shard(certs) as (_, dp, state):
+    with tls_shard(certs, data_sealed_records=True) as (_, dp, state):
         state.init(job, init_values(job))
         before = without_speculation(state.stats())
         ctx = tls(certs)
@@ -400,3 +404,13 @@ def test_damaged_sealed_pushes_change_nothing(certs: Path) -> None:  # noqa: F81
         while state.version != 1 and time.monotonic() < end:
             time.sleep(0.02)
         assert tried == 40 and state.version == 1
+
+
+def test_the_flags_say_what_they_need() -> None:
+    from ps.server.config import ServerConfig
+
+    with pytest.raises(ValueError, match="--data-sealed-records needs TLS"):
+        ServerConfig(data_sealed_records=True)
+    with pytest.raises(ValueError, match="--data-sealed-records and --data-tls-records"):
+        ServerConfig(tls_cert="c", tls_key="k", data_sealed_records=True, data_tls_records=True)
+    assert ServerConfig(data_tls_records=True).data_sealed_records is False
