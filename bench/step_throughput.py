@@ -31,7 +31,7 @@ plane >= 0.85x.
     python -m bench.step_throughput                  # 2 and 4 workers, 3 repeats
     python -m bench.step_throughput --quick --json   # 2 workers, 1 repeat
     python -m bench.step_throughput --quick --tls --repeats 3   # with the TLS rows
-    python -m bench.step_throughput --tls-only   # only those 3 runs: 2 workers, 300 steps, 5 repeats
+    python -m bench.step_throughput --tls-only   # no TLS, TLS records, sealed, gRPC TLS: 2 workers, 300 steps, 5 repeats
 """
 
 from __future__ import annotations
@@ -184,6 +184,11 @@ def measure_tls(out: Path, *, workers: int, steps: int, repeats: int, timeout: f
             d / f"ps1-tls-grpc-{i}", workers, 1, steps, timeout, *ca, "--data-plane", "grpc",
             server=on,
         ),
+        # The opt-in (issue #33): psar's sealed records after the TLS hello.
+        "psar-ps-sync-1-tls-sealed": lambda i: run_ps(
+            d / f"ps1-tls-sealed-{i}", workers, 1, steps, timeout, *ca, "--data-plane", "tcp",
+            server=(*on, "--data-sealed-records"),
+        ),
     }  # fmt: skip
     got = c.alternate(runs, repeats)
     rate = {k: c.median([rate_of(r) for r in v]) for k, v in got.items()}
@@ -215,8 +220,9 @@ def tls_table(doc: dict) -> str:
         + c.md_table(head, rows)
         + f"\n\nReference workload, {m0['steps']} steps per run, median of {m0['repeats']} "
         "alternated repeats; samples/s over the window in which every worker trains. -tls: "
-        "shard --tls-cert/--tls-key, workers --tls-ca, the TLS data plane (--data-plane tcp); "
-        "-tls-grpc: the same over gRPC.\n\n" + "\n".join(lines)
+        "shard --tls-cert/--tls-key, workers --tls-ca, the TLS data plane (--data-plane tcp) "
+        "in standard TLS records (the default); -tls-sealed: the same with the shard's "
+        "opt-in --data-sealed-records; -tls-grpc: the same over gRPC.\n\n" + "\n".join(lines)
     )
 
 

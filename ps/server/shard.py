@@ -31,6 +31,7 @@ from ps.server.lease import DEFAULT_JOIN_GRACE_S, DEFAULT_LEASE_S, LeaseTable
 from ps.server.membership import Membership, Restored, new_incarnation
 from ps.server.policies import StagedPush
 from ps.server.policy_for_mode import make_policy
+from ps.server.push_takeover import InFlightPushes
 from ps.server.pushdata import (
     PushTicket,
     add_piece,
@@ -120,6 +121,9 @@ class ShardState(Membership, Recovery, Inspection, Pulls):
         """Runs and times the optimizer steps (ps/server/slot_step.py: --torch-threads)."""
         self._staging: dict[int, dict[str, torch.Tensor]] = {}
         self._worker_locks: dict[int, threading.Lock] = {}
+        self.in_flight = InFlightPushes()
+        """The push each worker is streaming, on either door: a newer one cuts it off
+        instead of waiting for its lock (ps/server/push_takeover.py)."""
         self._snapshots: dict[tuple[torch.dtype, bool], tuple[Any, list[tuple[str, int, Any]]]] = {}
 
     # ---- initialisation -------------------------------------------------------------
