@@ -1,4 +1,4 @@
-"""bench/links_grid.py (issue #19's crossover): the window rate after warm-up, the grid,
+"""bench/lib/grid.py (issue #19's crossover, `python -m bench.links --grid`): the window rate after warm-up, the grid,
 each cell's arithmetic against `psar plan` itself, the table, and (slow) a real run of
 the small grid on network namespaces. No test asserts a time or a ratio of a real run."""
 
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from bench import common as c
-from bench import links_grid as g
+from bench.lib import common as c
+from bench.lib import grid as g
 from worker.plan_model import PlanInputs, plan
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -13,19 +13,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.test_launch import alive
 from worker.supervisor import ProcessError, Supervisor, descendants
 
 PY = sys.executable
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
-
-
-def alive(pid: int) -> bool:
-    """Running (not gone, not a zombie waiting to be reaped)."""
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except (OSError, IndexError):
-        return False
 
 
 def gone_soon(pid: int) -> bool:
