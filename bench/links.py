@@ -216,6 +216,7 @@ def main_grid(args) -> int:  # noqa: ANN001
     c.install_sigterm()
     out = c.out_dir(args, "links-grid")
     netns, reason = unavailable(0.0)
+    reason = reason or grid.congestion_unavailable(args.congestion or grid.CONGESTION)
     doc = {"skipped": reason} if reason else grid.measure(out, args, netns)
     if reason:
         c.log(f"links grid: skipped: {reason}")

@@ -244,3 +244,15 @@ def test_cpu_rates_are_measured_on_two_hosts() -> None:
     assert p.returncode == 0, p.stderr[-3000:]
     doc = json.loads(p.stdout)
     assert doc["ps_bytes_per_cpu_second"] > 1e7 and doc["allreduce_bytes_per_cpu_second"] > 1e7
+
+
+def test_a_congestion_control_namespaces_may_not_use_is_a_reason_to_skip(tmp_path: Path) -> None:
+    allowed = tmp_path / "tcp_allowed_congestion_control"
+    allowed.write_text("reno bbr\n")
+    why = g.congestion_unavailable("cubic", allowed)
+    assert "may use only reno bbr" in why and "--congestion system" in why
+    assert 'tcp_allowed_congestion_control="reno bbr cubic"' in why
+    assert g.congestion_unavailable("bbr", allowed) is None
+    assert g.congestion_unavailable("system", allowed) is None
+    assert g.congestion_unavailable(g.system_congestion(), allowed) is None  # always allowed
+    assert g.congestion_unavailable("cubic", tmp_path / "absent") is None  # sysctl will say

@@ -59,6 +59,7 @@ CHUNK_MIB = 0.5
 CONGESTION = "cubic"
 """TCP congestion control on every emulated host: Linux's own default (this machine's
 namespace runs bbr; `--congestion system` keeps that)."""
+_ALLOWED = Path("/proc/sys/net/ipv4/tcp_allowed_congestion_control")
 
 
 def params(in_dim: int = IN_DIM, hidden: int = HIDDEN) -> int:
@@ -246,6 +247,24 @@ def system_congestion() -> str:
         return Path("/proc/sys/net/ipv4/tcp_congestion_control").read_text().strip()
     except OSError:
         return "unknown"
+
+
+def congestion_unavailable(algo: str, allowed_file: Path = _ALLOWED) -> str | None:
+    """Why the emulated hosts cannot use TCP congestion control `algo`, else None: a
+    network namespace other than the machine's own may pick only what the machine's
+    net.ipv4.tcp_allowed_congestion_control lists (its own default always works)."""
+    if algo in ("system", system_congestion()):
+        return None
+    try:
+        allowed = allowed_file.read_text().split()
+    except OSError:
+        return None  # no such list here: let sysctl say
+    if algo in allowed:
+        return None
+    return (f"--congestion {algo}: network namespaces here may use only {' '.join(allowed)} "
+            "(net.ipv4.tcp_allowed_congestion_control); allow it as root with `sysctl -w "
+            f'net.ipv4.tcp_allowed_congestion_control="{" ".join([*allowed, algo])}"`, or '
+            "pass --congestion system")  # fmt: skip
 
 
 def measure(out: Path, args: Any, netns: Any) -> dict[str, Any]:
