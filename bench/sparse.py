@@ -269,6 +269,10 @@ def repeated(runs: list[dict]) -> dict:
     return out
 
 
+def _mb(n: float | None) -> float | None:
+    return None if n is None else n / 1e6
+
+
 def table(doc: dict) -> str:
     """One row per table size: rates, their ratio to DDP-sparse, the goal."""
     rows = []
@@ -279,10 +283,10 @@ def table(doc: dict) -> str:
                      ddp.get("samples_per_sec") or ddp.get("skipped") or "failed",
                      r.get("ps_vs_allreduce_sparse", {}).get("speedup"),
                      f">= {goal.get('need_speedup')}x: {'met' if goal.get('met') else 'not met'}",
-                     ps.get("bytes_per_step"), ps.get("worker_model_bytes"),
-                     ddp.get("worker_model_bytes")])  # fmt: skip
+                     *(_mb(x) for x in (ps.get("bytes_per_step"), ps.get("worker_model_bytes"),
+                                        ddp.get("worker_model_bytes")))])  # fmt: skip
     head = ["table rows", "ps-sparse samples/s", "DDP-sparse samples/s", "ps / DDP-sparse",
-            "goal", "ps bytes/step", "ps model bytes/worker", "DDP model bytes/rank"]  # fmt: skip
+            "goal", "ps MB/step", "ps model MB/worker", "DDP model MB/rank"]  # fmt: skip
     return ("## Sparse tables (ps-sparse vs DDP-sparse)\n\n" + c.md_table(head, rows)
             + f"\n\n{WORLD} workers; rates over the window every worker trains in.")  # fmt: skip
 

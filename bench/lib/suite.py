@@ -52,8 +52,9 @@ def run_one(name: str, out: Path, quick: bool, timeout: float) -> tuple[dict | N
         with c.supervisor(out) as sup:
             sup.start(name, argv_of(name, out, quick))
             sup.wait([name], timeout)
-    except c.ProcessError as e:
-        return None, str(e).splitlines()[0]
+    except c.ProcessError as e:  # what failed, and the last line of its log (the error)
+        lines = [ln.strip(" |!") for ln in str(e).splitlines() if ln.strip(" |!")]
+        return None, " ".join(lines[:1] + lines[-1:] if len(lines) > 1 else lines)
     path = out / f"{name}.json"
     try:
         return json.loads(path.read_text()), ""
