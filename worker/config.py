@@ -48,7 +48,7 @@ class PSConfig(ConnectionConfig):
     computed it on (the shards keep them: up to one copy per worker); 0: off."""
     staleness_lr_power: float = 1.0
     """async/ssp with --staleness-lr: the shards scale lr by (1 / (1 + staleness)) ** P;
-    0.5 (lr / sqrt(1 + staleness)) came closest to sync on the LM (bench/README.md)."""
+    0.5 (lr / sqrt(1 + staleness)) came closest to sync on the LM (docs/results.md)."""
     dc_adaptive: bool = False
     """async/ssp with --delay-compensation LAMBDA0: DC-ASGD-a (Zheng et al. 2017), the
     shards use lambda = LAMBDA0 / sqrt(v) per element, v a moving mean (0.95) of g * g."""
@@ -75,7 +75,7 @@ class PSConfig(ConnectionConfig):
     """--overlap: let the next forward start while later layers are still
     being pulled. Off: only the push overlaps (backward); step() waits for the whole pull.
     Where workers and shards share few cores the pulling thread takes its core from
-    forward; --overlap-trial finds out (bench/README.md, step_throughput)."""
+    forward; --overlap-trial finds out (docs/results.md, step throughput)."""
     early_pull: bool = False
     """Sync: ask for each step's pull while its push is still streaming, so a slot comes
     back as soon as the shards have applied it (shards with --chunk-rounds, over the data
