@@ -314,7 +314,15 @@ class DDPBackend:
         )
 
     def comm_bytes(self) -> dict[str, int]:
-        return {"bytes_allreduced": self.bytes_allreduced}
+        # A ring allreduce of M bytes over n ranks (reduce-scatter, then all-gather) sends
+        # and receives 2(n-1)/n * M on every rank: what gloo's and NCCL's rings move
+        # (tests/test_wire_bytes.py checks it against the ranks' interface counters).
+        on_wire = ring_bytes(self.bytes_allreduced, self.world_size)
+        return {
+            "bytes_allreduced": self.bytes_allreduced,
+            "bytes_sent": on_wire,
+            "bytes_received": on_wire,
+        }
 
     def state_dict(self) -> dict[str, Any]:
         return state_to_host(self.model.state_dict())  # --save: loads without a GPU
@@ -330,6 +338,13 @@ class DDPBackend:
         if self.cfg.ddp.checkpoint_dir:
             self._save()
         process_group.end_process_group()
+
+
+def ring_bytes(payload: int, world_size: int) -> int:
+    """Bytes one rank sends (and receives) to ring-allreduce `payload` bytes."""
+    if world_size < 2:
+        return 0
+    return payload * 2 * (world_size - 1) // world_size
 
 
 def _values(grad: torch.Tensor) -> torch.Tensor:

@@ -148,4 +148,12 @@ class ResyncMixin:
         }
 
     def comm_bytes(self) -> dict[str, int]:
-        return {"bytes_pushed": self.bytes_pushed, "bytes_pulled": self.bytes_pulled}
+        # A PS worker sends its gradient once and receives the weights once (sparse
+        # tables: the rows it pushed and pulled).
+        sparse = self.sparse.report() if getattr(self, "sparse", None) else {}
+        return {
+            "bytes_pushed": self.bytes_pushed,
+            "bytes_pulled": self.bytes_pulled,
+            "bytes_sent": self.bytes_pushed + sparse.get("sparse_bytes_pushed", 0),
+            "bytes_received": self.bytes_pulled + sparse.get("sparse_bytes_pulled", 0),
+        }

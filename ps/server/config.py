@@ -98,9 +98,14 @@ class ServerConfig:
     connection gets min(this, 30 s) for its TLS handshake and hello, and every frame
     must arrive whole within that long of its first byte."""
     data_tls_records: bool = False
-    """Under TLS, keep the data plane in TLS records for the whole connection instead of
-    sealed records after the hello (AES-128-GCM under keys agreed inside TLS,
-    docs/dataplane.md): TLS's 16 KiB records cost ~4x the CPU per byte in Python."""
+    """Accepted for compatibility, changes nothing: standard TLS records are the data
+    plane's default under --tls-* (since issue #33); it used to turn sealed records off.
+    Refused together with --data-sealed-records."""
+    data_sealed_records: bool = False
+    """Opt-in, under --tls-cert/--tls-key: after the TLS handshake and hello, carry the
+    data plane in psar's own sealed records (AES-GCM in 1 MiB records under keys agreed
+    inside TLS) instead of TLS's 16 KiB records, for less CPU per byte. Read the threat
+    model first (docs/sealed-records.md): it is not TLS on the wire."""
     data_max_conns_per_peer: int = 256
     """Data-plane connections one peer address may hold at once; more are refused with
     RESOURCE_EXHAUSTED (a worker keeps ~2 per shard: raise it for many workers per host)."""
@@ -145,6 +150,16 @@ class ServerConfig:
             raise ValueError("TLS needs both --tls-cert and --tls-key")
         if self.tls_ca and not self.tls_cert:
             raise ValueError("--tls-ca (mutual TLS) needs --tls-cert and --tls-key")
+        if self.data_sealed_records and self.data_tls_records:
+            raise ValueError(
+                "--data-sealed-records and --data-tls-records contradict each other: give "
+                "one (standard TLS records are the default; --data-tls-records only says so)"
+            )
+        if self.data_sealed_records and not self.tls_cert:
+            raise ValueError(
+                "--data-sealed-records needs TLS (--tls-cert and --tls-key): its keys are "
+                "agreed inside the data plane's TLS handshake"
+            )
 
     @property
     def checkpoint_folder(self) -> str:

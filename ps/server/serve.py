@@ -147,7 +147,7 @@ def start_server(
                 idle_s=cfg.data_idle_s,
                 max_conns_per_peer=cfg.data_max_conns_per_peer,
                 ssl_context=tls,
-                seal_records=not cfg.data_tls_records,
+                seal_records=cfg.data_sealed_records,
             )
         except OSError as e:
             raise OSError(

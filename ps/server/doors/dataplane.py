@@ -24,10 +24,10 @@ W supersedes W's push still streaming on another connection (that connection is 
 push released unapplied), so a stalled connection cannot make W's retry wait.
 
 Under TLS (`ssl_context`: the shard's --tls-cert/--tls-key, --tls-ca for mutual TLS) every
-connection is TLS from its first byte; the token is checked in the hello as before. A
-worker that asks in its hello (seal_share) gets the rest of the connection in sealed
-records (ps/sealed.py: AES-GCM under keys agreed inside TLS), unless `seal_records` is
-off (psar server --data-tls-records): TLS's own 16 KiB records cost ~4x the CPU per byte.
+connection is TLS from its first byte to its last (standard TLS records, the default);
+the token is checked in the hello as before. Only with `seal_records` (psar server
+--data-sealed-records, an opt-in: docs/sealed-records.md) does a worker that asks in its
+hello (seal_share) get the rest of the connection in psar's sealed records (ps/sealed.py).
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ class DataPlaneServer:
         frame_s: float = DEFAULT_FRAME_S,
         max_conns_per_peer: int = DEFAULT_MAX_CONNS_PER_PEER,
         ssl_context: ssl.SSLContext | None = None,
-        seal_records: bool = True,
+        seal_records: bool = False,
     ) -> None:
         if not (idle_s > 0 and frame_s > 0 and max_conns_per_peer >= 1):
             raise ValueError("data plane: idle_s, frame_s > 0 and max_conns_per_peer >= 1")
@@ -84,10 +84,9 @@ class DataPlaneServer:
         self.ssl_context = ssl_context
         self.seal_records = seal_records and ssl_context is not None and sealed.available()
         """Under TLS, agree to carry a connection in sealed records after its hello when
-        the worker asks (ps/sealed.py); else TLS records throughout."""
+        the worker asks (ps/sealed.py; opt-in, --data-sealed-records); else, the default,
+        standard TLS records throughout."""
         self._per_peer: dict[str, int] = {}
-        self._pushing: dict[int, _Connection] = {}
-        """Worker -> the connection whose push of that worker is streaming."""
         self._counts = dict.fromkeys(STAT_KEYS, 0)
         host = host.strip("[]")
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -126,26 +125,23 @@ class DataPlaneServer:
                 self._counts["peak_buffered_bytes"] = max(peak, self._counts[key])
 
     def _supersede(self, worker: int, conn: _Connection) -> None:
-        """conn starts a push of `worker`: cut the connection still streaming an accepted
-        push of it (the worker gave up on that one: a retry, or a stalled peer), so that
-        push is released unapplied and this one need not wait for its worker lock."""
-        with self._lock:
-            old = self._pushing.pop(worker, None)
-        if old is not None and old is not conn:
-            log.warning("data plane: a new push of worker %d supersedes its stalled one", worker)
-            self._count("superseded")
-            old.superseded = True
-            fr.hard_shutdown(old.sock)
+        """conn starts a push of `worker`: cut off the push of it still streaming, on
+        this door or gRPC (ps/server/intake/takeover.py), so that one is released unapplied
+        and this one need not wait for its worker lock."""
+        self.state.intake.in_flight.supersede(worker, conn, "data plane")
 
     def _push_began(self, worker: int, conn: _Connection) -> None:
         """conn's push of `worker` was accepted (it holds the worker's push lock)."""
-        with self._lock:
-            self._pushing[worker] = conn
+
+        def cut_off() -> None:  # from the superseding push's thread
+            self._count("superseded")
+            conn.superseded = True
+            fr.hard_shutdown(conn.sock)  # its thread wakes from recv and lets go
+
+        self.state.intake.in_flight.began(worker, conn, "data plane", cut_off)
 
     def _push_ended(self, worker: int, conn: _Connection) -> None:
-        with self._lock:
-            if self._pushing.get(worker) is conn:
-                del self._pushing[worker]
+        self.state.intake.in_flight.ended(worker, conn)
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Stop accepting, end every connection (calls in flight fail), join the threads."""
@@ -278,7 +274,7 @@ def start_dataplane(
     idle_s: float = DEFAULT_IDLE_S,
     max_conns_per_peer: int = DEFAULT_MAX_CONNS_PER_PEER,
     ssl_context: ssl.SSLContext | None = None,
-    seal_records: bool = True,
+    seal_records: bool = False,
 ) -> DataPlaneServer:
     """Listen on the host of `bind` (HOST:PORT of the gRPC server) at `port` (0: free)."""
     host = bind.rpartition(":")[0]

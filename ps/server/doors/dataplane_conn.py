@@ -154,6 +154,8 @@ class _Connection:
         moment before closing, so the status is not lost to a reset."""
         try:
             self._status(code, details)
+            if isinstance(self.sock, sealed.SealedSocket):
+                self.sock.send_close()  # the authenticated end: not read as a cut
             socket.socket.shutdown(self.sock, socket.SHUT_WR)  # TCP FIN (TLS: no close_notify)
             deadline = time.monotonic() + _DRAIN_AFTER_ERROR_S
             while True:  # small reads, dropped: no buffer of the peer's choosing

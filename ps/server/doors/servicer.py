@@ -53,6 +53,12 @@ class StreamBroken(InvalidArgument):
     reason = "malformed"
 
 
+class StreamCancelled(StreamBroken):
+    """A request stream the client cancelled (it will never read an answer)."""
+
+    reason = "cancelled"
+
+
 def _broken(method: str) -> StreamBroken:
     return StreamBroken(
         f"{method}: the request stream did not end cleanly (a message could not be "
@@ -78,13 +84,46 @@ def decoded(request_iterator: Iterator[Any], method: str) -> Iterator[Any]:
 
 
 def require_clean_end(context: Any, method: str) -> None:
-    """Refuse a stream whose iterator ended without the client's clean half-close. The
-    sync server marks such a call finished (a status already sent, or cancelled), so it
-    is no longer active; a stream that really ended is still active until we answer it.
-    (grpc.aio's context for sync handlers has no is_active: there `decoded` catches it.)"""
+    """Refuse a stream whose iterator ended without the client's clean half-close, before
+    anything of it takes effect (issue #33: a push cancelled after its last piece was
+    applied).
+
+    - The sync server marks such a call finished (a status already sent, or cancelled),
+      so it is no longer active; a stream that really ended is active until answered.
+    - grpc.aio (our shards, ps/server/doors/aio_host.py) ends a sync handler's request
+      iterator the same way for the client's half-close and for its cancel (its
+      _receive_message merges a failed read into EOF) and tells the handler nothing
+      else. But a cancelled call refuses every new batch: sending the initial metadata
+      now (which the reply would send anyway) raises exactly when the client cancelled.
+      A cancel that arrives after this point came after a clean end, like one after the
+      reply was sent: the push stands, as it would on the data plane after `end`.
+    """
     is_active = getattr(context, "is_active", None)
-    if is_active is not None and not is_active():
-        raise _broken(method)
+    if is_active is not None:
+        if not is_active():
+            raise _broken(method)
+        return
+    try:
+        context.send_initial_metadata(())
+    except Exception as e:  # noqa: BLE001 - grpc.aio's ExecuteBatchError: the call is over
+        raise StreamCancelled(f"{method}: cancelled by the client before its stream ended; "
+                              "nothing was applied") from e  # fmt: skip
+
+
+def _cut_off(context: Any, cut: threading.Event) -> None:
+    """Cut off a gRPC push superseded by a newer push of its worker (from that push's
+    thread): answer it ABORTED now. grpc.aio then wakes its handler, blocked in the
+    request iterator, with an AbortError (StreamBroken in Push), and ends the call
+    quietly whatever the handler returns after that."""
+    cut.set()
+    try:
+        context.abort(
+            grpc.StatusCode.ABORTED,
+            "Push: superseded by a newer push of this worker (a retry, on gRPC or the data "
+            "plane) while this one was still streaming; this one applies nothing",
+        )
+    except Exception:  # noqa: BLE001, S110 - grpc.aio raises its AbortError here too
+        pass
 
 
 def physical_memory_bytes() -> int:
@@ -111,6 +150,10 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     def _fail(self, context: grpc.ServicerContext, method: str, e: PSError) -> None:
         if method == "Push":
             self.metrics.push_rejected(e.reason)
+        if isinstance(e, StreamCancelled):
+            # Nobody reads an answer, and the call takes no more batches (abort would
+            # fail in grpc): end the handler; grpc.aio has cancelled the call's task.
+            raise e
         # Details are bounded: they travel in a trailer, and past gRPC's metadata limit
         # the client would get RESOURCE_EXHAUSTED instead of this status. (Under the sync
         # server a StreamBroken call was answered by grpc already: its status stands.)
@@ -226,12 +269,19 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     def Push(self, request_iterator: Iterator[pb.PushChunk], context: grpc.ServicerContext) -> Any:
         t0 = time.monotonic()
         call: PushCall | None = None
+        cut = threading.Event()  # this push's token in state.intake.in_flight; set once cut off
+        worker: int | None = None
         try:
             request_iterator = decoded(request_iterator, "Push")
             first = next(request_iterator, None)
             if first is None or first.WhichOneof("kind") != "header":
                 raise InvalidArgument("Push stream must start with a header", reason="malformed")
+            # A push of this worker still streaming (either door) is cut off rather than
+            # waited for (ps/server/intake/takeover.py); this one may be cut off in turn.
+            worker = first.header.worker
+            self.state.intake.in_flight.supersede(worker, cut, "gRPC")
             call = PushCall(self.state, first.header)
+            self.state.intake.in_flight.began(worker, cut, "gRPC", lambda: _cut_off(context, cut))
             for msg in request_iterator:
                 kind = msg.WhichOneof("kind")
                 if kind == "data":
@@ -243,10 +293,14 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             require_clean_end(context, "Push")
             return call.finish()
         except PSError as e:
+            if cut.is_set():  # answered ABORTED by _cut_off; grpc.aio ends the call quietly
+                return None
             self._fail(context, "Push", e)
         finally:
             if call is not None:
                 call.release()
+            if worker is not None:
+                self.state.intake.in_flight.ended(worker, cut)
             self.metrics.rpc_observed("Push", time.monotonic() - t0)
 
     async def Pull(

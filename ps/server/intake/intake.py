@@ -9,7 +9,9 @@ backward), `finish_push` (complete and finite: the update rule takes it). A refu
 changes nothing: masters and optimizer state stay byte for byte.
 
 Per-chunk rules (sync with --chunk-rounds) hear of each slot as it completes, and a push
-running ahead of its round's slowest is paced (ps/server/intake/pacing.py).
+running ahead of its round's slowest is paced (ps/server/intake/pacing.py). A worker's
+newer push, on either door, cuts off its stalled one instead of waiting for its lock
+(`in_flight`, ps/server/intake/takeover.py).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from ps.server.intake.pieces import (
     unscale_slot,
     zero_absent,
 )
+from ps.server.intake.takeover import InFlightPushes
 from ps.server.membership.membership import Membership, Restored
 from ps.server.modes.base import StagedPush
 from ps.server.state import ShardData
@@ -57,6 +60,9 @@ class Intake:
         self._pacing = 0
         """Pushes waiting in pace_push now: a completed or dropped slot wakes the shard's
         condition (and every pull waiting on it) only when one is."""
+        self.in_flight = InFlightPushes()
+        """The push each worker is streaming, on either door: a newer one cuts it off
+        instead of waiting for its lock (ps/server/intake/takeover.py)."""
 
     def forget(self) -> None:
         """The state was replaced (restore, rollback): fresh staging buffers from now on."""

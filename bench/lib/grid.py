@@ -2,7 +2,7 @@
 
 `python -m bench.links --grid small|full` (issue #19). Every worker and every shard host
 is a network namespace with one veth NIC shaped both ways by tc (tbf) to the link rate,
-as in bench/links.py. Per cell (n workers, k shard hosts, link rate):
+as in bench/links.py (bench/lib/netem.py). Per cell (n workers, k shard hosts, link rate):
 
 * **ps-sync**: k = 0 puts n shards on the worker hosts (shard i on worker i's host, so a
   NIC carries a worker's and a shard's bytes); k > 0 puts k shards on k hosts of their own.
@@ -33,7 +33,9 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from bench import common as c
+from bench.lib import common as c
+from bench.lib import cpucost
+from bench.lib.netem import probe_link, shape_all
 from worker.plan_verdict import CLOSE_CALL
 
 TOLERANCE = 0.20
@@ -52,11 +54,12 @@ BATCH = 4
 """Small, so that the real compute of 8 workers on 2 cores stays near the emulated one."""
 #: PS slots of 1/2 MiB: the plan assumes every shard holds P/S parameters (psar's default
 #: 4 MiB chunks would unbalance 4-8 shards), and an early pull's tail is one slot from each
-#: shard (0.25 MiB: within noise of 0.5; 1 MiB: slower, bench/README.md).
+#: shard (0.25 MiB: within noise of 0.5; 1 MiB: slower, docs/results.md).
 CHUNK_MIB = 0.5
 CONGESTION = "cubic"
 """TCP congestion control on every emulated host: Linux's own default (this machine's
 namespace runs bbr; `--congestion system` keeps that)."""
+_ALLOWED = Path("/proc/sys/net/ipv4/tcp_allowed_congestion_control")
 
 
 def params(in_dim: int = IN_DIM, hidden: int = HIDDEN) -> int:
@@ -110,7 +113,7 @@ def plan_cell(n: int, s: int, k: int, mbit: float, latency_us: float, compute_ms
             *cpu_flags(cpu)]  # fmt: skip
     p = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=c.ROOT)
     if p.returncode != 0:
-        raise c.BenchError(f"psar plan failed: {p.stderr}")
+        raise c.ProcessError(f"psar plan failed: {p.stderr}")
     return json.loads(p.stdout)
 
 
@@ -127,7 +130,7 @@ def cpu_flags(cpu: dict | None) -> list[str]:
 
 def cluster_rate(run: c.Run) -> dict[str, float]:
     """Samples/s over the window every worker trains in, after each one's warm-up."""
-    rate, window = c.window_rate(run, skip=c.warmup_steps(min(len(s.time) for s in run.series)))
+    rate, window = c.steady_rate(run)
     return {"samples_per_sec": rate, "window_s": window, "median_rate": c.robust_rate(run)}
 
 
@@ -143,7 +146,7 @@ def run_cell_jobs(out: Path, args: Any, lan: Any, n: int, mbit: float) -> dict[s
         ar = c.ddp_job(d / "allreduce", workers=n, hosts=workers, timeout=args.timeout,
                        py_args=[*c.psar_train_args(d / "allreduce"), *train])  # fmt: skip
         jobs["allreduce"] = cluster_rate(ar)
-    except c.BenchError as e:  # one failed job costs its cells, not the whole grid
+    except c.ProcessError as e:  # one failed job costs its cells, not the whole grid
         jobs["allreduce"] = {"error": str(e)[-2000:]}
     server, early = ps_flags(getattr(args, "early_pull", True))
     for k in shard_counts(n, getattr(args, "grid_shard_hosts", None)):
@@ -156,7 +159,7 @@ def run_cell_jobs(out: Path, args: Any, lan: Any, n: int, mbit: float) -> dict[s
                            timeout=args.timeout, shard_hosts=hosts, worker_hosts=workers,
                            server=server)  # fmt: skip
             jobs[f"ps-k{k}"] = {"shards": s, **cluster_rate(run)}
-        except c.BenchError as e:
+        except c.ProcessError as e:
             jobs[f"ps-k{k}"] = {"shards": s, "error": str(e)[-2000:]}
     return jobs
 
@@ -235,7 +238,7 @@ def set_congestion(lan: Any, algo: str) -> None:
     for h in lan.hosts.values():
         p = h.run(["sysctl", "-qw", f"net.ipv4.tcp_congestion_control={algo}"])
         if p.returncode != 0:
-            raise c.BenchError(f"--congestion {algo}: {p.stderr.strip()} (see "
+            raise c.ProcessError(f"--congestion {algo}: {p.stderr.strip()} (see "
                                "/proc/sys/net/ipv4/tcp_available_congestion_control)")  # fmt: skip
 
 
@@ -246,10 +249,25 @@ def system_congestion() -> str:
         return "unknown"
 
 
-def measure(out: Path, args: Any, netns: Any) -> dict[str, Any]:
-    from bench import cpu_rate
-    from bench.links import probe_link, shape_all
+def congestion_unavailable(algo: str, allowed_file: Path = _ALLOWED) -> str | None:
+    """Why the emulated hosts cannot use TCP congestion control `algo`, else None: a
+    network namespace other than the machine's own may pick only what the machine's
+    net.ipv4.tcp_allowed_congestion_control lists (its own default always works)."""
+    if algo in ("system", system_congestion()):
+        return None
+    try:
+        allowed = allowed_file.read_text().split()
+    except OSError:
+        return None  # no such list here: let sysctl say
+    if algo in allowed:
+        return None
+    return (f"--congestion {algo}: network namespaces here may use only {' '.join(allowed)} "
+            "(net.ipv4.tcp_allowed_congestion_control); allow it as root with `sysctl -w "
+            f'net.ipv4.tcp_allowed_congestion_control="{" ".join([*allowed, algo])}"`, or '
+            "pass --congestion system")  # fmt: skip
 
+
+def measure(out: Path, args: Any, netns: Any) -> dict[str, Any]:
     congestion = getattr(args, "congestion", None) or CONGESTION
 
     grid = dict(GRIDS[args.grid])
@@ -268,18 +286,18 @@ def measure(out: Path, args: Any, netns: Any) -> dict[str, Any]:
                 # Once, at the grid's fastest link: where the cores, not the link, set the
                 # pace (at 1 Gbit/s a transfer mostly waits, and what else runs counts).
                 shape_all(netns, lan, max(grid["mbit"]), 0.0)
-                with c.Procs(out / "cpu-rate") as procs:
+                with c.supervisor(out / "cpu-rate") as sup:
                     cpu = {"cores": os.cpu_count() or 1, "mbit": max(grid["mbit"]),
-                           **cpu_rate.measure(procs, lan["w0"], lan["s0"])}  # fmt: skip
+                           **cpucost.measure(sup, lan["w0"], lan["s0"])}  # fmt: skip
                 hidden, _, batch = shape(args)
-                cpu["worker_cpu_seconds_per_step"] = cpu_rate.worker_cpu_seconds(
+                cpu["worker_cpu_seconds_per_step"] = cpucost.worker_cpu_seconds(
                     out / "cpu-rate", train_args(1, args.compute_ms, hidden, batch),
                     timeout=args.timeout)  # fmt: skip
             for mbit in grid["mbit"]:
                 shape_all(netns, lan, mbit, 0.0)
-                with c.Procs(out / f"probe-n{n}-{mbit:g}") as procs:
+                with c.supervisor(out / f"probe-n{n}-{mbit:g}") as sup:
                     link = {"workers": n, "mbit": mbit,
-                            **probe_link(procs, lan["w0"], lan["s0"], 16 << 20, 5)}  # fmt: skip
+                            **probe_link(sup, lan["w0"], lan["s0"], 16 << 20, 5)}  # fmt: skip
                 if model_cpu:
                     link["cpu"] = cpu
                 c.log(f"links grid: {mbit:g} Mbit/s: TCP {link['gbps']:.3f} GB/s, "

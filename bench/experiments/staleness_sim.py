@@ -1,5 +1,5 @@
 """In-process simulation of a PS job's update order on the `lm` workload (no wire):
-where async/ssp lose against sync at equal samples (bench/README.md, issue #17).
+where async/ssp lose against sync at equal samples (docs/results.md, issue #17).
 
 N workers, each computing its gradient on the weights it last "pulled"; one torch
 optimizer applies the pushes. --sched: `rr` (round robin: staleness N-1, what the real
@@ -14,10 +14,10 @@ same arithmetic as ps/server/staleness.py); and ideas measured but not built: --
 w_base| over the running mean step), --warmup K (lr ramp over K updates), --smom
 (momentum minus 1 - 1/(1 + staleness) per step).
 
-    python bench/staleness_sim.py --mode sync --steps 100
-    python bench/staleness_sim.py --sched rr --mom 0.15 --stale-lr --steps 100
-    python bench/staleness_sim.py --sched serial --mom 0.9 --lr-scale 0.25 --steps 100
-    python bench/staleness_sim.py --sched rr --mom 0.15 --stale-lr --stale-pow 0.5 --dca 10
+    python bench/experiments/staleness_sim.py --mode sync --steps 100
+    python bench/experiments/staleness_sim.py --sched rr --mom 0.15 --stale-lr --steps 100
+    python bench/experiments/staleness_sim.py --sched serial --mom 0.9 --lr-scale 0.25 --steps 100
+    python bench/experiments/staleness_sim.py --sched rr --mom 0.15 --stale-lr --stale-pow 0.5 --dca 10
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 
 if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch
 

@@ -25,9 +25,9 @@ Without CUDA (or with --device cpu) the same rows run a scaled-down model on the
 (lm 2x64, seq_len 64, fp32, 48 steps) so CI can run the script; those figures say
 nothing about a GPU.
 
-    python -m bench.gpu_scale                         # CUDA if present, else the CPU variant
-    python -m bench.gpu_scale --json --rows no_comm,ps_sync_1shard --steps 12
-    python -m bench.gpu_scale --server-args '--torch-threads auto'   # flags for each shard
+    python -m bench.gpu.scale                         # CUDA if present, else the CPU variant
+    python -m bench.gpu.scale --json --rows no_comm,ps_sync_1shard --steps 12
+    python -m bench.gpu.scale --server-args '--torch-threads auto'   # flags for each shard
 """
 
 from __future__ import annotations
@@ -43,9 +43,9 @@ from pathlib import Path
 from typing import Any
 
 if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench import common as c
+from bench.lib import common as c
 
 #: run name -> (shards, workers, mode); no_comm is DDP with one rank.
 ROWS: dict[str, tuple[int, int, str]] = {
@@ -100,7 +100,7 @@ def params(model: dict[str, int]) -> int:
 
 def run_job(name: str, out: Path, setup: Setup, *, shards: int, timeout: float,
             server: list[str]) -> c.Run:  # fmt: skip
-    """One row's processes to completion (bench.common stops every process group)."""
+    """One row's processes to completion (its supervisor stops every process)."""
     _, workers, mode = ROWS[name]
     train = [*setup.train_flags(), *ROW_FLAGS.get(name, [])]
     if name == "no_comm":
@@ -225,7 +225,7 @@ def pick_device(want: str) -> tuple[str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = c.parser("python -m bench.gpu_scale", __doc__)
+    p = c.parser("python -m bench.gpu.scale", __doc__)
     p.add_argument("--timeout-s", dest="timeout", type=float, default=argparse.SUPPRESS,
                    help="per job, seconds (same as --timeout; default 600)")  # fmt: skip
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
@@ -241,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--rows: unknown {bad or 'nothing'}; choose from {', '.join(ROWS)}")
     if args.steps is not None and args.steps < 4:
         p.error("--steps must be >= 4 (the second half is measured)")
-    c.install_sigterm()  # SIGTERM unwinds through bench.common.Procs: no orphans
+    c.install_sigterm()  # SIGTERM unwinds through every supervisor: no orphans
     device, device_name = pick_device(args.device)
     gpu = device == "cuda"
     steps = args.steps or (12 if args.quick else 60 if gpu else 48)
@@ -259,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
             run = run_job(name, out / name, setup, shards=shards, timeout=args.timeout,
                           server=shlex.split(args.server_args))  # fmt: skip
             rows.append(analyse(name, out / name, run, shards))
-        except (c.BenchError, OSError, ValueError) as e:  # one failed row; the rest still run
+        except (c.ProcessError, OSError, ValueError) as e:  # one failed row; the rest still run
             c.log(f"gpu_scale: {name} failed: {e}")
             rows.append(failed_row(name, shards, str(e)))
         except (KeyboardInterrupt, SystemExit) as e:  # SIGTERM arrives as SystemExit(143)
@@ -278,5 +278,5 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     try:
         sys.exit(main())
-    except KeyboardInterrupt:  # every `with Procs` block has stopped its processes
+    except KeyboardInterrupt:  # every supervisor has stopped its processes
         sys.exit(130)

@@ -9,11 +9,14 @@ Protocol on one connection, per transfer: the sender announces the size (8 bytes
 big-endian), the receiver allocates (outside the timing) and answers b"r"; the clock
 starts, the payload goes, the receiver answers b"k" and the clock stops. Size 0 ends.
 
-    from bench.baselines import TcpSink
+    from bench.baselines.tcp import TcpSink
     with TcpSink() as sink:
         times = sink.time_transfers(64 << 20, repeats=5)   # seconds, one per repeat
 
-    python bench/baselines.py --sizes 16,64,256 --repeats 5    # a table on its own
+    python -m bench.baselines.tcp --sizes 16,64,256 --repeats 5    # a table on its own
+
+The receiver runs under worker/supervisor.py's Supervisor, as every process the
+benchmarks start (its one line of output goes to stderr).
 """
 
 from __future__ import annotations
@@ -21,15 +24,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import socket
 import statistics
 import struct
-import subprocess
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from worker.supervisor import Supervisor
 
 MIB = 1 << 20
 _HELLO = "tcp sink listening on port "
@@ -78,7 +85,7 @@ class TcpSink:
 
     def __init__(self, *, start_timeout_s: float = 30.0) -> None:
         self.start_timeout_s = start_timeout_s
-        self.proc: subprocess.Popen[str] | None = None
+        self.sup: Supervisor | None = None
         self.sock: socket.socket | None = None
         self._buf = bytearray(0)
 
@@ -94,16 +101,13 @@ class TcpSink:
         self.close()
 
     def start(self) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, str(Path(__file__).resolve()), "--sink"],
-            stdout=subprocess.PIPE,
-            stdin=subprocess.DEVNULL,
-            text=True,
-        )
-        line = readline_with_timeout(self.proc, self.start_timeout_s)
-        if not line.startswith(_HELLO):
-            raise RuntimeError(f"tcp sink did not start: {line!r}")
-        port = int(line[len(_HELLO) :])
+        from worker.supervisor import Supervisor  # here: the sink itself runs on stdlib only
+
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.sup = Supervisor(out=sys.stderr, env=env, grace=10.0)
+        self.sup.start("tcp-sink", [sys.executable, str(Path(__file__).resolve()), "--sink"])
+        hello = re.compile(re.escape(_HELLO) + r"(\d+)")
+        port = int(self.sup.wait_line("tcp-sink", hello, self.start_timeout_s).group(1))
         self.sock = socket.create_connection(("127.0.0.1", port), timeout=120)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
@@ -152,9 +156,9 @@ class TcpSink:
                 pass
             self.sock.close()
             self.sock = None
-        if self.proc is not None:
-            stop_process(self.proc)
-            self.proc = None
+        if self.sup is not None:
+            self.sup.stop()  # the sink has exited on the size 0 by now, or is stopped
+            self.sup = None
 
 
 @dataclass
@@ -185,35 +189,6 @@ def measure_tcp(
         tcp_gbps_max=nbytes / min(times) / 1e9,
         repeats=repeats,
     )
-
-
-def readline_with_timeout(proc: subprocess.Popen[str], timeout_s: float) -> str:
-    """The child's first stdout line, or an error if it exits or stays silent."""
-    import selectors
-
-    assert proc.stdout is not None
-    with selectors.DefaultSelector() as sel:
-        sel.register(proc.stdout, selectors.EVENT_READ)
-        if not sel.select(timeout_s):
-            raise TimeoutError(f"child process {proc.args!r} printed nothing in {timeout_s}s")
-    line = proc.stdout.readline()
-    if not line:
-        raise RuntimeError(f"child process exited with {proc.wait()} before it was ready")
-    return line.strip()
-
-
-def stop_process(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
-    """SIGTERM, wait, then SIGKILL: never leave a child behind."""
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    for f in (proc.stdout, proc.stderr, proc.stdin):
-        if f is not None:
-            f.close()
 
 
 def main(argv: list[str] | None = None) -> int:

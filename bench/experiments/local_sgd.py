@@ -2,7 +2,8 @@
 
 One case, measured in one run: the byte-level `lm` workload, 4 workers, 1 PS shard, every
 worker and the shard on a host of its own (network namespaces, tests/netns.py) whose NIC
-is shaped to --mbit (default 1000 Mbit/s) both ways with tc, as bench/links.py does.
+is shaped to --mbit (default 1000 Mbit/s) both ways with tc, as bench/links.py does
+(bench/lib/netem.py).
 Without network namespaces (not root, no `ip`/`tc`) the runs go over loopback and the
 document says so. Each architecture (--archs: ps, allreduce) runs twice with the same
 seed, data, per-worker batch, steps and inner optimizer:
@@ -21,9 +22,9 @@ Figures, per architecture, local against sync measured in the same run:
   loss x (1 + --target-slack) (default 3%: the loss goal's own slack), so that sync
   reaches it by definition; goal: local / sync <= 0.5.
 
-    python -m bench.local_sgd                          # 4 workers, 1 Gbit/s, ps
-    python -m bench.local_sgd --archs ps,allreduce     # both architectures
-    python -m bench.local_sgd --quick --json           # short smoke run
+    python -m bench.experiments.local_sgd                          # 4 workers, 1 Gbit/s, ps
+    python -m bench.experiments.local_sgd --archs ps,allreduce     # both architectures
+    python -m bench.experiments.local_sgd --quick --json           # short smoke run
 """
 
 from __future__ import annotations
@@ -33,9 +34,9 @@ import sys
 from pathlib import Path
 
 if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench import common as c
+from bench.lib import common as c
 from worker.compare import smoothed
 
 LOSS_GOAL = 1.03
@@ -176,7 +177,7 @@ def table(doc: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = c.parser("python -m bench.local_sgd", __doc__)
+    p = c.parser("python -m bench.experiments.local_sgd", __doc__)
     p.add_argument("--archs", default="ps", help="ps, allreduce or both (default ps)")
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--steps", type=int, default=None, help="(default 400; quick 60)")
@@ -209,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     if netns is None:
         cases = [compare_pair(run_pair(out, a, args, None), a, args) for a in archs]
     else:
-        from bench.links import shape_all
+        from bench.lib.netem import shape_all
 
         names = ["s0", *(f"w{r}" for r in range(args.workers))]
         with netns.lan(names) as lan:
@@ -222,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _netns() -> tuple[object | None, str | None]:
-    from bench.links import unavailable
+    from bench.lib.netem import unavailable
 
     return unavailable(0.0)
 

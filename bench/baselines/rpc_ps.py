@@ -3,7 +3,7 @@ write one: the PyTorch RPC tutorial's batch-updating server (--style tutorial, t
 default) or per-parameter rounds with async futures (--style async).
 
 Rank 0 is the server, ranks 1..N trainers. Model, data, batches and optimizer are
-bench/plain_ddp.py's, so it does the same work as plain DDP.
+plain_ddp.py's (beside this file), so it does the same work as plain DDP.
 
 - tutorial: like the tutorial's batch-updating parameter server
   (`@rpc.functions.async_execution`), the server adds up one gradient from every trainer,
@@ -19,9 +19,10 @@ bench/plain_ddp.py's, so it does the same work as plain DDP.
   arithmetic as one SGD over all parameters.
 
 Which is stronger depends on the transport: on TensorPipe's default (shared memory) the
-async style ran ahead, on uv (below) the tutorial's one call per step did (2026-12-02,
-bench/rpc_compare.py, 2 trainers, reference workload: tutorial 0.94x plain DDP, async
-0.76x), so the tutorial style is the default the other benches compare psar with.
+async style ran ahead, on uv (below) the tutorial's one call per step did (2026-12-02, 2
+trainers, reference workload: tutorial 0.94x plain DDP, async 0.76x; docs/results.md,
+"Torch RPC parameter servers"), so the tutorial style is the default, the `rpc-ps` row of
+bench/step_throughput.py (`rpc-ps-async` is the other style).
 
 TensorPipe moves the tensors over its `uv` transport (TCP) here: its default picks the
 shared-memory transport between processes on one host, whose threads poll, and on a
@@ -29,7 +30,7 @@ shared-memory transport between processes on one host, whose threads poll, and o
 reference workload: 1,600-3,500 samples/s with the default, 7,000-7,400 with uv, plain DDP
 ~10,000). `--transports default` keeps TensorPipe's choice; `--transports shm,uv` names them.
 
-    torchrun --nproc-per-node 3 bench/rpc_ps_baseline.py --steps 100 --out DIR   # 2 trainers
+    torchrun --nproc-per-node 3 bench/baselines/rpc_ps.py --steps 100 --out DIR   # 2 trainers
 
 Trainer r writes DIR/steps-rpc-rank{r-1}.jsonl (the format of psar's step logs).
 """

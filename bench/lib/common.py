@@ -1,19 +1,20 @@
-"""Shared helpers of the bench/ benchmarks: processes, jobs, step logs, rates, output.
+"""Shared helpers of the benchmarks: jobs, step logs, rates, output.
 
 Every job here is real processes (`psar server`, `psar train`, torchrun, plain scripts)
-started in their own sessions with their output in a log file; `Procs` kills every
-process group it started when the measurement ends, also on failure or SIGTERM.
+run through worker/supervisor.py's Supervisor, the one `psar launch` uses too: each in a
+session of its own with its output in a log file of the run folder; leaving the
+measurement (done, failed, timed out, SIGTERM) stops every process it started and their
+descendants (torchrun's ranks included).
 
 Rates come from the per-step JSONL logs (`steps-*.jsonl`, written by `psar train
---run-dir` and by the plain baselines in the same format): a rank's steady-state rate is
-(samples after the first `warmup` steps) / (time they took), so process start-up, the
-rendezvous and the first slow steps are left out of every configuration alike.
+--run-dir` and by the plain baselines in the same format). The rate a benchmark reports
+is total samples over the window in which every worker trains (`window_rate`, after each
+rank's warm-up steps), so a stall counts and process start-up counts for nobody.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
@@ -21,7 +22,6 @@ import platform
 import re
 import signal
 import statistics
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -30,12 +30,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from worker.launch import free_port
+from worker.supervisor import ProcessError, Supervisor, free_port
 
-ROOT = Path(__file__).resolve().parent.parent
+__all__ = ["ProcessError", "Supervisor", "free_port"]  # re-exported for the benchmarks
+
+ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable
 PSAR = [PY, "-m", "worker.cli"]
 TORCHRUN = [PY, "-m", "torch.distributed.run"]
+PLAIN_DDP = ROOT / "bench" / "baselines" / "plain_ddp.py"
 #: The reference workload: MLP 784-1024-1024-10, batch 128/worker, SGD momentum, fp32,
 #: one compute thread per process.
 REF_WORKLOAD = ["--workload", "mlp", "--workload-option", "in_dim=784",
@@ -46,10 +49,6 @@ REF_TRAIN = [*REF_WORKLOAD, "--batch-size", "128", "--optimizer", "sgd", "--mome
 _LISTEN = re.compile(r"listening on (\S+):(\d+)")
 
 
-class BenchError(RuntimeError):
-    """A job failed or hung; the message carries the tail of its log."""
-
-
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     # PYTHONFAULTHANDLER: a rank killed by a signal (SIGABRT in a C++ destructor, say)
     # prints every thread's Python stack into its log, which a failed job's error quotes.
@@ -57,13 +56,8 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return {**os.environ, **env, **(extra or {})}
 
 
-# Lines worth quoting from a failed job's log even when they scrolled out of its tail:
-# a torchrun summary ends the log, and the rank's own error sits above it.
-_ERROR_LINE = re.compile(r"Error|error:|Exception|Traceback|terminate called|what\(\)|Fatal Python")
-
-
 def _raise_on_sigterm(signum: int, _frame: object) -> None:
-    raise SystemExit(128 + signum)  # unwinds through every `with Procs`: no orphans
+    raise SystemExit(128 + signum)  # unwinds through every `with supervisor(...)`: no orphans
 
 
 def install_sigterm() -> None:
@@ -71,6 +65,17 @@ def install_sigterm() -> None:
 
 
 # ---- processes ---------------------------------------------------------------------------
+
+
+def supervisor(log_dir: Path) -> Supervisor:
+    """The processes of one measurement: logs in `log_dir`, the benchmarks' child
+    environment, the repository as working directory, 5 s from SIGTERM to SIGKILL."""
+    return Supervisor(log_dir, env=child_env(), cwd=ROOT, grace=5.0)
+
+
+def on(host: Any, argv: Sequence[str]) -> list[str]:
+    """argv, run inside network-namespace `host` when given (a tests.netns.Host)."""
+    return host.cmd(list(argv)) if host is not None else list(argv)
 
 
 def parse_cpus(spec: str) -> set[int] | None:
@@ -82,100 +87,22 @@ def parse_cpus(spec: str) -> set[int] | None:
     return out or None
 
 
-class Procs:
-    """The processes of one measurement; logs in `log_dir`; all killed on exit."""
-
-    def __init__(self, log_dir: Path) -> None:
-        self.log_dir = log_dir
-        log_dir.mkdir(parents=True, exist_ok=True)
-        self.procs: dict[str, subprocess.Popen] = {}
-
-    def __enter__(self) -> Procs:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def start(self, name: str, argv: Sequence[str], *, env: dict[str, str] | None = None,
-              host: Any = None, cpus: set[int] | None = None) -> subprocess.Popen:  # fmt: skip
-        """Start argv (inside network-namespace `host` when given, a tests.netns.Host),
-        pinned with what it starts to `cpus` when given (parse_cpus)."""
-        cmd = host.cmd(list(argv)) if host is not None else list(argv)
-        pin = None if cpus is None else (lambda: os.sched_setaffinity(0, cpus))
-        with open(self.log_dir / f"{name}.log", "w") as log:
-            p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                 stdin=subprocess.DEVNULL, env=env or child_env(), cwd=ROOT,
-                                 start_new_session=True, preexec_fn=pin)  # fmt: skip
-        self.procs[name] = p
-        return p
-
-    def tail(self, name: str, lines: int = 15, errors: int = 8) -> str:
-        """The log's last `lines`, after the first `errors` error lines above them."""
-        path = self.log_dir / f"{name}.log"
-        text = path.read_text(errors="replace").splitlines() if path.exists() else []
-        above = [ln for ln in text[:-lines] if _ERROR_LINE.search(ln)][:errors]
-        return "\n".join([*(f"  ! {ln}" for ln in above), *(f"  | {ln}" for ln in text[-lines:])])
-
-    def wait_line(self, name: str, pattern: re.Pattern, timeout: float) -> re.Match:
-        """The first match of `pattern` in the log of `name` (it must stay alive)."""
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            m = pattern.search((self.log_dir / f"{name}.log").read_text(errors="replace"))
-            if m:
-                return m
-            if self.procs[name].poll() is not None:
-                raise BenchError(f"{name} exited {self.procs[name].returncode}:\n{self.tail(name)}")
-            time.sleep(0.05)
-        raise BenchError(
-            f"{name} printed no {pattern.pattern!r} in {timeout:g}s:\n{self.tail(name)}"
-        )
-
-    def wait(self, names: Sequence[str], timeout: float) -> None:
-        """Wait until every named process exited 0; any failure or the timeout raises."""
-        end = time.monotonic() + timeout
-        while True:
-            codes = {n: self.procs[n].poll() for n in names}
-            bad = [n for n, c in codes.items() if c not in (None, 0)]
-            if bad:
-                raise BenchError(f"{bad[0]} exited {codes[bad[0]]}:\n{self.tail(bad[0])}")
-            if all(c == 0 for c in codes.values()):
-                return
-            if time.monotonic() > end:
-                late = [n for n, c in codes.items() if c is None]
-                raise BenchError(f"timeout {timeout:g}s waiting for {late}:\n{self.tail(late[0])}")
-            time.sleep(0.05)
-
-    def close(self, grace: float = 5.0) -> None:
-        live = [p for p in self.procs.values() if p.poll() is None]
-        for p in live:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(p.pid, signal.SIGTERM)
-        end = time.monotonic() + grace
-        while any(p.poll() is None for p in live) and time.monotonic() < end:
-            time.sleep(0.05)
-        for p in self.procs.values():  # the group too: torchrun's ranks, stray children
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(p.pid, signal.SIGKILL)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                p.wait(timeout=10)
-
-
 # ---- jobs --------------------------------------------------------------------------------
 
 
-def start_shards(procs: Procs, n: int, *, hosts: Sequence[Any] | None = None,
+def start_shards(sup: Supervisor, n: int, *, hosts: Sequence[Any] | None = None,
                  timeout: float = 120.0, server: Sequence[str] = (),
-                 cpus: set[int] | None = None) -> list[str]:  # fmt: skip
+                 cpus: set[int] | None = None, env: dict[str, str] | None = None) -> list[str]:  # fmt: skip
     """n `psar server` shards (shard i in hosts[i] when given; `server`: more flags;
-    pinned to `cpus` when given); their HOST:PORT."""
+    pinned to `cpus` when given; `env`: their whole environment); their HOST:PORT."""
     binds = [h.addr if hosts else "127.0.0.1" for h in (hosts or [None] * n)]
-    # Shards sharing this host split its cores under `--torch-threads auto`.
-    env = None if hosts else child_env({"PSAR_SHARDS_PER_HOST": str(n)})
+    if env is None and not hosts:  # shards sharing this host split its cores (--torch-threads auto)
+        env = child_env({"PSAR_SHARDS_PER_HOST": str(n)})
     for i in range(n):
-        procs.start(f"shard{i}", [*PSAR, "server", "--bind", f"{binds[i]}:0", "--shard", str(i),
-                                        *server],
-                    env=env, host=hosts[i] if hosts else None, cpus=cpus)  # fmt: skip
-    return [f"{binds[i]}:{procs.wait_line(f'shard{i}', _LISTEN, timeout).group(2)}"
+        argv = [*PSAR, "server", "--bind", f"{binds[i]}:0", "--shard", str(i), *server]
+        sup.start(f"shard{i}", on(hosts[i] if hosts else None, argv), env=env, persistent=True,
+                  cpus=cpus)  # fmt: skip
+    return [f"{binds[i]}:{sup.wait_line(f'shard{i}', _LISTEN, timeout).group(2)}"
             for i in range(n)]  # fmt: skip
 
 
@@ -185,37 +112,37 @@ def ps_job(out: Path, *, workers: int, shards: int = 1, mode: str = "sync", stal
            worker_hosts: Sequence[Any] | None = None, server: Sequence[str] = ()) -> Run:  # fmt: skip
     """Shards (`server`: more `psar server` flags) + `psar train --arch ps` workers to
     completion; their step logs."""
-    with Procs(out) as procs:
-        addrs = ",".join(start_shards(procs, shards, hosts=shard_hosts, server=server))
+    with supervisor(out) as sup:
+        addrs = ",".join(start_shards(sup, shards, hosts=shard_hosts, server=server))
         names = [f"worker{r}" for r in range(workers)]
         for r in range(workers):
             argv = [*PSAR, "train", "--arch", "ps", "--servers", addrs, "--rank", str(r),
                     "--world-size", str(workers), "--mode", mode, "--staleness", str(staleness),
                     "--run-dir", str(out), "--report", str(out / "report-{rank}.json"),
                     *train, *(per_rank or {}).get(r, ())]  # fmt: skip
-            procs.start(names[r], argv, host=worker_hosts[r] if worker_hosts else None)
-        procs.wait(names, timeout)
+            sup.start(names[r], on(worker_hosts[r] if worker_hosts else None, argv))
+        sup.wait(names, timeout)
     return load_run(out)
 
 
 def ddp_job(out: Path, *, workers: int, py_args: Sequence[str], timeout: float = 600.0,
             hosts: Sequence[Any] | None = None, env: dict[str, str] | None = None) -> Run:  # fmt: skip
     """`python py_args` on `workers` ranks: under torchrun, or one per namespace host."""
-    with Procs(out) as procs:
+    with supervisor(out) as sup:
         if hosts is None:
             argv = [*TORCHRUN, "--nnodes", "1", "--nproc-per-node", str(workers),
                     "--master-addr", "127.0.0.1", "--master-port", str(free_port()), *py_args]  # fmt: skip
-            procs.start("torchrun", argv, env=child_env(env))
-            procs.wait(["torchrun"], timeout)
+            sup.start("torchrun", argv, env=child_env(env))
+            sup.wait(["torchrun"], timeout)
         else:
             port = str(free_port())
             for r in range(workers):
                 rank_env = {"RANK": str(r), "LOCAL_RANK": "0", "WORLD_SIZE": str(workers),
                             "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": hosts[0].addr,
                             "MASTER_PORT": port, "GLOO_SOCKET_IFNAME": hosts[r].ifname}  # fmt: skip
-                procs.start(f"rank{r}", [PY, *py_args], env=child_env({**(env or {}), **rank_env}),
-                            host=hosts[r])  # fmt: skip
-            procs.wait([f"rank{r}" for r in range(workers)], timeout)
+                sup.start(f"rank{r}", on(hosts[r], [PY, *py_args]),
+                          env=child_env({**(env or {}), **rank_env}))  # fmt: skip
+            sup.wait([f"rank{r}" for r in range(workers)], timeout)
     return load_run(out)
 
 
@@ -223,6 +150,21 @@ def psar_train_args(out: Path, arch: str = "allreduce") -> list[str]:
     """`python` args that run `psar train --arch ARCH` logging into `out` (+ REF-style flags)."""
     return ["-m", "worker.cli", "train", "--arch", arch, "--run-dir", str(out),
             "--report", str(out / "report-{rank}.json")]  # fmt: skip
+
+
+def psar_allreduce_job(out: Path, workers: int, steps: int, timeout: float) -> Run:
+    """`psar train --arch allreduce` on the reference workload under torchrun."""
+    py = [*psar_train_args(out), *REF_TRAIN, "--steps", str(steps)]
+    return ddp_job(out, workers=workers, py_args=py, timeout=timeout)
+
+
+def plain_ddp_job(out: Path, workers: int, steps: int, timeout: float, *, local: bool = False,
+                  hosts: list | None = None) -> Run:  # fmt: skip
+    """bench/baselines/plain_ddp.py on `workers` ranks (local: --no-comm, compute only)."""
+    out.mkdir(parents=True, exist_ok=True)
+    py = [str(PLAIN_DDP), "--steps", str(steps), "--out", str(out),
+          *(["--no-comm"] if local else [])]  # fmt: skip
+    return ddp_job(out, workers=workers, py_args=py, timeout=timeout, hosts=hosts)
 
 
 # ---- step logs and rates -----------------------------------------------------------------
@@ -307,6 +249,12 @@ def window_rate(run: Run, skip: int = 0) -> tuple[float, float]:
 
     total = sum(done_by(s, t1) - done_by(s, t0) for s in run.series)
     return total / (t1 - t0), t1 - t0
+
+
+def steady_rate(run: Run) -> tuple[float, float]:
+    """window_rate after each rank's warm-up steps (as many as the shortest series's
+    warm-up): the rate every benchmark reports."""
+    return window_rate(run, skip=warmup_steps(min(len(s.time) for s in run.series)))
 
 
 def staleness(run: Run) -> dict[str, int | None]:

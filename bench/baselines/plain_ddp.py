@@ -1,6 +1,6 @@
 """Plain PyTorch DDP on the reference workload; no psar code. The baseline psar is held to.
 
-torchrun --nproc-per-node 2 bench/plain_ddp.py --steps 100 --out DIR   (--no-comm: no DDP)
+torchrun --nproc-per-node 2 bench/baselines/plain_ddp.py --steps 100 --out DIR   (--no-comm: no DDP)
 Data as psar's `mlp` workload makes it; one JSON line per step in DIR/steps-plain-rankR.jsonl.
 """
 

@@ -2,19 +2,21 @@
 
 Each case (workload x worker count) is one `psar compare` (worker.compare's API): the
 four runs share the workload, seed, per-worker batch, steps and precision (fp32, one
-compute thread per process), and compare reports samples/s (all workers' samples / job
-time). Time to target loss is recomputed here from rank 0's smoothed loss (compare's
-window): target = 1.05 x the worst final smoothed loss among the runs that did not
-diverge (a run diverged when its final smoothed loss is not below its first), so every
-converging run reaches it and one blow-up cannot make the target meaningless. Every
+compute thread per process). samples/s: all workers' samples over the window in which
+every worker trains, from each run's step logs (compare's own figure, samples / job time,
+is kept as `job_samples_per_sec`; the figures before 2026-12-03 are that one). Time to
+target loss is recomputed here from rank 0's smoothed loss (compare's window): target =
+1.05 x the worst final smoothed loss among the runs that did not diverge (a run diverged
+when its final smoothed loss is not below its first), so every converging run reaches it
+and one blow-up cannot make the target meaningless. Every
 result is also given as a ratio to allreduce measured in the same case, and the final
 loss as a ratio to ps-sync's (equal samples: every run takes the same steps per worker;
 issue #17's goal for async and ssp is <= 1.05, judged in `goals`).
 
-    python -m bench.head_to_head                  # mlp, lm x 2, 4 workers
-    python -m bench.head_to_head --quick --json   # mlp x 2 workers, short
-    python -m bench.head_to_head --workloads lm --workers 4 --runs ps-sync,ps-async,ps-ssp
-    python -m bench.head_to_head ... --train-flags="--staleness-lr --delay-compensation 0.1"
+    python -m bench.experiments.head_to_head                  # mlp, lm x 2, 4 workers
+    python -m bench.experiments.head_to_head --quick --json   # mlp x 2 workers, short
+    python -m bench.experiments.head_to_head --workloads lm --workers 4 --runs ps-sync,ps-async,ps-ssp
+    python -m bench.experiments.head_to_head ... --train-flags="--staleness-lr --delay-compensation 0.1"
 """
 
 from __future__ import annotations
@@ -25,9 +27,9 @@ import sys
 from pathlib import Path
 
 if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench import common as c
+from bench.lib import common as c
 from worker import compare as cmp
 from worker import report
 
@@ -59,26 +61,27 @@ def run_case(
         argv = [*common, "--out", f"{base_out}-{label}", "--runs", "ps-async,ps-ssp", *flags]
         docs.append((label, _compare(argv)))
     doc = {**docs[0][1], "runs": {}}
-    curves = {}
+    curves, window = {}, {}
     for label, d in docs:
         for name, r in d["runs"].items():
             key = f"{name} {label}" if label else name
             doc["runs"][key] = r
             curves[key] = _rank0_curve(Path(d["out"]) / name, d["smooth_window"])
+            window[key] = _window_rate(Path(d["out"]) / name)
     diverged = {n: not (math.isfinite(sm[-1]) and sm[-1] <= sm[0]) if sm else True
                 for n, (_, sm) in curves.items()}  # fmt: skip
     finals = [sm[-1] for n, (_, sm) in curves.items() if not diverged[n]]
     target = 1.05 * max(finals) if finals else doc["target_loss"]
     ttt = {n: next((t for t, v in zip(*curves[n], strict=True) if v < target), None)
            for n in doc["runs"]}  # fmt: skip
-    base = doc["runs"].get(BASELINE, {})
     loss_base = doc["runs"].get(LOSS_BASELINE, {}).get("final_train_loss")
     runs = {}
     for name, r in doc["runs"].items():
-        sps = r["samples_per_sec"]
+        sps = window[name]
         runs[name] = {
             "samples_per_sec": sps,
-            "samples_per_sec_x_allreduce": _div(sps, base.get("samples_per_sec")),
+            "samples_per_sec_x_allreduce": _div(sps, window.get(BASELINE)),
+            "job_samples_per_sec": r["samples_per_sec"],
             "time_to_target_s": ttt[name],
             "time_to_target_x_allreduce": _div(ttt[name], ttt.get(BASELINE)),
             "final_train_loss": r["final_train_loss"],
@@ -112,7 +115,7 @@ def _compare(argv: list[str]) -> dict:
     args, extra = cmp.build_parser().parse_known_args(argv)
     code, doc = cmp.compare(args, extra)
     if "config" not in doc:
-        raise c.BenchError(f"psar compare {' '.join(argv)} stopped with exit {code}")
+        raise c.ProcessError(f"psar compare {' '.join(argv)} stopped with exit {code}")
     return doc
 
 
@@ -124,6 +127,12 @@ def _rank0_curve(run_dir: Path, window: int) -> tuple[list[float], list[float]]:
     sm = cmp.smoothed(rank0.loss, window)
     k = min(window, len(sm)) - 1
     return rank0.time[k:], sm[k:]
+
+
+def _window_rate(run_dir: Path) -> float | None:
+    """All workers' samples over the window in which every worker trains (after warm-up)."""
+    run = c.load_run(run_dir)
+    return c.steady_rate(run)[0] if run.series else None
 
 
 def _div(a: float | None, b: float | None) -> float | None:
@@ -163,7 +172,7 @@ def write_plot(out: Path, doc: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = c.parser("python -m bench.head_to_head", __doc__)
+    p = c.parser("python -m bench.experiments.head_to_head", __doc__)
     p.add_argument("--workloads", default=None, help="(default mlp,lm; quick mlp)")
     p.add_argument("--workers", default=None, help="(default 2,4; quick 2)")
     p.add_argument("--steps", type=int, default=None, help="per worker (default 200; quick 60)")
