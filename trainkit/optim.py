@@ -172,7 +172,7 @@ class DynamicLossScale:
             self.clean_steps = 0
 
 
-# ---- staleness-aware updates (PS async / ssp; ps/server/staleness.py applies them) ----
+# ---- staleness-aware updates (PS async / ssp; ps/server/modes/staleness.py applies them) ----
 
 
 def async_momentum(momentum: float, num_workers: int) -> float:

@@ -11,7 +11,14 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from trainkit.choices import OUTER_OPTIMIZERS, SPARSE_OPTIMIZERS, check_mode
+from trainkit.choices import (
+    DEFAULT_MODE,
+    OUTER_OPTIMIZERS,
+    SPARSE_OPTIMIZERS,
+    averages_buffers,
+    check_mode,
+    local_sgd,
+)
 from trainkit.connection import ConnectionConfig
 from trainkit.optim import LossScaleConfig, OptimizerConfig
 from worker.precision import check_weights_dtype
@@ -34,7 +41,7 @@ class PSConfig(ConnectionConfig):
     """This worker's rank, 0..world_size-1 (default: env RANK, else 0)."""
     world_size: int = 0
     """Number of workers (default: env WORLD_SIZE, else 1)."""
-    mode: str = "sync"
+    mode: str = DEFAULT_MODE
     """Consistency mode: sync | async | ssp | local (local SGD / DiLoCo: --sync-every;
     local also applies to --arch allreduce)."""
     staleness: int = 1
@@ -107,7 +114,7 @@ class PSConfig(ConnectionConfig):
             raise ValueError(f"--staleness must be >= 0, got {self.staleness}")
         if self.buffers not in ("rank0", "average"):
             raise ValueError(f"--buffers: unknown {self.buffers!r}; accepted: rank0, average")
-        if self.buffers == "average" and self.mode != "sync":
+        if self.buffers == "average" and not averages_buffers(self.mode):
             raise ValueError(
                 f"--buffers average needs --mode sync (a round to average over), not {self.mode}"
             )
@@ -339,7 +346,7 @@ class TrainConfig:
     @property
     def local_sgd(self) -> bool:
         """--mode local: workers step on their own and synchronise every --sync-every."""
-        return self.ps.mode == "local"
+        return local_sgd(self.ps.mode)
 
     def _check_local(self) -> None:
         """--sync-every belongs to --mode local, and local mode needs fp32 worker weights

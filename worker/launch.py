@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TextIO
 
-from trainkit.choices import MODES
+from trainkit.choices import DEFAULT_MODE, MODES, local_sgd
 from worker.supervisor import Supervisor, free_port
 from worker.torchrun_compat import torchrun_flags, torchrun_options
 
@@ -46,7 +46,7 @@ class LaunchSpec:
     arch: str = "ps"
     servers: int = 1
     workers: int = 2
-    mode: str = "sync"
+    mode: str = DEFAULT_MODE
     staleness: int = 1
     metrics_base_port: int = 0
     bind_host: str = "127.0.0.1"
@@ -93,8 +93,8 @@ def add_launch_flags(p: argparse.ArgumentParser, *, job: bool = True) -> None:
     """Flags shared by `psar launch` and `psar compare` (job=False: without --arch, --mode)."""
     if job:
         p.add_argument("--arch", choices=("ps", "allreduce"), default="ps", help="(default: ps)")
-        p.add_argument("--mode", choices=MODES, default="sync",
-                       help="ps consistency mode (default: sync)")  # fmt: skip
+        p.add_argument("--mode", choices=MODES, default=DEFAULT_MODE,
+                       help=f"ps consistency mode (default: {DEFAULT_MODE})")  # fmt: skip
     p.add_argument("--servers", type=_servers, default=1, metavar="N|auto",
                    help="ps: number of shards to start; auto: one per two cores left after "
                    "one per worker, 1 to 8 (default: 1)")  # fmt: skip
@@ -163,7 +163,7 @@ def validate(spec: LaunchSpec) -> None:
 
 def _ps_flags(spec: LaunchSpec, servers: str, rank: int) -> list[str]:
     if spec.arch != "ps":  # of the modes only local SGD (--mode local) applies to allreduce
-        return ["--mode", spec.mode] if spec.mode == "local" else []
+        return ["--mode", spec.mode] if local_sgd(spec.mode) else []
     return ["--servers", servers, "--rank", str(rank), "--world-size", str(spec.workers),
             "--mode", spec.mode, "--staleness", str(spec.staleness)]  # fmt: skip
 
