@@ -37,6 +37,12 @@ class PullHeader:
     clock_gap: int
     int_buffers: dict[str, tuple[int, ...]] = field(default_factory=dict)
     """From shard 0: rank 0's integer buffers of the newest clock not past the pull's."""
+    batches: tuple[int, ...] = ()
+    """From shard 0 of a job with elastic data: the batch ids of the puller's next step."""
+    data_done: bool = False
+    """From shard 0 of a job with elastic data: every batch id has been dealt; leave."""
+    live_workers: int = 0
+    """The shard's live workers when it answered (the job's world size now)."""
 
 
 @dataclass(slots=True)

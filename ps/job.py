@@ -118,9 +118,31 @@ class Job:
     mode_options: dict[str, float] = field(default_factory=dict)
     """The knobs of a mode that has no field of its own above (a mode added as one
     module: its configuration reads them, ps/server/modes/); empty for the built-in ones."""
+    max_workers: int = 0
+    """Elastic jobs (docs/elastic.md): the most workers the job may hold at once, ranks
+    0..max_workers-1; workers started with --join ask shard 0 for a free rank. 0: the job
+    keeps its num_workers (a fixed job)."""
+    data_batches: int = 0
+    """Elastic data: shard 0 deals the batch ids 0..data_batches-1 (ps/server/membership/
+    ledger.py), data_per_step per step, in its pull headers, so the data follows
+    membership and each id is trained on once. 0: each worker cuts its own shard of the
+    data from its rank and the world size."""
+    data_per_step: int = 1
+    """Elastic data: batch ids per step (the worker's --grad-accum micro-batches)."""
     traits: ModeTraits | None = field(default=None, compare=False)
     """How the serving shard's mode behaves: set on the job a shard installed (and sends
     back with GetJob), None on one a worker built. Not part of the job's identity."""
+
+    @property
+    def capacity(self) -> int:
+        """How many ranks the job has room for: 0..capacity-1 (max_workers, or the fixed
+        job's num_workers)."""
+        return max(self.num_workers, self.max_workers)
+
+    @property
+    def elastic(self) -> bool:
+        """Workers may join (Join) and the data follows membership."""
+        return self.max_workers > 0
 
     def served(self, traits: ModeTraits) -> Job:
         """This job as a shard of a mode with `traits` holds it: with those traits, and
@@ -154,6 +176,16 @@ class Job:
             )
         if self.num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {self.num_workers}")
+        if self.max_workers and self.max_workers < self.num_workers:
+            raise ValueError(
+                f"--max-workers {self.max_workers} is below the job's {self.num_workers} "
+                "workers at start; give at least --world-size (0: a fixed job)"
+            )
+        if self.data_batches < 0 or self.data_per_step < 1:
+            raise ValueError(
+                f"elastic data: data_batches must be >= 0 and data_per_step >= 1, got "
+                f"{self.data_batches} and {self.data_per_step}"
+            )
         if (self.sync_every >= 1) != local_sgd(self.mode):
             raise ValueError(
                 f"--sync-every {self.sync_every} with --mode {self.mode}: --mode local needs "

@@ -162,6 +162,9 @@ def job_to_pb(job: Job) -> pb.JobSpec:
         momentum_correction=job.momentum_correction,
         staleness_lr_power=job.staleness_lr_power,
         dc_adaptive=job.dc_adaptive,
+        max_workers=job.max_workers,
+        data_batches=job.data_batches,
+        data_per_step=job.data_per_step,
     )
 
 
@@ -193,6 +196,10 @@ def job_from_pb(spec: pb.JobSpec) -> Job:
             # A spec without the field (written before it existed) reads 0: the default 1.
             staleness_lr_power=spec.staleness_lr_power or 1.0,
             dc_adaptive=spec.dc_adaptive,
+            max_workers=spec.max_workers,
+            data_batches=spec.data_batches,
+            # A spec without the field (written before it existed) reads 0: one per step.
+            data_per_step=spec.data_per_step or 1,
             mode_options=dict(spec.mode_options),
             traits=traits,
         )
@@ -264,6 +271,9 @@ def pull_header_to_pb(h: PullHeader) -> pb.PullHeader:
         dtype=dtype_to_pb(h.dtype),
         clock_gap=h.clock_gap,
         int_buffers=int_values_to_pb(h.int_buffers),
+        batches=list(h.batches),
+        data_done=h.data_done,
+        live_workers=h.live_workers,
     )
 
 
@@ -277,6 +287,9 @@ def pull_header_from_pb(m: pb.PullHeader) -> PullHeader:
         dtype=dtype_from_pb(m.dtype),
         clock_gap=m.clock_gap,
         int_buffers=int_values_from_pb(m.int_buffers),
+        batches=tuple(m.batches),
+        data_done=m.data_done,
+        live_workers=m.live_workers,
     )
 
 

@@ -36,6 +36,7 @@ from ps.server.durability.checkpoints import CheckpointManager
 from ps.server.durability.durability import Durability, new_incarnation
 from ps.server.intake.intake import Intake
 from ps.server.membership.leases import DEFAULT_JOIN_GRACE_S, DEFAULT_LEASE_S, LeaseTable
+from ps.server.membership.ledger import ledger_for
 from ps.server.membership.membership import Membership
 from ps.server.metrics.recorder import NullShardRecorder, ShardRecorder
 from ps.server.modes import BUILTIN, Modes
@@ -99,6 +100,7 @@ class ShardState(ShardData):
 
     def _round_closed(self) -> None:
         self.members.promote_joiners()
+        self.members.round_opened()  # elastic data: the next round's batches, rank order
         self.durability.maybe_checkpoint()
 
     def _forget(self) -> None:
@@ -128,16 +130,25 @@ class ShardState(ShardData):
                         f"init slot {quote(key)}: expected {numel[key]} fp32 elements, got "
                         f"{t.numel()} {t.dtype}"
                     )
+            if job.elastic and self.chunk_rounds and job.traits is not None and job.traits.rounds:
+                raise InvalidArgument(
+                    "an elastic job (--max-workers) on a shard with --chunk-rounds: its "
+                    "early per-slot steps cannot scale a round's learning rate by the "
+                    "workers in it; start the shards without --chunk-rounds (and the "
+                    "workers without --early-pull)"
+                )
             masters = {
                 s.key: torch.nn.Parameter(values[s.key].detach().clone().reshape(-1))
                 for s in job.slots
             }
             self.updates.install(job, masters)
             self.live = set(range(job.num_workers))
-            self.clocks = [0] * job.num_workers
+            self.clocks = [0] * job.capacity
+            self.ledger = ledger_for(job)
             self.int_buffers = IntBufferLog.for_job(job)
             self.job = job
             self._started(job)
+            self.members.round_opened()  # rounds modes: round 1's batches
             self.durability.maybe_checkpoint(force=True)
             return False
 
@@ -165,6 +176,7 @@ class ShardState(ShardData):
         self.metrics.set_mode(job.mode)
         self.metrics.set_master_bytes(self.master_bytes)
         self.metrics.set_live_workers(len(self.live))
+        self.metrics.set_max_workers(job.capacity)
         self.metrics.set_loss_scale(self.loss_scale.scale)
         self.metrics.set_version(self.version)
         self.cond.notify_all()
@@ -209,6 +221,11 @@ class ShardState(ShardData):
                 "early_pull_slots": policy.early_slots if policy is not None else 0,
                 "early_pull_voids": policy.early_voids if policy is not None else 0,
                 "push_paced_s": self.push_paced_s,
+                "joins": self.joins,
+                "leaves": self.leaves,
+                "data_dealt": self.ledger.dealt if self.ledger is not None else 0,
+                "data_returned": self.ledger.given_back if self.ledger is not None else 0,
+                "data_remaining": self.ledger.remaining() if self.ledger is not None else 0,
             }
 
     def state_digest(self) -> str:

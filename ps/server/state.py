@@ -9,7 +9,7 @@ change it, each its own part, under `cond` (every change is followed by
 | job, numel, masters, optimizer, scheduler, loss_scale, policy | shard.py (init), update/updates.py (install), durability/durability.py (restore, rollback) |
 | version, rounds, skipped_rounds, last_round_skipped, updates_applied, dropped_nonfinite, staleness_counts | update/updates.py |
 | clocks, int_buffers, push_paced_s | intake/intake.py (clocks: also membership/membership.py on register, durability/durability.py) |
-| live, left, expired, joining, instances, leases, lease_expirations, rejoins | membership/membership.py |
+| live, left, expired, joining, instances, leases, lease_expirations, rejoins, joins, leaves, reserved, ledger | membership/membership.py (ledger: made by shard.py's init, consumed by intake/intake.py, restored by durability/durability.py) |
 | incarnation, restores, restored_step, restored_pending, draining | durability/durability.py (incarnation: also shard.py's init) |
 | max_clock_gap | pulls/pulls.py |
 | sparse | the sparse servicer (doors/sparse_servicer.py) or a restore |
@@ -30,6 +30,7 @@ import torch
 from ps.errors import FailedPrecondition
 from ps.job import Job, ModeTraits
 from ps.server.membership.leases import LeaseTable
+from ps.server.membership.ledger import DataLedger
 from ps.server.metrics.recorder import ShardRecorder
 from ps.server.update.buffers import IntBufferLog
 from trainkit.optim import DynamicLossScale
@@ -100,6 +101,16 @@ class ShardData:
         self.leases = leases
         self.lease_expirations = 0
         self.rejoins = 0
+        self.joins = 0
+        """Ranks given by Join (elastic jobs)."""
+        self.leaves = 0
+        """Workers that left with Leave."""
+        self.reserved: dict[int, tuple[str, float]] = {}
+        """Elastic jobs: ranks Join gave and whose worker has not registered yet -> (its
+        instance, the lease clock's time the reservation lapses)."""
+        self.ledger: DataLedger | None = None
+        """Shard 0 of a job with elastic data: the batch ids dealt to the workers
+        (ps/server/membership/ledger.py)."""
         self.push_paced_s = 0.0
         """Seconds pushes were held back by pacing, all together (Stats)."""
         # ---- durability -------------------------------------------------------------------

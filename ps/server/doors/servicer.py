@@ -343,13 +343,26 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         try:
             clock = serde.check_count("register clock", request.clock)
             reply = self.state.members.register(
-                request.worker, clock, query=request.query, instance=request.instance
+                request.worker,
+                clock,
+                query=request.query,
+                instance=request.instance,
+                joined=request.joined,
             )
             return pb.RegisterReply(**reply)
         except PSError as e:
             self._fail(context, "Register", e)
         finally:
             self.metrics.rpc_observed("Register", time.monotonic() - t0)
+
+    def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> Any:
+        t0 = time.monotonic()
+        try:
+            return pb.JoinReply(**self.state.members.join(request.instance))
+        except PSError as e:
+            self._fail(context, "Join", e)
+        finally:
+            self.metrics.rpc_observed("Join", time.monotonic() - t0)
 
     def Rollback(self, request: pb.RollbackRequest, context: grpc.ServicerContext) -> Any:
         t0 = time.monotonic()

@@ -28,6 +28,7 @@ from ps import serde
 from ps.errors import FailedPrecondition
 from ps.job import Job
 from ps.server.durability import checkpoints
+from ps.server.membership.ledger import DataLedger, ledger_for
 from ps.server.sparse.tables import SparseTables, TablesMismatch
 from ps.server.state import ShardData
 from ps.server.update.buffers import IntBufferLog
@@ -144,6 +145,8 @@ class Durability:
             # Sparse tables (ps/server/sparse/tables.py): rows, per-row optimizer state,
             # versions and clocks; their tensors get checksums like every other one.
             "sparse": sparse.snapshot() if sparse is not None else {"tables": {}, "clocks": []},
+            # Elastic data (shard 0): the batch ids dealt, consumed and left to deal.
+            "ledger": d.ledger.state() if d.ledger is not None else {},
         }
 
     def _load(self, snap: dict[str, Any]) -> None:
@@ -171,7 +174,17 @@ class Durability:
         for clock, e in sorted(snap.get("int_buffers", {}).items(), key=lambda kv: int(kv[0])):
             values = {k: tuple(int(x) for x in t.tolist()) for k, t in e["values"].items()}
             d.int_buffers.put(int(clock), int(e["worker"]), values)
+        saved = snap.get("ledger")  # a file written before elastic data has none
+        d.ledger = DataLedger.from_state(saved) if saved else ledger_for(job)
         self._forget()
+
+    def _settle_ledger(self) -> None:
+        """After a restore or rollback: what the checkpoint had dealt to workers that are
+        no longer live goes back to the pool (their deals would never be pushed)."""
+        d = self.data
+        if d.ledger is not None:
+            for w in [w for w in d.ledger.deals if w not in d.live]:
+                d.ledger.give_back(w)
 
     # ---- restore and rollback --------------------------------------------------------------
 
@@ -194,6 +207,7 @@ class Durability:
             d.clocks = [int(c) for c in snap["clocks"]]
             d.live = set(snap["live"])
             d.left = set(snap["left"])
+            self._settle_ledger()
             d.restores = int(snap["counters"]["restores"]) + 1
             d.restored_step = step
             d.restored_pending = d.traits.rounds  # every shard must follow it back
@@ -232,10 +246,11 @@ class Durability:
                 raise FailedPrecondition(f"cannot roll back: {e}", reason="no_checkpoint") from e
             log.warning("rolling back from round %d to round %d", d.rounds, step)
             self._load(snap)
-            d.clocks = [d.rounds] * job.num_workers
+            d.clocks = [d.rounds] * job.capacity
             if d.sparse is not None:
                 d.sparse.install(snap.get("sparse"), tables, where, clocks_at=d.rounds)
             d.joining.clear()
+            self._settle_ledger()
             d.checkpoints.discard_after(step)
             d.restores += 1
             d.restored_step = step

@@ -77,7 +77,7 @@ class Intake:
         d = self.data
         with d.cond:
             job = d.require_job()
-            check_header(header, job.num_workers)
+            check_header(header, job.capacity)
             check_int_buffers(job, header.int_buffers)
             self.members.check_incarnation(incarnation)
             self._check_draining(header.clock)
@@ -247,6 +247,8 @@ class Intake:
                     skip = ticket.absent | ticket.raw
                     staged.grads = {k: g for k, g in grads.items() if k not in skip}
                 d.clocks[h.worker] = h.clock
+                if d.ledger is not None:  # elastic data: this step's batches are done
+                    d.ledger.consume(h.worker, h.clock)
                 if h.int_buffers and policy.takes_int_buffers(
                     d.int_buffers.held(h.clock), h.worker
                 ):

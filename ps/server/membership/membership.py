@@ -13,6 +13,10 @@ public method. The rules, per mode (docs/reliability.md has the whole protocol):
   max(record, clock) and it is live at once. sync: it joins at round clock + 1 — live
   now if that round is the open one, else when round `clock` closes — so every shard
   adds it at the same round boundary.
+- Join (elastic jobs, shard 0): a new worker is given a free rank, then registers with it
+  on every shard as above (docs/elastic.md).
+- Elastic data (shard 0): a worker leaving the live set gives back the batch ids it was
+  dealt and did not push (ps/server/membership/ledger.py), so another worker trains on them.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from __future__ import annotations
 import secrets
 from typing import Any
 
-from ps.errors import Aborted, FailedPrecondition, InvalidArgument
+from ps.errors import Aborted, FailedPrecondition, InvalidArgument, ResourceExhausted
 from ps.headers import PushHeader
 from ps.server.modes.view import ShardView
 from ps.server.state import ShardData
@@ -60,9 +64,10 @@ class Membership:
 
     def check_worker(self, worker: int) -> None:
         job = self.data.require_job()
-        if not 0 <= worker < job.num_workers:
+        if not 0 <= worker < job.capacity:
+            more = "" if job.elastic else " (an elastic job, --max-workers, has room for more)"
             raise InvalidArgument(
-                f"worker {worker} is not in this job (workers 0..{job.num_workers - 1})",
+                f"worker {worker} is not in this job (workers 0..{job.capacity - 1}){more}",
                 reason="bad_worker",
             )
 
@@ -133,38 +138,78 @@ class Membership:
             for w in gone:
                 d.leases.drop(w)
                 d.expired.add(w)
-                self._remove_live(w)
+                self._remove_live(w, change="expired")
                 d.lease_expirations += 1
                 d.metrics.lease_expired()
             return gone
 
     def leave(self, worker: int) -> int:
-        """`worker` is done: nobody waits for it any more. Returns live workers left."""
+        """`worker` is done: nobody waits for it any more. Returns live workers left.
+        A push it made before counts (sync: in its round), whatever arrives after."""
         d = self.data
         with d.cond:
             self.check_worker(worker)
+            if worker not in d.left:
+                d.leaves += 1
             d.left.add(worker)
             d.expired.discard(worker)
             d.joining.pop(worker, None)
             d.leases.drop(worker)
             if worker in d.live:
-                self._remove_live(worker)
+                self._remove_live(worker, change="left")
+            self._give_back(worker)
             return len(d.live)
 
-    def _remove_live(self, worker: int) -> None:
+    def _remove_live(self, worker: int, change: str) -> None:
         d = self.data
         d.live.discard(worker)
+        self._give_back(worker)
         d.policy.on_leave(self.view, worker)
         d.metrics.set_live_workers(len(d.live))
+        d.metrics.membership_changed(change)
         d.cond.notify_all()
 
     def _add_live(self, worker: int) -> None:
         d = self.data
         d.live.add(worker)
         d.left.discard(worker)
+        d.reserved.pop(worker, None)
         d.leases.grant([worker], grace=False)
         d.metrics.set_live_workers(len(d.live))
+        d.metrics.membership_changed("joined")
         d.cond.notify_all()
+
+    def _give_back(self, worker: int, *, through: int | None = None) -> None:
+        """Elastic data: `worker` will not push what it was dealt (up to clock `through`):
+        those batch ids go back to the pool (before the rule may close a round and deal
+        the next one)."""
+        led = self.data.ledger
+        if led is not None and (n := led.give_back(worker, through=through)):
+            self.data.metrics.data_returned(n)
+
+    # ---- elastic data (shard 0) ------------------------------------------------------------
+
+    def round_opened(self) -> None:
+        """Rounds modes: a round opens (init, or the last one closed and its joiners are
+        live): deal it to its members in rank order (under the lock)."""
+        d = self.data
+        if d.ledger is not None and d.traits.rounds:
+            before = d.ledger.dealt
+            d.ledger.deal_round(d.live, d.rounds + 1)
+            d.metrics.data_dealt(d.ledger.dealt - before, d.ledger.remaining())
+
+    def deal(self, worker: int, clock: int) -> tuple[tuple[int, ...], bool]:
+        """Elastic data, under the lock: the batch ids of `worker`'s step `clock` (the
+        same every time it asks), and whether the job's data is all dealt (no ids left
+        for it: it leaves)."""
+        d = self.data
+        if d.ledger is None or (worker not in d.live and worker not in d.joining):
+            return (), False  # a worker out of the live set gives back, never takes
+        before = d.ledger.dealt
+        ids = d.ledger.deal(worker, clock)
+        if d.ledger.dealt != before:
+            d.metrics.data_dealt(d.ledger.dealt - before, d.ledger.remaining())
+        return ids, not ids
 
     def promote_joiners(self) -> None:
         """sync: a round just closed; workers waiting for this boundary become live."""
@@ -175,9 +220,16 @@ class Membership:
                 self._add_live(w)
 
     def register(
-        self, worker: int, clock: int, *, query: bool = False, instance: str = ""
+        self,
+        worker: int,
+        clock: int,
+        *,
+        query: bool = False,
+        instance: str = "",
+        joined: bool = False,
     ) -> dict[str, Any]:
-        """Join or rejoin the live set (see the module docstring); query only reads."""
+        """Join or rejoin the live set (see the module docstring); query only reads.
+        joined: the worker got its rank from Join (a new worker, never a rejoin)."""
         d = self.data
         with d.cond:
             self.check_worker(worker)
@@ -187,16 +239,18 @@ class Membership:
             if not query:
                 was_live = worker in d.live
                 old = d.instances.get(worker, "")
-                lapsed = not was_live and (worker in d.expired or worker in d.left)
+                given = joined  # a new worker with a rank Join gave, not one coming back
+                lapsed = not was_live and (worker in d.expired or worker in d.left) and not given
                 if d.traits.rejoin == "at_round_boundary":
                     self._register_sync(worker, clock)
                 else:
                     d.clocks[worker] = max(d.clocks[worker], clock)
+                    self._give_back(worker, through=d.clocks[worker])  # never pushed now
                     d.joining.pop(worker, None)
                     if not was_live:
                         self._add_live(worker)
                     self.touch(worker)
-                changed = bool(old) and bool(instance) and instance != old
+                changed = bool(old) and bool(instance) and instance != old and not given
                 if changed or lapsed:
                     rejoined = True
                     d.rejoins += 1
@@ -216,6 +270,52 @@ class Membership:
                 "restores": d.restores,
             }
 
+    def join(self, instance: str) -> dict[str, Any]:
+        """Elastic jobs, shard 0: give a joining worker a free rank; it registers with it
+        on every shard next (Register). The rank given is the lowest one that no worker
+        holds (live, waiting for its round, or given by Join and not registered within
+        the join grace): first one never used, then one whose worker left, then one
+        whose worker's lease ran out (it may still come back, so it is taken last)."""
+        d = self.data
+        with d.cond:
+            job = d.require_job()
+            if not job.elastic:
+                raise FailedPrecondition(
+                    f"this job keeps its {job.num_workers} workers: start it with "
+                    "--max-workers N (rank 0) to let workers join it",
+                    reason="not_elastic",
+                )
+            if job.shard_index != 0:
+                raise FailedPrecondition(
+                    f"shard {job.shard_index} gives no ranks: ask shard 0 (the first of --servers)",
+                    reason="not_shard0",
+                )
+            now = d.leases.clock()
+            for w, (_, until) in list(d.reserved.items()):
+                if until <= now:
+                    del d.reserved[w]
+            held = d.live | set(d.joining) | set(d.reserved)
+            free = [w for w in range(job.capacity) if w not in held]
+            if not free:
+                raise ResourceExhausted(
+                    f"the job holds its {job.capacity} workers (--max-workers); wait for "
+                    "one to leave, or start the job with a larger --max-workers",
+                )
+
+            def age(w: int) -> int:  # 0: never used, 1: left, 2: lease ran out
+                return 2 if w in d.expired else 1 if (w in d.left or w in d.instances) else 0
+
+            worker = min(free, key=lambda w: (age(w), w))
+            d.reserved[worker] = (instance, now + d.leases.join_grace_s)
+            d.joins += 1
+            if d.traits.rounds:
+                # The round after the open one: the open round waits for nobody new, and
+                # the joiner is dealt its data with the round's other members.
+                clock = d.rounds + 1
+            else:  # async/ssp: enter as the slowest live worker, so nobody waits for it
+                clock = max(d.clocks[worker], d.slowest_live_clock(default=0))
+            return {"worker": worker, "live_workers": len(d.live), "clock": clock}
+
     def _register_sync(self, worker: int, clock: int) -> None:
         d = self.data
         if d.rounds > clock:
@@ -234,6 +334,7 @@ class Membership:
             return
         if d.rounds == clock:
             d.joining.pop(worker, None)
+            self._give_back(worker, through=clock)
             d.clocks[worker] = clock
             if worker not in d.live:
                 self._add_live(worker)
@@ -242,7 +343,9 @@ class Membership:
         # Join at a later boundary: out of the live set until round `clock` closes.
         if worker in d.live:
             d.leases.drop(worker)
-            self._remove_live(worker)
+            self._remove_live(worker, change="rejoining")
+        self._give_back(worker, through=clock)  # rounds it skips are dealt to others
+        d.reserved.pop(worker, None)
         d.clocks[worker] = clock
         d.joining[worker] = clock
         self.promote_joiners()  # leaving may have closed the round it waits for

@@ -94,8 +94,12 @@ RPC_METHODS: tuple[str, ...] = (
     "Heartbeat",
     "Register",
     "Rollback",
+    "Join",
     OTHER,
 )
+
+#: How a shard's live set changed (psar_ps_membership_changes_total's ``change``).
+MEMBERSHIP_CHANGES: tuple[str, ...] = ("joined", "left", "expired", "rejoining")
 
 SHARD_MODES: tuple[str, ...] = BUILTIN.names()
 """The ``mode`` label's values: the modes the stock shard serves (ps/server/modes/)."""
@@ -281,6 +285,36 @@ class ShardMetrics:
             "Workers that registered again after their lease expired, after leaving, or as "
             "a restarted process.",
         )
+        # Elastic jobs (docs/elastic.md): the live set's changes and the data's deal.
+        self._membership = children(
+            Counter(
+                "psar_ps_membership_changes_total",
+                "Changes of the live set, by change: joined (a worker entered: at a round "
+                "boundary in sync), left (Leave), expired (lease), rejoining (a live worker "
+                "re-entering at a later round).",
+                [*base, "change"],
+                registry=reg,
+            ),
+            "change",
+            MEMBERSHIP_CHANGES,
+            **fixed,
+        )
+        self._max_workers = gauge(
+            "psar_ps_max_workers", "Ranks the job has room for (--max-workers; else its size)."
+        )
+        self._data_dealt = counter(
+            "psar_ps_data_batches_dealt_total",
+            "Elastic data (shard 0): batch ids dealt to workers, given-back ones again.",
+        )
+        self._data_returned = counter(
+            "psar_ps_data_batches_returned_total",
+            "Elastic data (shard 0): batch ids given back by a worker that left or died "
+            "before pushing them; dealt again to another.",
+        )
+        self._data_remaining = gauge(
+            "psar_ps_data_batches_remaining",
+            "Elastic data (shard 0): batch ids not dealt yet (0: the job's data is done).",
+        )
         self._restores = counter(
             "psar_ps_restores_total",
             "Times this shard's state was replaced by a checkpoint (--restore, sync rollback).",
@@ -374,6 +408,19 @@ class ShardMetrics:
         """A worker registered again (after expiry, after leaving, or restarted)."""
         self._rejoins.inc()
 
+    def membership_changed(self, change: str) -> None:
+        """The live set changed (``joined``, ``left``, ``expired``, ``rejoining``)."""
+        pick(self._membership, change).inc()
+
+    def data_dealt(self, n: int, remaining: int) -> None:
+        """Elastic data: ``n`` batch ids dealt; ``remaining`` not dealt yet."""
+        self._data_dealt.inc(n)
+        self._data_remaining.set(remaining)
+
+    def data_returned(self, n: int) -> None:
+        """Elastic data: ``n`` batch ids given back (their worker left or died)."""
+        self._data_returned.inc(n)
+
     def shard_restored(self) -> None:
         """The shard took its state from a checkpoint (restore or rollback)."""
         self._restores.inc()
@@ -404,6 +451,9 @@ class ShardMetrics:
 
     def set_live_workers(self, n: int) -> None:
         self._live.set(n)
+
+    def set_max_workers(self, n: int) -> None:
+        self._max_workers.set(n)
 
     def set_version(self, v: int) -> None:
         self._version.set(v)

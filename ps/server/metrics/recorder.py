@@ -64,6 +64,15 @@ class ShardRecorder(Protocol):
     def worker_rejoined(self) -> None:
         """A worker registered again."""
 
+    def membership_changed(self, change: str) -> None:
+        """The live set changed: joined, left, expired, rejoining (docs/elastic.md)."""
+
+    def data_dealt(self, n: int, remaining: int) -> None:
+        """Elastic data: `n` batch ids dealt; `remaining` not dealt yet."""
+
+    def data_returned(self, n: int) -> None:
+        """Elastic data: `n` batch ids given back by a worker that left or died."""
+
     def shard_restored(self) -> None:
         """The shard took its state from a checkpoint (restore or rollback)."""
 
@@ -84,6 +93,9 @@ class ShardRecorder(Protocol):
 
     def set_live_workers(self, n: int) -> None:
         """Workers in the live set now."""
+
+    def set_max_workers(self, n: int) -> None:
+        """Ranks the job has room for (elastic: --max-workers)."""
 
     def set_version(self, v: int) -> None:
         """The shard's version now."""
@@ -146,6 +158,15 @@ class NullShardRecorder:
     def worker_rejoined(self) -> None:
         pass
 
+    def membership_changed(self, change: str) -> None:
+        pass
+
+    def data_dealt(self, n: int, remaining: int) -> None:
+        pass
+
+    def data_returned(self, n: int) -> None:
+        pass
+
     def shard_restored(self) -> None:
         pass
 
@@ -165,6 +186,9 @@ class NullShardRecorder:
         pass
 
     def set_live_workers(self, n: int) -> None:
+        pass
+
+    def set_max_workers(self, n: int) -> None:
         pass
 
     def set_version(self, v: int) -> None:

@@ -24,6 +24,7 @@ from ps.server.modes.base import UpdatePolicy
 from ps.server.modes.registry import Mode, RuleOptions
 from ps.server.modes.rounds import SyncPolicy
 from ps.server.modes.view import ShardView
+from trainkit.optim import StepAdjust
 
 TRAITS = ModeTraits(
     rounds=True,
@@ -48,6 +49,11 @@ class LocalPolicy(SyncPolicy):
 
     def takes_int_buffers(self, held: int | None, worker: int) -> bool:
         return False  # each worker keeps its own, as allreduce --mode local does
+
+    def round_adjust(self, job: Job | None, n: int) -> StepAdjust | None:
+        """Elastic jobs: the outer step is not scaled. The mean of n pseudo-gradients is
+        the mean model's move whatever n is (docs/elastic.md)."""
+        return None
 
 
 def _rule(job: Job, options: RuleOptions) -> UpdatePolicy:

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 from ps.errors import FailedPrecondition, InvalidArgument
 from ps.headers import PushOutcome
+from ps.job import Job
 from ps.server.modes.base import StagedPush, UpdatePolicy
 from ps.server.modes.rows import RowRounds
 from ps.server.modes.view import ShardView
+from trainkit.optim import StepAdjust
 
 
 class SyncPolicy(UpdatePolicy):
@@ -99,7 +101,16 @@ class SyncPolicy(UpdatePolicy):
         if unused or buffers:
             total = {k: t for k, t in total.items() if k not in unused and k not in buffers}
         view.set_buffers(buffers)
-        view.apply_update(total, staleness=[0] * len(pushes))
+        adjust = self.round_adjust(view.job, len(pushes))
+        view.apply_update(total, staleness=[0] * len(pushes), adjust=adjust)
+
+    def round_adjust(self, job: Job | None, n: int) -> StepAdjust | None:
+        """Elastic jobs (docs/elastic.md): the linear scaling rule. Each worker keeps its
+        batch, so a round of n workers' gradients is n/W of the global batch the job's
+        learning rate was set for (W: its --world-size at start); its step takes lr * n/W."""
+        if job is None or not job.elastic or n == job.num_workers:
+            return None
+        return StepAdjust(lr_scale=n / job.num_workers)
 
 
 def unused_by_all(pushes: list[StagedPush]) -> frozenset[str]:

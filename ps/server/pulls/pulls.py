@@ -259,6 +259,7 @@ class Pulls:
         self.updates.policy.pull_waited(self.updates, waited)
         gap = clock - d.slowest_live_clock(default=clock)
         d.max_clock_gap = max(d.max_clock_gap, gap)
+        batches, data_done = self.members.deal(worker, clock + 1)  # its next step's data
         header = PullHeader(
             version=d.version,
             rounds=d.rounds,
@@ -268,6 +269,9 @@ class Pulls:
             dtype=dtype,
             clock_gap=gap,
             int_buffers=d.int_buffers.for_pull(clock),
+            batches=batches,
+            data_done=data_done,
+            live_workers=len(d.live),
         )
         self.updates.policy.settle(
             self.updates

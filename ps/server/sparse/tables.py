@@ -114,7 +114,7 @@ class SparseTables:
         st = self.state
         with st.cond:
             job = st.require_job()
-            return st.policy.rows, set(st.live), job.num_workers, st.rounds
+            return st.policy.rows, set(st.live), job.capacity, st.rounds
 
     # ---- pull -----------------------------------------------------------------------
 
@@ -273,7 +273,7 @@ class SparseTables:
             if clocks_at is None:
                 self.clocks = {(str(n), int(w)): int(c) for n, w, c in snap.get("clocks", [])}
             else:
-                n_workers = self.state.require_job().num_workers
+                n_workers = self.state.require_job().capacity
                 self.clocks = {(n, w): clocks_at for n in tables for w in range(n_workers)}
             self.restored_from = where if tables else ""
 

@@ -136,7 +136,7 @@ class LossScaleSpec(_message.Message):
     def __init__(self, enabled: _Optional[bool] = ..., init_scale: _Optional[float] = ..., growth_factor: _Optional[float] = ..., backoff_factor: _Optional[float] = ..., growth_interval: _Optional[int] = ...) -> None: ...
 
 class JobSpec(_message.Message):
-    __slots__ = ("mode", "staleness", "num_workers", "optimizer", "loss_scale", "shard_index", "num_shards", "slots", "job_id", "sync_every", "staleness_lr", "delay_compensation", "momentum_correction", "staleness_lr_power", "dc_adaptive", "buffer_slots", "buffers_average", "int_buffers", "mode_name", "mode_options", "traits")
+    __slots__ = ("mode", "staleness", "num_workers", "optimizer", "loss_scale", "shard_index", "num_shards", "slots", "job_id", "sync_every", "staleness_lr", "delay_compensation", "momentum_correction", "staleness_lr_power", "dc_adaptive", "buffer_slots", "buffers_average", "int_buffers", "mode_name", "mode_options", "traits", "max_workers", "data_batches", "data_per_step")
     class ModeOptionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -165,6 +165,9 @@ class JobSpec(_message.Message):
     MODE_NAME_FIELD_NUMBER: _ClassVar[int]
     MODE_OPTIONS_FIELD_NUMBER: _ClassVar[int]
     TRAITS_FIELD_NUMBER: _ClassVar[int]
+    MAX_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    DATA_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    DATA_PER_STEP_FIELD_NUMBER: _ClassVar[int]
     mode: Mode
     staleness: int
     num_workers: int
@@ -186,7 +189,10 @@ class JobSpec(_message.Message):
     mode_name: str
     mode_options: _containers.ScalarMap[str, float]
     traits: ModeTraits
-    def __init__(self, mode: _Optional[_Union[Mode, str]] = ..., staleness: _Optional[int] = ..., num_workers: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., loss_scale: _Optional[_Union[LossScaleSpec, _Mapping]] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., slots: _Optional[_Iterable[_Union[SlotSpec, _Mapping]]] = ..., job_id: _Optional[str] = ..., sync_every: _Optional[int] = ..., staleness_lr: _Optional[bool] = ..., delay_compensation: _Optional[float] = ..., momentum_correction: _Optional[bool] = ..., staleness_lr_power: _Optional[float] = ..., dc_adaptive: _Optional[bool] = ..., buffer_slots: _Optional[_Iterable[str]] = ..., buffers_average: _Optional[bool] = ..., int_buffers: _Optional[_Iterable[_Union[IntBufferSpec, _Mapping]]] = ..., mode_name: _Optional[str] = ..., mode_options: _Optional[_Mapping[str, float]] = ..., traits: _Optional[_Union[ModeTraits, _Mapping]] = ...) -> None: ...
+    max_workers: int
+    data_batches: int
+    data_per_step: int
+    def __init__(self, mode: _Optional[_Union[Mode, str]] = ..., staleness: _Optional[int] = ..., num_workers: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., loss_scale: _Optional[_Union[LossScaleSpec, _Mapping]] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., slots: _Optional[_Iterable[_Union[SlotSpec, _Mapping]]] = ..., job_id: _Optional[str] = ..., sync_every: _Optional[int] = ..., staleness_lr: _Optional[bool] = ..., delay_compensation: _Optional[float] = ..., momentum_correction: _Optional[bool] = ..., staleness_lr_power: _Optional[float] = ..., dc_adaptive: _Optional[bool] = ..., buffer_slots: _Optional[_Iterable[str]] = ..., buffers_average: _Optional[bool] = ..., int_buffers: _Optional[_Iterable[_Union[IntBufferSpec, _Mapping]]] = ..., mode_name: _Optional[str] = ..., mode_options: _Optional[_Mapping[str, float]] = ..., traits: _Optional[_Union[ModeTraits, _Mapping]] = ..., max_workers: _Optional[int] = ..., data_batches: _Optional[int] = ..., data_per_step: _Optional[int] = ...) -> None: ...
 
 class IntBufferSpec(_message.Message):
     __slots__ = ("name", "numel")
@@ -342,7 +348,7 @@ class PullRequest(_message.Message):
     def __init__(self, worker: _Optional[int] = ..., clock: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., incarnation: _Optional[int] = ..., early: _Optional[bool] = ...) -> None: ...
 
 class PullHeader(_message.Message):
-    __slots__ = ("version", "rounds", "loss_scale", "last_round_skipped", "skipped_rounds", "dtype", "clock_gap", "incarnation", "early_void", "int_buffers")
+    __slots__ = ("version", "rounds", "loss_scale", "last_round_skipped", "skipped_rounds", "dtype", "clock_gap", "incarnation", "early_void", "int_buffers", "batches", "data_done", "live_workers")
     class IntBuffersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -360,6 +366,9 @@ class PullHeader(_message.Message):
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     EARLY_VOID_FIELD_NUMBER: _ClassVar[int]
     INT_BUFFERS_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_FIELD_NUMBER: _ClassVar[int]
+    DATA_DONE_FIELD_NUMBER: _ClassVar[int]
+    LIVE_WORKERS_FIELD_NUMBER: _ClassVar[int]
     version: int
     rounds: int
     loss_scale: float
@@ -370,7 +379,10 @@ class PullHeader(_message.Message):
     incarnation: int
     early_void: bool
     int_buffers: _containers.MessageMap[str, IntValues]
-    def __init__(self, version: _Optional[int] = ..., rounds: _Optional[int] = ..., loss_scale: _Optional[float] = ..., last_round_skipped: _Optional[bool] = ..., skipped_rounds: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., clock_gap: _Optional[int] = ..., incarnation: _Optional[int] = ..., early_void: _Optional[bool] = ..., int_buffers: _Optional[_Mapping[str, IntValues]] = ...) -> None: ...
+    batches: _containers.RepeatedScalarFieldContainer[int]
+    data_done: bool
+    live_workers: int
+    def __init__(self, version: _Optional[int] = ..., rounds: _Optional[int] = ..., loss_scale: _Optional[float] = ..., last_round_skipped: _Optional[bool] = ..., skipped_rounds: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., clock_gap: _Optional[int] = ..., incarnation: _Optional[int] = ..., early_void: _Optional[bool] = ..., int_buffers: _Optional[_Mapping[str, IntValues]] = ..., batches: _Optional[_Iterable[int]] = ..., data_done: _Optional[bool] = ..., live_workers: _Optional[int] = ...) -> None: ...
 
 class PullChunk(_message.Message):
     __slots__ = ("header", "data")
@@ -392,12 +404,28 @@ class LeaveReply(_message.Message):
     live_workers: int
     def __init__(self, live_workers: _Optional[int] = ...) -> None: ...
 
+class JoinRequest(_message.Message):
+    __slots__ = ("instance",)
+    INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    instance: str
+    def __init__(self, instance: _Optional[str] = ...) -> None: ...
+
+class JoinReply(_message.Message):
+    __slots__ = ("worker", "live_workers", "clock")
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    LIVE_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    CLOCK_FIELD_NUMBER: _ClassVar[int]
+    worker: int
+    live_workers: int
+    clock: int
+    def __init__(self, worker: _Optional[int] = ..., live_workers: _Optional[int] = ..., clock: _Optional[int] = ...) -> None: ...
+
 class StatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("version", "rounds", "updates_applied", "skipped_rounds", "dropped_nonfinite", "live_workers", "loss_scale", "worker_clocks", "max_clock_gap", "staleness_histogram", "master_bytes", "state_digest", "incarnation", "restores", "restored_step", "lease_expirations", "rejoins", "checkpoints_written", "last_checkpoint_step", "live_worker_ids", "draining", "chunks_applied_early", "chunk_undos", "update_params_per_s", "early_pull_slots", "early_pull_voids", "push_paced_s")
+    __slots__ = ("version", "rounds", "updates_applied", "skipped_rounds", "dropped_nonfinite", "live_workers", "loss_scale", "worker_clocks", "max_clock_gap", "staleness_histogram", "master_bytes", "state_digest", "incarnation", "restores", "restored_step", "lease_expirations", "rejoins", "checkpoints_written", "last_checkpoint_step", "live_worker_ids", "draining", "chunks_applied_early", "chunk_undos", "update_params_per_s", "early_pull_slots", "early_pull_voids", "push_paced_s", "joins", "leaves", "data_dealt", "data_returned", "data_remaining")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     UPDATES_APPLIED_FIELD_NUMBER: _ClassVar[int]
@@ -425,6 +453,11 @@ class StatsReply(_message.Message):
     EARLY_PULL_SLOTS_FIELD_NUMBER: _ClassVar[int]
     EARLY_PULL_VOIDS_FIELD_NUMBER: _ClassVar[int]
     PUSH_PACED_S_FIELD_NUMBER: _ClassVar[int]
+    JOINS_FIELD_NUMBER: _ClassVar[int]
+    LEAVES_FIELD_NUMBER: _ClassVar[int]
+    DATA_DEALT_FIELD_NUMBER: _ClassVar[int]
+    DATA_RETURNED_FIELD_NUMBER: _ClassVar[int]
+    DATA_REMAINING_FIELD_NUMBER: _ClassVar[int]
     version: int
     rounds: int
     updates_applied: int
@@ -452,7 +485,12 @@ class StatsReply(_message.Message):
     early_pull_slots: int
     early_pull_voids: int
     push_paced_s: float
-    def __init__(self, version: _Optional[int] = ..., rounds: _Optional[int] = ..., updates_applied: _Optional[int] = ..., skipped_rounds: _Optional[int] = ..., dropped_nonfinite: _Optional[int] = ..., live_workers: _Optional[int] = ..., loss_scale: _Optional[float] = ..., worker_clocks: _Optional[_Iterable[int]] = ..., max_clock_gap: _Optional[int] = ..., staleness_histogram: _Optional[_Iterable[int]] = ..., master_bytes: _Optional[int] = ..., state_digest: _Optional[str] = ..., incarnation: _Optional[int] = ..., restores: _Optional[int] = ..., restored_step: _Optional[int] = ..., lease_expirations: _Optional[int] = ..., rejoins: _Optional[int] = ..., checkpoints_written: _Optional[int] = ..., last_checkpoint_step: _Optional[int] = ..., live_worker_ids: _Optional[_Iterable[int]] = ..., draining: _Optional[bool] = ..., chunks_applied_early: _Optional[int] = ..., chunk_undos: _Optional[int] = ..., update_params_per_s: _Optional[float] = ..., early_pull_slots: _Optional[int] = ..., early_pull_voids: _Optional[int] = ..., push_paced_s: _Optional[float] = ...) -> None: ...
+    joins: int
+    leaves: int
+    data_dealt: int
+    data_returned: int
+    data_remaining: int
+    def __init__(self, version: _Optional[int] = ..., rounds: _Optional[int] = ..., updates_applied: _Optional[int] = ..., skipped_rounds: _Optional[int] = ..., dropped_nonfinite: _Optional[int] = ..., live_workers: _Optional[int] = ..., loss_scale: _Optional[float] = ..., worker_clocks: _Optional[_Iterable[int]] = ..., max_clock_gap: _Optional[int] = ..., staleness_histogram: _Optional[_Iterable[int]] = ..., master_bytes: _Optional[int] = ..., state_digest: _Optional[str] = ..., incarnation: _Optional[int] = ..., restores: _Optional[int] = ..., restored_step: _Optional[int] = ..., lease_expirations: _Optional[int] = ..., rejoins: _Optional[int] = ..., checkpoints_written: _Optional[int] = ..., last_checkpoint_step: _Optional[int] = ..., live_worker_ids: _Optional[_Iterable[int]] = ..., draining: _Optional[bool] = ..., chunks_applied_early: _Optional[int] = ..., chunk_undos: _Optional[int] = ..., update_params_per_s: _Optional[float] = ..., early_pull_slots: _Optional[int] = ..., early_pull_voids: _Optional[int] = ..., push_paced_s: _Optional[float] = ..., joins: _Optional[int] = ..., leaves: _Optional[int] = ..., data_dealt: _Optional[int] = ..., data_returned: _Optional[int] = ..., data_remaining: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("worker",)
@@ -471,16 +509,18 @@ class HeartbeatReply(_message.Message):
     def __init__(self, live: _Optional[bool] = ..., incarnation: _Optional[int] = ..., lease_s: _Optional[float] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("worker", "clock", "query", "instance")
+    __slots__ = ("worker", "clock", "query", "instance", "joined")
     WORKER_FIELD_NUMBER: _ClassVar[int]
     CLOCK_FIELD_NUMBER: _ClassVar[int]
     QUERY_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    JOINED_FIELD_NUMBER: _ClassVar[int]
     worker: int
     clock: int
     query: bool
     instance: str
-    def __init__(self, worker: _Optional[int] = ..., clock: _Optional[int] = ..., query: _Optional[bool] = ..., instance: _Optional[str] = ...) -> None: ...
+    joined: bool
+    def __init__(self, worker: _Optional[int] = ..., clock: _Optional[int] = ..., query: _Optional[bool] = ..., instance: _Optional[str] = ..., joined: _Optional[bool] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
     __slots__ = ("incarnation", "clock", "version", "rounds", "live", "rejoined", "lease_s", "restored", "restores")

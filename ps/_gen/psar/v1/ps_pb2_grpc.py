@@ -79,6 +79,11 @@ class ParameterServerStub:
                 request_serializer=psar_dot_v1_dot_ps__pb2.RegisterRequest.SerializeToString,
                 response_deserializer=psar_dot_v1_dot_ps__pb2.RegisterReply.FromString,
                 _registered_method=True)
+        self.Join = channel.unary_unary(
+                '/psar.v1.ParameterServer/Join',
+                request_serializer=psar_dot_v1_dot_ps__pb2.JoinRequest.SerializeToString,
+                response_deserializer=psar_dot_v1_dot_ps__pb2.JoinReply.FromString,
+                _registered_method=True)
         self.Rollback = channel.unary_unary(
                 '/psar.v1.ParameterServer/Rollback',
                 request_serializer=psar_dot_v1_dot_ps__pb2.RollbackRequest.SerializeToString,
@@ -163,6 +168,12 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Join(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Rollback(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -240,6 +251,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Register,
                     request_deserializer=psar_dot_v1_dot_ps__pb2.RegisterRequest.FromString,
                     response_serializer=psar_dot_v1_dot_ps__pb2.RegisterReply.SerializeToString,
+            ),
+            'Join': grpc.unary_unary_rpc_method_handler(
+                    servicer.Join,
+                    request_deserializer=psar_dot_v1_dot_ps__pb2.JoinRequest.FromString,
+                    response_serializer=psar_dot_v1_dot_ps__pb2.JoinReply.SerializeToString,
             ),
             'Rollback': grpc.unary_unary_rpc_method_handler(
                     servicer.Rollback,
@@ -510,6 +526,33 @@ class ParameterServer:
             '/psar.v1.ParameterServer/Register',
             psar_dot_v1_dot_ps__pb2.RegisterRequest.SerializeToString,
             psar_dot_v1_dot_ps__pb2.RegisterReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Join(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/psar.v1.ParameterServer/Join',
+            psar_dot_v1_dot_ps__pb2.JoinRequest.SerializeToString,
+            psar_dot_v1_dot_ps__pb2.JoinReply.FromString,
             options,
             channel_credentials,
             insecure,

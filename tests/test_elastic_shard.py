@@ -1,0 +1,230 @@
+"""An elastic job on one ShardState, driven directly (no socket): Join gives ranks, a sync
+joiner enters at a round boundary, the data follows membership (rounds dealt in rank
+order, a killed or leaving worker's batches dealt again), the learning-rate rule, and the
+ledger through a checkpoint. Lease expiry runs on an injected clock."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from ps.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from ps.job import Job
+from ps.server.durability.checkpoints import CheckpointManager
+from ps.server.shard import ShardState
+from tests.ps_fixtures import (
+    assert_weights_equal,
+    grad_for,
+    init_values,
+    make_job,
+    masters,
+    mean_in_rank_order,
+    pull,
+    push,
+    reference_weights,
+)
+from tests.test_fault_shard import FakeClock
+
+
+def elastic_job(mode: str = "sync", workers: int = 2, **kw) -> Job:
+    extra = {k: kw.pop(k) for k in ("max_workers", "data_batches", "data_per_step") if k in kw}
+    extra.setdefault("max_workers", 4)
+    return dataclasses.replace(make_job(mode, num_workers=workers, **kw), **extra)
+
+
+def elastic_shard(mode: str = "sync", workers: int = 2, *, tmp=None, **kw) -> tuple:
+    clock = FakeClock()
+    manager = CheckpointManager(tmp, every=1) if tmp is not None else None
+    st = ShardState(lease_s=5.0, join_grace_s=20.0, clock=clock, checkpoints=manager)
+    job = elastic_job(mode, workers, **kw)
+    values = init_values(job)
+    st.init(job, values)
+    return st, job, values, clock
+
+
+def sync_round(st: ShardState, job: Job, workers: list[int]) -> dict:
+    """Every worker in `workers` pushes the open round; returns what each sent."""
+    r, base = st.rounds + 1, st.version
+    sent = {w: grad_for(job, w, r) for w in workers}
+    for w in workers:
+        push(st, worker=w, clock=r, base_version=base, grads=sent[w])
+    return sent
+
+
+# ---- Join ------------------------------------------------------------------------------
+
+
+def test_join_gives_the_lowest_free_rank_until_the_job_is_full() -> None:
+    st, *_ = elastic_shard("async", 2, max_workers=4)
+    assert st.members.join("a")["worker"] == 2
+    assert st.members.join("b")["worker"] == 3  # 2 is reserved for "a" until it registers
+    with pytest.raises(ResourceExhausted, match="--max-workers"):
+        st.members.join("c")
+    assert st.joins == 2
+
+
+def test_a_rank_given_but_never_registered_is_free_after_the_join_grace() -> None:
+    st, _, _, clock = elastic_shard("async", 2, max_workers=3)
+    assert st.members.join("a")["worker"] == 2
+    with pytest.raises(ResourceExhausted):
+        st.members.join("b")
+    clock.t += 21
+    assert st.members.join("b")["worker"] == 2
+
+
+def test_ranks_of_workers_that_left_are_given_before_those_of_expired_ones() -> None:
+    st, _, _, clock = elastic_shard("async", 3, max_workers=3)
+    st.members.register(1, 0, instance="one")
+    clock.t += 25  # workers 0 and 2 never came: their first term ends
+    st.members.heartbeat(1)
+    assert st.members.expire_leases() == [0, 2]
+    st.members.leave(1)
+    assert st.members.join("x")["worker"] == 1  # left (gone for good) before expired
+
+
+def test_join_is_refused_by_a_fixed_job_and_by_other_shards() -> None:
+    st = ShardState()
+    st.init(make_job("sync", num_workers=2), init_values(make_job("sync", num_workers=2)))
+    with pytest.raises(FailedPrecondition, match="--max-workers"):
+        st.members.join("x")
+    job = elastic_job("sync", 2, shard_index=1, num_shards=2)
+    st1 = ShardState()
+    st1.init(job, init_values(job))
+    with pytest.raises(FailedPrecondition, match="shard 0"):
+        st1.members.join("x")
+
+
+def test_ranks_past_max_workers_are_refused() -> None:
+    st, *_ = elastic_shard("sync", 2, max_workers=3)
+    st.members.register(2, 0)  # room for rank 2
+    with pytest.raises(InvalidArgument, match="workers 0..2"):
+        st.members.register(3, 0)
+
+
+def test_a_joiner_is_not_counted_as_a_rejoin_even_on_a_used_rank() -> None:
+    st, *_ = elastic_shard("async", 2, max_workers=2)
+    st.members.register(1, 0, instance="old")
+    st.members.leave(1)
+    w = st.members.join("new")["worker"]
+    assert w == 1
+    assert not st.members.register(w, 0, instance="new", joined=True)["rejoined"]
+    assert st.rejoins == 0 and 1 in st.live
+
+
+# ---- sync: entering at a round boundary ----------------------------------------------------
+
+
+def test_sync_joiner_enters_at_the_round_after_the_open_one() -> None:
+    st, job, *_ = elastic_shard("sync", 2, data_batches=100)
+    sync_round(st, job, [0])  # round 1 is open: worker 0 pushed
+    reply = st.members.join("j")
+    assert reply["clock"] == 1  # the rounds closed + 1: it enters round 2
+    st.members.register(reply["worker"], reply["clock"], instance="j", joined=True)
+    assert 2 not in st.live and st.joining == {2: 1}
+    sync_round(st, job, [1])  # round 1 closes without waiting for the joiner
+    assert st.rounds == 1 and st.live == {0, 1, 2}
+    # Round 2 was dealt at that boundary to its three members, in rank order.
+    assert [pull(st, w, 1)[0].batches for w in (0, 1, 2)] == [(2,), (3,), (4,)]
+
+
+def test_graceful_leave_after_its_push_counts_its_last_gradient() -> None:
+    st, job, values, _ = elastic_shard("sync", 2, data_batches=100)
+    sent = sync_round(st, job, [0, 1])
+    sent2 = sync_round(st, job, [1])
+    st.members.leave(1)  # worker 1 pushed round 2, then left
+    assert st.rounds == 1  # round 2 waits for worker 0 only
+    sent2.update(sync_round(st, job, [0]))
+    assert st.rounds == 2 and st.live == {0}
+    want = reference_weights(job, values, [mean_in_rank_order(sent), mean_in_rank_order(sent2)])
+    assert_weights_equal(masters(st), want)
+    # It left before round 2 closed: round 3 is dealt to worker 0 alone, nothing skipped.
+    assert pull(st, 0, 2)[0].batches == (4,)
+    assert st.leaves == 1 and st.ledger.given_back == 0
+
+
+def test_a_killed_workers_batch_is_dealt_again_in_rank_order() -> None:
+    st, job, _, clock = elastic_shard("sync", 3, data_batches=100, data_per_step=2)
+    # Round 1: ids 0-5 dealt in rank order; worker 1 dies before pushing.
+    assert [pull(st, w, 0)[0].batches for w in (0, 1, 2)] == [(0, 1), (2, 3), (4, 5)]
+    sync_round(st, job, [0, 2])
+    clock.t += 25
+    st.members.heartbeat(0), st.members.heartbeat(2)
+    assert st.members.expire_leases() == [1]
+    assert st.rounds == 1  # the round closed with the live workers
+    # Its ids (2, 3) come back and go first, to the lowest rank of round 2.
+    assert [pull(st, w, 1)[0].batches for w in (0, 2)] == [(2, 3), (6, 7)]
+    assert st.ledger.given_back == 2 and st.stats()["data_returned"] == 2
+
+
+def test_the_data_ends_and_workers_are_told() -> None:
+    st, job, *_ = elastic_shard("sync", 2, data_batches=3)
+    assert [pull(st, w, 0)[0].batches for w in (0, 1)] == [(0,), (1,)]
+    sync_round(st, job, [0, 1])
+    heads = [pull(st, w, 1)[0] for w in (0, 1)]
+    assert [(h.batches, h.data_done) for h in heads] == [((2,), False), ((), True)]
+    assert heads[0].live_workers == 2
+
+
+def test_sync_lr_scales_with_the_workers_in_the_round() -> None:
+    st, job, values, _ = elastic_shard("sync", 2)
+    st.members.leave(1)
+    sent = sync_round(st, job, [0])  # one worker of the two the lr was set for
+    half = dataclasses.replace(job.optimizer, lr=0.5 * job.optimizer.lr)
+    half = dataclasses.replace(job, optimizer=half)
+    assert_weights_equal(masters(st), reference_weights(half, values, [sent[0]]))
+
+
+def test_local_mode_does_not_scale_its_outer_step() -> None:
+    st, job, values, _ = elastic_shard("local", 2)
+    st.members.leave(1)
+    sent = sync_round(st, job, [0])
+    assert_weights_equal(masters(st), reference_weights(job, values, [sent[0]]))
+
+
+def test_elastic_sync_refuses_per_chunk_rounds() -> None:
+    job = elastic_job("sync", 2)
+    with pytest.raises(InvalidArgument, match="--chunk-rounds"):
+        ShardState(chunk_rounds=True).init(job, init_values(job))
+
+
+# ---- async / ssp --------------------------------------------------------------------------
+
+
+def test_ssp_joiner_enters_as_the_slowest_live_worker() -> None:
+    st, job, *_ = elastic_shard("ssp", 2, staleness=1)
+    for c in (1, 2, 3):
+        push(st, worker=0, clock=c, base_version=st.version, grads=grad_for(job, 0, c))
+    for c in (1, 2):
+        push(st, worker=1, clock=c, base_version=st.version, grads=grad_for(job, 1, c))
+    reply = st.members.join("j")
+    assert reply["clock"] == 2
+    st.members.register(reply["worker"], reply["clock"], instance="j", joined=True)
+    assert st.clocks[2] == 2 and 2 in st.live
+    pull(st, 0, 3, timeout=1)  # worker 0 is one ahead of the slowest: it does not wait
+
+
+def test_async_deal_follows_the_order_workers_ask_and_a_rejoin_keeps_its_deal() -> None:
+    st, job, _, clock = elastic_shard("async", 2, data_batches=50)
+    assert pull(st, 1, 0)[0].batches == (0,)
+    assert pull(st, 0, 0)[0].batches == (1,)
+    assert pull(st, 1, 0)[0].batches == (0,)  # a retried pull: the same
+    push(st, worker=1, clock=1, base_version=st.version, grads=grad_for(job, 1, 1))
+    assert pull(st, 1, 1)[0].batches == (2,)
+    # Worker 1's process restarts inside its lease: the new one takes the same step.
+    st.members.register(1, 1, instance="restarted")
+    assert pull(st, 1, 1)[0].batches == (2,)
+
+
+# ---- checkpoints ----------------------------------------------------------------------------
+
+
+def test_the_ledger_goes_through_a_checkpoint_and_a_rollback(tmp_path) -> None:
+    st, job, *_ = elastic_shard("sync", 2, tmp=tmp_path, data_batches=40)
+    sync_round(st, job, [0, 1])
+    before = st.ledger.state()
+    sync_round(st, job, [0, 1])
+    assert st.ledger.state() != before
+    st.checkpoints.flush()
+    st.durability.rollback(1)
+    assert st.rounds == 1 and st.ledger.state() == before
