@@ -62,6 +62,7 @@ class DDPBackend:
     mode = "ddp"
     reports_staleness = False  # every rank applies the same gradient to the same weights
     per_rank_reports = False  # ranks run in lockstep: rank 0's report speaks for the job
+    deals_data = False  # each rank cuts its shard from its rank (torchrun --nnodes: restarts)
 
     @classmethod
     def rank_flags(cls, cfg: TrainConfig) -> tuple[int, int]:
@@ -329,6 +330,12 @@ class DDPBackend:
 
     def shard_stats(self) -> list[dict[str, Any]]:
         return []
+
+    def plan_data(self, total_batches: int, stream: str) -> None:
+        raise NotImplementedError("allreduce ranks cut their own data shard (deals_data)")
+
+    def next_batches(self, *, stop: bool = False) -> list[int] | None:
+        raise NotImplementedError("allreduce ranks cut their own data shard (deals_data)")
 
     def abort(self) -> None:
         """Nothing of ours waits on a step: DDP's collectives belong to torch, which the

@@ -129,6 +129,9 @@ class Job:
     data from its rank and the world size."""
     data_per_step: int = 1
     """Elastic data: batch ids per step (the worker's --grad-accum micro-batches)."""
+    data_stream: str = ""
+    """Elastic data: how the workers map a batch id to samples (workload, batch size, seed,
+    dataset size): the shards never read it, but a worker whose differs is refused."""
     traits: ModeTraits | None = field(default=None, compare=False)
     """How the serving shard's mode behaves: set on the job a shard installed (and sends
     back with GetJob), None on one a worker built. Not part of the job's identity."""

@@ -165,6 +165,7 @@ def job_to_pb(job: Job) -> pb.JobSpec:
         max_workers=job.max_workers,
         data_batches=job.data_batches,
         data_per_step=job.data_per_step,
+        data_stream=job.data_stream,
     )
 
 
@@ -200,6 +201,7 @@ def job_from_pb(spec: pb.JobSpec) -> Job:
             data_batches=spec.data_batches,
             # A spec without the field (written before it existed) reads 0: one per step.
             data_per_step=spec.data_per_step or 1,
+            data_stream=spec.data_stream,
             mode_options=dict(spec.mode_options),
             traits=traits,
         )

@@ -90,6 +90,20 @@ class Backend(Protocol):
     start_step: int
     """Steps an earlier process of this worker already did (0 for a fresh run); valid
     after setup(). The loop continues at start_step + 1 (docs/reliability.md)."""
+    deals_data: bool
+    """The job's data is dealt to this worker (an elastic PS job, docs/elastic.md): the
+    loop trains on the batch ids next_batches() gives instead of cutting its own shard
+    from its rank, and a SIGTERM makes it leave after the step in flight."""
+
+    def plan_data(self, total_batches: int, stream: str) -> None:
+        """deals_data, before setup(): the job's batch ids are 0..total_batches-1 and
+        `stream` says how the workers map an id to samples."""
+        ...
+
+    def next_batches(self, *, stop: bool = False) -> list[int] | None:
+        """deals_data, after setup() and after each step(): the batch ids of the next step;
+        None when the data is done or `stop` (the worker then has left the job)."""
+        ...
 
     def setup(self, model: torch.nn.Module) -> torch.nn.Module:
         """Take the freshly built model (same seed everywhere); return the module to train.

@@ -44,6 +44,17 @@ class PSConfig(ConnectionConfig):
     mode: str = DEFAULT_MODE
     """Consistency mode: sync | async | ssp | local (local SGD / DiLoCo: --sync-every;
     local also applies to --arch allreduce)."""
+    max_workers: int = 0
+    """An elastic job (docs/elastic.md): it starts with --world-size workers and may grow to
+    this many while it runs (workers started with --join), shrink (SIGTERM: a worker
+    leaves after its step) and survive kills; shard 0 deals the data, so every sample is
+    trained on once per epoch whatever the membership does. Give it to every worker of
+    the job. 0: a fixed job of --world-size workers."""
+    join: bool = False
+    """Join a running elastic job (started with --max-workers): shard 0 gives this worker
+    a free rank (unless --rank names one), and it enters at the next round boundary on
+    every shard. The job's size, length and schedule come from the shards; pass the
+    job's other flags as its first workers got them."""
     staleness: int = 1
     """ssp: no worker runs more than this many clocks ahead of the slowest live worker."""
     staleness_lr: bool = False
@@ -112,6 +123,8 @@ class PSConfig(ConnectionConfig):
         check_mode(self.mode)
         if self.staleness < 0:
             raise ValueError(f"--staleness must be >= 0, got {self.staleness}")
+        if self.max_workers < 0:
+            raise ValueError(f"--max-workers must be >= 0 (0: a fixed job), got {self.max_workers}")
         if self.buffers not in ("rank0", "average"):
             raise ValueError(f"--buffers: unknown {self.buffers!r}; accepted: rank0, average")
         if self.buffers == "average" and not averages_buffers(self.mode):
@@ -338,10 +351,20 @@ class TrainConfig:
                     f"{flag}: unknown {getattr(self, name)!r}; accepted: {', '.join(accepted)}"
                 )
         self._check_local()
+        if (self.ps.max_workers or self.ps.join) and self.arch != "ps":
+            raise ValueError(
+                "--max-workers and --join are for --arch ps (allreduce jobs change size "
+                "under torchrun --nnodes MIN:MAX, restarting from --checkpoint-dir)"
+            )
         check_weights_dtype(self.worker_weights, self.precision)
         for opt in self.workload_option:
             if "=" not in opt:
                 raise ValueError(f"--workload-option: expected key=value, got {opt!r}")
+
+    @property
+    def elastic(self) -> bool:
+        """An elastic PS job (--max-workers, or --join): the shards deal the data."""
+        return self.arch == "ps" and (self.ps.max_workers > 0 or self.ps.join)
 
     @property
     def local_sgd(self) -> bool:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset, TensorDataset, default_collate
 
-__all__ = ["ShardedBatches", "evaluate", "gather"]
+__all__ = ["ElasticBatches", "ShardedBatches", "evaluate", "gather"]
 
 
 class ShardedBatches:
@@ -84,6 +84,55 @@ class ShardedBatches:
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, targets) of this rank's batch for global step ``step``."""
         return gather(self.dataset, self.indices(step))
+
+
+class ElasticBatches:
+    """The batches of an elastic job (docs/elastic.md), by batch id: rank-free.
+
+    The job's data is the stream of ids 0, 1, 2, ...: id ``k`` is batch ``k % N`` of epoch
+    ``k // N``, N = ``len(dataset) // batch_size`` (the tail of fewer than ``batch_size``
+    samples is dropped, as ``DataLoader(drop_last=True)`` does). Epoch ``e`` shuffles every
+    index with ``torch.randperm`` from a generator seeded ``seed + e`` (as ShardedBatches),
+    and batch ``j`` is its slice ``[j * batch_size, (j + 1) * batch_size)``: the N batches
+    of an epoch are disjoint and cover it. Shard 0 deals the ids to whoever is in the job
+    (ps/server/membership/ledger.py), so every sample is trained on once per epoch
+    whatever the membership did.
+    """
+
+    def __init__(self, dataset: Dataset, *, batch_size: int, seed: int) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.seed = seed
+        self._len = len(dataset)  # type: ignore[arg-type]
+        if self._len < batch_size:
+            raise ValueError(
+                f"dataset has {self._len} samples, fewer than one batch of {batch_size}; "
+                "use a smaller batch size or more data"
+            )
+        self._epoch = -1
+        self._perm = torch.empty(0, dtype=torch.long)
+
+    def batches_per_epoch(self) -> int:
+        """N: whole batches in one epoch."""
+        return self._len // self.batch_size
+
+    def indices(self, batch_id: int) -> torch.Tensor:
+        """Dataset indices of batch ``batch_id``."""
+        if batch_id < 0:
+            raise ValueError(f"batch id must be >= 0, got {batch_id}")
+        epoch, j = divmod(batch_id, self.batches_per_epoch())
+        if epoch != self._epoch:
+            self._perm = torch.randperm(
+                self._len, generator=torch.Generator().manual_seed(self.seed + epoch)
+            )
+            self._epoch = epoch
+        return self._perm[j * self.batch_size : (j + 1) * self.batch_size]
+
+    def batch(self, batch_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, targets) of batch ``batch_id``."""
+        return gather(self.dataset, self.indices(batch_id))
 
 
 def gather(dataset: Dataset, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

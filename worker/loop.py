@@ -15,6 +15,8 @@ import contextlib
 import logging
 import math
 import os
+import signal
+import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -27,7 +29,7 @@ from trainkit.roles import resolve_local_rank, resolve_rank, resolve_world_size
 from trainkit.seeding import seed_process
 from worker.backend import Backend, StepOutcome
 from worker.config import TrainConfig
-from worker.data import ShardedBatches, evaluate
+from worker.data import ElasticBatches, ShardedBatches, evaluate
 from worker.precision import PrecisionPolicy, pick_device, resolve
 from worker.progress import Progress
 from worker.recorder import NullWorkerRecorder, WorkerRecorder
@@ -75,10 +77,15 @@ def make_backend(
 
 def resolve_ranks(cfg: TrainConfig, env: dict[str, str]) -> tuple[int, int, int]:
     """(rank, world_size, local_rank): the backend's flags first, then the launcher's
-    environment (torchrun, Slurm, Kubernetes; see trainkit/roles.py)."""
+    environment (torchrun, Slurm, Kubernetes; see trainkit/roles.py). A worker joining a
+    running elastic job takes its rank from --rank only, else -1: shard 0 gives it one
+    (the launcher's rank variables number its own processes, e.g. srun's SLURM_PROCID
+    starts at 0 again in a step started into a running job)."""
     flag_rank, flag_world = backend_class(cfg).rank_flags(cfg)
-    rank = resolve_rank(flag_rank, env)
     world = resolve_world_size(flag_world, env)
+    if cfg.ps.join and cfg.elastic:
+        return flag_rank, world, resolve_local_rank(env)
+    rank = resolve_rank(flag_rank, env)
     if not 0 <= rank < world:
         raise ValueError(f"--rank {rank} must be in [0, --world-size {world})")
     return rank, world, resolve_local_rank(env)
@@ -97,7 +104,8 @@ class _Run:
     precision: PrecisionPolicy
     metrics: WorkerRecorder
     workload: Workload
-    batches: ShardedBatches
+    batches: ShardedBatches | ElasticBatches
+    """Batch i: the rank's own shard's (by step), or batch id i where the shards deal them."""
     backend: Backend
 
 
@@ -110,28 +118,32 @@ class _Tally:
     samples: int = 0
     last_backward: float = 0.0
     """Seconds of the previous step's last backward (stands in for this step's)."""
+    last_step: int = 0
+    """The last step taken (an elastic job's length is the data's, not --steps)."""
 
 
 def train(cfg: TrainConfig, env: dict[str, str] | None = None) -> dict[str, Any]:
     """Run one worker's part of a job; returns the summary (also written to --report)."""
-    run = _prepare(cfg, dict(os.environ if env is None else env))
-    backend = run.backend
-    logger.info(
-        "rank %d/%d: %s (%s), %s, %d steps; setting up",
-        run.rank,
-        run.world,
-        backend.arch,
-        backend.mode,
-        cfg.workload,
-        run.total,
-    )
-    module = backend.setup(run.workload.model)
-    module.train()
-    # Dropout and other draws during training: the same in every run of this job, and
-    # the same for rank r under either architecture (trainkit/seeding.py).
-    seed_process(cfg.seed, run.rank)
-    tally, wall = _run_steps(run, module)
-    summary = _finish(run, tally, wall)
+    with _graceful_stop(cfg.elastic) as stop:
+        run = _prepare(cfg, dict(os.environ if env is None else env))
+        backend = run.backend
+        logger.info(
+            "rank %s/%d: %s (%s), %s, %d steps; setting up",
+            run.rank if run.rank >= 0 else "(given by shard 0)",
+            run.world,
+            backend.arch,
+            backend.mode,
+            cfg.workload,
+            run.total,
+        )
+        module = backend.setup(run.workload.model)
+        run.rank, run.world = backend.rank, backend.world_size  # a joiner learns them now
+        module.train()
+        # Dropout and other draws during training: the same in every run of this job, and
+        # the same for rank r under either architecture (trainkit/seeding.py).
+        seed_process(cfg.seed, run.rank)
+        tally, wall = _run_steps(run, module, stop)
+        summary = _finish(run, tally, wall, stopped=stop.requested)
     if cfg.metrics_port and cfg.metrics_linger_s:
         time.sleep(cfg.metrics_linger_s)  # a last scrape sees the final counts
     return summary
@@ -151,16 +163,19 @@ def _prepare(cfg: TrainConfig, env: dict[str, str]) -> _Run:
     metrics = _metrics(cfg, backend_class(cfg).arch, local_rank)
     # Sparse tables stay unbuilt: the backend's setup builds them (DDP) or never does (PS).
     workload = load_workload(cfg.workload, cfg.seed, cfg.workload_options(), materialize=False)
-    batches = ShardedBatches(
-        workload.train_dataset,
-        batch_size=cfg.batch_size,
-        rank=rank,
-        world_size=world,
-        seed=cfg.seed,
-    )
-    total = cfg.steps
-    if cfg.epochs:
-        total = max(1, math.ceil(cfg.epochs * batches.steps_per_epoch() / cfg.grad_accum))
+    if cfg.elastic:
+        batches, total, data = _elastic_data(cfg, workload, world)
+    else:
+        batches = ShardedBatches(
+            workload.train_dataset,
+            batch_size=cfg.batch_size,
+            rank=rank,
+            world_size=world,
+            seed=cfg.seed,
+        )
+        total = cfg.steps
+        if cfg.epochs:
+            total = max(1, math.ceil(cfg.epochs * batches.steps_per_epoch() / cfg.grad_accum))
     backend = make_backend(
         cfg,
         precision,
@@ -170,10 +185,83 @@ def _prepare(cfg: TrainConfig, env: dict[str, str]) -> _Run:
         metrics=metrics,
         find_unused_parameters=workload.find_unused_parameters,
     )
+    if backend.deals_data:
+        backend.plan_data(*data)
     return _Run(cfg, rank, world, total, device, precision, metrics, workload, batches, backend)
 
 
-def _run_steps(run: _Run, module: torch.nn.Module) -> tuple[_Tally, float]:
+def _elastic_data(
+    cfg: TrainConfig, workload: Workload, world: int
+) -> tuple[ElasticBatches, int, tuple[int, str]]:
+    """An elastic job's data (docs/elastic.md): batches by id, the steps the job takes at
+    its starting size (its schedule's length), and (batch ids, what they mean) for the
+    shards. --steps N: the ids N steps of --world-size workers train on; --epochs E: E
+    epochs' worth, every sample once per epoch."""
+    batches = ElasticBatches(workload.train_dataset, batch_size=cfg.batch_size, seed=cfg.seed)
+    if cfg.epochs:
+        ids = int(cfg.epochs * batches.batches_per_epoch())
+    else:
+        ids = cfg.steps * world * cfg.grad_accum
+    # Dealt a push's worth at a time: --grad-accum micro-batches, times H inner steps
+    # with --mode local. Whole deals only, so every step has all its micro-batches.
+    per_push = cfg.grad_accum * max(1, cfg.local.sync_every)
+    ids = max(per_push, ids // per_push * per_push)
+    total = max(1, math.ceil(ids / (world * cfg.grad_accum)))
+    options = " ".join(cfg.workload_option)
+    stream = (
+        f"{cfg.workload}{' ' + options if options else ''}: {batches.batches_per_epoch()} "
+        f"batches of {cfg.batch_size} per epoch, seed {cfg.seed}"
+    )
+    return batches, total, (ids, stream)
+
+
+class _Stop:
+    requested = False
+    """SIGTERM came: leave the job after the step in flight."""
+
+
+@contextlib.contextmanager
+def _graceful_stop(enabled: bool) -> Iterator[_Stop]:
+    """Where the shards deal the data (an elastic job), SIGTERM -- a preemption notice, a
+    scale-down, scancel -- makes the worker leave after the step in flight: its gradient
+    counts, its next batches go to the others, and it exits 0. A second SIGTERM is the
+    handler's before ours (psar train: stop now)."""
+    stop = _Stop()
+    if not enabled or threading.current_thread() is not threading.main_thread():
+        yield stop
+        return
+    before = signal.getsignal(signal.SIGTERM)
+
+    def handler(signum: int, frame: Any) -> None:
+        if stop.requested and callable(before):
+            before(signum, frame)
+            return
+        stop.requested = True
+        logger.warning("SIGTERM: leaving the job after the step in flight")
+
+    signal.signal(signal.SIGTERM, handler)
+    try:
+        yield stop
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+def _steps(run: _Run, stop: _Stop) -> Iterator[tuple[int, list[int]]]:
+    """(step, the batch indices of its micro-batches): the rank's own shard's up to the run's
+    last step, or the ids the shards deal until the data is done or a SIGTERM came."""
+    backend, accum = run.backend, run.cfg.grad_accum
+    if not backend.deals_data:
+        # A relaunched worker resumes where its checkpoint/shards say (docs/reliability.md).
+        for step in range(backend.start_step + 1, run.total + 1):
+            yield step, [(step - 1) * accum + micro for micro in range(accum)]
+        return
+    step = backend.start_step
+    while (ids := backend.next_batches(stop=stop.requested)) is not None:
+        step += 1
+        yield step, ids
+
+
+def _run_steps(run: _Run, module: torch.nn.Module, stop: _Stop) -> tuple[_Tally, float]:
     """Every step of the run; returns the tally and the wall seconds they took."""
     cfg, backend = run.cfg, run.backend
     log = StepLog(cfg.run_dir, backend, run.rank)
@@ -181,40 +269,42 @@ def _run_steps(run: _Run, module: torch.nn.Module) -> tuple[_Tally, float]:
     tally = _Tally()
     start = time.perf_counter()
     with contextlib.closing(log), _aborting(backend):
-        # A relaunched worker resumes where its checkpoint/shards say (docs/reliability.md).
-        for step in range(backend.start_step + 1, run.total + 1):
-            step_loss, phases = _forward_backward(run, module, step, tally)
+        for step, batch_ids in _steps(run, stop):
+            step_loss, phases = _forward_backward(run, module, step, batch_ids, tally)
             outcome = backend.step()
             phases.update(outcome.phases)
             tally.losses.append(step_loss)
             tally.outcomes.append(outcome)
             _observe(run, step_loss, outcome, phases)
             elapsed = time.perf_counter() - start
-            log.write(step, elapsed, step_loss, tally.samples, outcome, phases)
+            dealt = batch_ids if backend.deals_data else None
+            log.write(step, elapsed, step_loss, tally.samples, outcome, phases, dealt)
             progress.update(step, tally.samples / max(elapsed, 1e-9), step_loss, outcome)
+            tally.last_step = step
     wall = time.perf_counter() - start
     progress.close()
     return tally, wall
 
 
 def _forward_backward(
-    run: _Run, module: torch.nn.Module, step: int, tally: _Tally
+    run: _Run, module: torch.nn.Module, step: int, batch_ids: list[int], tally: _Tally
 ) -> tuple[float, Counter[str]]:
     """This step's micro-batches, forward and backward; returns (loss, phase seconds)."""
     cfg, backend, workload = run.cfg, run.backend, run.workload
     workload.model.zero_grad(set_to_none=True)
     phases: Counter[str] = Counter()
     step_loss = 0.0
-    for micro in range(cfg.grad_accum):
+    n = len(batch_ids)  # --grad-accum; an elastic job's last step may have fewer
+    for micro, index in enumerate(batch_ids):
         t0 = time.perf_counter()
-        x, y = run.batches.batch((step - 1) * cfg.grad_accum + micro)
+        x, y = run.batches.batch(index)
         x, y = x.to(run.device, non_blocking=True), y.to(run.device, non_blocking=True)
         t1 = time.perf_counter()
-        last = micro == cfg.grad_accum - 1
+        last = micro == n - 1
         with contextlib.nullcontext() if last else backend.no_sync():
             with run.precision.autocast():
                 loss = workload.loss_fn(module(x), y)
-            step_loss += loss.item() / cfg.grad_accum
+            step_loss += loss.item() / n
             if step == cfg.inject_overflow_step and run.rank == 0:
                 loss = loss * float("inf")  # testing aid: a guaranteed overflow
             t2 = time.perf_counter()
@@ -229,7 +319,7 @@ def _forward_backward(
                     time.sleep(pad)
                     phases["straggle"] = pad
                 t2 = time.perf_counter()
-            backend.scale_loss(loss / cfg.grad_accum).backward()
+            backend.scale_loss(loss / n).backward()
         t3 = time.perf_counter()
         phases["backward"] += t3 - t2
         tally.last_backward = t3 - t2
@@ -265,11 +355,14 @@ def _observe(run: _Run, step_loss: float, outcome: StepOutcome, phases: dict[str
         metrics.outer_round(outcome.round_bytes, outcome.drift)
 
 
-def _finish(run: _Run, tally: _Tally, wall: float) -> dict[str, Any]:
-    """Validate, summarise, save, leave the job and write the report."""
+def _finish(run: _Run, tally: _Tally, wall: float, *, stopped: bool = False) -> dict[str, Any]:
+    """Validate, summarise, save, leave the job and write the report. `stopped`: a SIGTERM
+    made it leave an elastic job early (no validation: it is being taken away)."""
     cfg, backend, rank, workload = run.cfg, run.backend, run.rank, run.workload
+    if backend.deals_data:
+        run.total = tally.last_step
     val_loss = None
-    if workload.val_dataset is not None and cfg.eval_batches:
+    if workload.val_dataset is not None and cfg.eval_batches and not stopped:
         mean = evaluate(
             workload.model,
             workload.val_dataset,
@@ -292,6 +385,8 @@ def _finish(run: _Run, tally: _Tally, wall: float) -> dict[str, Any]:
     summary["val_loss"] = val_loss
     summary["val_loss_unit"] = workload.val_metric if workload.val_metric != "loss" else "nats"
     summary["rank"] = rank
+    if backend.deals_data:
+        summary["stopped"] = stopped  # left on SIGTERM (else: the job's data was done)
     summary["shards"] = backend.shard_stats() if rank == 0 else []
     summary.update(backend.report_extras())
     if cfg.save and rank == 0:

@@ -112,7 +112,10 @@ class StepLog:
         samples: int,
         o: StepOutcome,
         phases: dict[str, float],
+        batches: list[int] | None = None,
     ) -> None:
+        """One step's line; `batches`: the batch ids it trained on where the shards deal
+        the data (elastic jobs, docs/elastic.md)."""
         if self.fh is None:
             return
         rec = {
@@ -130,6 +133,8 @@ class StepLog:
             "wall": time.time(),
             "phases": {k: round(v, 6) for k, v in phases.items()},
         }
+        if batches is not None:
+            rec["batches"] = batches
         self.fh.write(json.dumps(rec) + "\n")
 
     def close(self) -> None:

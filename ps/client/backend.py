@@ -120,6 +120,23 @@ class PSBackend(OverlapMixin, ResyncMixin, LocalMixin):
         self.rejoined = False
         self.traits: ModeTraits
         """How the shards' mode behaves (from GetJob, in setup)."""
+        self.deals_data = cfg.elastic
+        """An elastic job: shard 0 deals this worker's batches (docs/elastic.md)."""
+        self._data_plan: tuple[int, str] = (0, "")
+        """Elastic data, rank 0: (the job's batch ids, how ids map to samples)."""
+        self._deal: tuple[int, tuple[int, ...]] = (0, ())
+        """Elastic data: (clock, the batch ids of that push's steps), from shard 0's last
+        pull header (--mode local: the H inner steps of an outer round)."""
+        self._deal_used = 0
+        """--mode local: ids of the deal the inner steps took so far."""
+        self._join_clock = 0
+        """--join: the clock shard 0 said to register with (sync: the round after the
+        open one; async/ssp: the slowest live worker's)."""
+        self._given_rank = False
+        """--join without --rank: shard 0 gave this worker its rank."""
+        self.left_job = False
+        self.world_size_now = world_size
+        """The shards' live workers at the last pull (the job's size now)."""
 
     # ---- setup ----------------------------------------------------------------------
 
@@ -169,7 +186,7 @@ class PSBackend(OverlapMixin, ResyncMixin, LocalMixin):
         self.client.set_slots(self.slots)
         if self.sparse:
             self.sparse.setup()  # before the dense init: a served job implies its tables
-        if self.rank == 0:
+        if self.rank == 0 and not self.cfg.ps.join:
             values = {s.key: to_host(self._view(s), torch.float32) for s in self.slots}
             try:
                 self.client.init(jobs, values)
@@ -182,6 +199,8 @@ class PSBackend(OverlapMixin, ResyncMixin, LocalMixin):
                 ", ".join(f"{i}: {b / 2**20:.2f} MiB" for i, b in enumerate(per)),
             )
         got = self.client.get_jobs(wait=True, timeout_s=self.cfg.ps.pull_timeout_s)
+        if self.cfg.ps.join and got[0] is not None:
+            jobs = self._enter_running_job(jobs, got[0])
         for i, (want, have) in enumerate(zip(jobs, got, strict=True)):
             if have is None:
                 raise RuntimeError(
@@ -198,8 +217,9 @@ class PSBackend(OverlapMixin, ResyncMixin, LocalMixin):
             if have != want.served(have.traits):
                 raise RuntimeError(
                     f"shard {i} ({self.addresses[i]}) serves a different job (mode {have.mode}, "
-                    f"{have.num_workers} workers, {len(have.slots)} slots, id {have.job_id!r}); "
-                    "check --servers order, --mode, --world-size and the model on every worker"
+                    f"{have.num_workers} workers, {len(have.slots)} slots, id {have.job_id!r}"
+                    f"{elastic_note(have, want)}); check --servers order, --mode, --world-size, "
+                    "--max-workers and the model on every worker"
                 )
         io = self.io
         self._send = {s.key: io.host_buffer(s.numel, self.precision.wire) for s in self.slots}
@@ -230,10 +250,68 @@ class PSBackend(OverlapMixin, ResyncMixin, LocalMixin):
             self._setup_local()
         return model
 
+    def plan_data(self, total_batches: int, stream: str) -> None:
+        """Elastic data (Backend protocol): the job's batch ids, 0..total_batches-1, and how
+        the workers map ids to samples (`stream`: a job whose workers disagree is refused).
+        Rank 0 tells the shards with the job."""
+        self._data_plan = (total_batches, stream)
+
+    def next_batches(self, *, stop: bool = False) -> list[int] | None:
+        """Elastic data (Backend protocol): the batch ids of the next step, dealt by shard
+        0 with the last pull; None when the job's data is all dealt or `stop` (SIGTERM:
+        leave after the step just done). Either way this worker leaves the job now: a
+        sync round no longer waits for it, and what it was dealt goes to the others."""
+        clock, ids = self._deal
+        mid_round = self.local is not None and 0 < self._deal_used < len(ids)
+        if (not stop or mid_round) and clock == self.clock + 1 and self._deal_used < len(ids):
+            if self.local is None:
+                return list(ids)  # a step whose push did not go out takes them again
+            # --mode local leaves at an outer round's end: its inner steps count.
+            take = ids[self._deal_used : self._deal_used + self.cfg.grad_accum]
+            self._deal_used += len(take)
+            return list(take)
+        if not self.left_job:
+            why = "asked to stop" if stop else "the job's data is all dealt"
+            log.info("worker %d: %s; leaving the job after step %d", self.rank, why, self.clock)
+            self._leave_job()
+        return None
+
+    def _leave_job(self) -> None:
+        self._await_pull()
+        self.client.leave()
+        self.left_job = True
+
+    def _enter_running_job(self, jobs: list[Job], served: Job) -> list[Job]:
+        """--join: the job's size, length, data and schedule are the ones rank 0 chose
+        (the shards hold them); without --rank, shard 0 gives this worker a free rank."""
+        if not served.elastic:
+            raise RuntimeError(
+                f"--join: the job on the shards keeps its {served.num_workers} workers; start "
+                "it with --max-workers N (every worker) to let workers join it"
+            )
+        if self.rank < 0:
+            reply = self.client.join(self.instance)
+            self.rank, self._join_clock = reply["worker"], reply["clock"]
+            self._given_rank = True
+            log.info("worker %d: joined a job of %d live workers", self.rank, reply["live_workers"])
+        self.world_size = served.num_workers
+        keep = ("num_workers", "max_workers", "data_batches")
+        return [
+            dataclasses.replace(
+                job,
+                **{k: getattr(served, k) for k in keep},
+                optimizer=dataclasses.replace(
+                    job.optimizer, total_steps=served.optimizer.total_steps
+                ),
+            )
+            for job in jobs
+        ]
+
     def _jobs(self) -> list[Job]:
         opt = with_run_length(self.cfg.optimizer, self.total_steps)
         if self.cfg.local_sgd:  # the shards apply the outer optimizer
             opt = self._outer_config()
+        data_batches, stream = self._data_plan if self.deals_data else (0, "")
         return [
             Job(
                 mode=self.mode,
@@ -256,6 +334,10 @@ class PSBackend(OverlapMixin, ResyncMixin, LocalMixin):
                 ),
                 buffers_average=self.cfg.ps.buffers == "average",
                 int_buffers=self.int_buffers.spec() if i == 0 else (),
+                max_workers=self.cfg.ps.max_workers,
+                data_batches=data_batches,
+                data_per_step=self.cfg.grad_accum * max(1, self.cfg.local.sync_every),
+                data_stream=stream,
             )
             for i in range(len(self.addresses))
         ]
@@ -413,6 +495,11 @@ class PSBackend(OverlapMixin, ResyncMixin, LocalMixin):
         self.bytes_pulled += sum(s.numel for s in self.slots) * dtype.itemsize
         if self.int_buffers and self._headers:
             self.int_buffers.load(self._headers[0].int_buffers)  # shard 0's: rank 0's
+        if self.deals_data and self._headers:  # shard 0 deals the next push's batches
+            deal = (self.clock + 1, tuple(self._headers[0].batches))
+            if deal != self._deal:
+                self._deal, self._deal_used = deal, 0
+            self.world_size_now = self._headers[0].live_workers
         if self.traits.shard_owns_loss_scale:
             self.loss_scale = self._headers[0].loss_scale
 
@@ -457,5 +544,15 @@ class PSBackend(OverlapMixin, ResyncMixin, LocalMixin):
         self.gate.detach()
         self._push_pool.shutdown(wait=False)
         self._pull_pool.shutdown(wait=False)
-        self.client.leave()
+        if not self.left_job:
+            self.client.leave()
         self.client.close()
+
+
+def elastic_note(have: Job, want: Job) -> str:
+    """What differs in an elastic job's data, for the refusal's message."""
+    if have.data_stream != want.data_stream:
+        return f"; its data: {have.data_stream or 'cut per rank'}, this worker's: {want.data_stream or 'cut per rank'}"
+    if have.max_workers != want.max_workers:
+        return f"; --max-workers {have.max_workers} there, {want.max_workers} here"
+    return ""

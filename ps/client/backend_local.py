@@ -26,6 +26,9 @@ class LocalMixin:
     cfg: Any
     client: Any
     local: LocalSteps | None
+    deals_data: bool
+    _deal: tuple[int, tuple[int, ...]]
+    _deal_used: int
 
     def _outer_config(self) -> OptimizerConfig:
         """The optimizer the shards apply in this mode: the outer one."""
@@ -59,7 +62,7 @@ class LocalMixin:
         skipped = local.inner_step()
         self.loss_scale = local.loss_scale
         t1 = time.perf_counter()
-        if not local.due():
+        if not self._round_due(local):
             return StepOutcome(skipped, self.loss_scale, staleness=0, phases={"optimizer": t1 - t0})
         pseudo, drift, finite = local.pseudo_gradients()
         if finite:
@@ -117,6 +120,13 @@ class LocalMixin:
             round_bytes=nbytes,
             drift=drift,
         )
+
+    def _round_due(self, local: LocalSteps) -> bool:
+        """Does this inner step end an outer round? Every H steps and the run's last; in
+        an elastic job, when the round's dealt batches are all taken (H steps' worth)."""
+        if self.deals_data:
+            return self._deal_used >= len(self._deal[1])
+        return local.due()
 
     def local_report(self) -> dict[str, Any]:
         return self.local.report() if self.local is not None else {}

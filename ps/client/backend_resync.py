@@ -27,6 +27,8 @@ class ResyncMixin:
     traits: ModeTraits
     rank: int
     clock: int
+    _join_clock: int
+    _given_rank: bool
 
     @property
     def _in_rounds(self) -> bool:
@@ -65,6 +67,8 @@ class ResyncMixin:
                 clock = max([r["rounds"] for r in q] + [r["clock"] for r in q])
             else:
                 clock = max(r["clock"] for r in q) if fresh else self.clock
+            if fresh:  # --join: where shard 0 said to enter (docs/elastic.md)
+                clock = max(clock, self._join_clock)
             lost = []
             if self._in_rounds and pushed is not None and pushed == clock:
                 lost = [r["shard"] for r in q if r["clock"] < clock and r["rounds"] == clock - 1]
@@ -94,7 +98,8 @@ class ResyncMixin:
         """Register at `clock` everywhere, except on the shards in `rejoin_open`, where
         the worker joins the open round (clock - 1) to push it again."""
         if not rejoin_open:
-            return self.client.register(clock=clock, instance=self.instance)
+            joined = self._given_rank and not self.start_step and self.clock == 0
+            return self.client.register(clock=clock, instance=self.instance, joined=joined)
         rest = [i for i in range(len(self.addresses)) if i not in rejoin_open]
         got = dict(
             zip(

@@ -45,13 +45,15 @@ class MembershipCalls:
         query: bool = False,
         instance: str = "",
         shards: Sequence[int] | None = None,
+        joined: bool = False,
     ) -> list[dict[str, Any]]:
         """Register (or with query, only read the record) on every shard or `shards`.
-        Each reply's incarnation becomes the one this client's requests carry."""
+        Each reply's incarnation becomes the one this client's requests carry. joined:
+        this worker's rank came from Join (a new worker, never counted as a rejoin)."""
 
         def one(i: int) -> dict[str, Any]:
             req = pb.RegisterRequest(
-                worker=self.worker, clock=clock, query=query, instance=instance
+                worker=self.worker, clock=clock, query=query, instance=instance, joined=joined
             )
             r = self._retrying(
                 i, lambda _r: self._stubs[i].Register(req, timeout=self.cfg.timeout_s)
@@ -72,6 +74,18 @@ class MembershipCalls:
             }
 
         return self._each(one, shards)
+
+    def join(self, instance: str) -> dict[str, Any]:
+        """Elastic jobs: ask shard 0 for a free rank ({worker, live_workers, clock}: the
+        clock to register with). The client then speaks as that worker."""
+        r = self._retrying(
+            0,
+            lambda _r: self._stubs[0].Join(
+                pb.JoinRequest(instance=instance), timeout=self.cfg.timeout_s
+            ),
+        )
+        self.worker = r.worker
+        return {"worker": r.worker, "live_workers": r.live_workers, "clock": r.clock}
 
     def rollback(self, shard: int, max_round: int) -> dict[str, Any]:
         """sync: roll `shard` back to its newest checkpoint at a round <= max_round."""
@@ -167,6 +181,11 @@ class MembershipCalls:
                 "early_pull_slots": r.early_pull_slots,
                 "early_pull_voids": r.early_pull_voids,
                 "push_paced_s": r.push_paced_s,
+                "joins": r.joins,
+                "leaves": r.leaves,
+                "data_dealt": r.data_dealt,
+                "data_returned": r.data_returned,
+                "data_remaining": r.data_remaining,
             }
 
         return self._each(one)

@@ -294,8 +294,9 @@ class Membership:
             for w, (_, until) in list(d.reserved.items()):
                 if until <= now:
                     del d.reserved[w]
+            mine = [w for w, (inst, _) in d.reserved.items() if instance and inst == instance]
             held = d.live | set(d.joining) | set(d.reserved)
-            free = [w for w in range(job.capacity) if w not in held]
+            free = mine or [w for w in range(job.capacity) if w not in held]
             if not free:
                 raise ResourceExhausted(
                     f"the job holds its {job.capacity} workers (--max-workers); wait for "
@@ -307,7 +308,7 @@ class Membership:
 
             worker = min(free, key=lambda w: (age(w), w))
             d.reserved[worker] = (instance, now + d.leases.join_grace_s)
-            d.joins += 1
+            d.joins += 0 if mine else 1  # a retried Join gets the same rank
             if d.traits.rounds:
                 # The round after the open one: the open round waits for nobody new, and
                 # the joiner is dealt its data with the round's other members.
