@@ -138,6 +138,8 @@ def train(cfg: TrainConfig, env: dict[str, str] | None = None) -> dict[str, Any]
         )
         module = backend.setup(run.workload.model)
         run.rank, run.world = backend.rank, backend.world_size  # a joiner learns them now
+        if not backend.deals_data:  # an elastic PS worker records it with every pull
+            run.metrics.set_world_size(run.world)
         module.train()
         # Dropout and other draws during training: the same in every run of this job, and
         # the same for rank r under either architecture (trainkit/seeding.py).

@@ -121,6 +121,13 @@ class WorkerMetrics:
             base,
             registry=reg,
         ).labels(arch)
+        self._world_size = Gauge(
+            "psar_worker_world_size",
+            "Workers in the job as this worker sees it: the shards' live workers at its "
+            "latest pull (ps; elastic jobs change it), the process group's size (allreduce).",
+            base,
+            registry=reg,
+        ).labels(arch)
         build_info(reg, arch)
 
     def step_done(self, samples: int) -> None:
@@ -162,6 +169,9 @@ class WorkerMetrics:
         self._outer_rounds.inc()
         self._outer_round_bytes.set(nbytes)
         self._sync_drift.set(drift)
+
+    def set_world_size(self, n: int) -> None:
+        self._world_size.set(n)
 
     def exposition(self) -> bytes:
         """The registry in Prometheus text format (what a scrape returns)."""

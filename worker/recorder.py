@@ -42,6 +42,9 @@ class WorkerRecorder(Protocol):
     def outer_round(self, nbytes: int, drift: float) -> None:
         """--mode local: an outer round moved `nbytes`; the weights had drifted `drift`."""
 
+    def set_world_size(self, n: int) -> None:
+        """Workers in the job as this worker sees it now (elastic jobs change it)."""
+
 
 class NullWorkerRecorder:
     """A WorkerRecorder that records nothing: exactly the interface's methods."""
@@ -69,4 +72,7 @@ class NullWorkerRecorder:
         pass
 
     def outer_round(self, nbytes: int, drift: float) -> None:
+        pass
+
+    def set_world_size(self, n: int) -> None:
         pass

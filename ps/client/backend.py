@@ -500,6 +500,7 @@ class PSBackend(OverlapMixin, ResyncMixin, LocalMixin):
             if deal != self._deal:
                 self._deal, self._deal_used = deal, 0
             self.world_size_now = self._headers[0].live_workers
+            self.metrics.set_world_size(self.world_size_now)
         if self.traits.shard_owns_loss_scale:
             self.loss_scale = self._headers[0].loss_scale
 
