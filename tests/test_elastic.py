@@ -69,7 +69,9 @@ def steps_taken(tmp: Path) -> dict[int, list[dict]]:
     """Each rank's step log lines."""
     out = {}
     for f in sorted((tmp / "run").glob("steps-ps-rank*.jsonl")):
-        out[int(f.stem.rsplit("rank", 1)[1])] = [json.loads(x) for x in f.read_text().split("\n") if x]
+        out[int(f.stem.rsplit("rank", 1)[1])] = [
+            json.loads(x) for x in f.read_text().split("\n") if x
+        ]
     return out
 
 

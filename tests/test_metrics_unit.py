@@ -34,7 +34,9 @@ SHARD_CONTRACT = {
     **dict.fromkeys(
         "psar_ps_updates_applied psar_ps_rounds_skipped psar_ps_pushes_rejected "
         "psar_ps_pushes_accepted psar_ps_nonfinite_dropped psar_ps_bytes_received "
-        "psar_ps_bytes_sent psar_ps_params_updated psar_ps_update_seconds".split(),
+        "psar_ps_bytes_sent psar_ps_params_updated psar_ps_update_seconds "
+        "psar_ps_membership_changes psar_ps_data_batches_dealt "
+        "psar_ps_data_batches_returned".split(),
         "counter",
     ),
     **dict.fromkeys(
@@ -44,7 +46,7 @@ SHARD_CONTRACT = {
     ),
     **dict.fromkeys(
         "psar_ps_live_workers psar_ps_version psar_ps_loss_scale psar_ps_master_bytes "
-        "psar_build_info".split(),
+        "psar_ps_max_workers psar_ps_data_batches_remaining psar_build_info".split(),
         "gauge",
     ),
 }
@@ -59,7 +61,7 @@ WORKER_CONTRACT = {
     ),
     **dict.fromkeys(
         "psar_worker_loss psar_worker_loss_scale psar_build_info psar_worker_outer_round_bytes "
-        "psar_worker_sync_drift".split(),
+        "psar_worker_sync_drift psar_worker_world_size".split(),
         "gauge",
     ),
 }
@@ -186,7 +188,17 @@ def test_shard_counters_move():
     m.rpc_observed("Bogus", 0.002)
     m.barrier_wait(0.3)
     m.ssp_wait(1.5)
-    gauges = {"live_workers": 4, "version": 7, "loss_scale": 1024, "master_bytes": 4096}
+    for change in ("joined", "joined", "left", "expired"):
+        m.membership_changed(change)
+    m.data_dealt(3, remaining=17)
+    m.data_returned(2)
+    gauges = {
+        "live_workers": 4,
+        "max_workers": 6,
+        "version": 7,
+        "loss_scale": 1024,
+        "master_bytes": 4096,
+    }
     for name, v in gauges.items():
         getattr(m, f"set_{name}")(v)
     t = m.exposition()
@@ -217,6 +229,13 @@ def test_shard_counters_move():
     assert value(t, "psar_ps_barrier_wait_seconds_sum") == pytest.approx(0.3)
     assert value(t, "psar_ps_ssp_wait_seconds_count") == 1
     assert all(value(t, f"psar_ps_{name}") == v for name, v in gauges.items())
+    assert value(t, "psar_ps_membership_changes_total", change="joined") == 2
+    assert value(t, "psar_ps_membership_changes_total", change="left") == 1
+    assert value(t, "psar_ps_membership_changes_total", change="expired") == 1
+    assert value(t, "psar_ps_membership_changes_total", change="rejoining") == 0
+    assert value(t, "psar_ps_data_batches_dealt_total") == 3
+    assert value(t, "psar_ps_data_batches_remaining") == 17
+    assert value(t, "psar_ps_data_batches_returned_total") == 2
     # Unexpected label values must not have created new series (bounded cardinality).
     assert "who-knows" not in t.decode() and "Bogus" not in t.decode()
 
@@ -234,6 +253,7 @@ def test_worker_counters_move():
     m.overflow_step()
     m.observed_staleness(3)
     m.observed_staleness(None)
+    m.set_world_size(3)
     t = m.exposition()
     assert value(t, "psar_worker_samples_total", arch="ps") == 64
     assert value(t, "psar_worker_steps_total") == 2
@@ -244,6 +264,7 @@ def test_worker_counters_move():
     assert value(t, "psar_worker_loss_scale") == 65536
     assert value(t, "psar_worker_overflow_steps_total") == 1
     assert value(t, "psar_worker_observed_staleness_count") == 1
+    assert value(t, "psar_worker_world_size") == 3
     assert all(s.labels.get("arch") == "ps" for s in samples(t))
 
 
