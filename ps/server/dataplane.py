@@ -23,7 +23,8 @@ W supersedes W's push still streaming on another connection (that connection is 
 push released unapplied), so a stalled connection cannot make W's retry wait.
 
 Under TLS (`ssl_context`: the shard's --tls-cert/--tls-key, --tls-ca for mutual TLS) every
-connection is TLS from its first byte to its last (standard TLS records, the default);
+connection is TLS from its first byte to its last (standard TLS records, the default,
+through ps/tls_stream.py: the socket read and written in large chunks);
 the token is checked in the hello as before. Only with `seal_records` (psar server
 --data-sealed-records, an opt-in: docs/sealed-records.md) does a worker that asks in its
 hello (seal_share) get the rest of the connection in psar's sealed records (ps/sealed.py).
@@ -41,7 +42,7 @@ import time
 import grpc
 
 from ps import framing as fr
-from ps import sealed
+from ps import sealed, tls_stream
 from ps.server.dataplane_conn import _Connection
 from ps.server.shard import ShardState
 
@@ -233,7 +234,9 @@ class DataPlaneServer:
         if self.ssl_context is None:
             return sock
         sock.settimeout(min(self.frame_s, self.idle_s))
-        tls = self.ssl_context.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+        tls = tls_stream.wrap_socket(
+            self.ssl_context, sock, server_side=True, do_handshake_on_connect=False
+        )
         self._rehome(sock, tls)
         return tls
 
