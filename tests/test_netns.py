@@ -143,6 +143,9 @@ def test_ps_job_across_namespaces(lan3, tmp_path) -> None:
     reports = [json.loads((tmp_path / f"report-{r}.json").read_text()) for r in (0, 1)]
     assert [r["rank"] for r in reports] == [0, 1]
     assert all(r["steps"] == STEPS and r["world_size"] == 2 for r in reports)
+    # The shards are on another host: --early-pull's default turned it on for the job
+    # (no shard flag), and slots came back while pushes still streamed.
+    assert sum(s["early_pull_slots"] for s in reports[0]["shards"]) > 0
     print(f"netns PS job: {time.monotonic() - t0:.1f}s")
 
 

@@ -80,8 +80,9 @@ def add_flags(parser: argparse.ArgumentParser, cls: type) -> None:
             groups[section] = parser.add_argument_group(title) if title else parser
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
         kw: dict[str, Any] = {"dest": ".".join(path), "default": argparse.SUPPRESS}
-        kw["help"] = f"{doc} (default: {default!r})" if doc else f"(default: {default!r})"
-        if t is bool:
+        shown = "auto" if default is None and t == bool | None else repr(default)
+        kw["help"] = f"{doc} (default: {shown})" if doc else f"(default: {shown})"
+        if t is bool or t == bool | None:  # None: auto, decided where it is used
             kw["action"] = argparse.BooleanOptionalAction
         elif typing.get_origin(t) is list:
             kw["action"] = "append"

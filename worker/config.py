@@ -17,6 +17,7 @@ from trainkit.choices import (
     SPARSE_OPTIMIZERS,
     averages_buffers,
     check_mode,
+    chunk_rounds,
     local_sgd,
 )
 from trainkit.connection import ConnectionConfig
@@ -83,12 +84,15 @@ class PSConfig(ConnectionConfig):
     being pulled. Off: only the push overlaps (backward); step() waits for the whole pull.
     Where workers and shards share few cores the pulling thread takes its core from
     forward; --overlap-trial finds out (docs/results.md, step throughput)."""
-    early_pull: bool = False
-    """Sync: ask for each step's pull while its push is still streaming, so a slot comes
-    back as soon as the shards have applied it (shards with --chunk-rounds, over the data
-    plane); the link carries the pull while the rest of the push goes out. Same bits as
-    without. Where a shard cannot stream early it answers once the push is in
-    (docs/architectures.md, "Early pulls")."""
+    early_pull: bool | None = None
+    """Sync: every worker asks for each step's pull while its push still streams, so a
+    slot comes back as soon as the shards have applied it (they apply the job's rounds
+    slot by slot), over the data plane; the link carries the pull while the rest of the
+    push goes out. Same bits as without. A property of the job: rank 0 decides it and
+    carries it to every shard with Init, the other workers follow what the shards serve
+    (no shard flag has to agree). Default (auto): on where some shard is on another host
+    and the data plane may be used, off on one host, where it only costs CPU
+    (docs/architectures.md, "Early pulls"). --early-pull / --no-early-pull force it."""
     overlap_trial: int = 30
     """--overlap: after 5 warm-up steps, this many steps try push+pull overlap (if
     --pull-overlap), push only, and neither, in blocks of consecutive steps, twice over;
@@ -114,6 +118,12 @@ class PSConfig(ConnectionConfig):
             raise ValueError(f"--staleness must be >= 0, got {self.staleness}")
         if self.buffers not in ("rank0", "average"):
             raise ValueError(f"--buffers: unknown {self.buffers!r}; accepted: rank0, average")
+        if self.early_pull and not chunk_rounds(self.mode):
+            raise ValueError(
+                f"--early-pull with --mode {self.mode}: early pulls stream the slots of a "
+                "round as they are applied, which only modes in rounds of every worker's "
+                "push have (--mode sync); drop --early-pull"
+            )
         if self.buffers == "average" and not averages_buffers(self.mode):
             raise ValueError(
                 f"--buffers average needs --mode sync (a round to average over), not {self.mode}"

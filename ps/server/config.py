@@ -76,13 +76,13 @@ class ServerConfig:
     auth_token_file: str = ""
     """Refuse calls without `authorization: Bearer <the token in this file>`."""
     chunk_rounds: bool = False
-    """sync: apply the optimizer to each slot as soon as every worker's piece of it is in,
-    while later slots still arrive (undone if the round is skipped or a push refused;
-    ps/server/modes/sync_chunks.py). Bit-identical results either way. Off by default: the undo copy
-    of each slot's master and optimizer state costs about what the early update hides
-    (measured in docs/architectures.md)."""
+    """Not needed any more: per-chunk rounds (sync: each slot stepped as soon as every
+    worker's piece of it is in, undone if the round is skipped; same bits) are a property
+    of the job, which rank 0's Init carries (workers with --early-pull ask for them). With
+    this flag the shard applies them to every sync job, also one that does not ask
+    (workers from before jobs carried them)."""
     push_lead_mib: float = 2.0
-    """With --chunk-rounds, on the data plane: read a worker's push at most this many MiB
+    """Per-chunk rounds, on the data plane: read a worker's push at most this many MiB
     ahead of the slowest push of the same round still streaming; the rest waits in TCP's
     buffers, so workers sharing a shard host's NIC keep in step and every slot's round
     closes as early as it can (TCP alone lets one push run far ahead and the pulls pile up
