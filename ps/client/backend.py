@@ -191,13 +191,14 @@ class PSBackend(OverlapMixin, ResyncMixin, LocalMixin):
                 "bytes per shard: %s",
                 ", ".join(f"{i}: {b / 2**20:.2f} MiB" for i, b in enumerate(per)),
             )
-        got = self.client.get_jobs(wait=True, timeout_s=self.cfg.ps.pull_timeout_s)
+        got = self._await_jobs()
         for i, (want, have) in enumerate(zip(jobs, got, strict=True)):
             if have is None:
                 raise RuntimeError(
-                    f"shard {i} ({self.addresses[i]}) was not initialised within "
-                    f"{self.cfg.ps.pull_timeout_s}s; is the worker of rank 0 running? (a shard "
-                    "restarted without --restore stays empty: rank 0 only initialises at start)"
+                    f"worker {self.rank}: the worker of rank 0 never initialised shard {i} "
+                    f"({self.addresses[i]}) within --timeout-s {self.cfg.ps.timeout_s:g}; is "
+                    "it running, with the same --servers? (a shard restarted without "
+                    "--restore stays empty: rank 0 only initialises at start)"
                 )
             if have.traits is None:
                 raise RuntimeError(
@@ -247,6 +248,21 @@ class PSBackend(OverlapMixin, ResyncMixin, LocalMixin):
         if self.cfg.local_sgd:
             self._setup_local()
         return model
+
+    def _await_jobs(self) -> list[Job | None]:
+        """Every shard's job, once rank 0 has initialised them: waited for at most
+        --timeout-s, saying every few seconds what it waits for."""
+        bound = self.cfg.ps.timeout_s
+        shards = ", ".join(f"{i} ({a})" for i, a in enumerate(self.addresses))
+
+        def describe(seconds: float) -> str:
+            return (
+                f"worker {self.rank}: waiting {seconds:.0f} s of --timeout-s {bound:g} for "
+                f"the worker of rank 0 to initialise shard(s) {shards}"
+            )
+
+        with self.client.waits.waiting(describe):
+            return self.client.get_jobs(wait=True, timeout_s=bound)
 
     def _jobs(self) -> list[Job]:
         opt = with_run_length(self.cfg.optimizer, self.total_steps)
