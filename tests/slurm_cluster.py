@@ -148,8 +148,11 @@ class Cluster:
 
 
 def _conf(folder: Path, lan: netns.Lan, munge_socket: Path) -> str:
+    # Every slurmd sees this machine's CPUs; offering at most 2 per node lets 2 tasks share
+    # a node (WORKERS_PER_NODE=2) and never exceeds the hardware (a node would be drained).
+    cpus = max(1, min(2, os.cpu_count() or 1))
     nodes = "\n".join(
-        f"NodeName={n} NodeAddr={lan[n].addr} CPUs=1 State=UNKNOWN" for n in sorted(lan.hosts)
+        f"NodeName={n} NodeAddr={lan[n].addr} CPUs={cpus} State=UNKNOWN" for n in sorted(lan.hosts)
     )
     return f"""\
 # Written by tests/slurm_cluster.py for one test's cluster.
