@@ -39,8 +39,10 @@ def _run_server(args: argparse.Namespace) -> int:
     return serve(cfg)
 
 
-class Terminated(Exception):
-    """SIGTERM arrived while training."""
+class Terminated(BaseException):
+    """SIGTERM arrived while training. A BaseException, like KeyboardInterrupt: a request
+    to stop is no error, so `except Exception` handlers (an init failure reported to the
+    shards, logging's own error handling) let it through."""
 
 
 TERM_GRACE_S = 10.0
@@ -54,6 +56,9 @@ def _on_sigterm(code: int) -> Callable[[int, object], None]:
     sure the process is gone TERM_GRACE_S later with `code` (--sigterm-exit-code)."""
 
     def handler(signum: int, _frame: object) -> None:
+        # Once: launchers often signal twice (Slurm's scancel, then srun's own stop), and a
+        # second Terminated would cut short the cleanup the first one is running.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         threading.Thread(target=_exit_soon, args=(code,), daemon=True, name="psar-sigterm").start()
         raise Terminated(f"signal {signum}")
 
