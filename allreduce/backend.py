@@ -6,7 +6,7 @@ on CPU unless --backend says otherwise. With a low-precision wire dtype DDP regi
 the matching compression hook, so both architectures move the same bytes.
 
 With --checkpoint-dir, rank 0 writes model, optimizer, GradScaler, LR schedule and step
-every --checkpoint-every steps (atomically, ps/server/checkpoint.py) and at the end; at start
+every --checkpoint-every steps (atomically, ps/server/durability/checkpoints.py) and at the end; at start
 every rank loads the newest one and the loop resumes after its step, so a job that
 torchrun relaunches (--max-restarts) continues instead of starting over.
 """
@@ -118,7 +118,7 @@ class DDPBackend:
         self.local: LocalSteps | None = None
         """--mode local: the inner optimizer and anchor (trainkit/local_sgd.py)."""
         if cfg.local_sgd:
-            self.mode = "local"
+            self.mode = cfg.ps.mode  # --mode local
 
     def setup(self, model: torch.nn.Module) -> torch.nn.Module:
         init_process_group(self.cfg, self.device)
@@ -314,7 +314,15 @@ class DDPBackend:
         )
 
     def comm_bytes(self) -> dict[str, int]:
-        return {"bytes_allreduced": self.bytes_allreduced}
+        # A ring allreduce of M bytes over n ranks (reduce-scatter, then all-gather) sends
+        # and receives 2(n-1)/n * M on every rank: what gloo's and NCCL's rings move
+        # (tests/test_wire_bytes.py checks it against the ranks' interface counters).
+        on_wire = ring_bytes(self.bytes_allreduced, self.world_size)
+        return {
+            "bytes_allreduced": self.bytes_allreduced,
+            "bytes_sent": on_wire,
+            "bytes_received": on_wire,
+        }
 
     def state_dict(self) -> dict[str, Any]:
         return state_to_host(self.model.state_dict())  # --save: loads without a GPU
@@ -330,6 +338,13 @@ class DDPBackend:
         if self.cfg.ddp.checkpoint_dir:
             self._save()
         process_group.end_process_group()
+
+
+def ring_bytes(payload: int, world_size: int) -> int:
+    """Bytes one rank sends (and receives) to ring-allreduce `payload` bytes."""
+    if world_size < 2:
+        return 0
+    return payload * 2 * (world_size - 1) // world_size
 
 
 def _values(grad: torch.Tensor) -> torch.Tensor:

@@ -32,7 +32,7 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench import common as c
+from bench.lib import common as c
 from worker.compare import smoothed
 
 GOAL = 2.5

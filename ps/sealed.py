@@ -7,22 +7,28 @@ AES-NI) costs about 0.2 s/GB. This module keeps TLS for what TLS is for (certifi
 mutual TLS, the token in the hello, agreeing fresh keys) and then carries the
 connection's bytes in large AES-128-GCM records.
 
-How a connection gets here (ps/client/tcp_transport.py, ps/server/dataplane_conn.py):
+How a connection gets here (ps/client/tcp_transport.py, ps/server/doors/dataplane_conn.py):
 
 1. TLS handshake, as before (the same --tls-cert/--tls-key/--tls-ca as gRPC).
 2. Inside TLS the worker's hello carries 32 random bytes (`seal_share`); the shard's OK
    carries 32 of its own. Nobody else sees them (TLS), and both are fresh per connection.
 3. Both ends close TLS (close_notify each way: `SSLSocket.unwrap`) and go on on the same
-   TCP connection with `SealedSocket`: keys = HKDF-SHA256(worker share || shard share),
-   one key per direction.
+   TCP connection with `SealedSocket`: one AES-128 key per direction, from HKDF-SHA256
+   (the `cryptography` package's) over worker share || shard share.
+
+An opt-in of the shard (psar server --data-sealed-records); standard TLS records are the
+default. What this protects and what it does not: docs/sealed-records.md.
 
 A record is ``<u32 little-endian plaintext length L>`` then L + 16 bytes: AES-128-GCM of
 the plaintext with the length as associated data and the nonce = the record's number in
 that direction (64-bit counter, never reused under a key; keys are never reused across
 connections). So a record that was altered, dropped, replayed, reordered or cut short
-fails to open (SealError, an OSError: the connection is dropped as any broken one is);
-a connection cut between records ends mid-frame or between frames exactly as plain TCP
-does (the frames above carry their own lengths).
+fails to open (SealError, an OSError: the connection is dropped as any broken one is).
+L = 0 is the close record (its tag alone, over nothing): a sender's authenticated end of
+its stream, as TLS's close_notify. A stream that ends without it (a cut, even at a
+record boundary) is a SealError, never a clean end. Every REKEY_RECORDS records a
+direction's key is replaced by one derived from it (HKDF), so no key seals more than
+16 GiB.
 
 `SealedSocket` is a socket.socket (same fd), so select(), settimeout(), shutdown() and
 the unbound socket.socket calls the framing uses keep working; it overrides the byte
@@ -32,8 +38,6 @@ its bytes come, up to MAX_RECORD_BYTES.
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import os
 import socket
 import struct
@@ -52,7 +56,12 @@ _LEN = struct.Struct("<I")
 _FIRST_BUFFER_BYTES = 64 << 10
 _RECORD_EXTRA = 4 + TAG_BYTES
 _MAX_BUFFER_BYTES = 2 * (MAX_RECORD_BYTES + _RECORD_EXTRA)
-_SALT = b"psar data plane sealed records v1"
+_SALT = b"psar data plane sealed records v2"
+REKEY_RECORDS = 1 << 14
+"""Records sealed under one key at most (16 GiB of 1 MiB records: 2^30 AES blocks, far
+inside AES-GCM's usage limits); then both ends of that direction derive the next key."""
+_INFO_UP, _INFO_DOWN = b"psar sealed worker->shard", b"psar sealed shard->worker"
+_INFO_REKEY = b"psar sealed next key"
 
 
 class SealError(OSError):
@@ -74,21 +83,24 @@ def new_share() -> bytes:
 
 
 def derive_keys(worker_share: bytes, shard_share: bytes) -> tuple[bytes, bytes]:
-    """(worker->shard key, shard->worker key) from both ends' shares."""
+    """(worker->shard key, shard->worker key) from both ends' shares: HKDF-SHA256 (RFC
+    5869, `cryptography`'s), one derivation per direction."""
     if len(worker_share) != SHARE_BYTES or len(shard_share) != SHARE_BYTES:
         raise ValueError(f"seal shares must be {SHARE_BYTES} bytes each")
-    okm = hkdf_sha256(worker_share + shard_share, salt=_SALT, length=32)
-    return okm[:16], okm[16:]
+    ikm = worker_share + shard_share
+    return _hkdf(ikm, _SALT, _INFO_UP), _hkdf(ikm, _SALT, _INFO_DOWN)
 
 
-def hkdf_sha256(ikm: bytes, *, salt: bytes, info: bytes = b"", length: int = 32) -> bytes:
-    """RFC 5869 HKDF with SHA-256 (extract, then expand to `length` bytes)."""
-    prk = hmac.new(salt, ikm, hashlib.sha256).digest()
-    out, block = b"", b""
-    for i in range(1, -(-length // 32) + 1):
-        block = hmac.new(prk, block + info + bytes([i]), hashlib.sha256).digest()
-        out += block
-    return out[:length]
+def next_key(key: bytes) -> bytes:
+    """The key that follows `key` in its direction after REKEY_RECORDS records."""
+    return _hkdf(key, None, _INFO_REKEY)
+
+
+def _hkdf(ikm: bytes, salt: bytes | None, info: bytes) -> bytes:
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+    return HKDF(algorithm=hashes.SHA256(), length=16, salt=salt, info=info).derive(ikm)
 
 
 def _nonce(counter: int) -> bytes:
@@ -116,8 +128,13 @@ class SealedSocket(socket.socket):
         self._user_timeout: float | None = None
         self._os_timeout: float | None = None
         self.settimeout(timeout)
+        self._aead = AESGCM
+        self._send_key, self._recv_key = send_key, recv_key
         self._seal, self._open = AESGCM(send_key), AESGCM(recv_key)
         self._send_ctr = self._recv_ctr = 0
+        self.rekey_records = REKEY_RECORDS
+        """Records per key in each direction (both ends must agree; tests lower it)."""
+        self._close_sent = self._close_received = False
         # Records waiting for one write: sized by what is sent (a connection that only
         # sends frame headers never holds two whole records).
         self._out = bytearray(0)
@@ -173,6 +190,7 @@ class SealedSocket(socket.socket):
                     _LEN.pack_into(out, used, n)
                     head = bytes(out[used : used + _LEN.size])
                     end = used + _LEN.size + n + TAG_BYTES
+                    self._seal_send_key()
                     self._seal.encrypt_into(
                         _nonce(self._send_ctr), chunk, head, out[used + _LEN.size : end]
                     )
@@ -189,6 +207,41 @@ class SealedSocket(socket.socket):
         self.sendall(data)
         return len(data)
 
+    def send_close(self) -> None:
+        """Send the close record (once): the authenticated end of this direction, which
+        the peer needs to read our stream's end as clean rather than as a cut."""
+        if self._close_sent:
+            return
+        self._close_sent = True
+        head = _LEN.pack(0)
+        self._seal_send_key()
+        tag = self._seal.encrypt(_nonce(self._send_ctr), b"", head)
+        self._send_ctr += 1
+        deadline = self._deadline()
+        try:
+            self._wait_until(deadline)
+            super().sendall(head + tag)
+        finally:
+            self._os(self._user_timeout)
+
+    def close(self) -> None:
+        """Close, ending our stream with its close record first where the connection
+        still takes it (best effort, 1 s at most: a close never blocks on the peer)."""
+        if self.fileno() >= 0 and not self._close_sent:
+            try:
+                self.settimeout(min(1.0, self._user_timeout or 1.0))
+                self.send_close()
+            except OSError:
+                pass
+        super().close()
+
+    def _seal_send_key(self) -> None:
+        """Before sealing record number _send_ctr: move to the next key every
+        rekey_records records (the receiver does the same at the same number)."""
+        if self._send_ctr and self._send_ctr % self.rekey_records == 0:
+            self._send_key = next_key(self._send_key)
+            self._seal = self._aead(self._send_key)
+
     def sendmsg(self, *args: Any, **kw: Any) -> int:  # type: ignore[override]
         raise NotImplementedError("a sealed socket takes sendall (records, not scatter)")
 
@@ -202,18 +255,23 @@ class SealedSocket(socket.socket):
             return 0
         if self._plain_end > self._plain_at:
             return self._take(view, n)
+        if self._close_received:
+            return 0
         try:
             length = self._next_record()
+            if length is None:
+                return 0
+            if length <= n:  # straight into the caller's buffer: no second copy
+                self._open_into(view[:length], length)
+                return length
+            if len(self._plain) < length:  # grown only once a record this long has come
+                self._plain = bytearray(length)
+            self._open_into(memoryview(self._plain)[:length], length)
+        except SealError:
+            self._close_sent = True  # a broken stream is never ended as a clean one
+            raise
         finally:
             self._os(self._user_timeout)
-        if length is None:
-            return 0
-        if length <= n:  # straight into the caller's buffer: no second copy
-            self._open_into(view[:length], length)
-            return length
-        if len(self._plain) < length:  # grown only once a record this long has come
-            self._plain = bytearray(length)
-        self._open_into(memoryview(self._plain)[:length], length)
         self._plain_at, self._plain_end = 0, length
         return self._take(view, n)
 
@@ -252,17 +310,24 @@ class SealedSocket(socket.socket):
 
     def _next_record(self) -> int | None:
         """Have one whole record in _rx (resuming one a timeout interrupted); its
-        plaintext length, or None when the peer closed before a record began."""
+        plaintext length, or None once the peer's close record came (opened here)."""
         deadline = self._deadline()
         if not self._have(_LEN.size, deadline):
-            return None
-        (length,) = _LEN.unpack_from(self._rx, self._rx_at)
-        if not 0 < length <= MAX_RECORD_BYTES:
             raise SealError(
-                f"sealed record of {length} bytes (1..{MAX_RECORD_BYTES} allowed): "
+                "connection cut without the peer's close record: the stream may have been "
+                "truncated, so it is not taken as a clean end"
+            )
+        (length,) = _LEN.unpack_from(self._rx, self._rx_at)
+        if length > MAX_RECORD_BYTES:
+            raise SealError(
+                f"sealed record of {length} bytes (0..{MAX_RECORD_BYTES} allowed): "
                 "the peer does not speak sealed records, or the stream is damaged"
             )
         self._have(_LEN.size + length + TAG_BYTES, deadline)
+        if length == 0:
+            self._open_into(memoryview(bytearray(0)), 0)  # the close record: its tag only
+            self._close_received = True
+            return None
         return length
 
     def _have(self, need: int, deadline: float | None) -> bool:
@@ -333,12 +398,18 @@ class SealedSocket(socket.socket):
         rx = memoryview(self._rx)
         head = bytes(rx[at : at + _LEN.size])
         sealed = rx[at + _LEN.size : at + _LEN.size + length + TAG_BYTES]
+        if self._recv_ctr and self._recv_ctr % self.rekey_records == 0:
+            self._recv_key = next_key(self._recv_key)  # as the sender did at this number
+            self._open = self._aead(self._recv_key)
         try:
-            self._open.decrypt_into(_nonce(self._recv_ctr), sealed, head, dest)
+            if length:
+                self._open.decrypt_into(_nonce(self._recv_ctr), sealed, head, dest)
+            else:
+                self._open.decrypt(_nonce(self._recv_ctr), bytes(sealed), head)
         except InvalidTag:
             raise SealError(
-                "a sealed record failed authentication (altered, replayed or out of order): "
-                "the connection is dropped"
+                "a sealed record failed authentication (altered, replayed, out of order or a "
+                "forged close record): the connection is dropped"
             ) from None
         finally:
             sealed.release()
@@ -377,5 +448,6 @@ __all__ = [
     "available",
     "derive_keys",
     "new_share",
+    "next_key",
     "seal",
 ]

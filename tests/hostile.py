@@ -123,14 +123,28 @@ class HostileShard:
         extra: tuple[str, ...] = (),
         max_message: int = MAX_MESSAGE,
         token: str = "",
+        certs: Path | None = None,
+        sealed: bool = False,
     ) -> None:
         self.tmp = tmp
         self.job = hostile_job(mode)
         self.values = init_values(self.job, seed=3)
         self.token = token
+        self.ca = str(certs / "ca.pem") if certs is not None else ""
+        """With `certs` (tests/test_security.py's fixture): a TLS shard; every data-plane
+        request then travels inside TLS, and with `sealed` in sealed records after its
+        hello (the shard's --data-sealed-records): the same bytes, the other wire."""
+        self.sealed = sealed
+        self.sealed_exchanges = 0
+        """Requests whose bytes did travel in sealed records (the shard agreed)."""
         if token:
             (tmp / "token").write_text(token)
             extra = (*extra, "--auth-token-file", str(tmp / "token"))
+        if certs is not None:
+            extra = (*extra, "--tls-cert", str(certs / "server.pem"),
+                     "--tls-key", str(certs / "server.key"))  # fmt: skip
+            if sealed:
+                extra = (*extra, "--data-sealed-records")
         self.proc = Shard(
             0, tmp, "--lease-s", "3600", "--join-grace-s", "3600",
             "--threads", str(HANDLER_THREADS),
@@ -143,7 +157,7 @@ class HostileShard:
     def start(self) -> HostileShard:
         self.proc.start()
         self.address = self.proc.address
-        self.channel = auth.make_channel(self.address, [], token=self.token)
+        self.channel = auth.make_channel(self.address, [], token=self.token, tls_ca=self.ca)
         self.stub = pb_grpc.ParameterServerStub(self.channel)
         with self.client(0, "grpc") as c:  # rank 0's init, through the worker's client
             c.get_jobs(wait=False)
@@ -192,10 +206,19 @@ class HostileShard:
 
     def client(self, worker: int, door: str) -> PSClient:
         cfg = ClientConfig(timeout_s=TIMEOUT, retry_timeout_s=TIMEOUT, data_plane=door,
-                           message_bytes=PIECE_BYTES, auth_token=self.token)  # fmt: skip
+                           message_bytes=PIECE_BYTES, auth_token=self.token,
+                           tls_ca=self.ca)  # fmt: skip
         c = PSClient([self.address], worker=worker, cfg=cfg)
         c.set_slots(self.job.slots)
         return c
+
+    def exchange(self, data: bytes) -> list[pb.DataFrame]:
+        """`exchange` over this shard's wire: plaintext, TLS, or TLS then sealed records."""
+        if not self.ca:
+            return exchange(self.data_port, data)
+        replies, sealed = secure_exchange(self.data_port, data, self.ca, self.sealed)
+        self.sealed_exchanges += sealed
+        return replies
 
     def trace(self) -> tuple:
         """Everything a request could change (Stats): digest, version, rounds, clocks."""
@@ -307,6 +330,79 @@ def exchange(port: int, data: bytes, timeout: float = TIMEOUT) -> list[pb.DataFr
                     fr.recv_payload(sock, plen, scratch)
                 replies.append(f)
     return replies
+
+
+def secure_exchange(
+    port: int, data: bytes, ca: str, sealed: bool
+) -> tuple[list[pb.DataFrame], bool]:
+    """`exchange` inside TLS. With `sealed`: when `data` opens with a hello frame, that
+    hello asks for sealed records (a share added); if the shard agrees (its OK carries
+    its share), the rest of `data` goes in sealed records and ends with the close record
+    (the sealed form of a half-close). Otherwise the bytes go as they are, inside TLS,
+    and the TCP half-close ends them. Returns the replies and whether it sealed."""
+    from ps import sealed as sl
+    from ps.client.tcp_transport import client_ssl_context
+
+    replies: list[pb.DataFrame] = []
+    scratch = fr.Scratch()
+
+    def read_all(sock: socket.socket) -> None:
+        with contextlib.suppress(OSError, fr.ConnectionClosed, fr.FramingError):
+            while True:
+                f, plen = fr.read_header(sock, max_payload_bytes=1 << 30, scratch=scratch)
+                if plen:
+                    fr.recv_payload(sock, plen, scratch)
+                replies.append(f)
+
+    raw = data_conn(port)
+    tls = client_ssl_context(ca).wrap_socket(raw, server_hostname="127.0.0.1")
+    with tls:
+        hello, rest = _leading_hello(data) if sealed else (None, data)
+        if hello is not None:
+            share = sl.new_share()
+            hello.hello.seal_share = share
+            with contextlib.suppress(OSError):
+                tls.sendall(fr.encode(hello))
+            try:
+                answer, _ = fr.read_header(tls, max_payload_bytes=0, scratch=scratch)
+            except (OSError, fr.ConnectionClosed, fr.FramingError):
+                return replies, False
+            replies.append(answer)
+            if answer.status.code != 0 or not answer.status.seal_share:
+                read_all(tls)
+                return replies, False
+            up, down = sl.derive_keys(share, bytes(answer.status.seal_share))
+            sock = sl.seal(tls, up, down)
+            with sock:
+                with contextlib.suppress(OSError):
+                    sock.sendall(rest)
+                    sock.send_close()
+                    socket.socket.shutdown(sock, socket.SHUT_WR)
+                read_all(sock)
+            return replies, True
+        with contextlib.suppress(OSError):
+            tls.sendall(rest)
+            socket.socket.shutdown(tls, socket.SHUT_WR)
+        read_all(tls)
+    return replies, False
+
+
+def _leading_hello(data: bytes) -> tuple[pb.DataFrame | None, bytes]:
+    """(the hello frame `data` opens with, the bytes after it), or (None, data)."""
+    if len(data) < fr.PREFIX.size:
+        return None, data
+    magic, hlen, plen = fr.PREFIX.unpack_from(data)
+    end = fr.PREFIX.size + hlen
+    if magic != fr.MAGIC or plen or end > len(data):
+        return None, data
+    f = pb.DataFrame()
+    try:
+        f.ParseFromString(data[fr.PREFIX.size : end])
+    except Exception:  # noqa: BLE001 - not a frame: sent as it is
+        return None, data
+    if f.WhichOneof("kind") != "hello" or f.hello.seal_share:
+        return None, data
+    return f, data[end:]
 
 
 def refusal(replies: list[pb.DataFrame]) -> grpc.StatusCode | None:

@@ -40,7 +40,7 @@ SERVER_FLAGS = ["--bind", "--threads", "--message-bytes", "--max-message-bytes",
                 "--checkpoint-keep", "--restore", "--drain-timeout-s", "--tls-cert", "--tls-key",
                 "--tls-ca", "--auth-token-file", "--data-port", "--chunk-rounds",
                 "--restore-or-fresh", "--data-idle-s", "--data-max-conns-per-peer",
-                "--data-tls-records"]  # fmt: skip
+                "--data-tls-records", "--data-sealed-records"]  # fmt: skip
 
 
 def test_flag_lists_are_frozen() -> None:

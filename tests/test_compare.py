@@ -81,6 +81,11 @@ def test_compare_end_to_end_small(tmp_path: Path, capsys) -> None:
         assert doc["runs"][name]["staleness_max"] is not None
     assert doc["runs"]["ps-sync"]["staleness_max"] == 0
     assert doc["runs"]["allreduce"]["staleness_max"] is None
+    # Bytes counted alike: at 2 workers a ring rank sends and receives the gradient once
+    # each way (2(n-1)/n = 1), as a PS worker pushes it and pulls the weights once.
+    # (tests/test_wire_bytes.py checks both against the interfaces.)
+    ring, ps = doc["runs"]["allreduce"]["bytes_per_step"], doc["runs"]["ps-sync"]["bytes_per_step"]
+    assert ring == pytest.approx(ps, rel=1e-3)
     assert (out / "compare.md").exists()
     printed = capsys.readouterr().out
     assert f"time to loss<{doc['target_loss']:.4g} (s)" in printed

@@ -1,4 +1,4 @@
-"""Early pulls (ps/server/early_pull.py): a worker's pull streams while its push still
+"""Early pulls (ps/server/pulls/early.py): a worker's pull streams while its push still
 arrives, slot by slot as the shard applies them; the header comes last and says whether
 what came early still holds. Timing changes, never results.
 
@@ -36,7 +36,7 @@ class EarlyPuller(threading.Thread):
         super().__init__(daemon=True)
         self.items: list[tuple[Any, ...]] = []
         self.error: BaseException | None = None
-        self.gen = st.pull_early(worker, clock, torch.float32, 30.0)
+        self.gen = st.pulls.pull_early(worker, clock, torch.float32, 30.0)
         self.first = next(self.gen)  # admission happens here: refusals raise now
         self.items.append(self.first)
 
@@ -72,7 +72,7 @@ class EarlyPuller(threading.Thread):
 
 
 def _served(st: ShardState, worker: int, clock: int) -> dict[str, torch.Tensor]:
-    _, pieces = st.pull(worker, clock, torch.float32, timeout=5.0)
+    _, pieces = st.pulls.pull(worker, clock, torch.float32, timeout=5.0)
     out = {k: torch.empty_like(m.detach()) for k, m in st.masters.items()}
     for key, off, data in pieces:
         piece = wire.decode(data, torch.float32)
@@ -103,8 +103,8 @@ def test_an_early_pull_sends_slots_before_the_header_and_the_same_weights() -> N
     t = p.ticket  # type: ignore[attr-defined]
     stream(st, t, g1, [k for k in reversed(g1) if k != list(g1)[-1]])
     st.policy.quiesce()
-    st.add_verdict(t, False)
-    st.finish_push(t)
+    st.intake.add_verdict(t, False)
+    st.intake.finish_push(t)
     t.release()
     p.join(30)
     assert not p.is_alive() and p.error is None
@@ -128,8 +128,8 @@ def test_an_overflow_voids_the_early_pieces_and_every_slot_follows() -> None:
     g1 = grad_for(job, 1, 1)
     p = _start_early(st, 1, 1, g1)
     t = p.ticket  # type: ignore[attr-defined]
-    st.add_verdict(t, True)  # worker 1 overflowed: the round is skipped, early slots undone
-    st.finish_push(t)
+    st.intake.add_verdict(t, True)  # worker 1 overflowed: the round is skipped, early slots undone
+    st.intake.finish_push(t)
     t.release()
     p.join(30)
     assert p.error is None
@@ -147,7 +147,7 @@ def test_an_early_pull_whose_worker_hung_up_stops_waiting() -> None:
     st = make_state(job, init_values(job), chunk_rounds=True)
     here = threading.Event()
     here.set()
-    gen = st.pull_early(1, 1, torch.float32, 60.0, alive=here.is_set)
+    gen = st.pulls.pull_early(1, 1, torch.float32, 60.0, alive=here.is_set)
     errors: list[BaseException] = []
 
     def run() -> None:
@@ -171,7 +171,7 @@ def test_an_early_pull_may_name_only_the_clock_being_pushed() -> None:
     job = make_job("sync", optimizer="sgd", num_workers=2)
     st = make_state(job, init_values(job), chunk_rounds=True)
     with pytest.raises(FailedPrecondition, match="early pull may name only"):
-        next(st.pull_early(0, 2, torch.float32, 1.0))
+        next(st.pulls.pull_early(0, 2, torch.float32, 1.0))
 
 
 def test_a_shard_without_chunk_rounds_answers_once_the_push_is_in() -> None:
@@ -181,7 +181,7 @@ def test_a_shard_without_chunk_rounds_answers_once_the_push_is_in() -> None:
     done: list[Any] = []
 
     def pull() -> None:
-        done.extend(st.pull_early(1, 1, torch.float32, 30.0))
+        done.extend(st.pulls.pull_early(1, 1, torch.float32, 30.0))
 
     th = threading.Thread(target=pull, daemon=True)
     th.start()

@@ -10,7 +10,7 @@ import signal
 import subprocess
 import sys
 
-from ps.server.checkpoint import load
+from ps.server.durability.checkpoints import load
 from tests.procs import ENV, free_port
 
 EVERY = 3

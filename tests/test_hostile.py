@@ -32,6 +32,7 @@ from ps._gen.psar.v1 import ps_pb2_grpc as pb_grpc
 from tests import hostile as h
 from tests import hostile_wire as w
 from tests.ps_fixtures import init_chunks
+from tests.test_security import certs  # noqa: F401 - the fixture
 
 SC = grpc.StatusCode
 
@@ -112,7 +113,7 @@ class Campaign:
     def data_push(self) -> None:
         frames = w.push_frames(h.valid_push(self.s, self.rng.randrange(2), self.rng), self.s.token)
         data, done = w.mutate_frames(self.m, frames)
-        replies = h.exchange(self.s.data_port, data)
+        replies = self.s.exchange(data)
         code = h.refusal(replies)
         ok = any(f.HasField("push_reply") for f in replies)
         if not ok:
@@ -130,7 +131,7 @@ class Campaign:
         )  # fmt: skip
         hello = w.hello_frame(token=self.s.token)
         data = w.encode_frames([hello, (pb.DataFrame(pull_request=req), b"")])
-        replies = h.exchange(self.s.data_port, data)
+        replies = self.s.exchange(data)
         code = h.refusal(replies)
         ok = any(f.HasField("pull_header") for f in replies)
         if not ok and code is None:
@@ -230,6 +231,18 @@ def test_hostile_smoke_both_doors(tmp_path: Path) -> None:
             sock.close()
 
 
+@pytest.mark.parametrize("wire", ["tls", "sealed"])
+def test_hostile_smoke_secured_wires(tmp_path: Path, certs: Path, wire: str) -> None:  # noqa: F811
+    """Issue #33: the same campaign against a TLS shard, every data-plane request in
+    standard TLS records (the default) or in sealed records after its hello (the opt-in
+    --data-sealed-records); the control worker's connections use the same wire."""
+    with h.hostile_shard(tmp_path, certs=certs, sealed=wire == "sealed") as s:
+        t = run_fuzz(s, f"smoke-{wire}", seed=33, n=80, weights={**GRPC_MIX, **DATA_MIX})
+        assert_clean(t)
+        assert t.refused > 20 and t.accepted > 0
+        assert (s.sealed_exchanges > 20) == (wire == "sealed"), s.sealed_exchanges
+
+
 # ---- the full campaign (slow) --------------------------------------------------------------
 
 
@@ -278,6 +291,16 @@ def _call_with_token(s: h.HostileShard, token: str, which: int, chunks: list) ->
 def test_hostile_data_plane_fuzz(tmp_path: Path) -> None:
     with h.hostile_shard(tmp_path) as s:
         assert_clean(run_fuzz(s, "data-plane-fuzz", seed=1802, n=1500, weights=DATA_MIX))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_hostile_sealed_records_fuzz(tmp_path: Path, certs: Path, mode: str) -> None:  # noqa: F811
+    """The data-plane campaign in sealed records (--data-sealed-records), async and sync."""
+    mix = DATA_MIX if mode == "async" else {"grpc_push": 2, "data_push": 8}
+    with h.hostile_shard(tmp_path, mode=mode, certs=certs, sealed=True) as s:
+        assert_clean(run_fuzz(s, f"sealed-fuzz-{mode}", seed=3303, n=500, weights=mix))
+        assert s.sealed_exchanges > 100, s.sealed_exchanges
 
 
 def _flood_data_plane(s: h.HostileShard, n: int, rng: random.Random) -> list[socket.socket]:

@@ -124,12 +124,62 @@ def test_both_directions_and_the_framing_on_top() -> None:
         assert recv_all(a, 4, 4) == b"back"
 
 
-def test_a_closed_connection_between_records_reads_as_closed() -> None:
+def test_the_close_record_is_a_clean_end_and_a_cut_is_not() -> None:
+    """Issue #33: a stream ends cleanly only with the sender's close record; a connection
+    cut at a record boundary (what an attacker on the path can do) is a SealError."""
     with pair() as (a, b):
         a.sendall(b"x")
+        a.send_close()
         socket.socket.shutdown(a, socket.SHUT_WR)
         assert b.recv(10) == b"x"
-        assert b.recv(10) == b""
+        assert b.recv(10) == b"" and b.recv(10) == b""
+    with pair() as (a, b):
+        a.sendall(b"x")
+        socket.socket.shutdown(a, socket.SHUT_WR)  # a cut right after a whole record
+        assert b.recv(10) == b"x"
+        with pytest.raises(sealed.SealError, match="without the peer's close record"):
+            b.recv(10)
+    with pair() as (a, b):  # close() sends it
+        a.sendall(b"y")
+        a.close()
+        assert b.recv(10) == b"y" and b.recv(10) == b""
+
+
+@pytest.mark.parametrize("forgery", ["bare", "replayed", "wrong key"])
+def test_a_forged_close_record_is_refused(forgery: str) -> None:
+    """A close record is authenticated like any record: an attacker cannot end a stream
+    early with one of its own, an old one, or one from another connection."""
+    recs = records_of(b"payload", KEY_A)  # [data record 0, close record 1]
+    assert len(recs) == 2 and recs[1][:4] == b"\0\0\0\0"
+    if forgery == "bare":
+        close = struct.pack("<I", 0) + bytes(sealed.TAG_BYTES)
+    elif forgery == "replayed":  # a genuine close record, numbered 1, sent as record 0
+        close = recs[1]
+    else:
+        close = records_of(b"payload", KEY_B)[1]
+    s = _feed(close + recs[0])
+    with pytest.raises(sealed.SealError, match="authentication"):
+        s.recv(100)
+    s.close()
+
+
+def test_keys_are_replaced_every_rekey_records() -> None:
+    """Both ends move to the next key (HKDF of the last) every rekey_records records, in
+    step: bytes flow across several key changes; an end that does not is refused there."""
+    with pair() as (a, b):
+        a.rekey_records = b.rekey_records = 3
+        payload = os.urandom(7 * 100)
+        for i in range(7):  # seven records: keys change before records 3 and 6
+            a.sendall(payload[100 * i : 100 * (i + 1)])
+        assert recv_all(b, len(payload), 100) == payload
+        assert a._send_key == b._recv_key == sealed.next_key(sealed.next_key(KEY_A))
+    with pair() as (a, b):
+        a.rekey_records = 3  # b keeps the default: record 3 does not open under its key
+        for _ in range(4):
+            a.sendall(b"z" * 10)
+        assert recv_all(b, 30, 10) == b"z" * 30
+        with pytest.raises(sealed.SealError):
+            b.recv(10)
 
 
 def _feed(raw: bytes) -> sealed.SealedSocket:
@@ -173,8 +223,9 @@ def test_damaged_records_are_refused_and_never_handed_up(damage: str) -> None:
 
 @pytest.mark.parametrize("length", [0, sealed.MAX_RECORD_BYTES + 1, 2**32 - 1])
 def test_a_length_out_of_range_is_refused(length: int) -> None:
+    # (0 is a close record: this one's tag is zeros, so it fails authentication.)
     s = _feed(struct.pack("<I", length) + b"\0" * 64)
-    with pytest.raises(sealed.SealError, match="sealed record of"):
+    with pytest.raises(sealed.SealError, match="sealed record"):
         s.recv(100)
     assert len(s._rx) <= 64 << 10  # nothing allocated for it
     s.close()
@@ -246,21 +297,13 @@ def test_a_trickling_peer_is_cut_at_the_record_deadline() -> None:
     b.close()
 
 
-def test_hkdf_is_rfc_5869() -> None:
-    """RFC 5869's test case 1 (SHA-256)."""
-    ikm = bytes.fromhex("0b" * 22)
-    okm = sealed.hkdf_sha256(ikm, salt=bytes(range(13)), info=bytes.fromhex("f0f1f2f3f4f5f6f7f8f9"),
-                             length=42)  # fmt: skip
-    assert okm.hex() == (
-        "3cb25f25faacd57a90434f64d0362f2a2d2d0a90cf1a5a4c5db02d56ecc4c5bf34007208d5b887185865"
-    )
-
-
 def test_keys_differ_per_direction_and_per_connection() -> None:
     w, s = sealed.new_share(), sealed.new_share()
     up, down = sealed.derive_keys(w, s)
     assert up != down and len(up) == len(down) == 16
     assert sealed.derive_keys(w, sealed.new_share())[0] != up
+    assert sealed.derive_keys(w, s) == (up, down)  # the two ends agree
+    assert sealed.next_key(up) not in (up, down) and sealed.next_key(up) == sealed.next_key(up)
     with pytest.raises(ValueError):
         sealed.derive_keys(b"short", s)
 
@@ -285,7 +328,7 @@ def test_pushes_and_pulls_are_sealed_and_give_the_same_bits(certs: Path) -> None
     job = make_job("async", num_workers=1, slots=plan_slots([("w", 300_001), ("b", 7)], 1))
     got: dict[bool, dict[str, torch.Tensor]] = {}
     for seal in (True, False):
-        with tls_shard(certs) as (_, dp, state):
+        with tls_shard(certs, data_sealed_records=True) as (_, dp, state):
             state.init(job, init_values(job))
             with DataPlaneClient("127.0.0.1", dp.port, ssl_context=tls(certs),
                                  seal_records=seal) as c:  # fmt: skip
@@ -300,9 +343,13 @@ def test_pushes_and_pulls_are_sealed_and_give_the_same_bits(certs: Path) -> None
         assert torch.equal(got[True][k], got[False][k]), k
 
 
-def test_a_shard_with_tls_records_does_not_seal(certs: Path) -> None:  # noqa: F811
+@pytest.mark.parametrize("kw", [{}, {"data_tls_records": True}], ids=["default", "tls-records"])
+def test_a_shard_keeps_tls_records_unless_it_opts_in(certs: Path, kw: dict) -> None:  # noqa: F811
+    """Secure by default (issue #33): a worker asks for sealed records (its hello carries a
+    share), but a shard without --data-sealed-records (the default, or the old
+    --data-tls-records, now an alias of the default) answers without one: TLS records."""
     job = make_job("async", num_workers=1)
-    with tls_shard(certs, data_tls_records=True) as (_, dp, state):
+    with tls_shard(certs, **kw) as (_, dp, state):
         state.init(job, init_values(job))
         with DataPlaneClient("127.0.0.1", dp.port, ssl_context=tls(certs)) as c:
             assert c.push(header(0, 1), items(grad_for(job, 0, 1)), timeout_s=10).applied
@@ -314,7 +361,7 @@ def test_a_bad_share_is_refused_and_garbage_after_the_switch_changes_nothing(
     certs: Path,  # noqa: F811
 ) -> None:
     job = make_job("async", num_workers=1)
-    with tls_shard(certs) as (_, dp, state):
+    with tls_shard(certs, data_sealed_records=True) as (_, dp, state):
         state.init(job, init_values(job))
         before = without_speculation(state.stats())
         ctx = tls(certs)
@@ -374,7 +421,7 @@ def test_damaged_sealed_pushes_change_nothing(certs: Path) -> None:  # noqa: F81
         frames.append((pb.DataFrame(piece=pb.DataPiece(key=k, offset=0)), t.numpy().tobytes()))
     frames.append((pb.DataFrame(end=pb.DataEnd()), b""))
     rng = random.Random(18)
-    with tls_shard(certs) as (_, dp, state):
+    with tls_shard(certs, data_sealed_records=True) as (_, dp, state):
         state.init(job, init_values(job))
         before = without_speculation(state.stats())
         ctx = tls(certs)
@@ -400,3 +447,13 @@ def test_damaged_sealed_pushes_change_nothing(certs: Path) -> None:  # noqa: F81
         while state.version != 1 and time.monotonic() < end:
             time.sleep(0.02)
         assert tried == 40 and state.version == 1
+
+
+def test_the_flags_say_what_they_need() -> None:
+    from ps.server.config import ServerConfig
+
+    with pytest.raises(ValueError, match="--data-sealed-records needs TLS"):
+        ServerConfig(data_sealed_records=True)
+    with pytest.raises(ValueError, match="--data-sealed-records and --data-tls-records"):
+        ServerConfig(tls_cert="c", tls_key="k", data_sealed_records=True, data_tls_records=True)
+    assert ServerConfig(data_tls_records=True).data_sealed_records is False

@@ -136,6 +136,20 @@ def _dict_loss(out: dict[str, Any], y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits, y) + 0.1 * aux.pow(2).mean()
 
 
+class Dropout(nn.Module):
+    """Dropout on in training (as every transformers model has by default): its masks come
+    from the process's global generator, which psar seeds from --seed and the rank."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(D_IN, D_H)
+        self.drop = nn.Dropout(0.25)
+        self.head = nn.Linear(D_H, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.drop(torch.relu(self.embed(x))))
+
+
 MODELS = {
     "tied": Tied,
     "functional": Functional,
@@ -144,6 +158,7 @@ MODELS = {
     "batchnorm": Norm,
     "twice": Twice,
     "dict": DictOut,
+    "dropout": Dropout,
 }
 
 

@@ -81,7 +81,7 @@ class Backend(Protocol):
 
     # ---- per instance ---------------------------------------------------------------
     mode: str
-    """'sync' | 'async' | 'ssp' | 'local' for ps; 'ddp' or 'local' for allreduce."""
+    """The consistency mode for ps (--mode); for allreduce ddp, or --mode local's."""
     rank: int
     world_size: int
     device: torch.device
@@ -109,7 +109,10 @@ class Backend(Protocol):
         ...
 
     def comm_bytes(self) -> dict[str, int]:
-        """Cumulative bytes moved: bytes_pushed/bytes_pulled (ps) or bytes_allreduced."""
+        """Cumulative bytes this worker put on the wire (`bytes_sent`) and took off it
+        (`bytes_received`), counted the same way under both architectures (payload, no
+        protocol headers); plus each architecture's own: bytes_pushed/bytes_pulled (ps),
+        bytes_allreduced (the gradient payload given to allreduce)."""
         ...
 
     def shard_stats(self) -> list[dict[str, Any]]:

@@ -22,17 +22,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from trainkit.choices import DEFAULT_MODE, LOCAL_SGD_MODES, MODES, local_sgd
 from worker import compare_repeats, report
 from worker.intervals import format_interval
 from worker.launch import LaunchSpec, add_launch_flags, auto_servers, launch
 
 RUNS: dict[str, tuple[str, str]] = {
-    "allreduce": ("allreduce", "sync"),
-    "ps-sync": ("ps", "sync"),
-    "ps-async": ("ps", "async"),
-    "ps-ssp": ("ps", "ssp"),
-    "ps-local": ("ps", "local"),
-    "allreduce-local": ("allreduce", "local"),
+    "allreduce": ("allreduce", DEFAULT_MODE),
+    **{f"ps-{m}": ("ps", m) for m in MODES},
+    **{f"allreduce-{m}": ("allreduce", m) for m in LOCAL_SGD_MODES},
 }
 DEFAULT_RUNS = ("allreduce", "ps-sync", "ps-async", "ps-ssp")
 """What --runs means when not given; the local-SGD runs (--sync-every) are asked for."""
@@ -142,7 +140,7 @@ def metrics(result: dict[str, Any], window: int) -> dict[str, Any]:
         staleness_p50=_quantile(stale, 0.5) if stale else None,
         staleness_p99=_quantile(stale, 0.99) if stale else None,
         staleness_max=stale[-1] if stale else None,
-        bytes_per_step=sum(s.bytes[-1] / len(s.step) for s in series) / len(series),
+        bytes_per_step=sum(_steady_bytes(s) for s in series) / len(series),
         skipped_steps=rank0.skipped,
         job_seconds=job_s,
         steps_rank0=len(rank0.step),
@@ -150,6 +148,14 @@ def metrics(result: dict[str, Any], window: int) -> dict[str, Any]:
         _smooth=smooth,
     )
     return row
+
+
+def _steady_bytes(s: Any) -> float:
+    """A worker's bytes per step after its first: a PS worker's first pull (before step 1)
+    and DDP's initial broadcast are start-up, not a step's traffic."""
+    if len(s.bytes) < 2:
+        return s.bytes[-1] / max(1, len(s.step))
+    return (s.bytes[-1] - s.bytes[0]) / (len(s.bytes) - 1)
 
 
 def time_to(row: dict[str, Any], target: float) -> float | None:
@@ -190,8 +196,10 @@ def table(doc: dict[str, Any]) -> str:
         f"{c['staleness']}, straggler: {strag}. Target loss {tgt:.4g} "
         f"({'given' if doc['target_given'] else '1.05 x worst final smoothed loss'}); losses "
         f"are rank 0's, mean of the last {doc['smooth_window']} steps. samples/s: all "
-        "workers' samples / job time. bytes/step: ps pushed+pulled, allreduce: gradient "
-        "payload allreduced."
+        "workers' samples / job time. bytes/step/worker: what one worker sends plus what it "
+        "receives per step, payload only, the same count for both: a PS worker pushes the "
+        "gradient once and pulls the weights once; a ring-allreduce rank sends and receives "
+        "2(n-1)/n of the gradient each way."
     )
     if doc.get("repeats", 1) > 1:
         lines.append(
@@ -272,7 +280,7 @@ def compare(args: argparse.Namespace, extra: list[str]) -> tuple[int, dict[str, 
 
 def _mode_args(arch: str, mode: str, args: argparse.Namespace) -> list[str]:
     """What a run needs beyond launch's flags: --mode local's H."""
-    return ["--sync-every", str(args.sync_every)] if mode == "local" else []
+    return ["--sync-every", str(args.sync_every)] if local_sgd(mode) else []
 
 
 def _cpus() -> int:

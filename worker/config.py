@@ -11,9 +11,17 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from trainkit.choices import OUTER_OPTIMIZERS, SPARSE_OPTIMIZERS, check_mode
+from trainkit.choices import (
+    DEFAULT_MODE,
+    OUTER_OPTIMIZERS,
+    SPARSE_OPTIMIZERS,
+    averages_buffers,
+    check_mode,
+    local_sgd,
+)
 from trainkit.connection import ConnectionConfig
 from trainkit.optim import LossScaleConfig, OptimizerConfig
+from worker.precision import check_weights_dtype
 
 ARCHS = ("ps", "allreduce")
 
@@ -33,7 +41,7 @@ class PSConfig(ConnectionConfig):
     """This worker's rank, 0..world_size-1 (default: env RANK, else 0)."""
     world_size: int = 0
     """Number of workers (default: env WORLD_SIZE, else 1)."""
-    mode: str = "sync"
+    mode: str = DEFAULT_MODE
     """Consistency mode: sync | async | ssp | local (local SGD / DiLoCo: --sync-every;
     local also applies to --arch allreduce)."""
     staleness: int = 1
@@ -47,7 +55,7 @@ class PSConfig(ConnectionConfig):
     computed it on (the shards keep them: up to one copy per worker); 0: off."""
     staleness_lr_power: float = 1.0
     """async/ssp with --staleness-lr: the shards scale lr by (1 / (1 + staleness)) ** P;
-    0.5 (lr / sqrt(1 + staleness)) came closest to sync on the LM (bench/README.md)."""
+    0.5 (lr / sqrt(1 + staleness)) came closest to sync on the LM (docs/results.md)."""
     dc_adaptive: bool = False
     """async/ssp with --delay-compensation LAMBDA0: DC-ASGD-a (Zheng et al. 2017), the
     shards use lambda = LAMBDA0 / sqrt(v) per element, v a moving mean (0.95) of g * g."""
@@ -74,7 +82,7 @@ class PSConfig(ConnectionConfig):
     """--overlap: let the next forward start while later layers are still
     being pulled. Off: only the push overlaps (backward); step() waits for the whole pull.
     Where workers and shards share few cores the pulling thread takes its core from
-    forward; --overlap-trial finds out (bench/README.md, step_throughput)."""
+    forward; --overlap-trial finds out (docs/results.md, step throughput)."""
     early_pull: bool = False
     """Sync: ask for each step's pull while its push is still streaming, so a slot comes
     back as soon as the shards have applied it (shards with --chunk-rounds, over the data
@@ -106,7 +114,7 @@ class PSConfig(ConnectionConfig):
             raise ValueError(f"--staleness must be >= 0, got {self.staleness}")
         if self.buffers not in ("rank0", "average"):
             raise ValueError(f"--buffers: unknown {self.buffers!r}; accepted: rank0, average")
-        if self.buffers == "average" and self.mode != "sync":
+        if self.buffers == "average" and not averages_buffers(self.mode):
             raise ValueError(
                 f"--buffers average needs --mode sync (a round to average over), not {self.mode}"
             )
@@ -247,13 +255,19 @@ class TrainConfig:
     grad_accum: int = 1
     """Accumulate gradients over K micro-batches per step (one push / one allreduce per step)."""
     seed: int = 0
-    """Seed for the model's initial weights and the data order (same in both architectures)."""
+    """Seed for the model's initial weights and the data order (same in both architectures);
+    once the model is built, each process's torch/random/numpy generators are seeded from
+    it and the rank, so dropout draws are the same run after run and under either --arch."""
     precision: str = "auto"
     """Compute precision: auto (fp16 on CUDA, bf16 on CPU) | fp32 | fp16 | bf16."""
     wire_dtype: str = "auto"
     """dtype of gradients on the wire: auto (as --precision) | fp32 | fp16 | bf16."""
-    worker_weights: str = "fp32"
-    """PS: dtype of the weights a worker keeps (fp16/bf16 halve memory and pull bytes)."""
+    worker_weights: str = "auto"
+    """PS: dtype of the weights a worker keeps (fp32 masters stay on the shards): auto |
+    fp32 | fp16 | bf16. fp16/bf16 halve the worker's memory and the pull's bytes. auto:
+    the compute dtype on CUDA when --precision is fp16 or bf16, else fp32. A low-precision
+    choice must match a low-precision --precision (fp16 weights under bf16 compute would
+    mix dtypes in norms and losses)."""
     device: str = "auto"
     """auto (cuda:LOCAL_RANK if CUDA is present, else cpu) | cpu | cuda."""
     threads: int = 0
@@ -322,7 +336,7 @@ class TrainConfig:
         choices = {
             "precision": ("auto", "fp32", "fp16", "bf16"),
             "wire_dtype": ("auto", "fp32", "fp16", "bf16"),
-            "worker_weights": ("fp32", "fp16", "bf16"),
+            "worker_weights": ("auto", "fp32", "fp16", "bf16"),
             "device": ("auto", "cpu", "cuda"),
         }
         for name, accepted in choices.items():
@@ -332,6 +346,7 @@ class TrainConfig:
                     f"{flag}: unknown {getattr(self, name)!r}; accepted: {', '.join(accepted)}"
                 )
         self._check_local()
+        check_weights_dtype(self.worker_weights, self.precision)
         for opt in self.workload_option:
             if "=" not in opt:
                 raise ValueError(f"--workload-option: expected key=value, got {opt!r}")
@@ -339,7 +354,7 @@ class TrainConfig:
     @property
     def local_sgd(self) -> bool:
         """--mode local: workers step on their own and synchronise every --sync-every."""
-        return self.ps.mode == "local"
+        return local_sgd(self.ps.mode)
 
     def _check_local(self) -> None:
         """--sync-every belongs to --mode local, and local mode needs fp32 worker weights
@@ -356,7 +371,7 @@ class TrainConfig:
                 "--checkpoint-dir with --mode local: DDP checkpoints do not hold the outer "
                 "optimizer and anchor weights yet; leave --checkpoint-dir out"
             )
-        if self.local_sgd and self.worker_weights != "fp32":
+        if self.local_sgd and self.worker_weights not in ("auto", "fp32"):
             raise ValueError(
                 f"--worker-weights {self.worker_weights} with --mode local: the inner "
                 "optimizer steps the worker's own weights, which must be fp32; accepted: fp32"

@@ -23,13 +23,14 @@ from typing import Any
 
 import torch
 
-from trainkit.nullmetrics import NullMetrics
 from trainkit.roles import resolve_local_rank, resolve_rank, resolve_world_size
+from trainkit.seeding import seed_process
 from worker.backend import Backend, StepOutcome
 from worker.config import TrainConfig
 from worker.data import ShardedBatches, evaluate
 from worker.precision import PrecisionPolicy, pick_device, resolve
 from worker.progress import Progress
+from worker.recorder import NullWorkerRecorder, WorkerRecorder
 from worker.records import StepLog, run_summary, write_report
 from worker.workloads import Workload, load_workload
 
@@ -57,7 +58,7 @@ def make_backend(
     rank: int,
     world_size: int,
     total_steps: int,
-    metrics: Any,
+    metrics: WorkerRecorder,
     find_unused_parameters: bool = False,
 ) -> Backend:
     """One worker's backend, built the same way whichever the architecture."""
@@ -94,7 +95,7 @@ class _Run:
     """Last step of the run (a resumed worker starts after backend.start_step)."""
     device: torch.device
     precision: PrecisionPolicy
-    metrics: Any
+    metrics: WorkerRecorder
     workload: Workload
     batches: ShardedBatches
     backend: Backend
@@ -126,6 +127,9 @@ def train(cfg: TrainConfig, env: dict[str, str] | None = None) -> dict[str, Any]
     )
     module = backend.setup(run.workload.model)
     module.train()
+    # Dropout and other draws during training: the same in every run of this job, and
+    # the same for rank r under either architecture (trainkit/seeding.py).
+    seed_process(cfg.seed, run.rank)
     tally, wall = _run_steps(run, module)
     summary = _finish(run, tally, wall)
     if cfg.metrics_port and cfg.metrics_linger_s:
@@ -139,7 +143,9 @@ def _prepare(cfg: TrainConfig, env: dict[str, str]) -> _Run:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     device = pick_device(cfg.device, local_rank)
-    precision = resolve(device, cfg.precision, cfg.wire_dtype, cfg.worker_weights)
+    # --mode local steps the worker's own weights with its inner optimizer: fp32 there.
+    weights = "fp32" if cfg.local_sgd and cfg.worker_weights == "auto" else cfg.worker_weights
+    precision = resolve(device, cfg.precision, cfg.wire_dtype, weights)
     # The metrics exist before the backend (a PS backend records its transport in them),
     # so their arch label comes from the backend's class.
     metrics = _metrics(cfg, backend_class(cfg).arch, local_rank)
@@ -308,9 +314,9 @@ def _aborting(backend: Backend) -> Iterator[None]:
         raise
 
 
-def _metrics(cfg: TrainConfig, arch: str, local_rank: int) -> Any:
+def _metrics(cfg: TrainConfig, arch: str, local_rank: int) -> WorkerRecorder:
     if not cfg.metrics_port:
-        return NullMetrics()
+        return NullWorkerRecorder()
     from worker.metrics import WorkerMetrics, serve_metrics
 
     m = WorkerMetrics(arch=arch)

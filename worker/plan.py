@@ -362,8 +362,8 @@ def render_table(result: PlanResult) -> str:
         ),
         *(
             [
-                f"  --mode local: one sync every {inp.sync_every} steps; per-step figures are a "
-                "sync's divided by H (the sync itself is not overlapped)"
+                f"  --mode local: one sync every {inp.sync_every} steps; per-step figures are "
+                "one sync divided by H (the sync itself is not overlapped)"
             ]  # fmt: skip
             if inp.sync_every > 1
             else []

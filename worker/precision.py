@@ -46,22 +46,44 @@ class PrecisionPolicy:
         return torch.autocast(device_type=self.device.type, dtype=self.compute)
 
 
+WORKER_WEIGHTS = ("auto", "fp32", "fp16", "bf16")
+_LOW = ("fp16", "bf16")
+
+
+def check_weights_dtype(worker_weights: str, precision: str) -> None:
+    """Refuse low-precision worker weights of another dtype than a low-precision compute
+    (fp16 weights under bf16 autocast: norms and losses would see mixed dtypes, which CPU
+    kernels refuse mid-step), naming both flags. `precision` may still be auto."""
+    if worker_weights in _LOW and precision in _LOW and worker_weights != precision:
+        raise ValueError(
+            f"--worker-weights {worker_weights} with --precision {precision}: a worker's "
+            f"low-precision weights must be in the compute dtype; use --worker-weights "
+            f"{precision} (or auto), or fp32"
+        )
+
+
 def resolve(
-    device: torch.device, precision: str, wire_dtype: str = "auto", worker_weights: str = "fp32"
+    device: torch.device, precision: str, wire_dtype: str = "auto", worker_weights: str = "auto"
 ) -> PrecisionPolicy:
-    """Turn the --precision / --wire-dtype / --worker-weights flags into a policy."""
+    """Turn the --precision / --wire-dtype / --worker-weights flags into a policy.
+
+    --worker-weights auto: on CUDA, the compute dtype when it is fp16 or bf16 (a worker
+    keeps only working weights; the fp32 masters are the shards'), else fp32."""
     if precision not in PRECISIONS:
         raise ValueError(f"--precision: unknown {precision!r}; accepted: {', '.join(PRECISIONS)}")
     if wire_dtype not in WIRE_DTYPES:
         raise ValueError(
             f"--wire-dtype: unknown {wire_dtype!r}; accepted: {', '.join(WIRE_DTYPES)}"
         )
-    if worker_weights not in ("fp32", "fp16", "bf16"):
+    if worker_weights not in WORKER_WEIGHTS:
         raise ValueError(
-            f"--worker-weights: unknown {worker_weights!r}; accepted: fp32, fp16, bf16"
+            f"--worker-weights: unknown {worker_weights!r}; accepted: {', '.join(WORKER_WEIGHTS)}"
         )
     if precision == "auto":
         precision = "fp16" if device.type == "cuda" else "bf16"
+    check_weights_dtype(worker_weights, precision)
+    if worker_weights == "auto":
+        worker_weights = precision if device.type == "cuda" and precision in _LOW else "fp32"
     compute = DTYPE_BY_NAME[precision]
     wire = compute if wire_dtype == "auto" else DTYPE_BY_NAME[wire_dtype]
     return PrecisionPolicy(

@@ -78,6 +78,14 @@ def run_summary(
     return summary
 
 
+def _wire_bytes(backend: Backend) -> dict[str, int]:
+    """The step log's byte counts: on and off the wire, and `bytes`, their sum (the same
+    count under both architectures: docs/metrics.md)."""
+    b = backend.comm_bytes()
+    sent, received = b.get("bytes_sent", 0), b.get("bytes_received", 0)
+    return {"bytes": sent + received, "bytes_sent": sent, "bytes_received": received}
+
+
 def write_report(path_template: str, rank: int, summary: dict[str, Any]) -> None:
     """--report: '{rank}' in the path becomes this worker's rank."""
     with open(path_template.replace("{rank}", str(rank)), "w") as fh:
@@ -113,7 +121,7 @@ class StepLog:
             "loss": loss,
             "samples": samples,
             "loss_scale": o.loss_scale,
-            "bytes": sum(self.backend.comm_bytes().values()),
+            **_wire_bytes(self.backend),
             "staleness": o.staleness,
             "skipped": o.skipped,
             "rank": self.rank,

@@ -4,7 +4,8 @@ Input contract (written by the training loop):
 
 * ``RUN_DIR/steps-<arch>-rank<R>.jsonl`` -- one JSON object per step with keys ``step``,
   ``time`` (s since the run's start), ``loss``, ``samples`` (cumulative), ``loss_scale``,
-  ``bytes`` (cumulative), ``staleness`` (int or null), ``skipped``, ``rank``, ``arch``,
+  ``bytes`` (cumulative: ``bytes_sent`` + ``bytes_received``, what this worker put on
+  and took off the wire, counted alike for both architectures), ``staleness`` (int or null), ``skipped``, ``rank``, ``arch``,
   ``mode``.
 * optional ``RUN_DIR/report-*.json`` summaries (``arch``, ``mode``, ``world_size``,
   ``samples_per_sec``, ``final_train_loss``, ``val_loss``, ``skipped_steps``,

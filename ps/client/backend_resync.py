@@ -12,26 +12,28 @@ import logging
 from typing import Any
 
 from ps.client.errors import NeedsResync
+from ps.job import ModeTraits
 
 log = logging.getLogger("psar.ps")
 _MAX_RESYNCS = 50
 
 
 class ResyncMixin:
-    """Needs: client, mode, rank, clock, versions, addresses, _send, _push_args,
+    """Needs: client, traits, rank, clock, versions, addresses, _send, _push_args,
     _known_restores, _seen_versions, restores, rolled_back_updates, resyncs, rejoined,
     instance (set by PSBackend)."""
 
     client: Any
-    mode: str
+    traits: ModeTraits
     rank: int
     clock: int
 
     @property
     def _in_rounds(self) -> bool:
-        """The shards update in rounds every worker joins (sync, and local SGD's outer
-        rounds): a restore is followed by every shard, and clocks count rounds."""
-        return self.mode in ("sync", "local")
+        """The shards update in rounds every worker joins (their mode's traits: sync, and
+        local SGD's outer rounds): a restore is followed by every shard, and clocks count
+        rounds."""
+        return self.traits.rounds
 
     def _resync(
         self, *, fresh: bool, cause: Exception | None = None, pushed: int | None = None
@@ -146,4 +148,12 @@ class ResyncMixin:
         }
 
     def comm_bytes(self) -> dict[str, int]:
-        return {"bytes_pushed": self.bytes_pushed, "bytes_pulled": self.bytes_pulled}
+        # A PS worker sends its gradient once and receives the weights once (sparse
+        # tables: the rows it pushed and pulled).
+        sparse = self.sparse.report() if getattr(self, "sparse", None) else {}
+        return {
+            "bytes_pushed": self.bytes_pushed,
+            "bytes_pulled": self.bytes_pulled,
+            "bytes_sent": self.bytes_pushed + sparse.get("sparse_bytes_pushed", 0),
+            "bytes_received": self.bytes_pulled + sparse.get("sparse_bytes_pulled", 0),
+        }

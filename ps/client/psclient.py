@@ -322,7 +322,7 @@ class PSClient(DataPlaneCalls, MembershipCalls):
         on_piece(key, offset, n) after each piece has landed in `out` (ps/client/overlap.py).
         early: the pull of `clock` asked while its push is still streaming; slots may
         land in `out` before the header, on_piece follows once they hold
-        (ps/server/early_pull.py). cutter: gets a function that cuts this pull short
+        (ps/server/pulls/early.py). cutter: gets a function that cuts this pull short
         (its calls raise), for a caller whose push failed under it."""
 
         waits = [0.0] * self.num_shards

@@ -1,4 +1,4 @@
-"""Worker side of the data plane (ps/server/dataplane.py): push and pull frames to one shard.
+"""Worker side of the data plane (ps/server/doors/dataplane.py): push and pull frames to one shard.
 
 One DataPlaneClient per shard, thread-safe: each call takes an idle pooled connection or
 opens one (hello with the token and protocol version first). It is the TCP door of the
@@ -14,9 +14,10 @@ cancel_all() -> CANCELLED; a shard's refusal -> its status code and details verb
 
 Under TLS (`ssl_context`, from client_ssl_context: the same --tls-ca, --tls-cert and
 --tls-key as the worker's gRPC channels) every connection is TLS, the shard's certificate
-checked against `server_name` (--tls-server-name, else the host); after the hello the
-connection goes on in sealed records (ps/sealed.py: AES-GCM under keys the two ends agreed
-inside TLS) when the shard agrees.
+checked against `server_name` (--tls-server-name, else the host), in standard TLS
+records. The hello offers sealed records (ps/sealed.py: AES-GCM under keys the two ends
+agree inside TLS); only a shard with the opt-in --data-sealed-records agrees
+(docs/sealed-records.md), and then the connection leaves TLS after the hello.
 """
 
 from __future__ import annotations
@@ -96,8 +97,8 @@ class DataPlaneClient(Transport):
         self.ssl_context = ssl_context
         self.server_name = server_name or self.host
         self.seal_records = seal_records
-        """Under TLS, ask the shard to carry each connection in sealed records after the
-        hello (ps/sealed.py); a shard with --data-tls-records keeps TLS records."""
+        """Under TLS, offer the shard sealed records after the hello (ps/sealed.py); only a
+        shard started with --data-sealed-records agrees, the others keep TLS records."""
         self._idle: list[_Conn] = []
         self._busy: set[_Conn] = set()
         self._lock = threading.Lock()

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 from ps import wire
 from ps.grpc_limits import DEFAULT_MAX_MESSAGE_BYTES
-from ps.server import checkpoint
-from ps.server.lease import DEFAULT_JOIN_GRACE_S, DEFAULT_LEASE_S
+from ps.server.durability import checkpoints
+from ps.server.membership.leases import DEFAULT_JOIN_GRACE_S, DEFAULT_LEASE_S
 
 #: How many shards share this host (`psar server --torch-threads auto` divides its cores).
 SHARDS_PER_HOST_ENV = "PSAR_SHARDS_PER_HOST"
@@ -25,7 +25,7 @@ class ServerConfig:
     """HOST:PORT to listen on (port 0 picks a free one; 0.0.0.0 listens on every interface)."""
     threads: int = 64
     """gRPC handler threads. A pull waiting for its round (sync barrier, SSP) holds none:
-    it parks on the server's event loop (ps/server/parking.py)."""
+    it parks on the server's event loop (ps/server/pulls/parking.py)."""
     message_bytes: int = wire.DEFAULT_MESSAGE_BYTES
     """Bytes of tensor data per streamed message (~1 MiB streams fastest here)."""
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
@@ -39,7 +39,7 @@ class ServerConfig:
     ordinal, SLURM_PROCID, else 0)."""
     torch_threads: str = "1"
     """Threads of the shard's optimizer update: N | auto | 0. N > 1: a pool of N threads
-    steps the slots, bit-identical to one (ps/server/slot_step.py); torch itself keeps one
+    steps the slots, bit-identical to one (ps/server/update/stepper.py); torch itself keeps one
     thread, the fastest for the shard's copies (1 MiB: 0.12 ms vs 0.63 ms with its default).
     auto: the cores this process may use divided by the shards on this host (env
     PSAR_SHARDS_PER_HOST, else 1), at least 1. 0: torch's default threads, no pool."""
@@ -55,7 +55,7 @@ class ServerConfig:
     (0: 100 in sync mode, or when no --checkpoint-interval is given)."""
     checkpoint_interval: float = 0.0
     """async/ssp: also checkpoint every this many seconds (0: off; sync mode uses rounds)."""
-    checkpoint_keep: int = checkpoint.DEFAULT_KEEP
+    checkpoint_keep: int = checkpoints.DEFAULT_KEEP
     """Keep this many newest checkpoints (>= 2; sync rollbacks need an older one)."""
     restore: str = ""
     """Resume from the newest checkpoint in this folder that verifies (starts fresh if it
@@ -78,7 +78,7 @@ class ServerConfig:
     chunk_rounds: bool = False
     """sync: apply the optimizer to each slot as soon as every worker's piece of it is in,
     while later slots still arrive (undone if the round is skipped or a push refused;
-    ps/server/chunk_rounds.py). Bit-identical results either way. Off by default: the undo copy
+    ps/server/modes/sync_chunks.py). Bit-identical results either way. Off by default: the undo copy
     of each slot's master and optimizer state costs about what the early update hides
     (measured in docs/architectures.md)."""
     push_lead_mib: float = 2.0
@@ -86,7 +86,7 @@ class ServerConfig:
     ahead of the slowest push of the same round still streaming; the rest waits in TCP's
     buffers, so workers sharing a shard host's NIC keep in step and every slot's round
     closes as early as it can (TCP alone lets one push run far ahead and the pulls pile up
-    at the end: ps/server/push_pacing.py). 0 turns pacing off; results are the same bits
+    at the end: ps/server/intake/pacing.py). 0 turns pacing off; results are the same bits
     either way."""
     data_port: int = 0
     """TCP port of the data plane (push and pull as plain frames next to gRPC, on the
@@ -98,9 +98,14 @@ class ServerConfig:
     connection gets min(this, 30 s) for its TLS handshake and hello, and every frame
     must arrive whole within that long of its first byte."""
     data_tls_records: bool = False
-    """Under TLS, keep the data plane in TLS records for the whole connection instead of
-    sealed records after the hello (AES-128-GCM under keys agreed inside TLS,
-    docs/dataplane.md): TLS's 16 KiB records cost ~4x the CPU per byte in Python."""
+    """Accepted for compatibility, changes nothing: standard TLS records are the data
+    plane's default under --tls-* (since issue #33); it used to turn sealed records off.
+    Refused together with --data-sealed-records."""
+    data_sealed_records: bool = False
+    """Opt-in, under --tls-cert/--tls-key: after the TLS handshake and hello, carry the
+    data plane in psar's own sealed records (AES-GCM in 1 MiB records under keys agreed
+    inside TLS) instead of TLS's 16 KiB records, for less CPU per byte. Read the threat
+    model first (docs/sealed-records.md): it is not TLS on the wire."""
     data_max_conns_per_peer: int = 256
     """Data-plane connections one peer address may hold at once; more are refused with
     RESOURCE_EXHAUSTED (a worker keeps ~2 per shard: raise it for many workers per host)."""
@@ -145,6 +150,16 @@ class ServerConfig:
             raise ValueError("TLS needs both --tls-cert and --tls-key")
         if self.tls_ca and not self.tls_cert:
             raise ValueError("--tls-ca (mutual TLS) needs --tls-cert and --tls-key")
+        if self.data_sealed_records and self.data_tls_records:
+            raise ValueError(
+                "--data-sealed-records and --data-tls-records contradict each other: give "
+                "one (standard TLS records are the default; --data-tls-records only says so)"
+            )
+        if self.data_sealed_records and not self.tls_cert:
+            raise ValueError(
+                "--data-sealed-records needs TLS (--tls-cert and --tls-key): its keys are "
+                "agreed inside the data plane's TLS handshake"
+            )
 
     @property
     def checkpoint_folder(self) -> str:
