@@ -204,3 +204,35 @@ def test_lan_helpers_shape_and_clean_up() -> None:
         assert lan["b"].run([PY, "-c", echo]).stdout.strip() == "1"
     left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert not names & {ln.split()[0] for ln in left.splitlines() if ln.strip()}
+
+
+def test_lan_hostnames_hosts_files_and_teardown_of_escaped_processes() -> None:
+    """lan(hostnames=True): each host has its name as hostname and an /etc/hosts naming
+    only itself; a process that left its process group (a daemon) is killed with the
+    namespaces, and their /etc/netns folders are removed."""
+    reason = netns.unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    with netns.lan(["alpha", "beta"], hostnames=True) as lan:
+        a = lan["alpha"]
+        assert a.run(["hostname"]).stdout.strip() == "alpha"
+        assert lan.hub.run(["hostname"]).stdout.strip() == "hub"
+        hosts = a.run(["cat", "/etc/hosts"]).stdout
+        assert f"{a.addr}\talpha" in hosts and "beta" not in hosts
+        lookup = "import socket, sys; print(socket.gethostbyname(sys.argv[1]))"
+        assert a.run([PY, "-c", lookup, "alpha"]).stdout.strip() == a.addr
+        assert a.run([PY, "-c", lookup, "beta"]).returncode != 0  # by address only
+        # A daemon: double fork, new session, so Host.kill_all does not reach it.
+        spawn = (
+            "import subprocess as s; print(s.Popen(['sleep', '300'], start_new_session=True,"
+            " stdout=s.DEVNULL, stderr=s.DEVNULL).pid)"
+        )
+        daemon = int(lan["beta"].run([PY, "-c", spawn]).stdout)
+        etc = [Path(netns.ETC_NETNS) / h.ns for h in lan.all_hosts()]
+        assert all(p.is_dir() for p in etc)
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{daemon}").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)  # killed; reaped by init
+    stat = Path(f"/proc/{daemon}/stat")
+    assert not stat.exists() or stat.read_text().split()[2] == "Z", "the daemon survived"
+    assert not any(p.exists() for p in etc)

@@ -298,6 +298,10 @@ class TrainConfig:
     """Address the /metrics endpoint binds to."""
     metrics_linger_s: float = 0.0
     """Keep /metrics up this many seconds after training, so a last scrape sees final counts."""
+    sigterm_exit_code: int = 143
+    """Exit code after SIGTERM (143 = 128 + 15, what torchrun and Kubernetes expect).
+    deploy/slurm/ps.sbatch gives 1: srun reports the highest code of a step's tasks, so the
+    workers Slurm stops after another one failed then never hide that failure's code."""
     slowdown: float = 1.0
     """Emulate a straggler: after each step's compute, sleep (slowdown - 1) x its measured
     compute time, so this worker runs that many times slower (1: off)."""
@@ -333,6 +337,10 @@ class TrainConfig:
             raise ValueError(f"--emulate-compute-ms must be >= 0, got {self.emulate_compute_ms}")
         if self.slowdown < 1.0:
             raise ValueError(f"--slowdown must be >= 1 (1 means no slowdown), got {self.slowdown}")
+        if not 0 <= self.sigterm_exit_code <= 255:
+            raise ValueError(
+                f"--sigterm-exit-code must be in [0, 255], got {self.sigterm_exit_code}"
+            )
         if not 0 <= self.metrics_port < 65536:
             raise ValueError(f"--metrics-port must be in [0, 65535], got {self.metrics_port}")
         choices = {

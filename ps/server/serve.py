@@ -9,6 +9,7 @@ a final checkpoint is written. docs/reliability.md describes all of it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -119,20 +120,27 @@ def start_server(
         interceptors.append(auth.TokenServerInterceptor(token, state.metrics))
     server = ShardServer(
         futures.ThreadPoolExecutor(max_workers=cfg.threads, thread_name_prefix="psar-shard"),
-        options=grpc_options(cfg.max_message_bytes),
+        # No SO_REUSEPORT: gRPC sets it by default, and a second shard started on a port
+        # in use (a stale one, a typo in a launch script) would then share it silently.
+        options=[*grpc_options(cfg.max_message_bytes), ("grpc.so_reuseport", 0)],
         interceptors=interceptors,
     )
     servicer = SparseServicer(state)
     servicer.executor = server.executor
     pb_grpc.add_ParameterServerServicer_to_server(servicer, server)
     health = ShardHealth(server)
-    if cfg.tls_cert:
-        creds = auth.server_credentials(cfg.tls_cert, cfg.tls_key, cfg.tls_ca)
-        port = server.add_secure_port(cfg.bind, creds)
-    else:
-        port = server.add_insecure_port(cfg.bind)
+    try:
+        if cfg.tls_cert:
+            creds = auth.server_credentials(cfg.tls_cert, cfg.tls_key, cfg.tls_ca)
+            port = server.add_secure_port(cfg.bind, creds)
+        else:
+            port = server.add_insecure_port(cfg.bind)
+    except RuntimeError:  # grpc.aio raises where the sync server returned 0
+        port = 0
     if port == 0:
-        raise OSError(f"could not bind {cfg.bind}; is the port in use?")
+        with contextlib.suppress(Exception):
+            server.stop(grace=None)
+        raise OSError(f"could not bind {cfg.bind}; is the port in use? (--bind)")
     dataplane: DataPlaneServer | None = None
     if cfg.data_port >= 0:
         # Under TLS the data plane is TLS with the same files (and the same token).
@@ -169,7 +177,10 @@ def serve(cfg: ServerConfig) -> int:
     cfg.shard = resolve_shard(cfg.shard, os.environ)
     apply_torch_threads(cfg.torch_threads)  # one torch thread unless 0 (update/stepper.py)
     metrics = _make_metrics(cfg)
-    server, port, state = start_server(cfg, metrics=metrics)
+    try:
+        server, port, state = start_server(cfg, metrics=metrics)
+    except OSError as e:  # say which shard: a job's shards share one output
+        raise OSError(f"shard {cfg.shard}: {e}") from None
     host = cfg.bind.rpartition(":")[0]
     scheme = "TLS" if cfg.tls_cert else "plaintext"
     log.info("psar shard %d listening on %s:%d (%s)", cfg.shard, host, port, scheme)
@@ -181,13 +192,14 @@ def serve(cfg: ServerConfig) -> int:
     stop = threading.Event()
 
     def _on_signal(signum: int, _frame: object) -> None:
-        log.info("signal %d: draining", signum)
+        log.info("shard %d: %s, draining", cfg.shard, signal.Signals(signum).name)
         stop.set()
 
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
     stop.wait()
     shutdown(server, state, cfg.drain_timeout_s)
+    log.info("shard %d: drained and stopped", cfg.shard)
     return 0
 
 
