@@ -64,6 +64,11 @@ class ServerConfig:
     restore_or_fresh: bool = False
     """With --restore: start an empty shard when every checkpoint of this shard is damaged,
     instead of refusing to start (workers must then be restarted: the job begins again)."""
+    init_timeout_s: float = 3600.0
+    """A shard with no job says every 30 s that it waits for the worker of rank 0's Init,
+    and exits 1 if none came within this many seconds (a job whose workers never started,
+    or a wrong --servers list); 0: wait for ever. A shard restored from a checkpoint has
+    its job already."""
     drain_timeout_s: float = 10.0
     """On SIGTERM, wait up to this long for the sync round in flight before the final
     checkpoint."""
@@ -116,6 +121,11 @@ class ServerConfig:
         if not sep or not host or not port.isdigit():
             raise ValueError(
                 f"--bind: expected HOST:PORT (e.g. 127.0.0.1:50051), got {self.bind!r}"
+            )
+        if not 0 <= self.init_timeout_s < float("inf"):
+            raise ValueError(
+                f"--init-timeout-s must be a number of seconds >= 0 (0: wait for ever), "
+                f"got {self.init_timeout_s}"
             )
         if self.threads < 2:
             raise ValueError(f"--threads must be >= 2, got {self.threads}")

@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from concurrent import futures
 from typing import Any
 
@@ -30,6 +31,7 @@ from ps.server.membership.leases import Reaper
 from ps.server.shard import ShardState
 from ps.server.update.stepper import apply_torch_threads
 from trainkit.roles import resolve_shard
+from trainkit.waiting import Waits
 
 log = logging.getLogger("psar.server")
 
@@ -197,10 +199,41 @@ def serve(cfg: ServerConfig) -> int:
 
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
-    stop.wait()
+    code = 0 if _await_job(state, cfg, stop) else 1
+    if code == 0:
+        stop.wait()
     shutdown(server, state, cfg.drain_timeout_s)
     log.info("shard %d: drained and stopped", cfg.shard)
-    return 0
+    return code
+
+
+def _await_job(state: ShardState, cfg: ServerConfig, stop: threading.Event) -> bool:
+    """Until the first Init (or a stop): a line every 30 s saying the shard waits for it.
+    False when --init-timeout-s passed without one."""
+    bound = cfg.init_timeout_s
+    waits = Waits(log, first_after_s=min(30.0, bound or 30.0), every_s=30.0)
+    limit = f"; exiting after --init-timeout-s {bound:g}" if bound else ""
+
+    def describe(seconds: float) -> str:
+        return f"shard {cfg.shard}: no job yet, waiting {seconds:.0f} s for rank 0's Init{limit}"
+
+    started = time.monotonic()
+    try:
+        with waits.waiting(describe):
+            while not state.initialized and not stop.is_set():
+                if bound and time.monotonic() - started >= bound:
+                    log.error(
+                        "shard %d: the worker of rank 0 never initialised this shard within "
+                        "--init-timeout-s %g; is rank 0 running, with this shard in its "
+                        "--servers? stopping",
+                        cfg.shard,
+                        bound,
+                    )
+                    return False
+                stop.wait(0.5)
+    finally:
+        waits.close()
+    return True
 
 
 def stop_server(server: ShardServer, grace: float | None = None) -> None:
