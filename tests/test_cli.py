@@ -12,7 +12,7 @@ import pytest
 from ps.server.config import ServerConfig
 from trainkit.optim import LossScaleConfig, OptimizerConfig
 from worker import cli
-from worker.cli_gen import field_docs, flag_names
+from worker.cli_gen import accepted_flags, field_docs, flag_names
 from worker.config import DDPConfig, PSConfig, TrainConfig
 
 # Users' scripts depend on these names: add freely, never rename or remove.
@@ -44,9 +44,51 @@ SERVER_FLAGS = ["--bind", "--threads", "--message-bytes", "--max-message-bytes",
 
 
 def test_flag_lists_are_frozen() -> None:
-    missing = set(TRAIN_FLAGS) - set(flag_names(TrainConfig))
+    missing = set(TRAIN_FLAGS) - set(accepted_flags(TrainConfig))
     assert not missing, f"train flags renamed or removed: {missing}"
-    assert not set(SERVER_FLAGS) - set(flag_names(ServerConfig))
+    assert not set(SERVER_FLAGS) - set(accepted_flags(ServerConfig))
+
+
+@pytest.mark.parametrize("cls", [TrainConfig, ServerConfig])
+def test_every_flag_is_in_exactly_one_help_group(cls: type) -> None:
+    placed = [f for flags in cls.HELP_GROUPS.values() for f in flags]
+    assert len(placed) == len(set(placed)), "a flag in two help groups"
+    assert set(placed) == set(flag_names(cls)), set(flag_names(cls)) ^ set(placed)
+
+
+# Names both commands have, each with one meaning in both (issue #34: --threads had two).
+SHARED_MEANINGS = {
+    "--torch-threads": "torch's threads of this process",
+    "--metrics-port": "this process's Prometheus endpoint",
+    "--metrics-addr": "the address it binds",
+    "--checkpoint-dir": "the folder this process writes its checkpoints to",
+    "--checkpoint-every": "how often, in steps (rounds/versions on a shard)",
+    "--tls-cert": "this process's own certificate",
+    "--tls-key": "its private key",
+    "--tls-ca": "the CA that signed the peers' certificates",
+    "--auth-token-file": "the bearer token",
+}
+
+
+def test_a_flag_name_means_one_thing_in_every_command() -> None:
+    shared = set(flag_names(TrainConfig)) & set(flag_names(ServerConfig))
+    assert shared == set(SHARED_MEANINGS), shared ^ set(SHARED_MEANINGS)
+    # The old --threads (train: torch's threads; server: gRPC handler threads) is an old
+    # name only now, on both, and says so when used.
+    assert "--threads" not in flag_names(TrainConfig) + flag_names(ServerConfig)
+
+
+def test_old_flag_names_still_work_and_say_the_new_one(capsys) -> None:  # noqa: ANN001
+    from worker.cli_parser import build_parser
+
+    ns = build_parser().parse_args(["train", "--threads", "3"])
+    assert vars(ns)["threads"] == 3
+    assert "--threads is now --torch-threads" in capsys.readouterr().err
+    ns = build_parser().parse_args(["server", "--threads", "9"])
+    assert vars(ns)["threads"] == 9
+    assert "--threads is now --rpc-threads" in capsys.readouterr().err
+    build_parser().parse_args(["server", "--rpc-threads", "9", "--torch-threads", "2"])
+    assert capsys.readouterr().err == ""
 
 
 @pytest.mark.parametrize(

@@ -105,7 +105,7 @@ def test_rank_0_whose_init_is_refused_takes_the_other_workers_down(tmp_path: Pat
     with shards(1, *small) as (addr,):
         common = [
             "train", "--arch", "ps", "--servers", addr, "--world-size", "2", "--steps", "2",
-            "--threads", "1", "--log-every", "0", "--workload-option", "hidden=256",
+            "--torch-threads", "1", "--log-every", "0", "--workload-option", "hidden=256",
             "--timeout-s", "20", "--pull-timeout-s", str(int(NEVER_S)),
             "--reconnect-timeout-s", "5",
         ]  # fmt: skip
@@ -142,7 +142,7 @@ def test_rank_1_without_rank_0_says_it_waits_and_exits_naming_rank_0(tmp_path: P
     with shards(1) as addrs:
         p = subprocess.run(
             [*PSAR, "train", "--arch", "ps", "--servers", addrs[0], "--rank", "1",
-             "--world-size", "2", "--timeout-s", "7", "--threads", "1"],
+             "--world-size", "2", "--timeout-s", "7", "--torch-threads", "1"],
             capture_output=True, text=True, env=ENV, timeout=GUARD_S,
         )  # fmt: skip
     out = p.stdout + p.stderr

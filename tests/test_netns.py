@@ -118,7 +118,7 @@ def test_ps_job_across_namespaces(lan3, tmp_path) -> None:
         log = open(tmp_path / f"{name}.log", "w")  # noqa: SIM115 - closed by the child exit
         argv = [PY, "-m", "worker.cli", "train", "--arch", "ps", "--steps", str(STEPS),
                 "--batch-size", str(BATCH), "--precision", "fp32", "--eval-batches", "0",
-                "--log-every", "0", "--threads", "1", "--metrics-port", str(METRICS),
+                "--log-every", "0", "--torch-threads", "1", "--metrics-port", str(METRICS),
                 "--metrics-addr", host.addr, "--metrics-linger-s", "8",
                 "--report", str(tmp_path / "report-{rank}.json")]  # fmt: skip
         env = _env(JOB_COMPLETION_INDEX=str(rank), PSAR_WORLD_SIZE="2", PSAR_SERVERS=servers)
@@ -169,7 +169,7 @@ def test_allreduce_job_across_namespaces(tmp_path) -> None:
                     "--rdzv-conf", f"is_host={is_host}", "--local-addr", lan[name].addr,
                     "--max-restarts", "0", "-m", "worker.cli", "train", "--arch", "allreduce",
                     "--steps", str(STEPS), "--batch-size", str(BATCH), "--precision", "fp32",
-                    "--eval-batches", "0", "--log-every", "0", "--threads", "1",
+                    "--eval-batches", "0", "--log-every", "0", "--torch-threads", "1",
                     "--report", str(tmp_path / "report-{rank}.json")]  # fmt: skip
             env = _env(GLOO_SOCKET_IFNAME="eth0")
             procs.append(lan[name].popen(argv, stdout=log, stderr=log, env=env, cwd=ROOT))

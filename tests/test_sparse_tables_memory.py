@@ -94,7 +94,7 @@ def test_a_ps_worker_never_holds_the_table(tmp_path: Path) -> None:
              "--workload", "recsys", "--workload-option", f"rows={rows},1000",
              "--workload-option", "samples=2048", "--workload-option", "val_samples=0",
              "--batch-size", "256", "--steps", "3", "--eval-batches", "0", "--log-every", "0",
-             "--run-dir", str(tmp_path), "--threads", "1"],
+             "--run-dir", str(tmp_path), "--torch-threads", "1"],
             cwd=ROOT, capture_output=True, text=True, timeout=300,
         )  # fmt: skip
     finally:

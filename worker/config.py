@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from trainkit.choices import (
     DEFAULT_MODE,
@@ -250,6 +251,39 @@ class LocalConfig:
 class TrainConfig:
     """One worker of a training job (`psar train`)."""
 
+    FLAG_NAMES: ClassVar[dict[str, str]] = {"threads": "--torch-threads"}
+    """A flag name means one thing in every psar command: --torch-threads is torch's
+    threads, as in psar server (whose gRPC handler threads are --rpc-threads)."""
+    FLAG_ALIASES: ClassVar[dict[str, tuple[str, ...]]] = {"--torch-threads": ("--threads",)}
+    HELP_GROUPS: ClassVar[dict[str, tuple[str, ...]]] = {
+        "model and data": ("--workload", "--workload-option", "--steps", "--epochs",
+                           "--batch-size", "--grad-accum", "--seed", "--eval-batches",
+                           "--device", "--torch-threads", "--save"),
+        "optimizer": ("--optimizer", "--lr", "--momentum", "--nesterov", "--weight-decay",
+                      "--beta1", "--beta2", "--eps", "--schedule", "--warmup-steps",
+                      "--total-steps", "--min-lr-ratio"),
+        "architecture": ("--arch", "--mode", "--staleness", "--sync-every",
+                         "--outer-optimizer", "--outer-lr", "--outer-momentum", "--backend",
+                         "--pg-timeout-s", "--bucket-cap-mb", "--find-unused-parameters"),
+        "ps": ("--servers", "--rank", "--world-size", "--staleness-lr",
+               "--delay-compensation", "--staleness-lr-power", "--dc-adaptive",
+               "--momentum-correction", "--chunk-mib", "--job-id", "--buffers", "--overlap",
+               "--bucket-mib", "--pull-overlap", "--early-pull", "--overlap-trial",
+               "--data-plane", "--sparse-optimizer", "--sparse-lr", "--sparse-eps",
+               "--sparse-wire-dtype"),
+        "precision": ("--precision", "--wire-dtype", "--worker-weights", "--loss-scale-enabled",
+                      "--loss-scale-init-scale", "--loss-scale-growth-factor",
+                      "--loss-scale-backoff-factor", "--loss-scale-growth-interval"),
+        "reliability": ("--timeout-s", "--pull-timeout-s", "--reconnect-timeout-s",
+                        "--checkpoint-dir", "--checkpoint-every", "--sigterm-exit-code"),
+        "security": ("--tls-ca", "--tls-cert", "--tls-key", "--tls-server-name",
+                     "--auth-token-file"),
+        "metrics": ("--report", "--run-dir", "--log-every", "--metrics-port", "--metrics-addr",
+                    "--metrics-linger-s"),
+        "benchmarks and tests": ("--slowdown", "--emulate-compute-ms", "--inject-overflow-step"),
+    }  # fmt: skip
+    """`psar train --help`'s sections (worker/cli_gen.py; tests/test_cli.py: every flag in one)."""
+
     arch: str = "ps"
     """Architecture: ps (parameter server) | allreduce (DDP under torchrun)."""
     workload: str = "mlp"
@@ -281,7 +315,8 @@ class TrainConfig:
     device: str = "auto"
     """auto (cuda:LOCAL_RANK if CUDA is present, else cpu) | cpu | cuda."""
     threads: int = 0
-    """torch compute threads per process (0: torch's default)."""
+    """torch compute threads of this process (--torch-threads, as in psar server; 0:
+    torch's default)."""
     save: str = ""
     """Write the final weights (a state_dict) here (rank 0)."""
     report: str = ""
@@ -332,7 +367,9 @@ class TrainConfig:
         if self.steps < 1 and self.epochs <= 0:
             raise ValueError("--steps must be >= 1 (or give --epochs)")
         if self.epochs < 0 or self.eval_batches < 0 or self.log_every < 0 or self.threads < 0:
-            raise ValueError("--epochs, --eval-batches, --log-every and --threads must be >= 0")
+            raise ValueError(
+                "--epochs, --eval-batches, --log-every and --torch-threads must be >= 0"
+            )
         if self.emulate_compute_ms < 0:
             raise ValueError(f"--emulate-compute-ms must be >= 0, got {self.emulate_compute_ms}")
         if self.slowdown < 1.0:

@@ -97,7 +97,7 @@ def train_args(
     workload = ["--workload", "mlp", "--workload-option", f"in_dim={IN_DIM}",
                 "--workload-option", f"hidden={hidden}"]  # fmt: skip
     return [*workload, "--batch-size", str(batch), "--optimizer", "sgd", "--momentum",
-            "0.9", "--lr", "0.05", "--precision", "fp32", "--threads", "1", "--log-every", "0",
+            "0.9", "--lr", "0.05", "--precision", "fp32", "--torch-threads", "1", "--log-every", "0",
             "--eval-batches", "0", "--steps", str(steps),
             "--emulate-compute-ms", f"{compute_ms:g}"]  # fmt: skip
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import ClassVar
 
 from ps import wire
 from ps.grpc_limits import DEFAULT_MAX_MESSAGE_BYTES
@@ -21,10 +22,27 @@ SHARDS_PER_HOST_ENV = "PSAR_SHARDS_PER_HOST"
 class ServerConfig:
     """One parameter-server shard."""
 
+    FLAG_NAMES: ClassVar[dict[str, str]] = {"threads": "--rpc-threads"}
+    """A flag name means one thing in every psar command: --torch-threads is torch's threads
+    (here and in psar train), so the gRPC handler threads are --rpc-threads."""
+    FLAG_ALIASES: ClassVar[dict[str, tuple[str, ...]]] = {"--rpc-threads": ("--threads",)}
+    HELP_GROUPS: ClassVar[dict[str, tuple[str, ...]]] = {
+        "shard": ("--bind", "--shard", "--rpc-threads", "--torch-threads", "--message-bytes",
+                  "--max-message-bytes", "--chunk-rounds", "--push-lead-mib"),
+        "data plane": ("--data-port", "--data-idle-s", "--data-max-conns-per-peer",
+                       "--data-tls-records", "--data-sealed-records"),
+        "reliability": ("--lease-s", "--join-grace-s", "--checkpoint-dir", "--checkpoint-every",
+                        "--checkpoint-interval", "--checkpoint-keep", "--restore",
+                        "--restore-or-fresh", "--init-timeout-s", "--drain-timeout-s"),
+        "security": ("--tls-cert", "--tls-key", "--tls-ca", "--auth-token-file"),
+        "metrics": ("--metrics-port", "--metrics-addr"),
+    }  # fmt: skip
+    """`psar server --help`'s sections (worker/cli_gen.py; tests/test_cli.py: every flag in one)."""
+
     bind: str = "127.0.0.1:50051"
     """HOST:PORT to listen on (port 0 picks a free one; 0.0.0.0 listens on every interface)."""
     threads: int = 64
-    """gRPC handler threads. A pull waiting for its round (sync barrier, SSP) holds none:
+    """gRPC handler threads (--rpc-threads). A pull waiting for its round (sync barrier, SSP) holds none:
     it parks on the server's event loop (ps/server/pulls/parking.py)."""
     message_bytes: int = wire.DEFAULT_MESSAGE_BYTES
     """Bytes of tensor data per streamed message (~1 MiB streams fastest here)."""
@@ -128,7 +146,7 @@ class ServerConfig:
                 f"got {self.init_timeout_s}"
             )
         if self.threads < 2:
-            raise ValueError(f"--threads must be >= 2, got {self.threads}")
+            raise ValueError(f"--rpc-threads must be >= 2, got {self.threads}")
         if not 1024 <= self.message_bytes <= self.max_message_bytes // 2:
             raise ValueError("--message-bytes must be in [1024, max_message_bytes / 2]")
         if not -1 <= self.data_port < 65536:

@@ -109,7 +109,7 @@ def start_server(
 ) -> tuple[ShardServer, int, ShardState]:
     """Start a shard's gRPC server; returns (server, bound port, state). Non-blocking.
 
-    The server is grpc.aio with --threads handler threads (ps/server/doors/aio_host.py): calls
+    The server is grpc.aio with --rpc-threads handler threads (ps/server/doors/aio_host.py): calls
     that wait (Pull, GetJob(wait)) park on its event loop and hold none of them.
     The server's health service is reachable as `server.psar_health` (ps/server/doors/health.py),
     its data plane (None when off) as `server.psar_dataplane` (ps/server/doors/dataplane.py).
