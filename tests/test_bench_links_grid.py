@@ -114,7 +114,7 @@ def test_cells_check_measured_rates_against_psar_plan() -> None:
     assert push_then_pull[2]["plan_winner"] == "allreduce"
     assert g.ps_flags(True) == (["--chunk-rounds"], ["--early-pull"]) and g.ps_flags(False) == (
         [],
-        [],
+        ["--no-early-pull"],
     )
     assert g.shard_counts(4, "4") == [4] and g.shard_counts(8, "0,8") == [0, 8]
     doc = {"grid": "small", "steps": 5, "compute_ms": 30.0, "batch": g.BATCH,

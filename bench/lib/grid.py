@@ -80,7 +80,8 @@ def ps_flags(early_pull: bool) -> tuple[list[str], list[str]]:
     push-then-pull."""
     if early_pull:
         return ["--chunk-rounds"], ["--early-pull"]
-    return [], []
+    # psar train pulls early by default wherever a shard is on another host: say no.
+    return [], ["--no-early-pull"]
 
 
 def shape(args: Any) -> tuple[int, float, int]:
@@ -109,7 +110,7 @@ def plan_cell(n: int, s: int, k: int, mbit: float, latency_us: float, compute_ms
             "--shard-hosts", str(k), "--bandwidth", f"{mbit:g}Mbit/s",
             "--latency", f"{latency_us:.1f}us", "--optimizer", "sgd-momentum",
             "--wire-dtype", "fp32", "--compute-ms", f"{compute_ms:.3f}", "--json",
-            "--chunk-mib", str(chunk_mib), *(["--early-pull"] if early_pull else []),
+            "--chunk-mib", str(chunk_mib), "--early-pull" if early_pull else "--no-early-pull",
             *cpu_flags(cpu)]  # fmt: skip
     p = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=c.ROOT)
     if p.returncode != 0:
