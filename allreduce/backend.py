@@ -6,7 +6,7 @@ on CPU unless --backend says otherwise. With a low-precision wire dtype DDP regi
 the matching compression hook, so both architectures move the same bytes.
 
 With --checkpoint-dir, rank 0 writes model, optimizer, GradScaler, LR schedule and step
-every --checkpoint-every steps (atomically, ps/server/checkpoint.py) and at the end; at start
+every --checkpoint-every steps (atomically, ps/server/durability/checkpoints.py) and at the end; at start
 every rank loads the newest one and the loop resumes after its step, so a job that
 torchrun relaunches (--max-restarts) continues instead of starting over.
 """
@@ -118,7 +118,7 @@ class DDPBackend:
         self.local: LocalSteps | None = None
         """--mode local: the inner optimizer and anchor (trainkit/local_sgd.py)."""
         if cfg.local_sgd:
-            self.mode = "local"
+            self.mode = cfg.ps.mode  # --mode local
 
     def setup(self, model: torch.nn.Module) -> torch.nn.Module:
         init_process_group(self.cfg, self.device)

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Everything a session lent a GPU machine runs there, in one go (about 7 minutes; each step has its own timeout):
-# the CUDA side of trainkit/device_io.py, bench/gpu_check.py, bench/gpu_scale.py and the
-# shard update benchmark on the machine's cores. Results go to $OUT (the device tool's
-# folder) or runs/gpu; copy the tables into bench/README.md with date, device and torch.
+# The GPU benchmark: everything a session lent a GPU machine runs there, in one go (about
+# 7 minutes; each step has its own timeout): the CUDA side of trainkit/device_io.py,
+# bench/gpu/check.py, bench/gpu/scale.py and the shard update benchmark on the machine's
+# cores. The processes they start run under worker/supervisor.py. Results go
+# to $OUT (the device tool's folder) or runs/gpu; put the tables into docs/results.md
+# ("GPU") with date, device and torch, and the headline into bench/README.md.
 #
 #   bash bench/gpu_session.sh            # from the repository root
 set -u
@@ -28,8 +30,8 @@ step() {  # name, seconds, command...
 }
 step device_io 60 $py -m pytest -q -p no:cacheprovider tests/test_device_io_cuda.py
 step shard_update 60 $py bench/shard_update.py --json --threads auto --reps 3
-step gpu_check 120 $py bench/gpu_check.py --steps 60 --timeout-s 60 --json --out "$out/check"
-step gpu_scale 300 $py bench/gpu_scale.py --json --timeout-s 60 --out "$out/scale" \
+step gpu_check 120 $py -m bench.gpu.check --steps 60 --timeout-s 60 --json --out "$out/check"
+step gpu_scale 300 $py -m bench.gpu.scale --json --timeout-s 60 --out "$out/scale" \
   --server-args "${SERVER_ARGS:---torch-threads auto}"
 # Everything in one file (the device tool brings back a few files only).
 tar czf "$out/runs.tgz" -C "$out" --exclude runs.tgz . && ls -la "$out/runs.tgz"

@@ -1,31 +1,41 @@
-"""Emulated links: PS vs allreduce step time as bandwidth falls, and `psar plan` checked.
+"""Scaling and links: ps vs allreduce as links slow down and as workers and shard hosts
+grow, with `psar plan`'s prediction checked against every measurement.
 
-Every process gets a host of its own: a network namespace with one veth NIC on a
-bridge (tests/netns.py). Both ends of every veth are shaped with tc (tbf for rate;
-netem when --delay-ms adds latency), so each host has a full-duplex NIC of the given
-rate, as `psar plan` assumes (docs/cost-model.md). The shard runs on host s0, workers
-on w0..wN-1; allreduce ranks (gloo) on w0..wN-1, launched directly (one per host).
+- (default) the link sweep: 2 workers and 1 shard, each process on a host of its own,
+  at 10, 3 and 1 Gbit/s; step time against the plan's, goal within +-30%.
+- `--grid small|full`: the crossover, n workers x k shard hosts x link rate, ps-sync
+  against allreduce, the plan's winner and step (goals: the winner right in every cell,
+  each step within +-20%; bench/lib/grid.py).
+- `--grid loopback`: ps-sync over 1-8 workers x 1-4 shards, all on this host, against
+  linear scaling from 1 worker (bench/lib/scaling.py); no namespaces needed.
 
-Per link: raw TCP between two hosts (one-way GB/s, and the small-message round trip,
-whose half is the plan's latency), then psar ps-sync (1 shard) and psar allreduce on the
-reference workload (MLP 784-1024-1024-10, batch 128, SGD momentum, fp32, 1 thread).
-The compute time C is the median over the links of a no-communication run on the same
-hosts (bench/plain_ddp.py --no-comm), one per link, between the others. Then `psar plan --json --compute-ms C --bandwidth R
---latency L` predicts each step: allreduce `step_seconds_overlap` (DDP overlaps),
-ps `step_seconds_no_overlap` (psar's PS pushes after backward, then pulls). Ratio =
-measured / predicted, goal within +-30%; comm = step - C.
+Hosts are network namespaces with one veth NIC on a bridge (tests/netns.py,
+bench/lib/netem.py). Both ends of every veth are shaped with tc (tbf for rate; netem when
+--delay-ms adds latency), so each host has a full-duplex NIC of the given rate, as `psar
+plan` assumes (docs/cost-model.md). Without root, `ip` or `tc` the emulated modes print
+why they skipped. In the link sweep the shard runs on host s0, workers on w0..wN-1;
+allreduce ranks (gloo) on w0..wN-1, launched directly (one per host). Per link: raw TCP
+between two hosts (one-way GB/s, and the small-message round trip, whose half is the
+plan's latency), then psar ps-sync (1 shard) and psar allreduce on the reference workload
+(MLP 784-1024-1024-10, batch 128, SGD momentum, fp32, 1 thread). The compute time C is
+the median over the links of a no-communication run on the same hosts
+(bench/baselines/plain_ddp.py --no-comm), one per link, between the others. Then `psar
+plan --json --compute-ms C --bandwidth R --latency L` predicts each step: allreduce
+`step_seconds_overlap` (DDP overlaps), ps `step_seconds_no_overlap` (psar's PS pushes after
+backward, then pulls). Ratio = measured median step / predicted; comm = step - C;
+samples/s over the window every worker trains in.
 
     python -m bench.links                     # 10000, 3000, 1000 Mbit/s, 2 workers
     python -m bench.links --quick --json      # 1000 Mbit/s only
-    python -m bench.links --grid small        # n workers x k shard hosts (bench/links_grid.py)
+    python -m bench.links --grid small        # n workers x k shard hosts (bench/lib/grid.py)
     python -m bench.links --grid full         # n in 2,4,8 x k in 0,n/2,n x 1, 10 Gbit/s
+    python -m bench.links --grid loopback     # 1-8 workers x 1-4 shards, this host only
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -33,67 +43,11 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench import common as c
-from bench.allreduce_overhead import run_plain
+from bench.lib import common as c
+from bench.lib.netem import probe_link, shape_all, unavailable
 
 TOLERANCE = 0.30
-_PORT = re.compile(r"nettool port (\d+)")
 PARAMS = 1_863_690  # MLP 784-1024-1024-10
-_NETTOOL = r"""
-import json, socket, statistics, struct, sys, time
-mode, host = sys.argv[1], sys.argv[2]
-def recv_exact(s, n):
-    buf = bytearray(n); view = memoryview(buf); got = 0
-    while got < n:
-        r = s.recv_into(view[got:], n - got)
-        if not r: raise ConnectionError("closed")
-        got += r
-    return buf
-if mode == "serve":
-    ls = socket.socket(); ls.bind((host, 0)); ls.listen(1)
-    print("nettool port", ls.getsockname()[1], flush=True)
-    s, _ = ls.accept(); s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    while (cmd := recv_exact(s, 1)) != b"x":
-        if cmd == b"p": s.sendall(b"q")
-        else: recv_exact(s, struct.unpack("!Q", recv_exact(s, 8))[0]); s.sendall(b"k")
-else:
-    s = socket.create_connection((host, int(sys.argv[3])), timeout=120)
-    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    rtt = []
-    for _ in range(200):
-        t = time.perf_counter(); s.sendall(b"p"); recv_exact(s, 1); rtt.append(time.perf_counter() - t)
-    n = int(sys.argv[4]); payload = bytearray(b"z") * n; gbps = []
-    for _ in range(int(sys.argv[5]) if len(sys.argv) > 5 else 3):
-        t = time.perf_counter(); s.sendall(b"b" + struct.pack("!Q", n)); s.sendall(payload)
-        recv_exact(s, 1); gbps.append(n / (time.perf_counter() - t) / 1e9)
-    s.sendall(b"x")
-    print(json.dumps({"rtt_us": 1e6 * statistics.median(rtt), "gbps": statistics.median(gbps),
-                      "gbps_best": max(gbps)}))
-"""
-
-
-def probe_link(procs: c.Procs, src, dst, nbytes: int, repeats: int = 3) -> dict:  # noqa: ANN001
-    """Median small-message RTT and one-way raw TCP GB/s (median and best of `repeats`
-    transfers) from host src to host dst."""
-    procs.start("nettool", [c.PY, "-c", _NETTOOL, "serve", dst.addr], host=dst)
-    port = procs.wait_line("nettool", _PORT, 60).group(1)
-    argv = [c.PY, "-c", _NETTOOL, "send", dst.addr, port, str(nbytes), str(repeats)]
-    p = src.run(argv, timeout=300)
-    procs.wait(["nettool"], 30)
-    if p.returncode != 0:
-        raise c.BenchError(f"link probe failed: {p.stderr[-1000:]}")
-    return json.loads(p.stdout.strip().splitlines()[-1])
-
-
-def shape_all(netns, lan, mbit: float, delay_ms: float) -> None:  # noqa: ANN001
-    """Shape every host's NIC both ways: its egress, and its bridge port's egress."""
-    hub_ports = lan.hub.run(["ip", "-o", "link", "show", "master", "br0"]).stdout
-    for i, h in enumerate(lan.hosts.values()):
-        port = f"v{i}"
-        if f" {port}@" not in hub_ports:
-            raise c.BenchError(f"no bridge port {port} for {h.name} (tests/netns.py changed?)")
-        for end in (h, netns.Host(f"{h.name}-port", lan.hub.ns, h.addr, ifname=port)):
-            netns.shape(end, rate_mbit=mbit, delay_ms=delay_ms)
 
 
 def plan(n: int, mbit: float, latency_us: float, compute_ms: float) -> dict:
@@ -103,7 +57,7 @@ def plan(n: int, mbit: float, latency_us: float, compute_ms: float) -> dict:
             "--compute-ms", f"{compute_ms:.3f}", "--json"]  # fmt: skip
     p = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=c.ROOT)
     if p.returncode != 0:
-        raise c.BenchError(f"psar plan failed: {p.stderr}")
+        raise c.ProcessError(f"psar plan failed: {p.stderr}")
     return json.loads(p.stdout)
 
 
@@ -115,14 +69,14 @@ def measure(out: Path, args, netns) -> dict:  # noqa: ANN001
         workers = [lan[f"w{r}"] for r in range(args.workers)]
         for mbit in args.bandwidths:
             shape_all(netns, lan, mbit, args.delay_ms)
-            with c.Procs(out / f"probe-{mbit:g}") as procs:
-                link = {"mbit": mbit, **probe_link(procs, lan["w0"], lan["s0"], 32 << 20)}
+            with c.supervisor(out / f"probe-{mbit:g}") as sup:
+                link = {"mbit": mbit, **probe_link(sup, lan["w0"], lan["s0"], 32 << 20)}
             c.log(
                 f"links: {mbit:g} Mbit/s: TCP {link['gbps']:.3f} GB/s, rtt {link['rtt_us']:.0f} us"
             )
             d = out / f"{mbit:g}mbit"
-            nocomm = run_plain(d / "nocomm", args.workers, args.steps, args.timeout, local=True,
-                               hosts=workers)  # fmt: skip
+            nocomm = c.plain_ddp_job(d / "nocomm", args.workers, args.steps, args.timeout,
+                                     local=True, hosts=workers)  # fmt: skip
             link["compute_ms"] = 1e3 * c.job_step_seconds(nocomm)
             links.append(link)
             runs[mbit] = {
@@ -149,7 +103,8 @@ def measure(out: Path, args, netns) -> dict:  # noqa: ANN001
                 "within_30pct": abs(step / p_step - 1) <= TOLERANCE,
                 "measured_comm_ms": 1e3 * (step - compute_s), "predicted_comm_ms": 1e3 * p_comm,
                 "comm_ratio": (step - compute_s) / p_comm if p_comm else None,
-                "samples_per_sec": c.robust_rate(run), "plan_winner": pred["winner"],
+                "samples_per_sec": c.steady_rate(run)[0],
+                "median_samples_per_sec": c.robust_rate(run), "plan_winner": pred["winner"],
             })  # fmt: skip
         ps, ar = cases[-2:]
         ps["ps_over_allreduce_step"] = ps["measured_step_ms"] / ar["measured_step_ms"]
@@ -191,18 +146,6 @@ def write_plot(out: Path, doc: dict) -> None:
            title="step time on emulated links")  # fmt: skip
 
 
-def unavailable(delay_ms: float) -> tuple[object | None, str | None]:
-    try:
-        from tests import netns
-    except ImportError as e:
-        return None, f"tests/netns.py cannot be imported ({e})"
-    if reason := netns.unavailable_reason():
-        return None, reason
-    if delay_ms and not netns.netem_available():
-        return None, "added latency needs tc netem (sch_netem), which this kernel lacks"
-    return netns, None
-
-
 def main(argv: list[str] | None = None) -> int:
     p = c.parser("python -m bench.links", __doc__)
     p.add_argument(
@@ -211,23 +154,27 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--delay-ms", type=float, default=0.0, help="added one-way delay (needs netem)")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--steps", type=int, default=None, help="(default 40; quick 15)")
-    p.add_argument("--grid", choices=("small", "full"), default=None,
-                   help="the crossover instead: n workers x k shard hosts (bench/links_grid.py); "
-                   "small: n=4 at 1 Gbit/s, full: n in 2,4,8 x 1, 10 Gbit/s")  # fmt: skip
-    p.add_argument("--compute-ms", type=float, default=30.0,
-                   help="--grid: emulated compute per step, ms (default 30)")  # fmt: skip
+    p.add_argument("--grid", choices=("small", "full", "loopback"), default=None,
+                   help="the crossover instead: n workers x k shard hosts (bench/lib/grid.py); "
+                   "small: n=4 at 1 Gbit/s, full: n in 2,4,8 x 1, 10 Gbit/s; loopback: "
+                   "ps-sync over 1-8 workers x 1-4 shards on this host, no links "
+                   "(bench/lib/scaling.py)")  # fmt: skip
+    p.add_argument("--compute-ms", type=float, default=None,
+                   help="--grid: emulated compute per step, ms (default 30; loopback 100)")  # fmt: skip
     p.add_argument("--grid-workers", default=None,
-                   help="--grid: worker counts instead of the grid's (e.g. 2,4); "
-                   "--bandwidths likewise replaces its links")  # fmt: skip
+                   help="--grid: worker counts instead of the grid's (e.g. 2,4; loopback "
+                   "1,2,4,8, quick 1,4); --bandwidths likewise replaces its links")  # fmt: skip
+    p.add_argument("--grid-shards", default=None,
+                   help="--grid loopback: shard counts (default 1,2,4; quick 1,2)")  # fmt: skip
     p.add_argument("--grid-shard-hosts", default=None,
                    help="--grid: shard-host counts k instead of 0, n/2, n (e.g. 4)")  # fmt: skip
     p.add_argument("--grid-hidden", type=int, default=None,
-                   help="--grid: the MLP's hidden width (default 1024: 7.45 MB of fp32 "
-                   "gradient; 2048: 23.3 MB)")  # fmt: skip
+                   help="--grid: the MLP's hidden width (default 4096: 80 MB of fp32 "
+                   "gradient; 2048: 23.3 MB; 1024: 7.45 MB)")  # fmt: skip
     p.add_argument("--grid-chunk-mib", type=float, default=None,
-                   help="--grid: PS slot size in MiB (default 0.125)")  # fmt: skip
+                   help="--grid: PS slot size in MiB (default 0.5)")  # fmt: skip
     p.add_argument("--grid-batch", type=int, default=None,
-                   help="--grid: batch per worker (default 16)")  # fmt: skip
+                   help="--grid: batch per worker (default 4; loopback 16)")  # fmt: skip
     p.add_argument("--congestion", default=None,
                    help="--grid: TCP congestion control in every emulated host (default "
                    "cubic, Linux's default; 'system': what this machine's namespace has)")  # fmt: skip
@@ -239,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="--grid: ps-sync with --chunk-rounds shards and --early-pull workers "
                    "(psar's pipelined sync PS; default), or without (push, then pull)")  # fmt: skip
     args = p.parse_args(argv)
+    if args.grid == "loopback":
+        return main_loopback(args)
     if args.grid:
         return main_grid(args)
     args.bandwidths = [
@@ -259,17 +208,35 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def main_grid(args) -> int:  # noqa: ANN001
-    """The n x k x link crossover (bench/links_grid.py) into its own run folder."""
-    from bench import links_grid
+    """The n x k x link crossover (bench/lib/grid.py) into its own run folder."""
+    from bench.lib import grid
 
     args.steps = args.steps or (12 if args.quick else 30)
+    args.compute_ms = args.compute_ms or 30.0
     c.install_sigterm()
     out = c.out_dir(args, "links-grid")
     netns, reason = unavailable(0.0)
-    doc = {"skipped": reason} if reason else links_grid.measure(out, args, netns)
+    reason = reason or grid.congestion_unavailable(args.congestion or grid.CONGESTION)
+    doc = {"skipped": reason} if reason else grid.measure(out, args, netns)
     if reason:
         c.log(f"links grid: skipped: {reason}")
-    return c.finish(args, out, "links_grid", doc, links_grid.table(doc))
+    return c.finish(args, out, "links_grid", doc, grid.table(doc))
+
+
+def main_loopback(args) -> int:  # noqa: ANN001
+    """ps-sync over workers x shards on this host (bench/lib/scaling.py)."""
+    from bench.lib import scaling
+
+    ints = lambda text: sorted(int(x) for x in text.split(","))  # noqa: E731
+    c.install_sigterm()
+    out = c.out_dir(args, "scaling")
+    doc = scaling.measure(
+        out, workers=ints(args.grid_workers or ("1,4" if args.quick else "1,2,4,8")),
+        shards=ints(args.grid_shards or ("1,2" if args.quick else "1,2,4")),
+        compute_ms=args.compute_ms or 100.0, batch=args.grid_batch or 16,
+        steps=args.steps or (15 if args.quick else 30), timeout=args.timeout)  # fmt: skip
+    scaling.write_plot(out, doc)
+    return c.finish(args, out, "scaling", doc, scaling.table(doc))
 
 
 if __name__ == "__main__":

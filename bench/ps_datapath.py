@@ -1,21 +1,22 @@
-"""PS data path: push + pull of an fp32 payload through 1..N real shards on loopback.
+"""Data path: push + pull of an fp32 payload through 1, 2, 4 real shards, against raw TCP.
 
-Each shard is a real `psar server` process; the client is ps.client.psclient.PSClient used as a
-worker uses it (init with ps.job.Job objects from ps.partition.plan_slots, then
-push/pull in a loop, mode async, one worker, so nothing ever waits on a barrier).
-Two transports move the same push and pull through the same PSClient calls, cycles
+Each shard is a real `psar server` process (run through worker/supervisor.py, logs in the
+run folder); the client is ps.client.psclient.PSClient used as a worker uses it (init
+with ps.job.Job objects from ps.partition.plan_slots, then push/pull in a loop, mode
+async, one worker, so nothing ever waits on a barrier: bench/lib/datapath.py). Two
+transports move the same push and pull through the same PSClient calls, cycles
 alternating on the same shards: "grpc" (--data-plane grpc) and "tcp", the shards' data
-plane (ps/server/dataplane.py; PSClient talks to it with one DataPlaneClient per shard, port
-from GetJob, shards in parallel).
-Right before every cycle the same script times one raw loopback TCP transfer of the
-same payload (bench/baselines.py), so the ratio compares like with like on a noisy
-machine; by default it first waits (bounded) for the CPUs to be quiet.
+plane (ps/server/dataplane.py; one DataPlaneClient per shard, port from GetJob, shards in
+parallel). Right before every cycle the same script times one raw loopback TCP transfer
+of the same payload (bench/baselines/tcp.py), so the ratio compares like with like on a
+noisy machine; by default it first waits (bounded) for the CPUs to be quiet.
 
 GB/s = (push bytes + pull bytes) / median push+pull cycle time, 1e9 bytes per GB.
 ratio_to_tcp = gbps / tcp_gbps, tcp_gbps being one-way raw TCP for the same payload
-(median of those transfers). --json prints a list of objects with payload_mib,
-shards, transport, gbps and ratio_to_tcp (and push/pull/TCP GB/s, cycle times and the
-settings), one per (size, shards, transport).
+(median of those transfers). The JSON document's `results` holds one object per (size,
+shards, transport): payload_mib, shards, transport, gbps, ratio_to_tcp, push/pull/TCP
+GB/s, cycle times and the settings. The shard's own update is measured by
+bench/shard_update.py, the CPU each byte costs by bench/cpu_rate.py.
 
     python -m bench.ps_datapath                       # 16,64,256 MiB x 1,2,4 shards
     python -m bench.ps_datapath --json --repeats 7
@@ -26,32 +27,24 @@ settings), one per (size, shards, transport).
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
 import os
-import signal
 import statistics
-import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a file: make `bench` and `ps` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch
-
-from bench.baselines import MIB, TcpSink, readline_with_timeout, stop_process
+from bench.baselines.tcp import MIB, TcpSink
+from bench.lib import common as c
+from bench.lib.datapath import Settler, run_config
 from ps import wire
-from ps.client.psclient import ClientConfig, PSClient
 from ps.client.tcp_transport import DEFAULT_MAX_FRAME_BYTES
-from ps.job import Job
-from ps.partition import DEFAULT_CHUNK_BYTES, plan_slots
-from trainkit.optim import OptimizerConfig
+from ps.partition import DEFAULT_CHUNK_BYTES
+from worker.supervisor import Supervisor
 
-_HELLO = "psar server listening on "
 TRANSPORTS = ("grpc", "tcp")
 
 
@@ -91,212 +84,6 @@ class Result:
     """Seconds this row spent waiting for a quiet machine."""
 
 
-# ---- a shared, noisy machine -----------------------------------------------------------
-
-
-def cpu_idle_fraction(interval_s: float = 0.25) -> float | None:
-    """Fraction of all CPUs idle over `interval_s` (/proc/stat); None where unavailable."""
-
-    def sample() -> tuple[int, int]:
-        with open("/proc/stat") as fh:
-            f = [int(x) for x in fh.readline().split()[1:]]
-        return f[3] + f[4], sum(f)  # idle + iowait, total
-
-    try:
-        i0, t0 = sample()
-        time.sleep(interval_s)
-        i1, t1 = sample()
-    except (OSError, ValueError, IndexError):
-        return None
-    return (i1 - i0) / max(1, t1 - t0)
-
-
-class Settler:
-    """Before a timed transfer, wait until the CPUs are at least `idle` idle, so it is not
-    measured while other jobs hold the cores: at most max_wait_s each time and budget_s
-    in all (then it stops waiting), so a busy machine cannot stall the run."""
-
-    def __init__(self, max_wait_s: float, idle: float, budget_s: float) -> None:
-        self.max_wait_s, self.idle, self.budget_s = max_wait_s, idle, budget_s
-        self.waited_s = 0.0
-        self.last_idle: float | None = None
-
-    def __call__(self) -> None:
-        limit = min(self.max_wait_s, self.budget_s - self.waited_s)
-        if limit <= 0:
-            return
-        t0 = time.monotonic()
-        while True:
-            self.last_idle = cpu_idle_fraction()
-            if self.last_idle is None or self.last_idle >= self.idle:
-                break
-            if time.monotonic() - t0 >= limit:
-                break
-        self.waited_s += time.monotonic() - t0
-
-
-# ---- shard processes -------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def shard_processes(
-    n: int,
-    *,
-    message_bytes: int,
-    max_message_bytes: int,
-    omp_threads: int = 0,
-    start_timeout_s: float = 60.0,
-) -> Iterator[list[str]]:
-    """Start n `psar server` processes on 127.0.0.1:0; yield their addresses; stop them.
-
-    omp_threads > 0 sets OMP_NUM_THREADS (torch's intra-op threads) in the shards.
-    """
-    env = dict(os.environ)
-    if omp_threads > 0:
-        env["OMP_NUM_THREADS"] = str(omp_threads)
-    procs: list[subprocess.Popen[str]] = []
-    try:
-        for i in range(n):
-            procs.append(
-                subprocess.Popen(
-                    [
-                        sys.executable,
-                        "-m",
-                        "worker.cli",
-                        "server",
-                        "--bind",
-                        "127.0.0.1:0",
-                        "--shard",
-                        str(i),
-                        "--message-bytes",
-                        str(message_bytes),
-                        "--max-message-bytes",
-                        str(max_message_bytes),
-                    ],
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.DEVNULL,
-                    stdin=subprocess.DEVNULL,
-                    text=True,
-                    env=env,
-                )
-            )
-        addresses = []
-        for p in procs:  # started together, so their start-ups overlap
-            line = readline_with_timeout(p, start_timeout_s)
-            if not line.startswith(_HELLO):
-                raise RuntimeError(f"psar server did not start: {line!r}")
-            addresses.append(line[len(_HELLO) :])
-        yield addresses
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.terminate()
-        for p in procs:
-            stop_process(p)
-
-
-# ---- one configuration -----------------------------------------------------------------
-
-
-def tensor_sizes(payload_bytes: int, tensors: int) -> list[int]:
-    """fp32 element counts of `tensors` tensors adding up to payload_bytes (equal split)."""
-    total = payload_bytes // 4
-    if total < tensors:
-        raise ValueError(f"payload of {payload_bytes} bytes is too small for {tensors} tensors")
-    base, extra = divmod(total, tensors)
-    return [base + (1 if i < extra else 0) for i in range(tensors)]
-
-
-def run_config(
-    addresses: Sequence[str],
-    *,
-    payload_bytes: int,
-    tensors: int,
-    chunk_bytes: int,
-    message_bytes: int,
-    max_message_bytes: int,
-    repeats: int,
-    warmup: int,
-    before_cycle: Callable[[bool], object] | None = None,
-    transports: Sequence[str] = ("grpc",),
-    frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
-) -> dict[str, tuple[list[float], list[float]]]:
-    """Push+pull `payload_bytes` through the shards; per transport, (push seconds, pull
-    seconds) per repeat. Transports alternate cycle by cycle (A B A B ...).
-
-    before_cycle(timed) runs before every cycle, outside its timing (timed is False
-    for the warm-up cycles)."""
-    sizes = tensor_sizes(payload_bytes, tensors)
-    params = [(f"t{i}", n) for i, n in enumerate(sizes)]
-    slots = plan_slots(params, len(addresses), chunk_bytes=chunk_bytes)
-    gen = torch.Generator().manual_seed(0)
-    weights = {name: torch.randn(n, generator=gen) for name, n in params}
-    # Tiny finite gradients: the shard's SGD step changes the weights a little each push.
-    grads_full = {name: torch.randn(n, generator=gen).mul_(1e-6) for name, n in params}
-    pulled = {name: torch.empty(n) for name, n in params}
-
-    def views(src: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {s.key: src[s.param][s.start : s.start + s.numel] for s in slots}
-
-    jobs = [
-        Job(
-            mode="async",
-            num_workers=1,
-            optimizer=OptimizerConfig(name="sgd", lr=1e-3, momentum=0.0),
-            shard_index=i,
-            num_shards=len(addresses),
-            slots=[s for s in slots if s.shard == i],
-            job_id="bench-ps-datapath",
-        )
-        for i in range(len(addresses))
-    ]
-    cfg = ClientConfig(
-        message_bytes=message_bytes,
-        max_message_bytes=max_message_bytes,
-        data_frame_bytes=frame_bytes,
-        data_plane="auto",
-    )
-    # The client a worker uses; cfg.data_plane picks the transport of each cycle.
-    with PSClient(addresses, worker=0, cfg=cfg) as client:
-        client.set_slots(slots)
-        # As ps/client/backend.py does: init (rank 0), read the jobs back (and the lease and
-        # data ports), register, and keep the lease alive while we push and pull.
-        client.init(jobs, views(weights))
-        if client.get_jobs(wait=True) != jobs:
-            raise RuntimeError("the shards serve a different job than the one sent")
-        if "tcp" in transports and not all(client._data_ports):
-            raise RuntimeError("a shard has no data plane (started with --data-port -1?)")
-        client.register(clock=0)
-        client.start_heartbeats()
-        grads, out = views(grads_full), views(pulled)
-        headers = client.pull(clock=0, dtype=torch.float32, out=out)
-        versions = [h.version for h in headers]
-        times: dict[str, tuple[list[float], list[float]]] = {t: ([], []) for t in transports}
-        cycles = (warmup + repeats) * len(transports)
-        for clock in range(1, cycles + 1):
-            transport = transports[(clock - 1) % len(transports)]
-            cfg.data_plane = transport
-            timed = clock > warmup * len(transports)
-            if before_cycle is not None:
-                before_cycle(timed)
-            t0 = time.perf_counter()
-            replies = client.push(
-                clock=clock, base_versions=versions, dtype=torch.float32, grads=grads
-            )
-            t1 = time.perf_counter()
-            headers = client.pull(clock=clock, dtype=torch.float32, out=out)
-            t2 = time.perf_counter()
-            versions = [h.version for h in headers]
-            if not all(r.applied for r in replies):
-                raise RuntimeError(f"a push was not applied: {replies}")
-            if timed:
-                times[transport][0].append(t1 - t0)
-                times[transport][1].append(t2 - t1)
-        if versions != [cycles] * len(addresses):
-            raise RuntimeError(f"shards applied {versions} updates, expected {cycles}")
-    return times
-
-
 # ---- the sweep -------------------------------------------------------------------------
 
 
@@ -309,12 +96,7 @@ def _ints(text: str) -> list[int]:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="python -m bench.ps_datapath",
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="\n\n".join(__doc__.split("\n\n")[1:]),
-    )
+    p = c.parser("python -m bench.ps_datapath", __doc__)
     p.add_argument("--sizes", type=_floats, help="payload sizes in MiB (default 16,64,256)")
     p.add_argument("--shards", type=_ints, help="shard counts (default 1,2,4)")
     p.add_argument("--repeats", type=int, help="timed push+pull cycles per config (default 5)")
@@ -325,7 +107,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         type=float,
         default=DEFAULT_CHUNK_BYTES / MIB,
         help="plan_slots chunk size: tensors bigger than this are cut into slots (default: "
-        "ps.partition's, 4; 64 measured no faster, see bench/README.md)",
+        "ps.partition's, 4; 64 measured no faster, docs/results.md)",
     )
     p.add_argument(
         "--message-mib",
@@ -371,10 +153,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=0.8,
         help="idle fraction of all CPUs that counts as quiet (default 0.8)",
     )
-    p.add_argument(
-        "--quick", action="store_true", help="CI smoke: 1 MiB, 1 and 2 shards, 2 repeats"
-    )
-    p.add_argument("--json", action="store_true", help="print a JSON list of results only")
     args = p.parse_args(argv)
     quick = args.quick
     args.sizes = args.sizes or ([1.0] if quick else [16.0, 64.0, 256.0])
@@ -396,12 +174,20 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
-def run(args: argparse.Namespace, log: Callable[[str], object] = print) -> list[Result]:
+def shards_env(omp_threads: int) -> dict[str, str]:
+    """The shards' environment: this one's, with OMP_NUM_THREADS when omp_threads > 0."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
+    return {**env, "OMP_NUM_THREADS": str(omp_threads)} if omp_threads > 0 else env
+
+
+def run(args: argparse.Namespace, out: Path, log: Callable[[str], object] = c.log) -> list[Result]:
     message_bytes = int(args.message_mib * MIB)
     frame_bytes = int(args.frame_mib * MIB)
     # The shard refuses message_bytes > max/2; leave room for the piece header.
     max_message_bytes = max(16 << 20, 2 * message_bytes + (1 << 20), frame_bytes)
     chunk_bytes = int(args.chunk_mib * MIB)
+    server = ["--message-bytes", str(message_bytes), "--max-message-bytes", str(max_message_bytes)]
+    env = shards_env(args.shard_omp_threads)
     results = []
     settle = Settler(args.settle_s, args.settle_idle, args.settle_budget_s)
     with TcpSink() as sink:
@@ -420,12 +206,10 @@ def run(args: argparse.Namespace, log: Callable[[str], object] = print) -> list[
                     if timed:
                         tcp_s.extend(t)
 
-                with shard_processes(
-                    shards,
-                    message_bytes=message_bytes,
-                    max_message_bytes=max_message_bytes,
-                    omp_threads=args.shard_omp_threads,
-                ) as addresses:
+                # A fresh set of shards per (size, shards): a shard serves one job.
+                logs = out / f"{size:g}mib-{shards}shards"
+                with Supervisor(logs, env=env, cwd=c.ROOT, grace=5.0) as sup:
+                    addresses = c.start_shards(sup, shards, server=server, env=env, timeout=60)
                     times = run_config(
                         addresses,
                         payload_bytes=payload,
@@ -487,44 +271,29 @@ def _result(
     )
 
 
-def format_table(results: Sequence[Result]) -> str:
-    head = (
-        f"{'MiB':>6} {'shards':>6} {'GB/s':>7} {'x TCP':>6} {'push':>7} {'pull':>7} "
-        f"{'TCP':>7} {'cycle ms':>9}  transport"
+def table(doc: dict) -> str:
+    head = ["payload MiB", "shards", "transport", "push+pull GB/s", "x raw TCP", "push GB/s",
+            "pull GB/s", "raw TCP GB/s", "cycle ms, median (min-max)"]  # fmt: skip
+    rows = [[r["payload_mib"], r["shards"], r.get("transport", "grpc"), r["gbps"],
+             r["ratio_to_tcp"], r.get("push_gbps"), r.get("pull_gbps"), r.get("tcp_gbps"),
+             f"{c.fmt(r.get('cycle_ms'))} ({c.fmt(r.get('cycle_ms_min'))}-"
+             f"{c.fmt(r.get('cycle_ms_max'))})"] for r in doc["results"]]  # fmt: skip
+    r0 = (doc["results"] or [{}])[0]
+    return (
+        "## PS data path\n\n" + c.md_table(head, rows) + f"\n\nfp32, {r0.get('tensors')} tensors, "
+        f"chunk {c.fmt(r0.get('chunk_mib'))} MiB; median of {r0.get('repeats')} cycles after "
+        f"{r0.get('warmup')} warm-up; GB/s = (push + pull bytes) / cycle; x raw TCP: over one-way "
+        "loopback TCP of the same payload, timed right before each cycle."
     )
-    lines = [head]
-    for r in results:
-        lines.append(
-            f"{r.payload_mib:>6g} {r.shards:>6} {r.gbps:>7.2f} {r.ratio_to_tcp:>6.2f} "
-            f"{r.push_gbps:>7.2f} {r.pull_gbps:>7.2f} {r.tcp_gbps:>7.2f} {r.cycle_ms:>9.1f}  "
-            f"{r.transport}"
-        )
-    return "\n".join(lines)
-
-
-def _raise_on_sigterm(signum: int, _frame: object) -> None:
-    raise SystemExit(128 + signum)  # unwinds through the finally blocks: no orphans
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, _raise_on_sigterm)
-
-    def log(msg: str) -> None:
-        print(msg, file=sys.stderr, flush=True)
-
-    results = run(args, log=log)
-    if args.json:
-        print(json.dumps([asdict(r) for r in results], indent=2))
-    else:
-        print(
-            f"PS data path, fp32, {args.tensors} tensors, chunk {args.chunk_mib:g} MiB, "
-            f"message {args.message_mib:g} MiB (tcp frames {args.frame_mib:g} MiB), median of "
-            f"{args.repeats} after "
-            f"{args.warmup} warm-up; GB/s = (push + pull bytes) / cycle"
-        )
-        print(format_table(results))
-    return 0
+    c.install_sigterm()  # SIGTERM unwinds through every supervisor: no orphans
+    out = c.out_dir(args, "ps_datapath")
+    results = run(args, out)
+    doc = {"results": [asdict(r) for r in results]}
+    return c.finish(args, out, "ps_datapath", doc, table(doc))
 
 
 if __name__ == "__main__":

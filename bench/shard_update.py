@@ -38,7 +38,7 @@ if __package__ in (None, ""):
 
 import torch
 
-from bench import common as c
+from bench.lib import common as c
 from ps.job import Job
 from ps.partition import plan_slots
 from ps.server.shard import ShardState
@@ -155,6 +155,16 @@ def parse_threads(text: str) -> list[int]:
     return out
 
 
+def table(doc: dict) -> str:
+    rows = [[r["threads"], k, r["median_s"][k] * 1e3, v / 1e6,
+             r["shard_over"].get(k) if k != "shard" else None]
+            for r in doc["results"] for k, v in r["params_per_s"].items()]  # fmt: skip
+    return (f"## Shard update, AdamW, {doc['params'] / 1e6:.1f}M parameters\n\n"
+            + c.md_table(["threads", "path", "median ms/step", "Mparams/s", "shard / this"], rows)
+            + f"\n\nbit-identical to torch foreach=False: {c.fmt(doc['identical'])}; goal "
+            f"(>= 0.5x torch's default AdamW): {c.fmt(doc['goal_met'])}")  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     p = c.parser("python -m bench.shard_update", __doc__)
     p.add_argument("--params", type=float, default=57e6, help="parameters in the shard")
@@ -173,14 +183,7 @@ def main(argv: list[str] | None = None) -> int:
            "ratio_vs_torch_default": goal,
            "goal_met": all(v is not None and v >= 0.5 for v in goal.values()),
            "identical": all(r["identical"] for r in results)}  # fmt: skip
-    rows = [[r["threads"], k, r["median_s"][k] * 1e3, v / 1e6,
-             r["shard_over"].get(k) if k != "shard" else None]
-            for r in results for k, v in r["params_per_s"].items()]  # fmt: skip
-    md = (f"Shard update, AdamW, {total / 1e6:.1f}M parameters ({c.machine()})\n\n"
-          + c.md_table(["threads", "path", "median ms/step", "Mparams/s", "shard / this"], rows)
-          + f"\n\nbit-identical to torch foreach=False: {c.fmt(doc['identical'])}; goal "
-          f"(>= 0.5x torch's default AdamW): {c.fmt(doc['goal_met'])}")  # fmt: skip
-    return c.finish(a, c.out_dir(a, "shard_update"), "shard_update", doc, md)
+    return c.finish(a, c.out_dir(a, "shard_update"), "shard_update", doc, table(doc))
 
 
 if __name__ == "__main__":

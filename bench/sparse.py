@@ -16,7 +16,7 @@ TorchRec's row-wise sharding would be the next baseline; it is used only where i
 (`torchrec_available` in the output says whether it did here; it is not run yet).
 
 Rates are total samples over the window in which every worker trains, after each one's
-first steps (bench/common.py window_rate; `--run-dir` step logs). Goals (issue #19): at
+first steps (bench/lib/common.py steady_rate; `--run-dir` step logs). Goals (issue #19): at
 1M rows PS-sparse >= 1.0x DDP-sparse samples/s; at 10M rows PS-sparse >= 2x DDP-sparse,
 or DDP-sparse does not fit (`ddp_sparse_fits` says which, from this machine's memory).
 
@@ -29,13 +29,14 @@ or DDP-sparse does not fit (`ddp_sparse_fits` says which, from this machine's me
 `--worker-cpus 0 --shard-cpus 1` pins the workers (PS workers and DDP ranks alike) and
 the shards to CPUs of their own: the nearest one machine comes to shards on CPU hosts.
 `--cpu-window-s S` also samples every process's CPU over S seconds of each run
-(bench/step_cpu.py: /proc, a process with its children, divided by the steps rank 0
+(bench/lib/cpuwindow.py: /proc, a process with its children, divided by the steps rank 0
 logged in the window): `cpu` under each design, in CPU ms per step. `--shards N` runs the
 PS with N shards (default 2).
 
     python bench/sparse.py --rows 1000000 --steps 400 --dense-max-rows 0 --cpu-window-s 5
 
-Ratios are vs allreduce-dense measured in the same run.
+Ratios are against allreduce-sparse (the baseline) and allreduce-dense, both measured in
+the same run.
 """
 
 from __future__ import annotations
@@ -52,44 +53,44 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench import common as c
-from bench import step_cpu
+from bench.lib import common as c
+from bench.lib import cpuwindow
 
 WORLD = 2
 
 
 def _run(
-    procs: c.Procs,
+    sup: c.Supervisor,
     cmds: dict[str, list[str]],
     timeout: float,
     cpus: set[int] | None = None,
     cpu: dict | None = None,
 ) -> dict:
-    """Start `cmds` ({name: argv}, pinned to `cpus`) in `procs` and wait until each
-    exited 0 (a failure or the timeout raises BenchError; leaving `procs` kills every
-    process group, torchrun's ranks too). With `cpu` ({"log_dir", "window_s",
-    "after_step"}): the CPU ms per step of every process in `procs`, shards included,
-    over a window of the run (bench/step_cpu.py)."""
+    """Start `cmds` ({name: argv}, pinned to `cpus`) in `sup` and wait until each
+    exited 0 (a failure or the timeout raises ProcessError; leaving `sup` stops every
+    process it started, torchrun's ranks too). With `cpu` ({"log_dir", "window_s",
+    "after_step"}): the CPU ms per step of every process in `sup`, shards included,
+    over a window of the run (bench/lib/cpuwindow.py)."""
     for name, argv in cmds.items():
-        procs.start(name, argv, cpus=cpus)
+        sup.start(name, argv, cpus=cpus)
     got: dict = {}
     sampler = None
     if cpu:
-        pids = {name: p.pid for name, p in procs.procs.items()}
+        pids = {name: ch.pid for name, ch in sup.children.items()}
 
         def sample() -> None:
-            got.update(step_cpu.sample_window(
+            got.update(cpuwindow.sample_window(
                 pids, cpu["log_dir"], after_step=cpu["after_step"],
                 window_s=cpu["window_s"], timeout=timeout))  # fmt: skip
 
         sampler = threading.Thread(target=sample, daemon=True)
         sampler.start()
     try:
-        procs.wait(list(cmds), timeout)
+        sup.wait(list(cmds), timeout)
     finally:
         if sampler is not None:
             sampler.join(timeout=5)
-    return step_cpu.per_step(got, cpu["log_dir"]) if cpu else {}
+    return cpuwindow.per_step(got, cpu["log_dir"]) if cpu else {}
 
 
 def _touched(rows: list[int], opts: list[str], batch: int, steps: int) -> list[float]:
@@ -133,15 +134,15 @@ def bench(
     common = ["train", "--workload", "recsys", *opts, "--steps", str(steps),
               "--batch-size", str(batch), "--precision", "fp32", "--lr", "0.05",
               "--momentum", "0", "--eval-batches", "0", "--log-every", "0",
-              "--threads", "1"]  # fmt: skip
+              "--torch-threads", "1"]  # fmt: skip
     out: dict = {"rows": table_rows, "dim": dim, "bag": bag, "batch_per_worker": batch,
                  "workers": WORLD, "shards": shards, "steps": steps,
                  "worker_cpus": worker_cpus or "all", "shard_cpus": shard_cpus or "all"}  # fmt: skip
     table_bytes = sum(table_rows) * dim * 4
     with tempfile.TemporaryDirectory() as tmp:
         t = Path(tmp)
-        with c.Procs(t / "ps-logs") as procs:
-            addrs = c.start_shards(procs, shards, cpus=c.parse_cpus(shard_cpus))
+        with c.supervisor(t / "ps-logs") as sup:
+            addrs = c.start_shards(sup, shards, cpus=c.parse_cpus(shard_cpus))
             cmds = {
                 f"worker{r}": [*c.PSAR, *common, "--arch", "ps", "--servers", ",".join(addrs),
                                "--rank", str(r), "--world-size", str(WORLD),
@@ -150,7 +151,7 @@ def bench(
                                "--report", str(t / f"ps{r}.json"), "--run-dir", str(t / "ps")]
                 for r in range(WORLD)
             }  # fmt: skip
-            cpu = _run(procs, cmds, timeout, c.parse_cpus(worker_cpus),
+            cpu = _run(sup, cmds, timeout, c.parse_cpus(worker_cpus),
                        _cpu_opts(cpu_window_s, t / "ps", steps))  # fmt: skip
         ps = json.loads((t / "ps0.json").read_text())
         out["ps_sparse"] = {
@@ -172,13 +173,13 @@ def bench(
                   "--run-dir", str(t / name)]  # fmt: skip
             for attempt in range(2):
                 try:
-                    with c.Procs(t / f"{name}-logs-{attempt}") as procs:
-                        cpu = _run(procs, {"torchrun and its ranks": tr}, timeout,
+                    with c.supervisor(t / f"{name}-logs-{attempt}") as sup:
+                        cpu = _run(sup, {"torchrun and its ranks": tr}, timeout,
                                    c.parse_cpus(worker_cpus),
                                    _cpu_opts(cpu_window_s, t / name, steps))  # fmt: skip
                     out.pop(name, None)  # an earlier attempt's error, if any
                     break
-                except RuntimeError as e:  # BenchError: a failure or the timeout
+                except c.ProcessError as e:  # a failure or the timeout
                     out[name] = {"error": str(e)[:3000], "attempts": attempt + 1}
             if "error" in out.get(name, {}):
                 continue
@@ -221,9 +222,7 @@ def _cpu_opts(window_s: float, log_dir: Path, steps: int) -> dict | None:
 
 def _window(run_dir: Path, report_rate: float) -> dict:
     """samples/s over the window every worker trains in (the report's whole-run figure too)."""
-    run = c.load_run(run_dir)
-    n = min(len(s.time) for s in run.series)
-    rate, window = c.window_rate(run, skip=c.warmup_steps(n))
+    rate, window = c.steady_rate(c.load_run(run_dir))
     return {"samples_per_sec": rate, "window_s": window, "report_samples_per_sec": report_rate}
 
 
@@ -270,7 +269,29 @@ def repeated(runs: list[dict]) -> dict:
     return out
 
 
-def main() -> int:
+def _mb(n: float | None) -> float | None:
+    return None if n is None else n / 1e6
+
+
+def table(doc: dict) -> str:
+    """One row per table size: rates, their ratio to DDP-sparse, the goal."""
+    rows = []
+    for r in doc["results"]:
+        ps, ddp = r.get("ps_sparse", {}), r.get("allreduce_sparse", {})
+        goal = r.get("goal", {})
+        rows.append([f"{r['rows'][0]:,} + {r['rows'][1]:,}", ps.get("samples_per_sec"),
+                     ddp.get("samples_per_sec") or ddp.get("skipped") or "failed",
+                     r.get("ps_vs_allreduce_sparse", {}).get("speedup"),
+                     f">= {goal.get('need_speedup')}x: {'met' if goal.get('met') else 'not met'}",
+                     *(_mb(x) for x in (ps.get("bytes_per_step"), ps.get("worker_model_bytes"),
+                                        ddp.get("worker_model_bytes")))])  # fmt: skip
+    head = ["table rows", "ps-sparse samples/s", "DDP-sparse samples/s", "ps / DDP-sparse",
+            "goal", "ps MB/step", "ps model MB/worker", "DDP model MB/rank"]  # fmt: skip
+    return ("## Sparse tables (ps-sparse vs DDP-sparse)\n\n" + c.md_table(head, rows)
+            + f"\n\n{WORLD} workers; rates over the window every worker trains in.")  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="100k rows, 3 steps (smoke test)")
     ap.add_argument("--rows", default="1000000,10000000", help="table sizes to run")
@@ -306,7 +327,7 @@ def main() -> int:
     )
     ap.add_argument("--shard-cpus", default="", help="pin the PS shards to these CPUs")
     ap.add_argument("--out", default="", help="write the JSON here too")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     sizes = [100_000] if a.quick else [int(r) for r in a.rows.split(",")]
     steps, batch = (3, 512) if a.quick else (a.steps, a.batch)
     t0 = time.time()

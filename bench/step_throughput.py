@@ -1,4 +1,5 @@
-"""Step throughput: psar (ps sync with 1 and 2 shards, allreduce) against plain baselines.
+"""Architecture comparison: psar (ps sync with 1 and 2 shards, allreduce) against plain
+baselines, step throughput at equal work.
 
 In one process tree and one run, on the reference workload (MLP 784-1024-1024-10, batch
 128 per worker, SGD momentum, fp32, one compute thread per process) with each worker
@@ -6,13 +7,15 @@ count: psar `--arch ps --mode sync` with 1 and 2 shards (defaults: overlap on, t
 data plane), the same with 1 shard and `--no-overlap`, with `psar server
 --chunk-rounds` (per-chunk rounds) and with `--data-plane grpc` (what each
 contributes), psar `--arch allreduce`, a plain DDP script
-(bench/plain_ddp.py), a plain RPC parameter server written the PyTorch RPC tutorial's
-way (bench/rpc_ps_baseline.py), and a no-communication run (plain_ddp.py --no-comm: the
-same processes doing the same compute and optimizer step, no DDP). The configurations
-alternate A B C ... A B C ... over the repeats; medians are reported.
+(bench/baselines/plain_ddp.py), a plain RPC parameter server written the PyTorch RPC
+tutorial's way (bench/baselines/rpc_ps.py), and a no-communication run (plain_ddp.py
+--no-comm: the same processes doing the same compute and optimizer step, no DDP).
+`--runs` picks rows, among them `rpc-ps-async` (the RPC server's per-parameter async
+style, not run by default). The configurations alternate A B C ... A B C ... over the
+repeats; medians are reported.
 
 samples/s = total samples over the window in which every worker trains, after each
-one's warm-up steps (bench/common.py window_rate: a stall counts); the JSON also keeps
+one's warm-up steps (bench/lib/common.py steady_rate: a stall counts); the JSON also keeps
 `median_samples_per_sec` (each worker's samples per step / its median step time, added
 up: robust_rate, which hides stalls). Exposed communication per step, two ways: (1) median
 step time - the no-communication run's median step time, measured alongside (the same
@@ -32,6 +35,10 @@ plane >= 0.85x.
     python -m bench.step_throughput --quick --json   # 2 workers, 1 repeat
     python -m bench.step_throughput --quick --tls --repeats 3   # with the TLS rows
     python -m bench.step_throughput --tls-only   # no TLS, TLS records, sealed, gRPC TLS: 2 workers, 300 steps, 5 repeats
+    python -m bench.step_throughput --workers 2 --runs plain-ddp,psar-allreduce --repeats 8
+        # psar allreduce against plain DDP alone, 8 alternated pairs
+    python -m bench.step_throughput --workers 2 --runs plain-ddp,rpc-ps,rpc-ps-async,psar-ps-sync-1
+        # the torch RPC parameter servers, both styles
 """
 
 from __future__ import annotations
@@ -39,17 +46,20 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench import common as c
-from bench.allreduce_overhead import run_plain, run_psar
+from bench.lib import common as c
 
 CONFIGS = ("plain-ddp", "psar-allreduce", "psar-ps-sync-1", "psar-ps-sync-2",
            "psar-ps-sync-1-no-overlap", "psar-ps-sync-1-chunk-rounds",
            "psar-ps-sync-1-grpc", "rpc-ps")  # fmt: skip
+#: Rows `--runs` may add to the default ones.
+EXTRA_CONFIGS = ("rpc-ps-async",)
+NO_COMM = "no-comm"
 BASELINE = "plain-ddp"
 # Run folder prefix of each psar PS configuration (their step logs carry phases).
 PS_DIRS = {"psar-ps-sync-1": "ps1", "psar-ps-sync-2": "ps2",
@@ -79,8 +89,10 @@ def make_certs(d: Path) -> dict[str, str]:
                                        ("key", "server.key"))}  # fmt: skip
 
 
-def run_rpc(out: Path, workers: int, steps: int, timeout: float) -> c.Run:
-    py = [str(c.ROOT / "bench" / "rpc_ps_baseline.py"), "--steps", str(steps), "--out", str(out)]
+def run_rpc(out: Path, workers: int, steps: int, timeout: float, style: str = "tutorial") -> c.Run:
+    """bench/baselines/rpc_ps.py: rank 0 the server, `workers` trainers."""
+    py = [str(c.ROOT / "bench" / "baselines" / "rpc_ps.py"), "--style", style,
+          "--steps", str(steps), "--out", str(out)]  # fmt: skip
     return c.ddp_job(out, workers=workers + 1, py_args=py, timeout=timeout)
 
 
@@ -106,13 +118,25 @@ def phase_ms(out: Path) -> dict[str, float]:
 
 
 def measure(
-    out: Path, *, workers: int, steps: int, repeats: int, timeout: float, tls: bool = False
+    out: Path,
+    *,
+    workers: int,
+    steps: int,
+    repeats: int,
+    timeout: float,
+    tls: bool = False,
+    only: Sequence[str] | None = None,
 ) -> dict:
+    """Every configuration (`only`: these rows, no-comm among them or not), alternated."""
     d = out / f"w{workers}"
     runs = {
-        "no-comm": lambda i: run_plain(d / f"nocomm-{i}", workers, steps, timeout, local=True),
-        "plain-ddp": lambda i: run_plain(d / f"plain-{i}", workers, steps, timeout),
-        "psar-allreduce": lambda i: run_psar(d / f"allreduce-{i}", workers, steps, timeout),
+        "no-comm": lambda i: c.plain_ddp_job(
+            d / f"nocomm-{i}", workers, steps, timeout, local=True
+        ),
+        "plain-ddp": lambda i: c.plain_ddp_job(d / f"plain-{i}", workers, steps, timeout),
+        "psar-allreduce": lambda i: c.psar_allreduce_job(
+            d / f"allreduce-{i}", workers, steps, timeout
+        ),
         "psar-ps-sync-1": lambda i: run_ps(d / f"ps1-{i}", workers, 1, steps, timeout),
         "psar-ps-sync-2": lambda i: run_ps(d / f"ps2-{i}", workers, 2, steps, timeout),
         "psar-ps-sync-1-no-overlap": lambda i: run_ps(
@@ -125,7 +149,11 @@ def measure(
             d / f"ps1-grpc-{i}", workers, 1, steps, timeout, "--data-plane", "grpc"
         ),
         "rpc-ps": lambda i: run_rpc(d / f"rpc-{i}", workers, steps, timeout),
+        "rpc-ps-async": lambda i: run_rpc(d / f"rpca-{i}", workers, steps, timeout, "async"),
     }
+    chosen = [NO_COMM, *CONFIGS] if only is None else list(only)
+    chosen += ["psar-ps-sync-1"] if tls else []  # the TLS rows' baseline
+    runs = {k: v for k, v in runs.items() if k in chosen}
     if tls:
         pem = make_certs(out / "certs")
         on = ("--tls-cert", pem["cert"], "--tls-key", pem["key"])
@@ -140,14 +168,14 @@ def measure(
     got = c.alternate(runs, repeats)
     rate = {k: c.median([rate_of(r) for r in v]) for k, v in got.items()}
     step = {k: c.median([c.job_step_seconds(r) for r in v]) for k, v in got.items()}
-    compute = step["no-comm"]
+    compute = step.get(NO_COMM)
     rows = {}
-    for name in (*CONFIGS, *(TLS_CONFIGS if tls else ())):
+    for name in [k for k in (*CONFIGS, *EXTRA_CONFIGS, *TLS_CONFIGS) if k in got]:
         rows[name] = {
             "samples_per_sec": rate[name],
-            "ratio_to_plain_ddp": rate[name] / rate[BASELINE],
+            "ratio_to_plain_ddp": _ratio(rate[name], rate.get(BASELINE)),
             "step_ms": 1e3 * step[name],
-            "exposed_comm_ms": 1e3 * (step[name] - compute),
+            "exposed_comm_ms": None if compute is None else 1e3 * (step[name] - compute),
             "per_repeat_samples_per_sec": [rate_of(r) for r in got[name]],
             "median_samples_per_sec": c.median([c.robust_rate(r) for r in got[name]]),
         }
@@ -156,17 +184,23 @@ def measure(
             rows[name]["phase_ms"] = {
                 k: c.median([p[k] for p in phases if k in p]) for k in (*EXPOSED, "exposed")
             }
-            rows[name]["ratio_to_rpc"] = rate[name] / rate["rpc-ps"]
+            rows[name]["ratio_to_rpc"] = _ratio(rate[name], rate.get("rpc-ps"))
+            if "rpc-ps-async" in rate:
+                rows[name]["ratio_to_rpc_async"] = rate[name] / rate["rpc-ps-async"]
         if name in TLS_CONFIGS:
             rows[name]["ratio_to_ps_sync_1_no_tls"] = rate[name] / rate["psar-ps-sync-1"]
     return {"workers": workers, "steps": steps, "repeats": repeats,
-            "compute_ms_no_comm": 1e3 * compute, "no_comm_samples_per_sec": rate["no-comm"],
-            "runs": rows}  # fmt: skip
+            "compute_ms_no_comm": None if compute is None else 1e3 * compute,
+            "no_comm_samples_per_sec": rate.get(NO_COMM), "runs": rows}  # fmt: skip
+
+
+def _ratio(a: float, b: float | None) -> float | None:
+    return a / b if b else None
 
 
 def rate_of(run: c.Run) -> float:
     """Total samples / seconds over the window in which every worker trains."""
-    return c.window_rate(run, skip=c.warmup_steps(min(len(s.time) for s in run.series)))[0]
+    return c.steady_rate(run)[0]
 
 
 def measure_tls(out: Path, *, workers: int, steps: int, repeats: int, timeout: float) -> dict:
@@ -233,25 +267,21 @@ def tls_goals(results: list[dict]) -> dict:
 
 
 def goals(results: list[dict]) -> dict:
-    """Issue #10's goals, judged on the 2-worker results (if measured)."""
+    """Issue #10's goals, judged on the 2-worker results (those whose rows ran)."""
     two = [m for m in results if m["workers"] == 2]
     if not two:
         return {}
     runs = two[0]["runs"]
+    ps1, ar, tls = (runs.get(k, {}) for k in ("psar-ps-sync-1", "psar-allreduce",
+                                              "psar-ps-sync-1-tls"))  # fmt: skip
     got = {
-        "ps_sync_over_plain_ddp": runs["psar-ps-sync-1"]["ratio_to_plain_ddp"],
-        "ps_sync_over_rpc": runs["psar-ps-sync-1"]["ratio_to_rpc"],
-        "allreduce_over_plain_ddp": runs["psar-allreduce"]["ratio_to_plain_ddp"],
+        "ps_sync_over_plain_ddp": (ps1.get("ratio_to_plain_ddp"), 1.0),
+        "ps_sync_over_rpc": (ps1.get("ratio_to_rpc"), 1.3),
+        "allreduce_over_plain_ddp": (ar.get("ratio_to_plain_ddp"), 0.97),
+        "ps_sync_tls_over_no_tls": (tls.get("ratio_to_ps_sync_1_no_tls"), TLS_GOAL),
     }
-    want = {
-        "ps_sync_over_plain_ddp": 1.0,
-        "ps_sync_over_rpc": 1.3,
-        "allreduce_over_plain_ddp": 0.97,
-    }
-    if "psar-ps-sync-1-tls" in runs:
-        got["ps_sync_tls_over_no_tls"] = runs["psar-ps-sync-1-tls"]["ratio_to_ps_sync_1_no_tls"]
-        want["ps_sync_tls_over_no_tls"] = TLS_GOAL
-    return {k: {"measured": v, "goal": want[k], "met": v >= want[k]} for k, v in got.items()}
+    return {k: {"measured": v, "goal": goal, "met": v >= goal}
+            for k, (v, goal) in got.items() if v is not None}  # fmt: skip
 
 
 def table(doc: dict) -> str:
@@ -259,8 +289,10 @@ def table(doc: dict) -> str:
             "exposed comm ms/step", "blocked on push / wait / pull ms"]  # fmt: skip
     rows = []
     for m in doc["results"]:
-        rows.append([m["workers"], "no communication (compute only)", m["no_comm_samples_per_sec"],
-                     None, None, m["compute_ms_no_comm"], 0.0, None])  # fmt: skip
+        if m.get("no_comm_samples_per_sec") is not None:
+            rows.append([m["workers"], "no communication (compute only)",
+                         m["no_comm_samples_per_sec"], None, None, m["compute_ms_no_comm"], 0.0,
+                         None])  # fmt: skip
         for name, r in m["runs"].items():
             ph = r.get("phase_ms")
             split = " / ".join(c.fmt(ph[k]) for k in EXPOSED) if ph else None
@@ -292,7 +324,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tls", action="store_true", help="add the TLS rows (issue #18's ratio)")
     p.add_argument("--tls-only", action="store_true",
                    help="only ps-sync-1 without TLS and the TLS rows")  # fmt: skip
+    p.add_argument("--runs", default=None, metavar="ROW,...",
+                   help=f"only these rows (default: {NO_COMM},{','.join(CONFIGS)}; also "
+                   f"{','.join(EXTRA_CONFIGS)}); without {NO_COMM} no exposed-comm column")  # fmt: skip
     args = p.parse_args(argv)
+    only = None if args.runs is None else [r for r in args.runs.split(",") if r]
+    if only is not None and (bad := set(only) - {NO_COMM, *CONFIGS, *EXTRA_CONFIGS}):
+        p.error(f"--runs: unknown {sorted(bad)}; accepted: "
+                f"{', '.join([NO_COMM, *CONFIGS, *EXTRA_CONFIGS])}")  # fmt: skip
     c.install_sigterm()
     out = c.out_dir(args, "step_throughput")
     tls_ratio = args.tls_only and not args.quick
@@ -312,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     for n in workers:
         c.log(f"step_throughput: {n} workers")
         results.append(measure(out, workers=n, steps=steps, repeats=repeats,
-                               timeout=args.timeout, tls=args.tls))  # fmt: skip
+                               timeout=args.timeout, tls=args.tls, only=only))  # fmt: skip
     doc = {"baseline": BASELINE, "results": results, "goals": goals(results)}
     return c.finish(args, out, "step_throughput", doc, table(doc))
 

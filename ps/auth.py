@@ -134,7 +134,7 @@ class TokenClientInterceptor(
 
 class TokenServerInterceptor(grpc.aio.ServerInterceptor):
     """Refuses calls without the right bearer token (UNAUTHENTICATED), and counts them.
-    For the shard's grpc.aio server (ps/server/aio_host.py); the refusal is a coroutine,
+    For the shard's grpc.aio server (ps/server/doors/aio_host.py); the refusal is a coroutine,
     so a refused call never takes a handler thread."""
 
     def __init__(self, token: str, metrics: Any = None) -> None:

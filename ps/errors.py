@@ -1,7 +1,7 @@
 """Errors the shard logic raises; the servicer maps each to one gRPC status code.
 
 The plain classes in ps/ never import grpc status handling themselves: they raise
-these, and ps/server/servicer.py translates (thin servicers, logic testable without a socket).
+these, and ps/server/doors/servicer.py translates (thin servicers, logic testable without a socket).
 Every message says what was expected and what to do.
 """
 

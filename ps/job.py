@@ -1,24 +1,73 @@
-"""The job a shard serves, as plain Python (ps/serde.py converts it to and from the wire)."""
+"""The job a shard serves, and how its mode behaves, as plain Python (ps/serde.py converts
+them to and from the wire)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import re
 from dataclasses import dataclass, field
 
 from ps.partition import Slot
-from trainkit.choices import check_mode
+from trainkit.choices import DEFAULT_MODE, averages_buffers, local_sgd
 from trainkit.optim import LossScaleConfig, OptimizerConfig
 
 MAX_INT_BUFFER_ELEMENTS = 4096
 """Integer buffer elements a job may carry in its headers (counters are scalars)."""
+
+STALENESS = ("none", "versions", "bounded")
+BETWEEN_STEPS = ("pull", "local_steps")
+REJOIN = ("at_round_boundary", "at_once")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModeTraits:
+    """How a consistency mode behaves, as its shards tell the workers with the job (GetJob).
+
+    Workers and shards act on these, never on the mode's name: a mode (ps/server/modes/)
+    declares them next to its update rule."""
+
+    rounds: bool
+    """How updates happen: in rounds (True) that close when every live worker has pushed
+    once, the round's mean being one update, a round with an overflow anywhere skipped on
+    every shard; or (False) each push on its own, as it arrives."""
+    staleness: str
+    """What staleness means: none (every gradient is applied to the weights it was computed
+    from), versions (the shard's version at apply minus the version the worker pulled), or
+    bounded (versions, and a pull waits while its worker is more than the job's `staleness`
+    clocks ahead of the slowest live worker)."""
+    between_steps: str
+    """What a worker must do between steps: pull (the new weights after every push; the
+    pull waits as the mode says) or local_steps (take the job's `sync_every` inner steps
+    with its own optimizer, then push the pseudo-gradient and pull)."""
+    shard_owns_loss_scale: bool
+    """The shards own the dynamic loss scale (every pull carries it; a round with an
+    overflow is skipped everywhere, the scale backs off); else each worker keeps its own."""
+    rejoin: str
+    """Where a (re)joining worker enters: at_round_boundary (the next round boundary still
+    ahead, so every shard adds it at the same round) or at_once (its clock never moves back)."""
+
+    def __post_init__(self) -> None:
+        for name, accepted in (
+            ("staleness", STALENESS),
+            ("between_steps", BETWEEN_STEPS),
+            ("rejoin", REJOIN),
+        ):
+            if getattr(self, name) not in accepted:
+                raise ValueError(f"mode trait {name}: {getattr(self, name)!r} not in {accepted}")
+        if self.rejoin == "at_round_boundary" and not self.rounds:
+            raise ValueError("mode traits: joining at a round boundary needs rounds")
+
+
+_MODE_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 
 
 @dataclass(kw_only=True)
 class Job:
     """What the worker of rank 0 tells every shard at initialisation."""
 
-    mode: str = "sync"
-    """Consistency mode: sync | async | ssp | local."""
+    mode: str = DEFAULT_MODE
+    """Consistency mode: a mode the shards serve (ps/server/modes/; --mode's choices)."""
     staleness: int = 0
     """SSP bound S: no worker runs more than S clocks ahead of the slowest live worker."""
     num_workers: int = 1
@@ -41,7 +90,7 @@ class Job:
 
     staleness_lr: bool = False
     """async/ssp: apply a gradient `staleness` updates old with lr / (1 + staleness)
-    (Zhang et al., "Staleness-aware Async-SGD", IJCAI 2016; ps/server/staleness.py)."""
+    (Zhang et al., "Staleness-aware Async-SGD", IJCAI 2016; ps/server/modes/staleness.py)."""
     delay_compensation: float = 0.0
     """async/ssp: DC-ASGD's lambda (Zheng et al., ICML 2017): each gradient g is applied as
     g + lambda * g * g * (w_now - w_base); 0 disables it."""
@@ -66,11 +115,36 @@ class Job:
     """Shard 0 only: the model's integer buffers (name, numel), e.g. BatchNorm's
     num_batches_tracked. Exact values travel in push and pull headers; the shard keeps rank
     0's (DDP's broadcast). At most MAX_INT_BUFFER_ELEMENTS elements in all."""
+    chunk_rounds: bool = False
+    """Rounds applied slot by slot: a shard steps each slot as soon as every worker's piece
+    of it is in, while later slots still stream (same bits as whole rounds). Rank 0 decides
+    it for the job (it follows --early-pull); a shard whose mode has no such rounds refuses
+    the job, naming why."""
+    early_pull: bool = False
+    """Every worker asks each step's pull while its push still streams, so a slot comes
+    back as soon as it is applied (needs chunk_rounds). Rank 0 decides it for the job;
+    the other workers follow the job they find on the shards."""
+    mode_options: dict[str, float] = field(default_factory=dict)
+    """The knobs of a mode that has no field of its own above (a mode added as one
+    module: its configuration reads them, ps/server/modes/); empty for the built-in ones."""
+    traits: ModeTraits | None = field(default=None, compare=False)
+    """How the serving shard's mode behaves: set on the job a shard installed (and sends
+    back with GetJob), None on one a worker built. Not part of the job's identity."""
+
+    def served(self, traits: ModeTraits) -> Job:
+        """This job as a shard of a mode with `traits` holds it: with those traits, and
+        without a loss-scale configuration where the shards do not own the loss scale
+        (each worker keeps its own). Shards install it; workers compare with it."""
+        ls = self.loss_scale if traits.shard_owns_loss_scale else LossScaleConfig()
+        return dataclasses.replace(self, loss_scale=ls, traits=traits)
 
     def __post_init__(self) -> None:
-        check_mode(self.mode)
+        if not isinstance(self.mode, str) or not _MODE_NAME.match(self.mode):
+            raise ValueError(
+                f"mode {self.mode!r}: a mode's name is lower case letters, digits and _"
+            )
         self.buffer_slots = tuple(self.buffer_slots)
-        if self.buffers_average and self.mode != "sync":
+        if self.buffers_average and not averages_buffers(self.mode):
             raise ValueError(f"--buffers average needs --mode sync, not {self.mode}")
         if not 0.0 <= self.delay_compensation < math.inf:
             raise ValueError(
@@ -89,7 +163,7 @@ class Job:
             )
         if self.num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {self.num_workers}")
-        if (self.sync_every >= 1) != (self.mode == "local"):
+        if (self.sync_every >= 1) != local_sgd(self.mode):
             raise ValueError(
                 f"--sync-every {self.sync_every} with --mode {self.mode}: --mode local needs "
                 "--sync-every H >= 1, and only --mode local takes it"
@@ -113,3 +187,9 @@ class Job:
                 f"integer buffers hold more than {MAX_INT_BUFFER_ELEMENTS} elements; they "
                 "travel in headers (larger ones stay each worker's own)"
             )
+        if self.early_pull and not self.chunk_rounds:
+            raise ValueError("a job with early pulls needs chunk_rounds (slots applied early)")
+        self.mode_options = {str(k): float(v) for k, v in self.mode_options.items()}
+        bad = [k for k, v in self.mode_options.items() if not math.isfinite(v)]
+        if bad:
+            raise ValueError(f"mode options {bad}: each must be a finite number")

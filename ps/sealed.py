@@ -7,7 +7,7 @@ AES-NI) costs about 0.2 s/GB. This module keeps TLS for what TLS is for (certifi
 mutual TLS, the token in the hello, agreeing fresh keys) and then carries the
 connection's bytes in large AES-128-GCM records.
 
-How a connection gets here (ps/client/tcp_transport.py, ps/server/dataplane_conn.py):
+How a connection gets here (ps/client/tcp_transport.py, ps/server/doors/dataplane_conn.py):
 
 1. TLS handshake, as before (the same --tls-cert/--tls-key/--tls-ca as gRPC).
 2. Inside TLS the worker's hello carries 32 random bytes (`seal_share`); the shard's OK

@@ -15,13 +15,56 @@ from ps import wire
 from ps._gen.psar.v1 import ps_pb2 as pb
 from ps.errors import InvalidArgument, quote
 from ps.headers import PullHeader, PushHeader, PushOutcome
-from ps.job import Job
+from ps.job import Job, ModeTraits
 from ps.partition import Slot
 from ps.sparse_spec import TableSpec
 from trainkit.optim import LossScaleConfig, OptimizerConfig
 
-_MODE_TO_PB = {"sync": pb.SYNC, "async": pb.ASYNC, "ssp": pb.SSP, "local": pb.LOCAL}
-_MODE_FROM_PB = {v: k for k, v in _MODE_TO_PB.items()}
+# A mode travels as its Mode enum value (the name in capitals) where the enum has one, else
+# as mode_name (a mode registered as a module of its own, ps/server/modes/).
+_MODE_ENUM = {pb.Mode.Name(v).lower(): v for v in pb.Mode.values() if v != pb.MODE_UNSPECIFIED}
+_MODE_NAMES = {v: k for k, v in _MODE_ENUM.items()}
+
+
+def mode_to_pb(mode: str) -> tuple[int, str]:
+    """(Mode enum value, mode_name) of a mode name: one of the two is set."""
+    value = _MODE_ENUM.get(mode)
+    return (value, "") if value is not None else (pb.MODE_UNSPECIFIED, mode)
+
+
+def mode_from_pb(value: int, name: str) -> str:
+    if value in _MODE_NAMES:
+        return _MODE_NAMES[value]
+    if value == pb.MODE_UNSPECIFIED and name:
+        return name
+    known = ", ".join(pb.Mode.Name(v) for v in _MODE_NAMES)
+    raise InvalidArgument(
+        f"job mode enum {value} unknown (and no mode_name); use {known}, or name the mode"
+    )
+
+
+def traits_to_pb(t: ModeTraits) -> pb.ModeTraits:
+    return pb.ModeTraits(
+        rounds=t.rounds,
+        staleness=pb.ModeTraits.Staleness.Value(t.staleness.upper()),
+        between_steps=pb.ModeTraits.BetweenSteps.Value(t.between_steps.upper()),
+        shard_owns_loss_scale=t.shard_owns_loss_scale,
+        rejoin=pb.ModeTraits.Rejoin.Value(t.rejoin.upper()),
+    )
+
+
+def traits_from_pb(m: pb.ModeTraits) -> ModeTraits:
+    """The traits a shard sent; unknown or unspecified enum values are refused."""
+    try:
+        return ModeTraits(
+            rounds=m.rounds,
+            staleness=pb.ModeTraits.Staleness.Name(m.staleness).lower(),
+            between_steps=pb.ModeTraits.BetweenSteps.Name(m.between_steps).lower(),
+            shard_owns_loss_scale=m.shard_owns_loss_scale,
+            rejoin=pb.ModeTraits.Rejoin.Name(m.rejoin).lower(),
+        )
+    except ValueError as e:
+        raise InvalidArgument(f"mode traits from the shard: {e}", reason="malformed") from None
 
 
 def dtype_to_pb(dtype: torch.dtype) -> int:
@@ -93,8 +136,12 @@ def _fields_of(cls: type, msg: object) -> dict[str, object]:
 
 def job_to_pb(job: Job) -> pb.JobSpec:
     o, ls = job.optimizer, job.loss_scale
+    mode, mode_name = mode_to_pb(job.mode)
     return pb.JobSpec(
-        mode=_MODE_TO_PB[job.mode],
+        mode=mode,
+        mode_name=mode_name,
+        mode_options=job.mode_options,
+        traits=traits_to_pb(job.traits) if job.traits is not None else None,
         staleness=job.staleness,
         num_workers=job.num_workers,
         # The proto messages mirror the dataclasses field for field (tests/test_serde.py).
@@ -115,19 +162,21 @@ def job_to_pb(job: Job) -> pb.JobSpec:
         momentum_correction=job.momentum_correction,
         staleness_lr_power=job.staleness_lr_power,
         dc_adaptive=job.dc_adaptive,
+        chunk_rounds=job.chunk_rounds,
+        early_pull=job.early_pull,
     )
 
 
 def job_from_pb(spec: pb.JobSpec) -> Job:
     """A validated Job; a malformed spec raises InvalidArgument naming the problem."""
-    if spec.mode not in _MODE_FROM_PB:
-        raise InvalidArgument(f"job mode enum {spec.mode} unknown; use SYNC, ASYNC, SSP or LOCAL")
+    mode = mode_from_pb(spec.mode, spec.mode_name)
+    traits = traits_from_pb(spec.traits) if spec.HasField("traits") else None
     o, ls = spec.optimizer, spec.loss_scale
     check_finite_fields("optimizer", o, [f.name for f in dataclasses.fields(OptimizerConfig)])
     check_finite_fields("loss_scale", ls, [f.name for f in dataclasses.fields(LossScaleConfig)])
     try:
         return Job(
-            mode=_MODE_FROM_PB[spec.mode],
+            mode=mode,
             staleness=spec.staleness,
             num_workers=spec.num_workers,
             optimizer=OptimizerConfig(**_fields_of(OptimizerConfig, o)),
@@ -146,6 +195,10 @@ def job_from_pb(spec: pb.JobSpec) -> Job:
             # A spec without the field (written before it existed) reads 0: the default 1.
             staleness_lr_power=spec.staleness_lr_power or 1.0,
             dc_adaptive=spec.dc_adaptive,
+            mode_options=dict(spec.mode_options),
+            traits=traits,
+            chunk_rounds=spec.chunk_rounds,
+            early_pull=spec.early_pull,
         )
     except ValueError as e:
         raise InvalidArgument(f"invalid job spec: {e}", reason="malformed") from None

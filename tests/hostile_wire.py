@@ -17,7 +17,7 @@ from google.protobuf.message import DecodeError
 from ps import framing as fr
 from ps._gen.psar.v1 import ps_pb2 as pb
 from ps.errors import PSError
-from ps.server.servicer import PushCall
+from ps.server.doors.calls import PushCall
 from ps.server.shard import ShardState
 
 MAX_MESSAGE = 1 << 20

@@ -19,14 +19,14 @@ import pytest
 import torch
 
 from ps.errors import FailedPrecondition, InvalidArgument, Unavailable
-from ps.server import checkpoint
-from ps.server.checkpoint import CheckpointManager, list_checkpoints
-from ps.server.membership import TooLate
+from ps.server.durability.checkpoints import CheckpointManager, list_checkpoints
+from ps.server.membership.membership import TooLate
+from ps.server.metrics.recorder import NullShardRecorder
+from ps.server.modes import Modes
 from ps.server.shard import ShardState
-from ps.server.sparse_shard import RowPush, SparseTables
+from ps.server.sparse.tables import RowPush, SparseTables
 from ps.sparse_spec import TableSpec
 from tests.ps_fixtures import grad_for, init_values, pull, push, weights_digest
-from trainkit.nullmetrics import NullMetrics
 
 
 @dataclass(frozen=True)
@@ -35,17 +35,20 @@ class Promises:
     """Updates come in rounds every live worker joins: see UpdatePolicy.rounds."""
     pull_wait: str | None
     """The ShardMetrics method a released pull's wait goes to (None: not recorded)."""
+    shard_loss_scale: bool = False
+    """The shard owns the job's loss scale (it backs off on a skipped round)."""
 
 
 PROMISES = {
-    "sync": Promises(rounds=True, pull_wait="barrier_wait"),
+    "sync": Promises(rounds=True, pull_wait="barrier_wait", shard_loss_scale=True),
     "async": Promises(rounds=False, pull_wait=None),
     "ssp": Promises(rounds=False, pull_wait="ssp_wait"),
-    "local": Promises(rounds=True, pull_wait="barrier_wait"),  # sync rounds of pseudo-gradients
+    # sync rounds of pseudo-gradients; the workers keep the loss scale of their inner steps
+    "local": Promises(rounds=True, pull_wait="barrier_wait"),
 }
 
 
-class WaitRecorder(NullMetrics):
+class WaitRecorder(NullShardRecorder):
     """Metrics that remember which pull-wait series was observed."""
 
     def __init__(self) -> None:
@@ -63,6 +66,7 @@ class DecisionContract:
 
     mode: str
     chunk_rounds: bool
+    modes: Modes
     job: Any
     setup: Any
     new_state: Any
@@ -70,12 +74,15 @@ class DecisionContract:
 
     @property
     def promises(self) -> Promises:
+        """What the suite's mode promises (a mode of one's own overrides this)."""
         return PROMISES[self.mode]
 
     def _with_checkpoints(self, tmp_path: Path, **kw: Any) -> tuple[ShardState, Any]:
         job = self.job("sgd")
         st = ShardState(
-            checkpoints=CheckpointManager(tmp_path, **kw), chunk_rounds=self.chunk_rounds
+            modes=self.modes,
+            checkpoints=CheckpointManager(tmp_path, **kw),
+            chunk_rounds=self.chunk_rounds,
         )
         st.init(job, init_values(job))
         return st, job
@@ -85,7 +92,7 @@ class DecisionContract:
         self.push_clock(st, job, 1)
         n = job.num_workers
         assert (st.rounds, st.version) == ((1, 1) if self.promises.rounds else (0, n))
-        assert st.policy.rounds == self.promises.rounds
+        assert st.traits.rounds == self.promises.rounds
 
     def test_checkpoints_are_numbered_and_placed_as_the_mode_says(self, tmp_path: Path) -> None:
         st, job = self._with_checkpoints(tmp_path, every=2)
@@ -94,22 +101,24 @@ class DecisionContract:
         for w in sorted(st.live):  # worker 0 overflows: sync skips the round, async drops it
             g = None if w == 0 else grad_for(job, w, 2)
             push(st, worker=w, clock=2, base_version=base, grads=g, overflow=w == 0)
-        step = st.checkpoint_step
+        step = st.durability.checkpoint_step
         assert step == (st.rounds if self.promises.rounds else st.version)
         if self.promises.rounds:
             assert (st.rounds, st.version) == (2, 1)  # the skipped round is counted
         st.checkpoints.flush()
         assert [s for s, _ in list_checkpoints(tmp_path, 0)] == list(range(0, step + 1, 2))
         # Off the grid (interval timer): only where checkpoints need not line up.
-        assert st.checkpoint_now("interval") is (not self.promises.rounds)
-        assert st.checkpoint_now("shutdown", wait=True) is True  # the final one: always
+        assert st.durability.checkpoint_now("interval") is (not self.promises.rounds)
+        assert st.durability.checkpoint_now("shutdown", wait=True) is True  # the final one: always
         st.checkpoints.close()
 
     def test_rollback_only_in_rounds(self, opt: str, tmp_path: Path) -> None:
         job = self.job(opt)
         values = init_values(job)
         st = ShardState(
-            checkpoints=CheckpointManager(tmp_path, every=1), chunk_rounds=self.chunk_rounds
+            modes=self.modes,
+            checkpoints=CheckpointManager(tmp_path, every=1),
+            chunk_rounds=self.chunk_rounds,
         )
         st.init(job, values)
         for clock in (1, 2):
@@ -118,10 +127,12 @@ class DecisionContract:
         if not self.promises.rounds:
             before = st.state_digest()
             with pytest.raises(FailedPrecondition, match="sync mode only"):
-                st.rollback(1)
+                st.durability.rollback(1)
             assert st.state_digest() == before
         else:
-            assert st.rollback(1)["rolled_back"] and st.rounds == 1 and st.restored_pending
+            assert (
+                st.durability.rollback(1)["rolled_back"] and st.rounds == 1 and st.restored_pending
+            )
             once = self.new_state(job, values)
             self.push_clock(once, job, 1)
             assert weights_digest(st) == weights_digest(once)
@@ -130,12 +141,12 @@ class DecisionContract:
     def test_a_restored_shard_asks_its_peers_to_follow_only_in_rounds(self, opt: str) -> None:
         st, job, _ = self.setup(opt)
         self.push_clock(st, job, 1)
-        with st._cond:
-            snap = checkpoint.snapshot(st)
-        back = ShardState(chunk_rounds=self.chunk_rounds)
-        back.restore(st.checkpoint_step, snap)
+        with st.cond:
+            snap = st.durability.snapshot()
+        back = ShardState(modes=self.modes, chunk_rounds=self.chunk_rounds)
+        back.durability.restore(st.durability.checkpoint_step, snap)
         assert back.restored_pending is self.promises.rounds
-        assert back.register(0, 1, query=True)["restored"] is self.promises.rounds
+        assert back.members.register(0, 1, query=True)["restored"] is self.promises.rounds
         assert back.state_digest() == st.state_digest()
 
     def test_a_rejoining_worker_enters_where_the_mode_says(self) -> None:
@@ -144,15 +155,15 @@ class DecisionContract:
             self.push_clock(st, job, clock)
         if self.promises.rounds:  # only at a round boundary still ahead
             with pytest.raises(TooLate):
-                st.register(0, 1)
-            assert st.register(0, 2)["live"]
+                st.members.register(0, 1)
+            assert st.members.register(0, 2)["live"]
         else:  # at once, never moving its clock back
-            reply = st.register(0, 1)
+            reply = st.members.register(0, 1)
             assert reply["live"] and reply["clock"] == 2
 
     def test_a_pull_wait_is_recorded_as_the_mode_says(self) -> None:
         job = self.job("sgd")
-        st = ShardState(metrics=WaitRecorder(), chunk_rounds=self.chunk_rounds)
+        st = ShardState(modes=self.modes, metrics=WaitRecorder(), chunk_rounds=self.chunk_rounds)
         st.init(job, init_values(job))
         self.push_clock(st, job, 1)
         pull(st, 0, 1, timeout=1.0)
@@ -161,10 +172,10 @@ class DecisionContract:
 
     def test_pull_views_only_where_weights_stand_still(self) -> None:
         st, job, _ = self.setup("sgd")
-        _, pieces = st.pull(0, 0, torch.float32, 1.0, views=True)
+        _, pieces = st.pulls.pull(0, 0, torch.float32, 1.0, views=True)
         kinds = {type(data) for _, _, data in pieces}
         assert kinds == ({memoryview} if self.promises.rounds else {bytes})
-        _, pieces = st.pull(0, 0, torch.bfloat16, 1.0, views=True)  # never views of a cast
+        _, pieces = st.pulls.pull(0, 0, torch.bfloat16, 1.0, views=True)  # never views of a cast
         assert {type(data) for _, _, data in pieces} == {bytes}
 
     def test_unflagged_nonfinite_is_refused_in_rounds_dropped_otherwise(self) -> None:
@@ -183,17 +194,17 @@ class DecisionContract:
     def test_draining_lets_only_the_round_in_flight_finish(self) -> None:
         st, job, _ = self.setup("sgd")
         push(st, worker=0, clock=1, base_version=0, grads=grad_for(job, 0, 1))
-        assert st.round_in_flight is self.promises.rounds
-        st.drain()
+        assert st.durability.round_in_flight is self.promises.rounds
+        st.durability.drain()
         if self.promises.rounds:
             for w in range(1, job.num_workers):
                 push(st, worker=w, clock=1, base_version=0, grads=grad_for(job, w, 1))
-            assert st.rounds == 1 and not st.round_in_flight
-            assert st.wait_drained(0.0)
+            assert st.rounds == 1 and not st.durability.round_in_flight
+            assert st.durability.wait_drained(0.0)
         else:
             with pytest.raises(Unavailable, match="draining"):
                 push(st, worker=1, clock=1, base_version=1, grads=grad_for(job, 1, 1))
-            assert st.wait_drained(0.0)
+            assert st.durability.wait_drained(0.0)
 
     def test_sparse_rows_follow_the_policy(self) -> None:
         st, job, _ = self.setup("sgd")

@@ -24,6 +24,7 @@ from ps.headers import PullHeader, PushHeader
 from ps.job import Job
 from ps.partition import Slot, plan_slots
 from ps.server.config import ServerConfig
+from ps.server.modes import BUILTIN, Modes
 from ps.server.serve import start_server, stop_server
 from ps.server.shard import ShardState
 from trainkit.optim import LossScaleConfig, OptimizerConfig, build_optimizer
@@ -33,6 +34,8 @@ from trainkit.optim import LossScaleConfig, OptimizerConfig, build_optimizer
 PARAMS: list[tuple[str, int]] = [("w", 12), ("b", 5)]
 CHUNK_BYTES = 32
 MODES = ("sync", "async", "ssp")
+APPLIED_ALONE = ("async", "ssp", "drop_stale")
+"""Modes whose shards apply each push on its own (tests/drop_stale_mode.py's too)."""
 OPTIMIZERS = ("sgd", "adamw")
 
 
@@ -65,6 +68,9 @@ def make_job(
     num_shards: int = 1,
     job_id: str = "test",
     sync_every: int | None = None,
+    mode_options: dict[str, float] | None = None,
+    chunk_rounds: bool = False,
+    early_pull: bool = False,
 ) -> Job:
     opt = optimizer if isinstance(optimizer, OptimizerConfig) else optimizer_config(optimizer)
     if sync_every is None:  # --mode local needs H; the shard's behaviour does not depend on it
@@ -80,6 +86,9 @@ def make_job(
         slots=slots if slots is not None else make_slots(),
         job_id=job_id,
         sync_every=sync_every,
+        mode_options=mode_options or {},
+        chunk_rounds=chunk_rounds,
+        early_pull=early_pull,
     )
 
 
@@ -89,9 +98,13 @@ def init_values(job: Job, seed: int = 0) -> dict[str, torch.Tensor]:
 
 
 def make_state(
-    job: Job, values: dict[str, torch.Tensor] | None = None, *, chunk_rounds: bool = False
+    job: Job,
+    values: dict[str, torch.Tensor] | None = None,
+    *,
+    chunk_rounds: bool = False,
+    modes: Modes = BUILTIN,
 ) -> ShardState:
-    st = ShardState(chunk_rounds=chunk_rounds)
+    st = ShardState(chunk_rounds=chunk_rounds, modes=modes)
     st.init(job, values if values is not None else init_values(job))
     return st
 
@@ -130,7 +143,7 @@ def push(
         overflow=overflow,
         retry=retry,
     )
-    ticket = st.begin_push(header, lock_timeout=5.0)
+    ticket = st.intake.begin_push(header, lock_timeout=5.0)
     try:
         if not overflow:
             assert grads is not None, "a push without overflow needs gradients"
@@ -140,8 +153,8 @@ def push(
                     continue
                 flat = t.detach().to(dtype).reshape(-1).contiguous()
                 for off, data in wire.iter_pieces(flat, piece_elems * itemsize):
-                    st.add_data(ticket, key, off, data)
-        return st.finish_push(ticket)
+                    st.intake.add_data(ticket, key, off, data)
+        return st.intake.finish_push(ticket)
     finally:
         ticket.release()
 
@@ -155,7 +168,7 @@ def pull(
     dtype: torch.dtype = torch.float32,
 ) -> tuple[PullHeader, dict[str, torch.Tensor]]:
     """A pull, reassembled into flat fp32-or-`dtype` tensors keyed by slot."""
-    header, pieces = st.pull(worker, clock, dtype, timeout)
+    header, pieces = st.pulls.pull(worker, clock, dtype, timeout)
     out = {key: torch.empty(n, dtype=dtype) for key, n in st.numel.items()}
     for key, off, data in pieces:
         src = wire.decode(data, dtype)
@@ -217,7 +230,7 @@ def applied_optimizer(job: Job) -> OptimizerConfig:
     (docs/architectures.md): momentum (AdamW: beta1) minus 1 - 1/N, floored at 0, where
     N > 1 workers push alone; written out here, not taken from the shard's code."""
     cfg = job.optimizer
-    if job.mode not in ("async", "ssp") or not job.momentum_correction or job.num_workers < 2:
+    if job.mode not in APPLIED_ALONE or not job.momentum_correction or job.num_workers < 2:
         return cfg
     implicit = 1.0 - 1.0 / job.num_workers
     if cfg.name == "adamw":

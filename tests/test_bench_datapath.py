@@ -1,4 +1,4 @@
-"""Smoke runs of bench/ps_datapath.py and bench/baselines.py: they run end to end
+"""Smoke runs of bench/ps_datapath.py and bench/baselines/tcp.py: they run end to end
 and print the JSON they promise. No timing is asserted (CI machines are noisy)."""
 
 from __future__ import annotations
@@ -26,12 +26,15 @@ def _run(args: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.slow  # CI's slow stage runs it; the default run stays under 10 min
-def test_ps_datapath_quick_json_schema() -> None:
+def test_ps_datapath_quick_json_schema(tmp_path: Path) -> None:
     proc = _run(
-        ["-m", "bench.ps_datapath", "--quick", "--sizes", "1", "--shards", "1,2", "--json"],
+        ["-m", "bench.ps_datapath", "--quick", "--sizes", "1", "--shards", "1,2", "--json",
+         "--out", str(tmp_path)],
         timeout=240,
-    )
-    rows = json.loads(proc.stdout)
+    )  # fmt: skip
+    doc = json.loads(proc.stdout)
+    assert doc["benchmark"] == "ps_datapath" and (tmp_path / "ps_datapath.json").exists()
+    rows = doc["results"]
     assert isinstance(rows, list)
     assert [(r["payload_mib"], r["shards"], r["transport"]) for r in rows] == [
         (1.0, 1, "grpc"),
@@ -49,14 +52,18 @@ def test_ps_datapath_quick_json_schema() -> None:
         assert r["repeats"] >= 1
 
 
-def test_ps_datapath_table_and_bad_flags() -> None:
+def test_ps_datapath_table_and_bad_flags(tmp_path: Path) -> None:
     proc = _run(
-        [str(ROOT / "bench" / "ps_datapath.py"), "--quick", "--sizes", "0.25", "--shards", "1"],
+        [str(ROOT / "bench" / "ps_datapath.py"), "--quick", "--sizes", "0.25", "--shards", "1",
+         "--out", str(tmp_path)],
         timeout=240,
-    )
+    )  # fmt: skip
     lines = proc.stdout.strip().splitlines()
-    assert "GB/s" in lines[1] and "x TCP" in lines[1]
-    assert lines[2].split()[:2] == ["0.25", "1"]
+    assert lines[0] == "## PS data path"
+    assert "push+pull GB/s" in lines[2] and "x raw TCP" in lines[2]
+    assert [x.strip() for x in lines[4].split("|")[1:4]] == ["0.25", "1", "grpc"]
+    # the shards' own logs, one folder per (size, shards)
+    assert (tmp_path / "0.25mib-1shards" / "shard0.log").exists()
 
     bad = subprocess.run(
         [sys.executable, "-m", "bench.ps_datapath", "--shards", "0"],
@@ -69,9 +76,7 @@ def test_ps_datapath_table_and_bad_flags() -> None:
 
 
 def test_tcp_baseline_json() -> None:
-    proc = _run(
-        [str(ROOT / "bench" / "baselines.py"), "--sizes", "1", "--repeats", "1", "--json"],
-        timeout=60,
-    )
+    proc = _run(["-m", "bench.baselines.tcp", "--sizes", "1", "--repeats", "1", "--json"],
+                timeout=60)  # fmt: skip
     (row,) = json.loads(proc.stdout)
     assert row["payload_mib"] == 1.0 and row["tcp_gbps"] > 0

@@ -68,13 +68,13 @@ def test_hooks_average_gradients_in_a_real_gloo_group(dtype: torch.dtype) -> Non
 
 
 def test_the_rpc_baseline_refuses_an_unknown_transport_by_name() -> None:
-    # Its default is TensorPipe's uv transport (bench/rpc_ps_baseline.py says why); a bad
+    # Its default is TensorPipe's uv transport (bench/baselines/rpc_ps.py says why); a bad
     # --transports or --style is refused before any process group or RPC starts.
     import subprocess
     import sys
     from pathlib import Path
 
-    script = Path(__file__).resolve().parent.parent / "bench" / "rpc_ps_baseline.py"
+    script = Path(__file__).resolve().parent.parent / "bench" / "baselines" / "rpc_ps.py"
     for flag, value in (("--transports", "carrier-pigeon"), ("--style", "fast")):
         p = subprocess.run([sys.executable, str(script), flag, value], capture_output=True,
                            text=True, timeout=120)  # fmt: skip

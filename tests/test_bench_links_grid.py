@@ -1,4 +1,4 @@
-"""bench/links_grid.py (issue #19's crossover): the window rate after warm-up, the grid,
+"""bench/lib/grid.py (issue #19's crossover, `python -m bench.links --grid`): the window rate after warm-up, the grid,
 each cell's arithmetic against `psar plan` itself, the table, and (slow) a real run of
 the small grid on network namespaces. No test asserts a time or a ratio of a real run."""
 
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from bench import common as c
-from bench import links_grid as g
+from bench.lib import common as c
+from bench.lib import grid as g
 from worker.plan_model import PlanInputs, plan
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -114,7 +114,7 @@ def test_cells_check_measured_rates_against_psar_plan() -> None:
     assert push_then_pull[2]["plan_winner"] == "allreduce"
     assert g.ps_flags(True) == (["--chunk-rounds"], ["--early-pull"]) and g.ps_flags(False) == (
         [],
-        [],
+        ["--no-early-pull"],
     )
     assert g.shard_counts(4, "4") == [4] and g.shard_counts(8, "0,8") == [0, 8]
     doc = {"grid": "small", "steps": 5, "compute_ms": 30.0, "batch": g.BATCH,
@@ -221,7 +221,7 @@ def test_cpu_rate_cli_says_what_is_missing() -> None:
 
 @pytest.mark.slow
 def test_cpu_rate_cli_measures_a_users_workload() -> None:
-    flags = "--workload mlp --batch-size 32 --threads 1 --log-every 0 --eval-batches 0"
+    flags = "--workload mlp --batch-size 32 --torch-threads 1 --log-every 0 --eval-batches 0"
     p = subprocess.run([sys.executable, "-m", "bench.cpu_rate", "--no-rates", "--worker-train",
                         flags], cwd=ROOT, capture_output=True, text=True, timeout=600)  # fmt: skip
     assert p.returncode == 0, p.stderr[-3000:]
@@ -244,3 +244,15 @@ def test_cpu_rates_are_measured_on_two_hosts() -> None:
     assert p.returncode == 0, p.stderr[-3000:]
     doc = json.loads(p.stdout)
     assert doc["ps_bytes_per_cpu_second"] > 1e7 and doc["allreduce_bytes_per_cpu_second"] > 1e7
+
+
+def test_a_congestion_control_namespaces_may_not_use_is_a_reason_to_skip(tmp_path: Path) -> None:
+    allowed = tmp_path / "tcp_allowed_congestion_control"
+    allowed.write_text("reno bbr\n")
+    why = g.congestion_unavailable("cubic", allowed)
+    assert "may use only reno bbr" in why and "--congestion system" in why
+    assert 'tcp_allowed_congestion_control="reno bbr cubic"' in why
+    assert g.congestion_unavailable("bbr", allowed) is None
+    assert g.congestion_unavailable("system", allowed) is None
+    assert g.congestion_unavailable(g.system_congestion(), allowed) is None  # always allowed
+    assert g.congestion_unavailable("cubic", tmp_path / "absent") is None  # sysctl will say

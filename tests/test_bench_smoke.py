@@ -1,5 +1,6 @@
-"""bench/: the arithmetic on synthetic step logs, the tables, and tiny real runs of each
-benchmark's --json path (schemas only: no test asserts a time or a ratio)."""
+"""bench/: the arithmetic on synthetic step logs, the suite's tables and goals, and tiny
+real runs of each benchmark's --json path (schemas only: no test asserts a time or a
+ratio)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from bench import common as c
-from bench import run_all, stragglers
+from bench import stragglers
+from bench.lib import common as c
+from bench.lib import suite
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -64,24 +66,29 @@ def test_tables_render_and_goals_are_read(tmp_path: Path) -> None:
                 {"payload_mib": 16, "shards": 1, "gbps": 1.0, "tcp_gbps": 2.0, "ratio_to_tcp": 0.5}
             ]
         },  # fmt: skip
-        "allreduce_overhead": {"ratio": 0.97, "goal_met": True},
+        "step_throughput": {
+            "goals": {"allreduce_over_plain_ddp": {"measured": 0.98, "goal": 0.97, "met": True}}
+        },
         "stragglers": {"workers": 8, "slow_factor": 3.0, "async_over_sync": 2.6, "goal_met": True},
         "links": {"cases": [{"step_ratio": 1.2}], "all_within_30pct": True},
     }
-    lines = run_all.goals(docs)
+    lines = suite.goals(docs)
     assert len(lines) == 4 and all("**met**" in ln for ln in lines)
-    assert "PS data path" in run_all.table_of("ps_datapath", docs["ps_datapath"])
-    readme = tmp_path / "README.md"
-    readme.write_text("# Benchmarks\n\n## PS data path\n\nkeep me\n")
-    run_all.update_readme("first", readme)
-    run_all.update_readme("second", readme)
-    text = readme.read_text()
-    assert "keep me" in text and "second" in text and "first" not in text
-    assert text.count(run_all.MARK_START) == 1
+    assert "PS data path" in suite.table_of("ps_datapath", docs["ps_datapath"])
+    assert "Skipped: no netns" in suite.table_of("links", {"skipped": "no netns"})
+    results = tmp_path / "results.md"
+    results.write_text(f"# Results\n\n## Suite runs\n\n{suite.MARK}\n\n## Older\n\nkeep me\n")
+    suite.record("## first run\n\n### Goals\n\n- a", results)
+    suite.record("## second run\n\n### Goals\n\n- b", results)
+    text = results.read_text()
+    assert text.count(suite.MARK) == 1 and "keep me" in text
+    # newest first, under the marker, one heading level down
+    assert text.index("### second run") < text.index("### first run") < text.index("keep me")
+    assert "#### Goals" in text
 
 
-def _bench(name: str, *args: str, timeout: float = 600) -> dict:
-    p = subprocess.run([sys.executable, "-m", f"bench.{name}", "--json", *args], cwd=ROOT,
+def _bench(module: str, *args: str, timeout: float = 600) -> dict:
+    p = subprocess.run([sys.executable, "-m", module, "--json", *args], cwd=ROOT,
                        capture_output=True, text=True, timeout=timeout)  # fmt: skip
     assert p.returncode == 0, p.stderr[-3000:]
     return json.loads(p.stdout)
@@ -89,7 +96,7 @@ def _bench(name: str, *args: str, timeout: float = 600) -> dict:
 
 @pytest.mark.slow
 def test_stragglers_json_schema(tmp_path: Path) -> None:
-    doc = _bench("stragglers", "--workers", "2", "--slow-factor", "2", "--steps", "5",
+    doc = _bench("bench.stragglers", "--workers", "2", "--slow-factor", "2", "--steps", "5",
                  "--compute-ms", "20", "--out", str(tmp_path))  # fmt: skip
     assert set(doc["samples_per_sec"]) == {"sync", "async", "ssp"}
     for key in ("theory_async_over_sync", "async_over_sync", "ssp_over_sync", "time_to_target_s"):
@@ -102,16 +109,24 @@ def test_stragglers_json_schema(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_allreduce_overhead_json_schema(tmp_path: Path) -> None:
-    doc = _bench("allreduce_overhead", "--quick", "--steps", "8", "--repeats", "1",
-                 "--out", str(tmp_path))  # fmt: skip
-    assert {"psar", "plain"} == set(doc["median_samples_per_sec"])
-    assert doc["ratio"] > 0 and isinstance(doc["goal_met"], bool)
+def test_allreduce_against_plain_ddp_alone(tmp_path: Path) -> None:
+    """The former allreduce-overhead benchmark: two rows, no no-communication run."""
+    doc = _bench("bench.step_throughput", "--quick", "--steps", "8", "--runs",
+                 "plain-ddp,psar-allreduce", "--out", str(tmp_path))  # fmt: skip
+    (res,) = doc["results"]
+    assert set(res["runs"]) == {"plain-ddp", "psar-allreduce"}
+    assert (
+        res["no_comm_samples_per_sec"] is None
+        and res["runs"]["plain-ddp"]["exposed_comm_ms"] is None
+    )
+    assert res["runs"]["plain-ddp"]["ratio_to_plain_ddp"] == pytest.approx(1.0)
+    assert set(doc["goals"]) == {"allreduce_over_plain_ddp"}
+    assert isinstance(doc["goals"]["allreduce_over_plain_ddp"]["met"], bool)
 
 
 @pytest.mark.slow
 def test_step_throughput_json_schema(tmp_path: Path) -> None:
-    doc = _bench("step_throughput", "--quick", "--steps", "8", "--out", str(tmp_path))
+    doc = _bench("bench.step_throughput", "--quick", "--steps", "8", "--out", str(tmp_path))
     (res,) = doc["results"]
     assert set(res["runs"]) == {"plain-ddp", "psar-allreduce", "psar-ps-sync-1",
                                 "psar-ps-sync-2", "psar-ps-sync-1-no-overlap",
@@ -128,23 +143,26 @@ def test_step_throughput_json_schema(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_head_to_head_json_schema(tmp_path: Path) -> None:
-    doc = _bench("head_to_head", "--quick", "--steps", "10", "--out", str(tmp_path))
+    doc = _bench("bench.experiments.head_to_head", "--quick", "--steps", "10",
+                 "--out", str(tmp_path))  # fmt: skip
     (case,) = doc["cases"]
     assert set(case["runs"]) == {"allreduce", "ps-sync", "ps-async", "ps-ssp"}
     assert case["runs"]["allreduce"]["samples_per_sec_x_allreduce"] == pytest.approx(1.0)
+    assert all(r["samples_per_sec"] > 0 and r["job_samples_per_sec"] > 0
+               for r in case["runs"].values())  # fmt: skip
 
 
 @pytest.mark.slow
 def test_scaling_json_schema(tmp_path: Path) -> None:
-    doc = _bench("scaling", "--workers", "1,2", "--shards", "1", "--steps", "6",
-                 "--compute-ms", "30", "--out", str(tmp_path))  # fmt: skip
+    doc = _bench("bench.links", "--grid", "loopback", "--grid-workers", "1,2", "--grid-shards",
+                 "1", "--steps", "6", "--compute-ms", "30", "--out", str(tmp_path))  # fmt: skip
     assert [(r["workers"], r["shards"]) for r in doc["results"]] == [(1, 1), (2, 1)]
     assert doc["results"][0]["ratio_to_linear"] == pytest.approx(1.0)
 
 
 @pytest.mark.slow
 def test_links_json_schema_or_reason(tmp_path: Path) -> None:
-    doc = _bench("links", "--quick", "--steps", "6", "--out", str(tmp_path))
+    doc = _bench("bench.links", "--quick", "--steps", "6", "--out", str(tmp_path))
     if "skipped" in doc:
         assert doc["skipped"]
         return
@@ -154,8 +172,9 @@ def test_links_json_schema_or_reason(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_run_all_writes_a_summary_with_goals(tmp_path: Path) -> None:
-    docs = _bench("run_all", "--quick", "--only", "ps_datapath", "--out", str(tmp_path))
+def test_the_suite_writes_a_summary_with_goals(tmp_path: Path) -> None:
+    docs = _bench("bench", "--quick", "--only", "ps_datapath", "--out", str(tmp_path))
     assert set(docs) == {"ps_datapath"}
     summary = (tmp_path / "summary.md").read_text()
     assert "### Goals" in summary and "PS data path" in summary
+    assert (tmp_path / "ps_datapath" / "ps_datapath.log").exists()  # the child's own log

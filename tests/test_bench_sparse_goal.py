@@ -58,7 +58,7 @@ def test_repeats_keep_the_median_run_and_judge_the_goal_on_it() -> None:
 
 
 def test_cpu_lists_parse_as_taskset_would() -> None:
-    from bench.common import parse_cpus
+    from bench.lib.common import parse_cpus
 
     assert parse_cpus("") is None  # unpinned
     assert parse_cpus("0") == {0}
@@ -70,7 +70,8 @@ def test_a_failed_run_takes_the_processes_it_started_with_it(tmp_path: Path) -> 
     import sys
     import time
 
-    from bench import step_cpu
+    from bench.lib import common as c
+    from bench.lib.cpuwindow import cpu_seconds
 
     parent = (
         "import subprocess, sys; "
@@ -78,13 +79,11 @@ def test_a_failed_run_takes_the_processes_it_started_with_it(tmp_path: Path) -> 
         "stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL); "
         "print('child', k.pid, flush=True); sys.exit(3)"
     )
-    from bench.common import Procs
-
-    with Procs(tmp_path) as procs, pytest.raises(RuntimeError, match="exited 3") as err:
-        sparse._run(procs, {"job": [sys.executable, "-c", parent]}, timeout=30)
+    with c.supervisor(tmp_path) as sup, pytest.raises(c.ProcessError, match="exited 3") as err:
+        sparse._run(sup, {"job": [sys.executable, "-c", parent]}, timeout=30)
     kid = int(re.search(r"child (\d+)", str(err.value)).group(1))
     for _ in range(100):  # killed at once; reaped by whoever adopted it
-        if step_cpu._cpu(kid) is None:
+        if cpu_seconds(kid) is None:
             break
         time.sleep(0.05)
-    assert step_cpu._cpu(kid) is None
+    assert cpu_seconds(kid) is None

@@ -1,5 +1,6 @@
-"""bench/step_cpu.py's window sampler (bench/sparse.py --cpu-window-s): CPU ms per step of
-real processes, a child counted with its parent, the steps rank 0 logged in the window."""
+"""bench/lib/cpuwindow.py's window sampler (bench/sparse.py --cpu-window-s,
+bench/experiments/step_cpu.py): CPU ms per step of real processes, a child counted with
+its parent, the steps rank 0 logged in the window."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import step_cpu
+from bench.lib import cpuwindow as step_cpu
 
 # A "job": rank 0 logs a step every ~20 ms of busy CPU; with an argument it first starts
 # a child that sleeps (so the parent's tree holds two processes, one idle).
@@ -40,7 +41,7 @@ def test_a_busy_process_costs_its_cpu_per_step_and_an_idle_one_nothing(tmp_path:
         got = step_cpu.sample_window(
             {"busy": busy.pid, "idle": idle.pid}, tmp_path, after_step=5, window_s=1.0, timeout=60
         )
-        assert len(step_cpu.descendants(busy.pid)) == 2  # the job and its sleeping child
+        assert len(step_cpu.tree(busy.pid)) == 2  # the job and its sleeping child
     finally:
         busy.kill()
         idle.kill()
@@ -74,9 +75,9 @@ def test_a_run_that_ends_inside_the_window_gives_no_figure(tmp_path: Path) -> No
 
 @pytest.mark.slow
 def test_the_command_prints_every_process_cpu_per_step() -> None:
-    """`python -m bench.step_cpu` end to end: a real shard and two real workers."""
+    """`python -m bench.experiments.step_cpu` end to end: a real shard and two real workers."""
     root = Path(__file__).resolve().parent.parent
-    p = subprocess.run([sys.executable, "-m", "bench.step_cpu", "--steps", "80", "--window-s",
+    p = subprocess.run([sys.executable, "-m", "bench.experiments.step_cpu", "--steps", "80", "--window-s",
                         "0.5"], cwd=root, capture_output=True, text=True, timeout=300)  # fmt: skip
     assert p.returncode == 0, p.stderr[-3000:]
     lines = {ln.split(":")[0].strip(): ln for ln in p.stdout.splitlines() if ":" in ln}

@@ -1,4 +1,4 @@
-"""Per-chunk rounds (ps/server/chunk_rounds.py): slots are updated while the round's last push
+"""Per-chunk rounds (ps/server/modes/sync_chunks.py): slots are updated while the round's last push
 still streams, and every way a round can change its mind undoes them, bit for bit.
 
 Each test drives a chunked shard and a plain sync shard through the same calls: the
@@ -15,8 +15,7 @@ import torch
 
 from ps.errors import FailedPrecondition, InvalidArgument
 from ps.job import Job
-from ps.server import checkpoint
-from ps.server.pushdata import PushHeader, PushTicket
+from ps.server.intake.pieces import PushHeader, PushTicket
 from ps.server.shard import ShardState
 from tests.ps_fixtures import OPTIMIZERS, grad_for, init_values, make_job, make_state, masters
 
@@ -42,7 +41,7 @@ def begin(st: ShardState, worker: int, clock: int = 1, scale: float = 1.0) -> Pu
         loss_scale=scale,
         verdict_follows=True,
     )
-    return st.begin_push(h, lock_timeout=5.0)
+    return st.intake.begin_push(h, lock_timeout=5.0)
 
 
 def stream(st: ShardState, ticket: PushTicket, grads: Grads, keys: list[str] | None = None) -> None:
@@ -50,7 +49,7 @@ def stream(st: ShardState, ticket: PushTicket, grads: Grads, keys: list[str] | N
     for key in keys if keys is not None else list(reversed(grads)):
         flat = grads[key].reshape(-1)
         for off in range(0, flat.numel(), 5):
-            st.add_data(ticket, key, off, flat[off : off + 5].numpy().tobytes())
+            st.intake.add_data(ticket, key, off, flat[off : off + 5].numpy().tobytes())
 
 
 def full_push(
@@ -60,8 +59,8 @@ def full_push(
     t = begin(st, worker, clock)
     try:
         stream(st, t, grads)
-        st.add_verdict(t, overflow)
-        st.finish_push(t)
+        st.intake.add_verdict(t, overflow)
+        st.intake.finish_push(t)
     finally:
         t.release()
 
@@ -83,8 +82,8 @@ def test_slots_are_updated_before_the_round_closes_with_the_same_result(opt: str
     assert chunked.rounds == 0 and chunked.version == 0
     stream(chunked, t, g1, [k for k in reversed(g1) if k != last])
     chunked.policy.quiesce()
-    chunked.add_verdict(t, False)
-    chunked.finish_push(t)
+    chunked.intake.add_verdict(t, False)
+    chunked.intake.finish_push(t)
     t.release()
     full_push(plain, 1, g1)
     assert chunked.rounds == plain.rounds == 1
@@ -104,10 +103,10 @@ def test_an_overflow_verdict_undoes_every_early_slot(opt: str) -> None:
         t = begin(chunked, 1, clock)
         stream(chunked, t, g1)
         assert chunked.state_digest() != before  # every slot was applied early
-        chunked.add_verdict(t, clock == 2)  # round 2: worker 1 overflowed at its end
+        chunked.intake.add_verdict(t, clock == 2)  # round 2: worker 1 overflowed at its end
         if clock == 2:
             assert chunked.state_digest() == before
-        chunked.finish_push(t)
+        chunked.intake.finish_push(t)
         t.release()
         full_push(plain, 1, g1, clock, overflow=clock == 2)
         assert chunked.state_digest() == plain.state_digest()
@@ -144,9 +143,9 @@ def test_a_push_refused_at_its_end_changes_nothing(opt: str) -> None:
     t = begin(chunked, 1)
     stream(chunked, t, bad)
     chunked.policy.quiesce()
-    chunked.add_verdict(t, False)
+    chunked.intake.add_verdict(t, False)
     with pytest.raises(InvalidArgument, match="non-finite") as e:
-        chunked.finish_push(t)
+        chunked.intake.finish_push(t)
     t.release()
     assert e.value.reason == "nonfinite"
     assert chunked.state_digest() == before
@@ -162,10 +161,10 @@ def test_loss_scaled_fp16_push_unscaled_per_slot_gives_the_same_bits(opt: str) -
             h = PushHeader(
                 worker=w, clock=1, base_version=0, dtype=torch.float16, loss_scale=1024.0
             )
-            t = st.begin_push(h)
+            t = st.intake.begin_push(h)
             for key in reversed(g):
-                st.add_data(t, key, 0, g[key].numpy().tobytes())
-            st.finish_push(t)
+                st.intake.add_data(t, key, 0, g[key].numpy().tobytes())
+            st.intake.finish_push(t)
             t.release()
     assert chunked.state_digest() == plain.state_digest()
 
@@ -179,13 +178,13 @@ def test_a_worker_leaving_mid_round_drops_its_share(opt: str) -> None:
         full_push(st, 1, grads[1])
     t = begin(chunked, 2)
     stream(chunked, t, grads[2])  # applied as the mean of three workers
-    chunked.leave(2)  # ... who then leaves before its push ends: the mean of two
-    plain.leave(2)
+    chunked.members.leave(2)  # ... who then leaves before its push ends: the mean of two
+    plain.members.leave(2)
     assert chunked.rounds == plain.rounds == 1
     assert chunked.state_digest() == plain.state_digest()
     with pytest.raises(FailedPrecondition, match="left"):
-        chunked.add_verdict(t, False)
-        chunked.finish_push(t)
+        chunked.intake.add_verdict(t, False)
+        chunked.intake.finish_push(t)
     t.release()
     assert chunked.state_digest() == plain.state_digest()
 
@@ -197,12 +196,12 @@ def test_a_checkpoint_mid_round_holds_only_closed_rounds(opt: str) -> None:
     full_push(plain, 0, grad_for(job, 0, 1))
     t = begin(chunked, 1)
     stream(chunked, t, grad_for(job, 1, 1))
-    with chunked._cond:
-        snap = checkpoint.snapshot(chunked)
+    with chunked.cond:
+        snap = chunked.durability.snapshot()
     for k, v in masters(plain).items():
         assert torch.equal(snap["masters"][k], v)
-    chunked.add_verdict(t, False)
-    chunked.finish_push(t)
+    chunked.intake.add_verdict(t, False)
+    chunked.intake.finish_push(t)
     t.release()
     full_push(plain, 1, grad_for(job, 1, 1))
     assert chunked.state_digest() == plain.state_digest()
@@ -220,8 +219,8 @@ def test_several_rounds_with_workers_interleaved_match_plain_sync(opt: str) -> N
                 stream(chunked, ts[w], gs[w], [key])
         chunked.policy.quiesce()
         for w in (0, 1):
-            chunked.add_verdict(ts[w], False)
-            chunked.finish_push(ts[w])
+            chunked.intake.add_verdict(ts[w], False)
+            chunked.intake.finish_push(ts[w])
             ts[w].release()
             full_push(plain, w, gs[w], clock)
         assert chunked.state_digest() == plain.state_digest()
@@ -239,15 +238,15 @@ def test_a_retried_duplicate_push_keeps_the_early_slots(opt: str) -> None:
     stream(chunked, t, g1, list(reversed(g1))[:2])
     chunked.policy.quiesce()
     h = PushHeader(worker=0, clock=1, base_version=0, dtype=torch.float32, retry=True)
-    dup = chunked.begin_push(h)
+    dup = chunked.intake.begin_push(h)
     stream(chunked, dup, g0)
-    _, _, already = chunked.finish_push(dup)
+    _, _, already = chunked.intake.finish_push(dup)
     dup.release()
     assert already and chunked.stats()["chunk_undos"] == 0
     assert chunked.stats()["chunks_applied_early"] == 2
     stream(chunked, t, g1, list(reversed(g1))[2:])
-    chunked.add_verdict(t, False)
-    chunked.finish_push(t)
+    chunked.intake.add_verdict(t, False)
+    chunked.intake.finish_push(t)
     t.release()
     for w, g in ((0, g0), (1, g1)):
         full_push(plain, w, g)
@@ -285,4 +284,4 @@ def test_workers_streaming_concurrently_end_with_the_same_bits(opt: str) -> None
 
 
 def pull_until(st: ShardState, worker: int, clock: int) -> None:
-    st.pull(worker, clock, torch.float32, timeout=30.0)
+    st.pulls.pull(worker, clock, torch.float32, timeout=30.0)

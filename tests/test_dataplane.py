@@ -1,4 +1,4 @@
-"""The data plane (ps/server/dataplane.py, ps/client/tcp_transport.py): push and pull as plain TCP
+"""The data plane (ps/server/doors/dataplane.py, ps/client/tcp_transport.py): push and pull as plain TCP
 frames next to gRPC, against real shards and sockets on loopback (no mocks).
 
 - The same pushes through the data plane and through gRPC leave byte-identical shards
@@ -402,7 +402,7 @@ def test_token_is_required_and_checked(tmp_path: Path) -> None:
     cfg = config(auth_token_file=str(tmp_path / "token"))
     with serving(cfg) as (port, state):
         state.init(job, init_values(job))
-        dp = state.metrics  # NullMetrics: nothing to read; the codes are what matters
+        dp = state.metrics  # NullShardRecorder: nothing to read; the codes are what matters
         del dp
         data_port = _data_port(port, token="s3cret")
         for token, why in (("", "missing"), ("nope", "wrong")):
@@ -517,7 +517,7 @@ def test_draining_refuses_and_close_ends_connections() -> None:
     job = make_job("async", num_workers=1)
     with shard(job) as s, DataPlaneClient("127.0.0.1", s.data_port) as c:
         pull_into(c, job, 0, 0)
-        s.state.drain()
+        s.state.durability.drain()
         with pytest.raises(DataPlaneError) as e:
             c.push(header(0, 1), items(grad_for(job, 0, 1)), timeout_s=TIMEOUT)
         assert e.value.code() == SC.UNAVAILABLE and "draining" in e.value.details()

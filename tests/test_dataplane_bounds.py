@@ -1,4 +1,4 @@
-"""Per-connection bounds of the data plane (ps/server/dataplane.py, issue #18), against a
+"""Per-connection bounds of the data plane (ps/server/doors/dataplane.py, issue #18), against a
 real shard and raw sockets on loopback (no mocks).
 
 - A piece prefix that claims 16 MiB and then goes silent costs the shard what was sent,
@@ -27,7 +27,7 @@ from ps._gen.psar.v1 import ps_pb2 as pb
 from ps.client.tcp_transport import DataPlaneClient
 from ps.job import Job
 from ps.server.config import ServerConfig
-from ps.server.dataplane import DataPlaneServer
+from ps.server.doors.dataplane import DataPlaneServer
 from ps.server.serve import start_server, stop_server
 from ps.server.shard import ShardState
 from tests.ps_fixtures import grad_for, init_values, make_job, without_speculation

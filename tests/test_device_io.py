@@ -1,5 +1,5 @@
 """trainkit/device_io.py: the host<->device rules, run on a CPU (the GPU side runs in
-bench/gpu_check.py), and the PS client's use of them (PushBuckets, PullGate)."""
+bench/gpu/check.py), and the PS client's use of them (PushBuckets, PullGate)."""
 
 from __future__ import annotations
 

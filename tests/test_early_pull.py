@@ -1,4 +1,4 @@
-"""Early pulls (ps/server/early_pull.py): a worker's pull streams while its push still
+"""Early pulls (ps/server/pulls/early.py): a worker's pull streams while its push still
 arrives, slot by slot as the shard applies them; the header comes last and says whether
 what came early still holds. Timing changes, never results.
 
@@ -36,7 +36,7 @@ class EarlyPuller(threading.Thread):
         super().__init__(daemon=True)
         self.items: list[tuple[Any, ...]] = []
         self.error: BaseException | None = None
-        self.gen = st.pull_early(worker, clock, torch.float32, 30.0)
+        self.gen = st.pulls.pull_early(worker, clock, torch.float32, 30.0)
         self.first = next(self.gen)  # admission happens here: refusals raise now
         self.items.append(self.first)
 
@@ -72,7 +72,7 @@ class EarlyPuller(threading.Thread):
 
 
 def _served(st: ShardState, worker: int, clock: int) -> dict[str, torch.Tensor]:
-    _, pieces = st.pull(worker, clock, torch.float32, timeout=5.0)
+    _, pieces = st.pulls.pull(worker, clock, torch.float32, timeout=5.0)
     out = {k: torch.empty_like(m.detach()) for k, m in st.masters.items()}
     for key, off, data in pieces:
         piece = wire.decode(data, torch.float32)
@@ -103,8 +103,8 @@ def test_an_early_pull_sends_slots_before_the_header_and_the_same_weights() -> N
     t = p.ticket  # type: ignore[attr-defined]
     stream(st, t, g1, [k for k in reversed(g1) if k != list(g1)[-1]])
     st.policy.quiesce()
-    st.add_verdict(t, False)
-    st.finish_push(t)
+    st.intake.add_verdict(t, False)
+    st.intake.finish_push(t)
     t.release()
     p.join(30)
     assert not p.is_alive() and p.error is None
@@ -128,8 +128,8 @@ def test_an_overflow_voids_the_early_pieces_and_every_slot_follows() -> None:
     g1 = grad_for(job, 1, 1)
     p = _start_early(st, 1, 1, g1)
     t = p.ticket  # type: ignore[attr-defined]
-    st.add_verdict(t, True)  # worker 1 overflowed: the round is skipped, early slots undone
-    st.finish_push(t)
+    st.intake.add_verdict(t, True)  # worker 1 overflowed: the round is skipped, early slots undone
+    st.intake.finish_push(t)
     t.release()
     p.join(30)
     assert p.error is None
@@ -147,7 +147,7 @@ def test_an_early_pull_whose_worker_hung_up_stops_waiting() -> None:
     st = make_state(job, init_values(job), chunk_rounds=True)
     here = threading.Event()
     here.set()
-    gen = st.pull_early(1, 1, torch.float32, 60.0, alive=here.is_set)
+    gen = st.pulls.pull_early(1, 1, torch.float32, 60.0, alive=here.is_set)
     errors: list[BaseException] = []
 
     def run() -> None:
@@ -171,7 +171,7 @@ def test_an_early_pull_may_name_only_the_clock_being_pushed() -> None:
     job = make_job("sync", optimizer="sgd", num_workers=2)
     st = make_state(job, init_values(job), chunk_rounds=True)
     with pytest.raises(FailedPrecondition, match="early pull may name only"):
-        next(st.pull_early(0, 2, torch.float32, 1.0))
+        next(st.pulls.pull_early(0, 2, torch.float32, 1.0))
 
 
 def test_a_shard_without_chunk_rounds_answers_once_the_push_is_in() -> None:
@@ -181,7 +181,7 @@ def test_a_shard_without_chunk_rounds_answers_once_the_push_is_in() -> None:
     done: list[Any] = []
 
     def pull() -> None:
-        done.extend(st.pull_early(1, 1, torch.float32, 30.0))
+        done.extend(st.pulls.pull_early(1, 1, torch.float32, 30.0))
 
     th = threading.Thread(target=pull, daemon=True)
     th.start()
@@ -199,11 +199,16 @@ COMMON = ["--workload", "mlp", "--steps", "10", "--batch-size", "16", "--seed", 
           "--lr", "0.05", "--momentum", "0.9", "--precision", "fp32", "--overlap-trial", "0"]  # fmt: skip
 
 
+# Shards get no flag: per-chunk rounds come with the job (rank 0's --early-pull), except in
+# "early-old-shard", the way shards were started before jobs carried it. On one host
+# --early-pull's default is off ("ordinary"); rank 1 of "early-rank0" asks for nothing
+# and follows the job rank 0 made.
 RUNS = {
     "ordinary": ([], []),
-    "early": (["--chunk-rounds"], ["--early-pull"]),
-    "early-no-overlap": (["--chunk-rounds"], ["--early-pull", "--no-overlap"]),
-    "early-grpc": (["--chunk-rounds"], ["--early-pull", "--data-plane", "grpc"]),
+    "early": ([], ["--early-pull"]),
+    "early-old-shard": (["--chunk-rounds"], ["--early-pull"]),
+    "early-no-overlap": ([], ["--early-pull", "--no-overlap"]),
+    "early-grpc": ([], ["--early-pull", "--data-plane", "grpc"]),
 }
 
 
@@ -211,7 +216,10 @@ RUNS = {
     "names",
     [
         ("ordinary", "early"),
-        pytest.param(("ordinary", "early-no-overlap", "early-grpc"), marks=pytest.mark.slow),
+        pytest.param(
+            ("ordinary", "early-old-shard", "early-no-overlap", "early-grpc"),
+            marks=pytest.mark.slow,
+        ),
     ],
     ids=["overlap", "no-overlap-and-grpc"],
 )
@@ -228,7 +236,7 @@ def test_early_pulls_give_the_bits_of_ordinary_ones(tmp_path, names) -> None:  #
             stats[name] = shard_stats(addrs)
     # The data plane streamed slots before their rounds closed, and none had to be
     # sent again; gRPC answers early pulls whole (nothing early), as do whole rounds.
-    for name in {"early", "early-no-overlap"} & runs.keys():
+    for name in {"early", "early-old-shard", "early-no-overlap"} & runs.keys():
         assert sum(s["early_pull_slots"] for s in stats[name]) > 0, name
         assert sum(s["early_pull_voids"] for s in stats[name]) == 0, name
     for name in {"ordinary", "early-grpc"} & runs.keys():
@@ -239,6 +247,36 @@ def test_early_pulls_give_the_bits_of_ordinary_ones(tmp_path, names) -> None:  #
         assert all(torch.equal(ref[k], got[k]) for k in ref), name
         for r in range(2):
             assert reports[name][r]["losses"] == reports["ordinary"][r]["losses"], name
+
+
+def test_early_pulls_are_the_jobs_rank_0_decides_and_the_others_follow(tmp_path) -> None:  # noqa: ANN001
+    """No shard flag, rank 1 told --no-early-pull: rank 0's job carries early pulls (and
+    the per-chunk rounds they need) to the shards, and rank 1 pulls early too."""
+    with shards(1) as addrs:
+        reps = run_ps_workers(addrs, 2, tmp_path, COMMON, per_rank={0: ["--early-pull"],
+                              1: ["--no-early-pull"]})  # fmt: skip
+        stats = shard_stats(addrs)
+    assert stats[0]["chunks_applied_early"] > 0 and stats[0]["early_pull_slots"] > 0
+    assert "worker 1: early pulls on (the job's)" in (tmp_path / "worker1.log").read_text()
+    assert all(len(r["losses"]) == 10 for r in reps)
+
+
+def test_a_mode_without_per_chunk_rounds_refuses_an_early_pull_job() -> None:
+    from ps.errors import InvalidArgument
+    from ps.server.modes import BUILTIN
+
+    job = make_job(mode="async", chunk_rounds=True, early_pull=True)
+    with pytest.raises(InvalidArgument, match="per-chunk rounds .* --mode async"):
+        BUILTIN.serve(job)
+    assert BUILTIN.serve(make_job(mode="sync", chunk_rounds=True)).chunk_rounds
+
+
+def test_early_pull_with_a_mode_not_in_rounds_is_a_flag_error() -> None:
+    from worker.config import PSConfig
+
+    with pytest.raises(ValueError, match="--early-pull with --mode ssp"):
+        PSConfig(mode="ssp", early_pull=True)
+    assert PSConfig(mode="ssp").early_pull is None  # auto: off there
 
 
 # ---- the worker side: the transport contract ----------------------------------------

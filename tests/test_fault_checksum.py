@@ -18,8 +18,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from ps.server import checkpoint
-from ps.server.checkpoint import CheckpointManager, list_checkpoints, newest_verified, path_for
+from ps.server.durability import checkpoints
+from ps.server.durability.checkpoints import (
+    CheckpointManager,
+    list_checkpoints,
+    newest_verified,
+    path_for,
+)
 from ps.server.shard import ShardState
 from tests.fault_procs import Shard, Workers, stats, wait_until
 from tests.procs import ENV, PSAR, free_port
@@ -42,7 +47,7 @@ def damage(path: Path, nbytes: int = 64) -> None:
 
 def snap(step: int) -> dict:
     return {
-        "format": checkpoint.FORMAT,
+        "format": checkpoints.FORMAT,
         "step": step,
         "masters": {"w": torch.full((1000,), float(step))},
         "optimizer": {"state": {0: {"exp_avg": torch.arange(1000.0), "step": torch.tensor(3.0)}}},
@@ -63,7 +68,7 @@ def test_a_damaged_newest_checkpoint_falls_back_with_a_warning(tmp_path, caplog)
 
 
 def test_a_checkpoint_without_checksums_still_loads_unverified(tmp_path, caplog) -> None:
-    checkpoint.atomic_save(snap(7), path_for(tmp_path, 0, 7))  # as psar wrote it before
+    checkpoints.atomic_save(snap(7), path_for(tmp_path, 0, 7))  # as psar wrote it before
     with caplog.at_level(logging.WARNING, "psar.checkpoint"):
         found, rejected = newest_verified(tmp_path, 0)
     assert found is not None and found[0] == 7 and not rejected
@@ -92,7 +97,7 @@ def trained(tmp_path_factory) -> Path:
 def digest_of(path: Path, step: int) -> str:
     """The state digest of a shard restored in-process from `path`."""
     state = ShardState()
-    state.restore(step, checkpoint.load(path))
+    state.durability.restore(step, checkpoints.load(path))
     return state.state_digest()
 
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 
 from ps.client.psclient import ClientConfig, PSClient
-from ps.server.checkpoint import CheckpointManager
 from ps.server.config import ServerConfig
+from ps.server.durability.checkpoints import CheckpointManager
 from ps.server.serve import start_server, stop_server
 from ps.server.shard import ShardState
 from tests.fault_procs import Shard, wait_until

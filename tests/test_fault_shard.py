@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from ps.errors import FailedPrecondition, Unavailable
-from ps.server.checkpoint import CheckpointManager, list_checkpoints
-from ps.server.lease import LeaseTable
-from ps.server.membership import Expired, Restored, TooLate
-from ps.server.pushdata import PushHeader
+from ps.server.durability.checkpoints import CheckpointManager, list_checkpoints
+from ps.server.intake.pieces import PushHeader
+from ps.server.membership.leases import LeaseTable
+from ps.server.membership.membership import Expired, Restored, TooLate
 from ps.server.shard import ShardState
 from tests.ps_fixtures import (
     assert_weights_equal,
@@ -80,10 +80,10 @@ def test_sync_round_closes_with_the_live_workers_when_a_lease_expires() -> None:
     sent = round_of(st, job, 1, workers=[0, 1])
     assert st.rounds == 0  # worker 2 has not pushed
     clock.t += 19
-    st.heartbeat(0), st.heartbeat(1)
-    assert st.expire_leases() == []
+    st.members.heartbeat(0), st.members.heartbeat(1)
+    assert st.members.expire_leases() == []
     clock.t += 2  # past worker 2's first term; 0 and 1 renewed
-    assert st.expire_leases() == [2]
+    assert st.members.expire_leases() == [2]
     # The round closed with the mean over those that pushed.
     assert st.rounds == 1 and st.live == {0, 1} and st.lease_expirations == 1
     assert_weights_equal(masters(st), reference_weights(job, values, [mean_in_rank_order(sent)]))
@@ -100,8 +100,8 @@ def test_ssp_stops_waiting_for_an_expired_worker() -> None:
     t = threading.Thread(target=lambda: result.update(h=pull(st, 0, 1, timeout=10)[0]))
     t.start()
     clock.t += 25
-    st.heartbeat(0)
-    assert st.expire_leases() == [1]
+    st.members.heartbeat(0)
+    assert st.members.expire_leases() == [1]
     t.join(timeout=10)
     assert result["h"].version == 1
 
@@ -110,18 +110,18 @@ def test_expired_worker_rejoins_async_with_its_clock() -> None:
     st, job, _, clock = shard("async", 2)
     push(st, worker=1, clock=1, base_version=0, grads=grad_for(job, 1, 1))
     clock.t += 25
-    st.heartbeat(0)
-    assert st.expire_leases() == [1]
-    alive, _, _ = st.heartbeat(1)
+    st.members.heartbeat(0)
+    assert st.members.expire_leases() == [1]
+    alive, _, _ = st.members.heartbeat(1)
     assert not alive
-    rec = st.register(1, 0, query=True)
+    rec = st.members.register(1, 0, query=True)
     assert rec["clock"] == 1 and not rec["live"]
-    rec = st.register(1, rec["clock"], instance="new-process")
+    rec = st.members.register(1, rec["clock"], instance="new-process")
     assert rec["live"] and rec["rejoined"] and st.rejoins == 1
     outcome, _, _ = push(st, worker=1, clock=2, base_version=1, grads=grad_for(job, 1, 2))
     assert outcome.applied
     # A restarted process (new instance id) while the lease still holds is a rejoin too.
-    st.register(1, 2, instance="third")
+    st.members.register(1, 2, instance="third")
     assert st.rejoins == 2
 
 
@@ -130,14 +130,14 @@ def test_sync_join_happens_at_a_round_boundary() -> None:
     round_of(st, job, 1)
     round_of(st, job, 2, workers=[0, 1])  # round 3 on this shard: 2 still missing
     clock.t += 25
-    st.heartbeat(0), st.heartbeat(1)
-    st.expire_leases()  # worker 2 gone: round 2 closed with 0 and 1
+    st.members.heartbeat(0), st.members.heartbeat(1)
+    st.members.expire_leases()  # worker 2 gone: round 2 closed with 0 and 1
     assert st.rounds == 2
     push(st, worker=0, clock=3, base_version=2, grads=grad_for(job, 0, 3))
     with pytest.raises(TooLate):
-        st.register(2, 1)
+        st.members.register(2, 1)
     # Join at round 4: not live while round 3 is open, so round 3 does not wait for it.
-    rec = st.register(2, 3, instance="b")
+    rec = st.members.register(2, 3, instance="b")
     assert not rec["live"] and rec["clock"] == 3
     push(st, worker=1, clock=3, base_version=2, grads=grad_for(job, 1, 3))
     assert st.rounds == 3 and 2 in st.live  # promoted at the boundary
@@ -149,9 +149,9 @@ def test_sync_join_happens_at_a_round_boundary() -> None:
 
 def test_sync_register_now_when_the_open_round_is_its_round() -> None:
     st, job, _, _ = shard("sync", 2)
-    st.leave(1)
+    st.members.leave(1)
     assert st.left == {1}
-    rec = st.register(1, 0, instance="again")
+    rec = st.members.register(1, 0, instance="again")
     assert rec["live"] and rec["rejoined"]
     round_of(st, job, 1)
     assert st.rounds == 1 and st.updates_applied == 1
@@ -159,11 +159,11 @@ def test_sync_register_now_when_the_open_round_is_its_round() -> None:
 
 def test_left_worker_still_refused_and_unknown_worker_refused() -> None:
     st, job, _, _ = shard("async", 2)
-    st.leave(1)
+    st.members.leave(1)
     with pytest.raises(FailedPrecondition, match="left"):
         push(st, worker=1, clock=1, base_version=0, grads=grad_for(job, 1, 1))
     with pytest.raises(Exception, match="not in this job"):
-        st.heartbeat(5)
+        st.members.heartbeat(5)
 
 
 # ---- checkpoints, restore, rollback ---------------------------------------------------
@@ -180,7 +180,7 @@ def test_restore_gives_back_the_same_state(tmp_path, mode: str, opt: str) -> Non
     again = ShardState(checkpoints=CheckpointManager(tmp_path))
     step, snap = again.checkpoints.newest()
     assert step == (4 if mode == "sync" else 8)
-    again.restore(step, snap)
+    again.durability.restore(step, snap)
     assert again.state_digest() == digest
     assert again.job == job and again.restores == 1 and again.incarnation != st.incarnation
     for key in ("version", "rounds", "updates_applied", "worker_clocks", "staleness_histogram"):
@@ -205,15 +205,15 @@ def test_sync_rollback_goes_back_to_a_checkpointed_round(tmp_path) -> None:
     rounds = [round_of(st, job, c) for c in range(1, 6)]
     st.checkpoints.flush()
     inc = st.incarnation
-    assert st.rollback(7)["rolled_back"] is False  # already at or before it
-    reply = st.rollback(4)
+    assert st.durability.rollback(7)["rolled_back"] is False  # already at or before it
+    reply = st.durability.rollback(4)
     assert reply["rolled_back"] and reply["rounds"] == 3 and st.incarnation != inc
     assert st.clocks == [3, 3] and st.restored_pending
     want = reference_weights(job, values, [mean_in_rank_order(r) for r in rounds[:3]])
     assert_weights_equal(masters(st), want)
     assert [s for s, _ in list_checkpoints(tmp_path, 0)] == [0, 3]
     with pytest.raises(Restored):  # a worker still on the old incarnation must resync
-        st.begin_push(PushHeader(0, 4, 3, torch.float32), incarnation=inc)
+        st.intake.begin_push(PushHeader(0, 4, 3, torch.float32), incarnation=inc)
     round_of(st, job, 4)  # no incarnation given (0): accepted
     assert st.rounds == 4 and not st.restored_pending
 
@@ -229,13 +229,13 @@ def test_rollback_releases_waiting_pulls_with_restored(tmp_path) -> None:
 
     def wait() -> None:
         try:
-            st.pull(0, 3, torch.float32, 10, incarnation=st.incarnation)
+            st.pulls.pull(0, 3, torch.float32, 10, incarnation=st.incarnation)
         except Restored as e:
             errors.append(e)
 
     t = threading.Thread(target=wait)
     t.start()
-    st.rollback(1)
+    st.durability.rollback(1)
     t.join(timeout=10)
     assert errors and st.rounds == 1 and st.clocks == [1, 1]
 
@@ -244,28 +244,28 @@ def test_rollback_without_checkpoints_is_refused() -> None:
     st, job, _, _ = shard("sync", 1)
     round_of(st, job, 1)
     with pytest.raises(FailedPrecondition, match="checkpoint"):
-        st.rollback(0)
+        st.durability.rollback(0)
 
 
 def test_stale_incarnation_refused_everywhere() -> None:
     st, job, _, _ = shard("async", 1)
     wrong = st.incarnation + 1
     with pytest.raises(Restored):
-        st.pull(0, 0, torch.float32, 1, incarnation=wrong)
+        st.pulls.pull(0, 0, torch.float32, 1, incarnation=wrong)
     with pytest.raises(Restored):
-        st.begin_push(PushHeader(0, 1, 0, torch.float32), incarnation=wrong)
+        st.intake.begin_push(PushHeader(0, 1, 0, torch.float32), incarnation=wrong)
 
 
 def test_drain_finishes_the_round_in_flight(tmp_path) -> None:
     st, job, _, _ = shard("sync", 2, tmp=tmp_path, every=100)
     push(st, worker=0, clock=1, base_version=0, grads=grad_for(job, 0, 1))
-    st.drain()
-    assert not st.wait_drained(0.01)
+    st.durability.drain()
+    assert not st.durability.wait_drained(0.01)
     push(st, worker=1, clock=1, base_version=0, grads=grad_for(job, 1, 1))  # finishes round 1
-    assert st.wait_drained(0.01) and st.rounds == 1
+    assert st.durability.wait_drained(0.01) and st.rounds == 1
     with pytest.raises(Unavailable, match="draining"):
         push(st, worker=0, clock=2, base_version=1, grads=grad_for(job, 0, 2))
-    assert st.checkpoint_now("shutdown", wait=True)
+    assert st.durability.checkpoint_now("shutdown", wait=True)
     assert [s for s, _ in list_checkpoints(tmp_path, 0)] == [0, 1]
 
 
@@ -274,7 +274,7 @@ def test_interval_checkpoints_in_async_mode(tmp_path) -> None:
     st = ShardState(checkpoints=manager)
     job = make_job("async", num_workers=1)
     st.init(job, init_values(job))
-    manager.start_timer(st)
+    manager.start_timer(st.durability)
     for c in (1, 2, 3):
         push(st, worker=0, clock=c, base_version=st.version, grads=grad_for(job, 0, c))
     deadline = threading.Event()

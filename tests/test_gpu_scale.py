@@ -1,4 +1,4 @@
-"""bench/gpu_scale.py: its CPU-scaled run (--json shape, sane numbers) and its arithmetic."""
+"""bench/gpu/scale.py: its CPU-scaled run (--json shape, sane numbers) and its arithmetic."""
 
 from __future__ import annotations
 
@@ -10,14 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from bench import common as c
-from bench import gpu_scale as g
+from bench.gpu import scale as g
+from bench.lib import common as c
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_script(tmp_path: Path, *args: str, timeout: float) -> dict:
-    cmd = [sys.executable, "-m", "bench.gpu_scale", "--json", "--device", "cpu",
+    cmd = [sys.executable, "-m", "bench.gpu.scale", "--json", "--device", "cpu",
            "--out", str(tmp_path), "--timeout-s", "120", *args]  # fmt: skip
     got = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     assert got.returncode == 0, got.stderr[-3000:]

@@ -19,7 +19,7 @@ from ps.client.int_buffers import IntBuffers
 from ps.errors import InvalidArgument
 from ps.headers import PushHeader
 from ps.job import MAX_INT_BUFFER_ELEMENTS
-from ps.server import checkpoint
+from ps.server.durability import checkpoints
 from ps.server.shard import ShardState
 from tests.ps_fixtures import grad_for, make_job, make_state, pull
 from tests.test_dataplane import header, items, shard
@@ -41,11 +41,11 @@ def ints(n: int) -> dict[str, tuple[int, ...]]:
 def push_ints(st: ShardState, worker: int, clock: int, values: dict, base_version: int = 0):  # noqa: ANN001, ANN201
     job = st.job
     h = PushHeader(worker, clock, base_version, torch.float32, 1.0, int_buffers=values)
-    ticket = st.begin_push(h, lock_timeout=5.0)
+    ticket = st.intake.begin_push(h, lock_timeout=5.0)
     try:
         for k, t in grad_for(job, worker, clock).items():
-            st.add_data(ticket, k, 0, t.contiguous().numpy().tobytes())
-        return st.finish_push(ticket)
+            st.intake.add_data(ticket, k, 0, t.contiguous().numpy().tobytes())
+        return st.intake.finish_push(ticket)
     finally:
         ticket.release()
 
@@ -125,10 +125,10 @@ def test_checkpoints_keep_them_and_their_owner() -> None:
     st = make_state(job_with_ints("sync"))
     for w in (1, 0):
         push_ints(st, w, 1, ints(10 + w))
-    with st._cond:
-        snap = checkpoint.snapshot(st)
+    with st.cond:
+        snap = st.durability.snapshot()
     # The writer's checksums cover the int64 tensors: a damaged counter is caught.
-    sums = checkpoint.checksums(snap)
+    sums = checkpoints.checksums(snap)
     path = "/int_buffers/1/values/counts"
     assert path in sums
     damaged = {**snap, "checksums": sums}
@@ -136,15 +136,15 @@ def test_checkpoints_keep_them_and_their_owner() -> None:
     damaged["int_buffers"]["1"]["values"]["counts"] = (
         snap["int_buffers"]["1"]["values"]["counts"] + 1
     )
-    assert checkpoint.verify(damaged) == [path]
+    assert checkpoints.verify(damaged) == [path]
     back = ShardState()
-    back.restore(5, snap)
+    back.durability.restore(5, snap)
     assert back.int_buffers.newest() == (1, 0, ints(10))
     assert back.state_digest() == st.state_digest()
     # A checkpoint from before integer buffers existed restores with none.
     old = {k: v for k, v in snap.items() if not k.startswith("int_buffers")}
     older = ShardState()
-    older.restore(5, old)
+    older.durability.restore(5, old)
     assert older.int_buffers.newest() is None
 
 

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from worker.launch import LaunchSpec, _descendants, launch, parse
+from worker.launch import LaunchSpec, launch, parse
+from worker.supervisor import descendants
 
 FAST = ["--steps", "10", "--eval-batches", "2", "--log-every", "5", "--precision", "fp32"]
 
@@ -109,7 +110,7 @@ def test_early_pull_workers_get_shards_that_apply_per_chunk(tmp_path: Path) -> N
              arch="ps", servers=1, workers=2, mode="sync")  # fmt: skip
     assert launch(s) == 0, s.err.getvalue() + s.out.getvalue()
     rep = json.loads((tmp_path / "report-0.json").read_text())
-    assert rep["shards"][0]["chunks_applied_early"] > 0  # launch gave it --chunk-rounds
+    assert rep["shards"][0]["chunks_applied_early"] > 0  # the job asked for it, no shard flag
     assert rep["shards"][0]["early_pull_slots"] > 0
     assert_all_gone(s.pids)
 
@@ -154,7 +155,7 @@ def test_sigterm_to_launch_tears_everything_down(tmp_path: Path) -> None:
                       for r in (0, 1)):  # fmt: skip
             assert proc.poll() is None and time.monotonic() < deadline
             time.sleep(0.1)
-        seen.update(_descendants([proc.pid]))
+        seen.update(descendants([proc.pid]))
         assert len(seen) >= 3  # a shard and two workers
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=60)

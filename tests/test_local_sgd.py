@@ -19,8 +19,8 @@ import torch
 
 from ps.job import Job
 from ps.serde import job_from_pb, job_to_pb
-from ps.server.local_policy import LocalPolicy
-from ps.server.policy_for_mode import make_policy
+from ps.server.modes import BUILTIN, RuleOptions
+from ps.server.modes.local import LocalPolicy
 from tests.procs import run_ps_workers, run_torchrun, shards
 from trainkit.local_sgd import LocalSteps, outer_optimizer_config
 from trainkit.optim import LossScaleConfig, OptimizerConfig
@@ -178,7 +178,7 @@ def test_job_local_round_trips_and_needs_sync_every() -> None:
         Job(mode="local")
     with pytest.raises(ValueError, match="only --mode local takes it"):
         Job(mode="sync", sync_every=3)
-    assert isinstance(make_policy("local", 0, chunk_rounds=True), LocalPolicy)
+    assert isinstance(BUILTIN.rule(job, RuleOptions(chunk_rounds=True)), LocalPolicy)
 
 
 def test_local_steps_pseudo_gradient_and_rebase() -> None:

@@ -15,7 +15,7 @@ import yaml
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from ps.server.metrics import (
+from ps.server.metrics.prometheus import (
     DURATION_BUCKETS,
     REJECT_REASONS,
     RPC_METHODS,

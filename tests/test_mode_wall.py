@@ -1,11 +1,12 @@
-"""The mode wall: in ps/server only the policy modules decide by consistency mode.
+"""The mode wall: only the mode modules decide by consistency mode.
 
-Every decision that differs between sync, async and ssp is a method or attribute of the
-shard's UpdatePolicy (ps/server/policies.py, ps/server/chunk_rounds.py, the sparse side in
-ps/server/sparse_policy.py); ps/server/policy_for_mode.py is the one place a mode name
-becomes a policy. Anywhere else in ps/server a mode may be named only to build the policy
-(`make_policy(job.mode, ...)`), to label metrics (`set_mode`, ps/server/metrics.py) or in
-a message. The test reads the source (AST), so a new `job.mode == "sync"` fails it.
+Every decision that differs between the modes is a method or attribute of the shard's
+UpdatePolicy or one of the mode's traits, both declared by the mode's module in
+ps/server/modes/ (the sparse side in ps/server/modes/rows.py); the registry there is the one
+place a mode name becomes a rule. Anywhere else in ps/server a mode may be named only to
+label metrics (`set_mode`, ps/server/metrics/prometheus.py) or in a message. The workers' side
+(ps/client) compares no mode name at all: it acts on the traits the shards send with the
+job. The test reads the source (AST), so a new `job.mode == "sync"` fails it.
 """
 
 from __future__ import annotations
@@ -17,19 +18,14 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVER = ROOT / "ps" / "server"
+CLIENT = ROOT / "ps" / "client"
 MODES = {"sync", "async", "ssp", "local"}
-# The policy modules: the only ones that decide by mode.
-POLICY_MODULES = {
-    "policies.py",
-    "policy_for_mode.py",
-    "chunk_rounds.py",
-    "sparse_policy.py",
-    "local_policy.py",
-}
-# Calls that may take a mode as an argument: build the policy, label the metrics.
-MODE_SINKS = {"make_policy", "set_mode"}
-# metrics.py keeps the mode as a metrics label (its own `mode` attribute, validated).
-LABEL_MODULES = {"metrics.py"}
+# The mode modules: the only ones that decide by mode.
+MODES_PACKAGE = SERVER / "modes"
+# Calls that may take a mode as an argument: label the metrics.
+MODE_SINKS = {"set_mode"}
+# metrics/prometheus.py keeps the mode as a metrics label (its own `mode` attribute, validated).
+LABEL_MODULES = {"prometheus.py"}
 
 
 def _is_mode_value(node: ast.AST) -> bool:
@@ -86,14 +82,32 @@ def violations(source: str, filename: str) -> list[str]:
 
 
 def server_modules() -> list[Path]:
-    return sorted(p for p in SERVER.glob("*.py") if p.name not in POLICY_MODULES)
+    return sorted(p for p in SERVER.rglob("*.py") if MODES_PACKAGE not in p.parents)
 
 
-def test_no_mode_decisions_outside_the_policies() -> None:
+def test_no_mode_decisions_outside_the_mode_modules() -> None:
     files = server_modules()
     assert len(files) > 10, "ps/server moved?"
     found = [v for f in files for v in violations(f.read_text(), f.name)]
-    assert not found, "mode decisions outside the policy modules:\n" + "\n".join(found)
+    assert not found, "mode decisions outside the mode modules:\n" + "\n".join(found)
+
+
+def comparisons(source: str, filename: str) -> list[str]:
+    """The client's wall: no comparison or match on a mode (it may keep its mode as a
+    label for reports and messages)."""
+    return [
+        v
+        for v in violations(source, filename)
+        if "compares a mode" in v or "matches on a mode" in v
+    ]
+
+
+def test_the_client_compares_no_mode_name() -> None:
+    files = sorted(CLIENT.rglob("*.py"))
+    assert len(files) > 10, "ps/client moved?"
+    found = [v for f in files for v in comparisons(f.read_text(), f.name)]
+    assert not found, "ps/client decides by a mode's name:\n" + "\n".join(found)
+    assert comparisons('if self.mode in ("sync", "local"):\n    pass', "x.py")
 
 
 @pytest.mark.parametrize(
@@ -115,7 +129,7 @@ def test_the_wall_catches_what_it_should(source: str) -> None:
 @pytest.mark.parametrize(
     "source",
     [
-        "st.policy = make_policy(job.mode, job.staleness)",
+        "st.policy = modes.rule(job, options)",
         "self.metrics.set_mode(job.mode)",
         'raise ValueError(f"waited ({job.mode})")',
         "if self.policy.rounds:\n    pass",

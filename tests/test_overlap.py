@@ -18,7 +18,7 @@ import torch
 from ps.client.overlap import PushBuckets, bucket_params
 from ps.client.pull_gate import PullGate
 from ps.partition import plan_slots
-from ps.server.pushdata import PushHeader
+from ps.server.intake.pieces import PushHeader
 from ps.server.shard import ShardState
 from tests.procs import run_ps_workers, shards
 from tests.ps_fixtures import grad_for, init_values, make_job
@@ -262,18 +262,18 @@ def test_slot_and_chunk_arrival_order_does_not_change_the_round() -> None:
             h = PushHeader(
                 worker=w, clock=1, base_version=0, dtype=torch.float32, verdict_follows=True
             )
-            ticket = st.begin_push(h)
+            ticket = st.intake.begin_push(h)
             keys = list(g) if order == "forward" else list(reversed(g))
             if order == "reverse":
-                st.add_verdict(ticket, False)  # the verdict may precede the last data
+                st.intake.add_verdict(ticket, False)  # the verdict may precede the last data
             for k in keys:
                 flat = g[k]
                 pieces = [(o, flat[o : o + 3]) for o in range(0, flat.numel(), 3)]
                 for off, piece in pieces:
-                    st.add_data(ticket, k, off, piece.numpy().tobytes())
+                    st.intake.add_data(ticket, k, off, piece.numpy().tobytes())
             if order == "forward":
-                st.add_verdict(ticket, False)
-            st.finish_push(ticket)
+                st.intake.add_verdict(ticket, False)
+            st.intake.finish_push(ticket)
         assert st.rounds == 1
         digests.append(st.state_digest())
     assert digests[0] == digests[1]

@@ -1,10 +1,10 @@
 """Waiting calls park instead of holding gRPC handler threads (issue #18, item 6).
 
 Under the sync grpc.server each sync-mode pull waiting for its round held one of the
-`--threads` handler threads: with as many waiting pulls as threads, Stats and the push
+`--rpc-threads` handler threads: with as many waiting pulls as threads, Stats and the push
 that would close the round timed out. The shard now serves with grpc.aio
-(ps/server/aio_host.py) and a waiting Pull or GetJob(wait) parks on its event loop
-(ps/server/parking.py). Against a real shard on loopback with `--threads 16`:
+(ps/server/doors/aio_host.py) and a waiting Pull or GetJob(wait) parks on its event loop
+(ps/server/pulls/parking.py). Against a real shard on loopback with `--rpc-threads 16`:
 
 - 128 sync pulls wait for the round of a 129-worker job: Stats and Heartbeat still
   answer, worker 0's round-closing push completes, then all 128 pulls are served the
@@ -33,7 +33,7 @@ from ps import serde, wire
 from ps._gen.psar.v1 import ps_pb2 as pb
 from ps._gen.psar.v1 import ps_pb2_grpc as pb_grpc
 from ps.server.config import ServerConfig
-from ps.server.parking import parking_of
+from ps.server.pulls.parking import parking_of
 from tests.ps_fixtures import (
     grad_for,
     init_chunks,
@@ -198,7 +198,7 @@ def test_a_parked_pull_waits_through_a_drain_for_the_round_in_flight() -> None:
         call = stub.Pull(pb.PullRequest(worker=1, clock=2, dtype=pb.FLOAT32), timeout=TIMEOUT)
         parking = parking_of(state)
         eventually("the pull parked", lambda: len(parking) == 1)
-        state.drain()  # notifies the shard: the parked pull is looked at and stays
+        state.durability.drain()  # notifies the shard: the parked pull is looked at and stays
         time.sleep(0.3)
         assert len(parking) == 1  # (call.running() says nothing: unread replies keep it so)
         stub.Push(iter(push_chunks(header(0, 2, 1), grad_for(job, 0, 2))), timeout=TIMEOUT)
@@ -209,7 +209,7 @@ def test_a_parked_pull_waits_through_a_drain_for_the_round_in_flight() -> None:
 @pytest.mark.parametrize("method", ["Stats", "GetJob", "Pull", "Heartbeat", "PullRows"])
 def test_an_undecodable_request_is_invalid_argument_not_unknown(method: str) -> None:
     """grpc.aio answers a request it cannot decode UNKNOWN from outside the handler; the
-    shard's handlers refuse it themselves (ps/server/aio_host.py guard), saying so."""
+    shard's handlers refuse it themselves (ps/server/doors/aio_host.py guard), saying so."""
     job = make_job("sync", num_workers=1)
     with serving(config()) as (port, state), stubs(port, 1) as (stub,):
         stub.Init(iter(init_chunks(job, init_values(job))), timeout=TIMEOUT)

@@ -16,8 +16,10 @@ import torch
 
 from ps.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument
 from ps.job import Job
+from ps.server.modes import BUILTIN, Modes
 from ps.server.shard import ShardState
-from tests.policy_decisions import DecisionContract
+from tests import drop_stale_mode
+from tests.policy_decisions import DecisionContract, Promises
 from tests.ps_fixtures import (
     OPTIMIZERS,
     assert_weights_equal,
@@ -47,6 +49,8 @@ class PolicyContract(DecisionContract):
     staleness: int = 0
     num_workers: int = 3
     chunk_rounds: bool = False
+    modes: Modes = BUILTIN
+    """The registry the suite's shards serve from (a mode of one's own: BUILTIN and it)."""
 
     @pytest.fixture(params=OPTIMIZERS)
     def opt(self, request: pytest.FixtureRequest) -> str:
@@ -65,7 +69,7 @@ class PolicyContract(DecisionContract):
         return self.new_state(job, values), job, values
 
     def new_state(self, job: Job, values: Grads | None = None) -> ShardState:
-        return make_state(job, values, chunk_rounds=self.chunk_rounds)
+        return make_state(job, values, chunk_rounds=self.chunk_rounds, modes=self.modes)
 
     def push_clock(self, st: ShardState, job: Job, clock: int) -> dict[int, Grads]:
         """Every live worker pushes `clock`, from the weights it would have pulled."""
@@ -78,7 +82,7 @@ class PolicyContract(DecisionContract):
 
     def updates_for(self, rounds: list[dict[int, Grads]]) -> list[Grads]:
         """The optimizer steps a correct shard applies for these pushes (in push order)."""
-        if self.mode in ("sync", "local"):  # local: rounds of pseudo-gradients
+        if self.promises.rounds:  # local: rounds of pseudo-gradients
             return [mean_in_rank_order(r) for r in rounds]
         return [g for r in rounds for g in r.values()]
 
@@ -92,7 +96,7 @@ class PolicyContract(DecisionContract):
         with pytest.raises(InvalidArgument, match="not in this job"):
             pull(st, job.num_workers, 0)
         with pytest.raises(InvalidArgument, match="not in this job"):
-            st.leave(job.num_workers + 5)
+            st.members.leave(job.num_workers + 5)
         assert st.state_digest() == before
 
     def test_duplicate_clock_refused_retry_acknowledged(self, opt: str) -> None:
@@ -156,7 +160,7 @@ class PolicyContract(DecisionContract):
         with pytest.raises(FailedPrecondition, match="not initialised"):
             pull(st, 0, 0, timeout=0.01)
         with pytest.raises(FailedPrecondition, match="not initialised"):
-            st.leave(0)
+            st.members.leave(0)
         assert not st.initialized and st.state_digest() == before
 
     def test_identical_reinit_acknowledged_conflicting_refused(self, opt: str) -> None:
@@ -182,8 +186,8 @@ class PolicyContract(DecisionContract):
     def test_left_worker_cannot_push(self, opt: str) -> None:
         st, job, _ = self.setup(opt)
         last = job.num_workers - 1
-        assert st.leave(last) == job.num_workers - 1
-        assert st.leave(last) == job.num_workers - 1  # leaving twice is harmless
+        assert st.members.leave(last) == job.num_workers - 1
+        assert st.members.leave(last) == job.num_workers - 1  # leaving twice is harmless
         before = st.state_digest()
         with pytest.raises(FailedPrecondition, match="left") as e:
             push(st, worker=last, clock=1, base_version=0, grads=grad_for(job, last, 1))
@@ -342,6 +346,9 @@ class TestSyncContract(PolicyContract):
     def test_overflow_skips_the_round(self, opt: str, scaling: bool) -> None:
         ls = LossScaleConfig(enabled=scaling, init_scale=2.0**10, growth_interval=2)
         st, job, values = self.setup(opt, loss_scale=ls)
+        # Where the shards own the loss scale (sync) it backs off on the skipped round;
+        # where the workers keep their own (local SGD's inner steps) the shard has none.
+        scaling = scaling and self.promises.shard_loss_scale
         scale0 = 2.0**10 if scaling else 1.0
         assert st.loss_scale.scale == scale0
         # One clean round first, so optimizer state exists and must survive the skip.
@@ -409,10 +416,10 @@ class TestSyncContract(PolicyContract):
         if len(who_pushed) == job.num_workers:
             # Everyone pushed: the round closed; the last worker then leaves.
             assert st.rounds == 1
-            st.leave(3)
+            st.members.leave(3)
         else:
             assert st.rounds == 0
-            assert st.leave(3) == job.num_workers - 1
+            assert st.members.leave(3) == job.num_workers - 1
             assert st.rounds == 1
         # Mean over those who pushed.
         assert_weights_equal(
@@ -428,7 +435,7 @@ class TestSyncContract(PolicyContract):
         st, job, values = self.setup(opt)
         sent = {3: grad_for(job, 3, 1)}
         push(st, worker=3, clock=1, base_version=0, grads=sent[3])
-        st.leave(3)
+        st.members.leave(3)
         assert st.rounds == 0
         for w in (0, 1, 2):
             sent[w] = grad_for(job, w, 1)
@@ -447,7 +454,7 @@ class TestChunkedSyncContract(TestSyncContract):
 
 
 class TestLocalContract(TestSyncContract):
-    """--mode local (ps/server/local_policy.py): pushes are pseudo-gradients and the job's
+    """--mode local (ps/server/modes/local.py): pushes are pseudo-gradients and the job's
     optimizer is the outer one, but the shard keeps every promise of a sync round."""
 
     mode = "local"
@@ -564,7 +571,7 @@ class TestSSPContract(AsyncBehaviour):
             fut = ex.submit(pull, st, 0, 2, timeout=30.0)
             with pytest.raises(FutureTimeout):
                 fut.result(timeout=0.05)
-            assert st.leave(2) == 2
+            assert st.members.leave(2) == 2
             header, _ = fut.result(timeout=30.0)
         assert header.clock_gap == 1  # now measured against worker 1
 
@@ -582,9 +589,68 @@ class TestSSPContract(AsyncBehaviour):
                     pull(st, 0, c, timeout=0.0)
 
 
+# ---- a mode of one's own: one module (tests/drop_stale_mode.py), one suite ----------------
+
+
+class TestDropStaleContract(AsyncBehaviour):
+    """Async that drops gradients staler than K, added as one module and registered the
+    way the stock modes are: every promise of the contract and of async holds (K is large
+    for those), and what only it does is below."""
+
+    mode = drop_stale_mode.NAME
+    modes = drop_stale_mode.MODES
+    max_staleness = 100
+
+    @property
+    def promises(self) -> Promises:
+        return Promises(rounds=False, pull_wait=None)
+
+    def job(self, opt: str, **kw: object) -> Job:
+        kw.setdefault("mode_options", {"max_staleness": self.max_staleness})
+        return super().job(opt, **kw)
+
+    @pytest.mark.parametrize("k", [0, 1])
+    def test_a_gradient_staler_than_k_is_dropped(self, opt: str, k: int) -> None:
+        st, job, values = self.setup(opt, mode_options={"max_staleness": k})
+        applied = []
+        for w in range(job.num_workers):  # every one computed from version 0
+            g = grad_for(job, w, 1)
+            before = st.version
+            outcome, _, _ = push(st, worker=w, clock=1, base_version=0, grads=g)
+            assert outcome.staleness == before
+            assert outcome.applied == (before <= k) and not outcome.dropped_nonfinite
+            if outcome.applied:
+                applied.append(g)
+        assert st.clocks == [1] * job.num_workers  # a dropped push still moves its clock
+        assert st.version == st.updates_applied == len(applied) == k + 1
+        assert st.policy.dropped_stale == job.num_workers - k - 1  # type: ignore[attr-defined]
+        assert_weights_equal(masters(st), reference_weights(job, values, applied))
+
+    def test_its_configuration_is_checked_when_the_job_arrives(self) -> None:
+        for options, words in [({}, "needs the mode option"), ({"max_staleness": -1}, ">= 0"),
+                               ({"max_staleness": 1, "other": 2}, "unknown mode options")]:  # fmt: skip
+            job = self.job("sgd", mode_options=options)
+            with pytest.raises(InvalidArgument, match=words):
+                make_state(job, modes=self.modes)
+        with pytest.raises(InvalidArgument, match="is not served by this shard"):
+            make_state(self.job("sgd"))  # the stock registry does not serve it
+
+
 def test_every_mode_has_a_contract_suite() -> None:
-    suites = (TestSyncContract, TestChunkedSyncContract, TestAsyncContract, TestSSPContract)
-    assert {c.mode for c in suites} == {"sync", "async", "ssp"}
+    suites = (
+        TestSyncContract,
+        TestChunkedSyncContract,
+        TestLocalContract,
+        TestAsyncContract,
+        TestSSPContract,
+        TestDropStaleContract,
+    )
+    assert {c.mode for c in suites} == set(drop_stale_mode.MODES.names())
     assert any(c.chunk_rounds for c in suites)
     assert all(issubclass(c, PolicyContract) for c in suites)
     assert all(issubclass(c, DecisionContract) for c in suites)
+    for c in suites:  # what each suite holds a mode to is what the mode declares
+        traits = c.modes.get(c.mode).traits
+        promises = c.promises.fget(c)  # type: ignore[attr-defined]
+        assert traits.rounds == promises.rounds, c.__name__
+        assert traits.shard_owns_loss_scale == promises.shard_loss_scale, c.__name__

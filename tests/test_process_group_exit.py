@@ -6,7 +6,7 @@ thread but the main one on SCHED_IDLE: gloo's threads then run only while the ma
 thread waits, as a descheduled thread on a loaded 2-core machine does. A rank that
 leaves the way most scripts do (`destroy_process_group()` right after the last step)
 then dies by SIGABRT at exit, "terminate called without an active exception", the CI
-failure of bench/plain_ddp.py; bench/plain_ddp.py and a script that calls
+failure of bench/baselines/plain_ddp.py; that script and one that calls
 `end_process_group` exit 0. (`psar train --arch allreduce` passes this regime even
 without the drain: its collectives after training, issued outside backward, let gloo's
 threads drop the backward's work while the main thread waits, so it is not a test here.)
@@ -82,7 +82,7 @@ def test_end_process_group_leaves_cleanly_while_gloo_threads_lag(tmp_path: Path)
 
 
 def test_the_plain_ddp_baseline_leaves_cleanly_while_gloo_threads_lag(tmp_path: Path) -> None:
-    p = _torchrun(tmp_path, "bench/plain_ddp.py", "--steps", "3", "--hidden", "64",
+    p = _torchrun(tmp_path, "bench/baselines/plain_ddp.py", "--steps", "3", "--hidden", "64",
                   "--out", str(tmp_path))  # fmt: skip
     assert p.returncode == 0, p.stdout[-3000:]
     assert len((tmp_path / "steps-plain-rank1.jsonl").read_text().splitlines()) == 3

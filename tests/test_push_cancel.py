@@ -58,7 +58,8 @@ class Spy:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def install(self, state: ShardState) -> None:
-        begin, add = state.begin_push, state.add_data_from
+        intake = state.intake
+        begin, add = intake.begin_push, intake.add_data_from
 
         def begin_push(*a: Any, **kw: Any) -> Any:
             ticket = begin(*a, **kw)
@@ -71,8 +72,8 @@ class Spy:
             with self.lock:
                 self.pieces += 1
 
-        state.begin_push = begin_push  # type: ignore[method-assign]
-        state.add_data_from = add_data_from  # type: ignore[method-assign]
+        intake.begin_push = begin_push  # type: ignore[method-assign]
+        intake.add_data_from = add_data_from  # type: ignore[method-assign]
 
     def released(self) -> bool:
         """Every push the shard began has let go of its worker's lock (applied or not)."""
@@ -231,7 +232,7 @@ def test_a_stalled_data_plane_push_is_superseded_by_a_grpc_push(mode: str) -> No
             until(lambda: s.spy.pieces == 1, "the stalled push took its first piece")
             reply = s.stub.Push(iter(stream), timeout=5.0)
             assert reply.applied and not reply.already_applied and s.state.version == 1
-            assert s.state.in_flight.superseded == 1
+            assert s.state.intake.in_flight.superseded == 1
             # The stalled connection was cut: finishing its push late changes nothing.
             stalled.settimeout(TIMEOUT)
             with contextlib.suppress(OSError):

@@ -1,4 +1,4 @@
-"""Push pacing (ps/server/push_pacing.py): with --chunk-rounds, a shard reads a push at
+"""Push pacing (ps/server/intake/pacing.py): with --chunk-rounds, a shard reads a push at
 most `--push-lead-mib` ahead of the slowest push of its round still streaming.
 
 Unit tests drive the rule and a chunked shard object directly (a paced push in a thread
@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from ps.server import push_pacing
 from ps.server.config import ServerConfig
+from ps.server.intake import pacing
 from ps.server.shard import ShardState
 from tests.procs import run_ps_workers, shard_stats, shards
 from tests.ps_fixtures import grad_for, init_values, make_job
@@ -44,7 +44,7 @@ def tickets(*sizes: int) -> dict[int, _T]:
 
 def test_a_push_is_ahead_only_by_the_lead_over_the_slowest_streaming_one() -> None:
     t = tickets(300, 100, 250)
-    ahead = push_pacing.ahead
+    ahead = pacing.ahead
     assert ahead(t, t[0], 200)  # 300 - 100 >= 200
     assert not ahead(t, t[0], 201)
     assert not ahead(t, t[1], 1)  # the slowest is never held back
@@ -57,10 +57,10 @@ def test_a_push_is_ahead_only_by_the_lead_over_the_slowest_streaming_one() -> No
 
 def test_workers_that_have_not_begun_and_stale_tickets_do_not_count() -> None:
     t = tickets(300)
-    assert not push_pacing.ahead(t, t[0], 1)  # alone in the round so far
+    assert not pacing.ahead(t, t[0], 1)  # alone in the round so far
     stale = _T(_H(0), 10_000)  # a push no longer the round's (replaced)
     t[1] = _T(_H(1), 0)
-    assert not push_pacing.ahead(t, stale, 1)
+    assert not pacing.ahead(t, stale, 1)
 
 
 def test_server_flag_is_checked_and_maps_to_the_shard() -> None:
@@ -81,7 +81,7 @@ def paced_state(lead: int) -> tuple[ShardState, object]:
 
 def pace_in_thread(st: ShardState, ticket: object) -> tuple[threading.Thread, list[float]]:
     waited: list[float] = []
-    th = threading.Thread(target=lambda: waited.append(st.pace_push(ticket, 0)), daemon=True)
+    th = threading.Thread(target=lambda: waited.append(st.intake.pace_push(ticket, 0)), daemon=True)
     th.start()
     return th, waited
 
@@ -93,7 +93,7 @@ def test_a_push_ahead_waits_until_the_slowest_catches_up() -> None:
     t0, t1 = begin(st, 0), begin(st, 1)
     try:
         stream(st, t0, g0, keys[:1])  # worker 0 is one slot (>= 16 bytes) ahead
-        assert st.pace_push(t0, 5) == 0.0  # mid-slot pieces are never held
+        assert st.intake.pace_push(t0, 5) == 0.0  # mid-slot pieces are never held
         th, waited = pace_in_thread(st, t0)
         th.join(0.3)
         assert th.is_alive(), "a push one slot ahead of the lead was not held back"
@@ -104,8 +104,8 @@ def test_a_push_ahead_waits_until_the_slowest_catches_up() -> None:
         stream(st, t0, g0, keys[1:])
         stream(st, t1, g1, keys[1:])
         for t in (t0, t1):
-            st.add_verdict(t, False)
-            st.finish_push(t)
+            st.intake.add_verdict(t, False)
+            st.intake.finish_push(t)
     finally:
         t0.release()
         t1.release()
@@ -133,13 +133,13 @@ def test_a_dropped_slowest_push_releases_the_waiter() -> None:
 
 
 def test_a_push_waits_at_most_its_budget(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(push_pacing, "BUDGET_S", 0.2)
+    monkeypatch.setattr(pacing, "BUDGET_S", 0.2)
     st, job = paced_state(lead=16)
     t0, t1 = begin(st, 0), begin(st, 1)
     try:
         stream(st, t0, grad_for(job, 0, 1), [job.slots[-1].key])
-        assert st.pace_push(t0, 0) > 0  # worker 1 never moves: the budget ends it
-        assert st.pace_push(t0, 0) == 0.0  # spent: never held again
+        assert st.intake.pace_push(t0, 0) > 0  # worker 1 never moves: the budget ends it
+        assert st.intake.pace_push(t0, 0) == 0.0  # spent: never held again
     finally:
         t0.release()
         t1.release()
@@ -152,7 +152,7 @@ def test_no_pacing_without_a_lead_or_per_chunk_rounds() -> None:
         t0, t1 = begin(st, 0), begin(st, 1)
         try:
             stream(st, t0, grad_for(job, 0, 1), [job.slots[-1].key])
-            assert st.pace_push(t0, 0) == 0.0
+            assert st.intake.pace_push(t0, 0) == 0.0
         finally:
             t0.release()
             t1.release()

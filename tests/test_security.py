@@ -21,8 +21,8 @@ import torch
 from ps.client.psclient import ClientConfig, PSClient, PSClientError
 from ps.partition import plan_slots
 from ps.server.config import ServerConfig
-from ps.server.health import check
-from ps.server.metrics import ShardMetrics
+from ps.server.doors.health import check
+from ps.server.metrics.prometheus import ShardMetrics
 from ps.server.serve import shutdown, start_server, stop_server
 from tests.ps_fixtures import PARAMS, init_values, make_job
 
@@ -219,7 +219,7 @@ def test_health_serving_then_not_serving_while_draining(serve) -> None:
         assert check(ch, "psar.v1.ParameterServer") == "SERVING"
         job = make_job("sync", num_workers=1)
         state.init(job, init_values(job))
-        state.drain()
+        state.durability.drain()
         server.psar_health.not_serving()
         assert check(ch) == "NOT_SERVING"
         with PSClient([addr], worker=0, cfg=ClientConfig(**FAST)) as c:

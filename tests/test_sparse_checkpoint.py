@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from ps.errors import FailedPrecondition
-from ps.server import checkpoint
-from ps.server.checkpoint import CheckpointManager, newest_verified, path_for
+from ps.server.durability import checkpoints
+from ps.server.durability.checkpoints import CheckpointManager, newest_verified, path_for
 from ps.server.shard import ShardState
-from ps.server.sparse_shard import RowPush, SparseTables, TablesMismatch
+from ps.server.sparse.tables import RowPush, SparseTables, TablesMismatch
 from ps.sparse_spec import TableSpec
 from tests.ps_fixtures import grad_for, init_values, make_job, make_slots, push
 from tests.test_fault_checksum import damage
@@ -95,19 +95,19 @@ def test_round_trip_restores_every_table_bit_for_bit_and_training_continues_iden
         for w in (0, 1):
             for name in st.sparse.tables:
                 row_push(st, name, w, clock, seed=1)
-    with st._cond:
-        snap = checkpoint.snapshot(st)
+    with st.cond:
+        snap = st.durability.snapshot()
     st.checkpoints.write_now(snap["step"], snap)
     found, rejected = newest_verified(tmp_path, 0)
     assert found is not None and not rejected
     step, loaded = found
-    assert {p for p in checkpoint.checksums(loaded) if p.startswith("/sparse/")} >= {
+    assert {p for p in checkpoints.checksums(loaded) if p.startswith("/sparse/")} >= {
         "/sparse/tables/t.sgd/weight", "/sparse/tables/t.adagrad/acc",
         "/sparse/tables/t.lazy_adam/m", "/sparse/tables/t.lazy_adam/v",
         "/sparse/tables/t.lazy_adam/steps",
     }  # fmt: skip
     back = ShardState()
-    back.restore(step, loaded)
+    back.durability.restore(step, loaded)
     assert_same_tables(st.sparse, back.sparse)
     assert all(t.version == 6 for t in back.sparse.tables.values())  # trained, not initial
     # The same pushes on both give the same bits: optimizer state came back too.
@@ -124,8 +124,8 @@ def test_damaged_table_bytes_are_detected_and_the_restore_falls_back(tmp_path, c
     saved = {}
     for clock in (1, 2):
         row_push(st, "t.sgd", 0, clock, seed=3)
-        with st._cond:
-            snap = checkpoint.snapshot(st)
+        with st.cond:
+            snap = st.durability.snapshot()
         st.checkpoints.write_now(clock, {**snap, "step": clock})
         saved[clock] = st.sparse.tables["t.sgd"].weight.clone()
     # The largest tensor of the file is the 20000 x 16 sgd table's rows.
@@ -135,7 +135,7 @@ def test_damaged_table_bytes_are_detected_and_the_restore_falls_back(tmp_path, c
     assert len(rejected) == 1 and "/sparse/tables/t.sgd/weight" in rejected[0]
     assert found is not None and found[0] == 1
     back = ShardState()
-    back.restore(*found)
+    back.durability.restore(*found)
     assert torch.equal(bits(back.sparse.tables["t.sgd"].weight), bits(saved[1]))
 
 
@@ -143,11 +143,11 @@ def test_an_open_sync_round_is_left_out_and_its_pushers_push_it_again(tmp_path) 
     st = shard("sync")
     row_push(st, "t.sgd", 1, 1, seed=4)  # worker 0 has not pushed clock 1: open round
     before = st.sparse.tables["t.sgd"].weight.clone()
-    with st._cond:
-        snap = checkpoint.snapshot(st)
+    with st.cond:
+        snap = st.durability.snapshot()
     assert snap["sparse"]["clocks"] == [["t.sgd", 1, 0]]  # as if it never arrived
     back = ShardState()
-    back.restore(0, snap)
+    back.durability.restore(0, snap)
     assert not back.sparse.pending
     for w in (1, 0):  # worker 1's push of clock 1 is taken again, not acknowledged
         row_push(back, "t.sgd", w, 1, seed=4)
@@ -157,28 +157,28 @@ def test_an_open_sync_round_is_left_out_and_its_pushers_push_it_again(tmp_path) 
 
 def test_tables_of_another_shard_or_shape_are_refused_and_nothing_changes() -> None:
     st = shard("async", shards=2)
-    with st._cond:
-        snap = checkpoint.snapshot(st)
+    with st.cond:
+        snap = st.durability.snapshot()
     snap["sparse"]["tables"]["t.sgd"]["spec"]["shard_index"] = 1
     back = ShardState()
     with pytest.raises(
         TablesMismatch, match=r"'t.sgd' holds the rows of shard 1 of 2.*shard 0 of 2"
     ):
-        back.restore(0, snap)
+        back.durability.restore(0, snap)
     assert back.job is None and getattr(back, "sparse", None) is None
     snap["sparse"]["tables"]["t.sgd"]["spec"]["shard_index"] = 0
     snap["sparse"]["tables"]["t.adagrad"]["acc"] = torch.zeros(3)
     with pytest.raises(TablesMismatch, match=r"'t.adagrad' \(adagrad\): 'acc' should be"):
-        back.restore(0, snap)
+        back.durability.restore(0, snap)
     assert back.job is None
 
 
 def test_a_job_with_other_tables_is_refused_by_a_restored_shard_naming_the_difference() -> None:
     st = shard("async")
-    with st._cond:
-        snap = checkpoint.snapshot(st)
+    with st.cond:
+        snap = st.durability.snapshot()
     back = ShardState()
-    back.restore(7, snap)
+    back.durability.restore(7, snap)
     other = specs(rows=30000)
     with pytest.raises(FailedPrecondition) as err:
         back.sparse.create(other)
@@ -189,11 +189,11 @@ def test_a_job_with_other_tables_is_refused_by_a_restored_shard_naming_the_diffe
 
 def test_a_checkpoint_written_before_sparse_tables_still_restores(caplog) -> None:
     st = shard("async")
-    with st._cond:
-        snap = checkpoint.snapshot(st)
+    with st.cond:
+        snap = st.durability.snapshot()
     del snap["sparse"]  # as psar wrote it before
     back = ShardState()
-    back.restore(3, snap)
+    back.durability.restore(3, snap)
     assert back.job == st.job and not back.sparse.tables
     with caplog.at_level(logging.WARNING, "psar.sparse"):
         assert back.sparse.create(specs()) is False
@@ -210,11 +210,11 @@ def test_sync_rollback_takes_the_tables_back_and_drops_pushes_from_before_it(tmp
         for w in (0, 1):
             push(st, worker=w, clock=clock, base_version=st.version, grads=grad_for(job, w, clock))
         if clock == 2:
-            with st._cond:
-                at_round_2 = checkpoint.snapshot(st)["sparse"]
+            with st.cond:
+                at_round_2 = st.durability.snapshot()["sparse"]
     st.checkpoints.flush()
     row_push(st, "t.adagrad", 0, 4, seed=5)  # round 4 open on the old timeline
-    assert st.rollback(2)["rolled_back"]
+    assert st.durability.rollback(2)["rolled_back"]
     t = st.sparse.tables["t.adagrad"]
     assert torch.equal(bits(t.weight), bits(at_round_2["tables"]["t.adagrad"]["weight"]))
     assert torch.equal(bits(t.acc), bits(at_round_2["tables"]["t.adagrad"]["acc"]))

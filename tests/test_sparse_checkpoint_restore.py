@@ -20,7 +20,7 @@ import torch
 
 from ps.client.psclient import ClientConfig, PSClient
 from ps.client.sparse_client import pull_rows
-from ps.server.checkpoint import newest_verified
+from ps.server.durability.checkpoints import newest_verified
 from tests.fault_procs import Workers, shard_set, stats, wait_until
 
 EVERY = 5

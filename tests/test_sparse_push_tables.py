@@ -18,7 +18,7 @@ from ps.client.client_config import ClientConfig
 from ps.client.psclient import PSClient
 from ps.client.sparse_client import RowsPush, create_tables, pull_rows, push_rows, push_tables
 from ps.errors import InvalidArgument
-from ps.server.sparse_table import SparseTable
+from ps.server.sparse.table import SparseTable
 from ps.sparse_spec import TableSpec, init_rows
 from tests.ps_fixtures import make_job, raw_stub, serving
 

@@ -11,8 +11,8 @@ from ps import serde
 from ps._gen.psar.v1 import ps_pb2 as pb
 from ps.client.psclient import PSClient
 from ps.client.sparse_client import create_tables, pull_rows, push_rows
-from ps.server.sparse_shard import RowPush, SparseTables
-from ps.server.sparse_table import SparseTable, dense_reference_step
+from ps.server.sparse.table import SparseTable, dense_reference_step
+from ps.server.sparse.tables import RowPush, SparseTables
 from ps.sparse_spec import TableSpec, init_rows
 from tests.ps_fixtures import make_job, make_slots, make_state, raw_stub, serving
 
@@ -185,7 +185,7 @@ def test_sync_round_left_open_by_an_expired_worker_closes_on_the_next_push() -> 
     tables = _tables("sync")
     tables.push("emb", RowPush(0, 1, 0, False, torch.tensor([2]), torch.ones(1, DIM)))
     assert tables.tables["emb"].version == 0
-    with tables.state._cond:
+    with tables.state.cond:
         tables.state.live.discard(1)  # as a lease expiry does
         # ...which closes dense round 1 too: worker 0 pushes clock 2 after pulling it.
         tables.state.rounds = 1

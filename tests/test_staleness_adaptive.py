@@ -1,4 +1,4 @@
-"""--staleness-lr-power and --dc-adaptive (issue #17, item 5; ps/server/staleness.py).
+"""--staleness-lr-power and --dc-adaptive (issue #17, item 5; ps/server/modes/staleness.py).
 
 The arithmetic by hand (pure logic, on an in-process ShardState), validation in the
 config, the Job and on the wire (a real gRPC shard), and one run of real `psar server` /
@@ -19,7 +19,7 @@ from ps import serde
 from ps._gen.psar.v1 import ps_pb2 as pb
 from ps.client.psclient import PSClient
 from ps.job import Job
-from ps.server.staleness import dc_adaptive_, mean_square_update, step_adjust
+from ps.server.modes.staleness import dc_adaptive_, mean_square_update, step_adjust
 from tests.procs import run_ps_workers, shards
 from tests.ps_fixtures import (
     init_chunks,

@@ -1,7 +1,7 @@
 """Staleness-aware updates of the async and ssp shards (issue #17, item 5).
 
 The math (trainkit/optim.py) against hand computations on tiny tensors; the policies
-(ps/server/staleness.py through AsyncPolicy / SSPPolicy) on a ShardState against hand-made
+(ps/server/modes/staleness.py through AsyncPolicy / SSPPolicy) on a ShardState against hand-made
 optimizer steps; the job fields through the wire to a real gRPC shard, bad values refused
 with INVALID_ARGUMENT and nothing installed.
 """
@@ -264,7 +264,7 @@ def test_served_weights_keep_one_copy_per_base_in_use() -> None:
     push(st, worker=1, clock=1, base_version=0, grads=_grad(job, 0.1))
     pull(st, 1, 1)
     assert sorted(bases.copies) == [1, 2]  # version 0 is nobody's base any more
-    st.leave(1)
+    st.members.leave(1)
     assert sorted(bases.copies) == [1]
 
 
@@ -366,9 +366,9 @@ def test_update_threads_give_the_same_bits_with_every_correction(
 ) -> None:
     """The per-slot optimizers of `--torch-threads` take the adjusted lr / momentum from
     the shard optimizer's group: the same bits as one thread, schedule included."""
-    from ps.server import slot_step
+    from ps.server.update import stepper
 
-    monkeypatch.setattr(slot_step, "MIN_PARALLEL_NUMEL", 0)  # tiny slots: pool anyway
+    monkeypatch.setattr(stepper, "MIN_PARALLEL_NUMEL", 0)  # tiny slots: pool anyway
     cfg = optimizer_config(opt, schedule="warmup_cosine", warmup_steps=2, total_steps=8)
     job = _job(optimizer=cfg, num_workers=3, staleness_lr=True, delay_compensation=0.5)
 

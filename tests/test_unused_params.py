@@ -39,12 +39,12 @@ def push_absent(
     """A push whose header names `absent` slots; their data is junk (the shard must
     count them as zeros whatever arrives)."""
     h = PushHeader(worker, clock, base_version, torch.float32, loss_scale, absent=absent)
-    ticket = st.begin_push(h, lock_timeout=5.0)
+    ticket = st.intake.begin_push(h, lock_timeout=5.0)
     try:
         for k, t in grads.items():
             data = torch.full_like(t, 123.0) if k in absent else t * loss_scale
-            st.add_data(ticket, k, 0, data.contiguous().numpy().tobytes())
-        return st.finish_push(ticket)
+            st.intake.add_data(ticket, k, 0, data.contiguous().numpy().tobytes())
+        return st.intake.finish_push(ticket)
     finally:
         ticket.release()
 
@@ -137,11 +137,11 @@ def test_buffers_take_rank0s_values_or_the_mean_never_stepped(average: bool) -> 
         pushed[w] = g[buf].clone()
         # A buffer travels as its value: the loss scale must not divide it.
         h = PushHeader(w, 1, 0, torch.float32, 8.0)
-        t = st.begin_push(h, lock_timeout=5.0)
+        t = st.intake.begin_push(h, lock_timeout=5.0)
         for k, v in g.items():
             data = v if k == buf else v * 8.0
-            st.add_data(t, k, 0, data.contiguous().numpy().tobytes())
-        st.finish_push(t)
+            st.intake.add_data(t, k, 0, data.contiguous().numpy().tobytes())
+        st.intake.finish_push(t)
     want = (pushed[0] + pushed[1]) / 2 if average else pushed[0]
     assert torch.equal(st.masters[buf].detach(), want)
     assert not st.optimizer.state.get(st.masters[buf])  # never an optimizer step

@@ -1,5 +1,5 @@
 """The shard's update on several threads (`psar server --torch-threads N|auto`,
-ps/server/slot_step.py): bit-identical to one thread in every mode, with per-chunk rounds,
+ps/server/update/stepper.py): bit-identical to one thread in every mode, with per-chunk rounds,
 a learning-rate schedule and a restore; the update rate in Stats and /metrics; the flag.
 """
 
@@ -12,10 +12,10 @@ import warnings
 import pytest
 import torch
 
-from ps.server import checkpoint, slot_step
 from ps.server.config import SHARDS_PER_HOST_ENV, ServerConfig
-from ps.server.metrics import ShardMetrics
+from ps.server.metrics.prometheus import ShardMetrics
 from ps.server.shard import ShardState
+from ps.server.update import stepper
 from tests.ps_fixtures import grad_for, init_values, make_job, optimizer_config, pull, push
 from worker.cli_gen import add_flags, build
 
@@ -23,7 +23,7 @@ from worker.cli_gen import add_flags, build
 @pytest.fixture(autouse=True)
 def _pool_for_tiny_slots(monkeypatch: pytest.MonkeyPatch) -> None:
     """The test slots are tiny: use the pool anyway (the threshold only saves time)."""
-    monkeypatch.setattr(slot_step, "MIN_PARALLEL_NUMEL", 0)
+    monkeypatch.setattr(stepper, "MIN_PARALLEL_NUMEL", 0)
 
 
 def _run(mode: str, opt: str, threads: int, *, chunk_rounds: bool = False, clocks: int = 4):
@@ -68,7 +68,7 @@ def test_chunked_round_closed_by_a_leave_steps_its_slots_on_the_pool(opt: str) -
                 push(st, worker=w, clock=c, base_version=base, grads=grad_for(job, w, c))
         st.policy.quiesce()
         assert st.rounds == 1
-        st.leave(2)
+        st.members.leave(2)
         assert st.rounds == 2
         assert (st.stepper._pool is not None) == (threads > 1)
         digests.append(st.state_digest())
@@ -77,13 +77,13 @@ def test_chunked_round_closed_by_a_leave_steps_its_slots_on_the_pool(opt: str) -
 
 def test_the_pool_steps_on_its_own_threads(monkeypatch: pytest.MonkeyPatch) -> None:
     names: set[str] = set()
-    step = slot_step.SlotStepper._view_step
+    step = stepper.SlotStepper._view_step
 
     def spy(self, st, key, p):  # noqa: ANN001, ANN202
         names.add(threading.current_thread().name)
         return step(self, st, key, p)
 
-    monkeypatch.setattr(slot_step.SlotStepper, "_view_step", spy)
+    monkeypatch.setattr(stepper.SlotStepper, "_view_step", spy)
     _run("async", "adamw", 2, clocks=1)
     assert names and all(n.startswith("psar-update") for n in names)
 
@@ -100,10 +100,12 @@ def test_a_restored_shard_keeps_stepping_the_same_bits(threads: int) -> None:
     scheduler was rebuilt after the optimizer's saved lr was loaded)."""
     one, job = _run("sync", "adamw", 1, clocks=2)
     many, _ = _run("sync", "adamw", threads, clocks=2)
-    with many._cond:
-        snap = checkpoint.snapshot(many)
+    with many.cond:
+        snap = many.durability.snapshot()
     back = ShardState(update_threads=threads)
-    back.restore(many.checkpoint_step, snap)  # new masters: the per-slot optimizers follow
+    back.durability.restore(
+        many.durability.checkpoint_step, snap
+    )  # new masters: the per-slot optimizers follow
     for st in (one, back):
         base = st.version
         for w in (0, 1):
@@ -160,7 +162,7 @@ def test_flag_refuses_anything_else(bad: str) -> None:
 def test_torch_keeps_one_thread_unless_zero(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[int] = []
     monkeypatch.setattr(torch, "set_num_threads", calls.append)
-    slot_step.apply_torch_threads("auto")
-    slot_step.apply_torch_threads("4")
-    slot_step.apply_torch_threads("0")
+    stepper.apply_torch_threads("auto")
+    stepper.apply_torch_threads("4")
+    stepper.apply_torch_threads("0")
     assert calls == [1, 1]

@@ -3,8 +3,10 @@
 Each closure test imports every module of one package in a fresh interpreter and lists
 what got loaded: a shard must not load the worker, a worker's client must not load the
 shard, a DDP run must not load the parameter server, and the neutral package loads
-neither side. The cycle test reads the import statements themselves (module level and
-inside functions; ``if TYPE_CHECKING:`` blocks do not run, so they do not count).
+neither side. The cycle tests read the import statements themselves (module level and
+inside functions): in ps/ every import counts, ``if TYPE_CHECKING:`` blocks too, so the
+parts of the shard depend on each other one way only (issue #32); elsewhere those blocks
+do not run, so they do not count.
 """
 
 from __future__ import annotations
@@ -74,12 +76,17 @@ def test_shared_ps_modules_load_neither_side() -> None:
     assert not crossed, f"the shared ps modules load {crossed}"
 
 
-def _imports(path: Path, package_of: str) -> set[str]:
-    """Modules `path` imports, TYPE_CHECKING blocks left out, relative imports resolved."""
-    tree = ast.parse(path.read_text())
+def _imports(path: Path, package_of: str, *, strict: bool = False) -> set[str]:
+    """Modules `path` imports (module level and inside functions); TYPE_CHECKING blocks
+    left out unless `strict`."""
+    return imports_in(path.read_text(), strict=strict)
+
+
+def imports_in(source: str, *, strict: bool = False) -> set[str]:
+    tree = ast.parse(source)
     skip: set[int] = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+        if not strict and isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
             skip.update(id(n) for b in node.body for n in ast.walk(b))
     found: set[str] = set()
     for node in ast.walk(tree):
@@ -116,8 +123,7 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
-@pytest.mark.parametrize("package", ["ps", "trainkit", "worker", "allreduce"])
-def test_no_import_cycles(package: str) -> None:
+def import_graph(package: str, *, strict: bool) -> dict[str, set[str]]:
     mods = set(modules_of(package))
     graph = {}
     for m in mods:
@@ -125,8 +131,30 @@ def test_no_import_cycles(package: str) -> None:
         if not f.exists():
             f = ROOT / m.replace(".", "/") / "__init__.py"
         # a package's __init__ is loaded by its modules anyway: not an edge worth a cycle
-        graph[m] = {i for i in _imports(f, m) if i in mods and i != m and not m.startswith(i + ".")}
+        found = _imports(f, m, strict=strict)
+        graph[m] = {i for i in found if i in mods and i != m and not m.startswith(i + ".")}
+    return graph
+
+
+@pytest.mark.parametrize("package", ["ps", "trainkit", "worker", "allreduce"])
+def test_no_import_cycles(package: str) -> None:
+    graph = import_graph(package, strict=package == "ps")
     assert _cycle(graph) is None, f"import cycle: {' -> '.join(_cycle(graph) or [])}"
+
+
+def test_ps_counts_every_import() -> None:
+    """ps/'s graph has the edges only TYPE_CHECKING or a function body hold, and the scan
+    finds a cycle made of them."""
+    source = (
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n    from ps.server.shard import ShardState\n"
+        "def f():\n    from ps.server.state import ShardData\n"
+    )
+    assert imports_in(source, strict=True) >= {"ps.server.shard", "ps.server.state"}
+    assert "ps.server.shard" not in imports_in(source)
+    graph = import_graph("ps", strict=True)
+    assert sum(map(len, graph.values())) > 100, "the scan found few imports: did it break?"
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
 
 
 def test_a_ddp_process_loads_nothing_of_the_parameter_server() -> None:
@@ -143,3 +171,23 @@ def test_a_ddp_process_loads_nothing_of_the_parameter_server() -> None:
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
     )
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []
+
+
+def test_the_shard_is_composed_not_mixed_in() -> None:
+    """No class of ps/server has more than one base of the project's own (the shard's
+    components are attributes of ShardState, not mixins of it)."""
+    mixed = []
+    for f in sorted((ROOT / "ps" / "server").rglob("*.py")):
+        tree = ast.parse(f.read_text())
+        local = {
+            a.asname or a.name
+            for n in ast.walk(tree)
+            if isinstance(n, ast.ImportFrom) and n.module and n.module.startswith("ps.")
+            for a in n.names
+        } | {n.name for n in ast.walk(tree) if isinstance(n, ast.ClassDef)}
+        for n in ast.walk(tree):
+            if isinstance(n, ast.ClassDef):
+                own = [ast.unparse(b) for b in n.bases if ast.unparse(b).split(".")[0] in local]
+                if len(own) > 1:
+                    mixed.append(f"{f.relative_to(ROOT)}: {n.name}({', '.join(own)})")
+    assert not mixed, "classes mixing several of the project's bases:\n" + "\n".join(mixed)

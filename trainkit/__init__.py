@@ -3,7 +3,7 @@
 Optimizer, schedule and loss-scale construction (``optim``), gradient finiteness checks
 (``finite``), precision names (``dtypes``), atomic file writes (``atomic``), role
 resolution from launcher environments (``roles``), seeding a process from the job's seed
-and its rank (``seeding``), Prometheus helpers (``prom``) and the no-op metrics sink
-(``nullmetrics``). Shards (ps/server/), workers (worker/, ps/client/)
-and DDP (allreduce/) import it; it imports none of them (tests/test_walls.py).
+and its rank (``seeding``) and Prometheus helpers (``prom``). Shards (ps/server/), workers
+(worker/, ps/client/) and DDP (allreduce/) import it; it imports none of them
+(tests/test_walls.py).
 """

@@ -6,7 +6,7 @@ the weights at the last sync minus the weights now, and the pseudo-gradients of 
 workers are averaged and handed to the *outer* optimizer, which updates the shared
 weights from those of the last sync (Douillard et al., DiLoCo, arXiv 2311.08105).
 Where the averaging and the outer step run is the architecture's business: on the
-shards (ps/server/local_policy.py) or on every rank after an allreduce
+shards (ps/server/modes/local.py) or on every rank after an allreduce
 (allreduce/backend.py). Everything else -- inner steps, the anchor weights, the
 pseudo-gradient, the drift -- is the same code here, so both run the same arithmetic.
 

@@ -172,7 +172,7 @@ class DynamicLossScale:
             self.clean_steps = 0
 
 
-# ---- staleness-aware updates (PS async / ssp; ps/server/staleness.py applies them) ----
+# ---- staleness-aware updates (PS async / ssp; ps/server/modes/staleness.py applies them) ----
 
 
 def async_momentum(momentum: float, num_workers: int) -> float:
@@ -183,7 +183,7 @@ def async_momentum(momentum: float, num_workers: int) -> float:
     updates old) the expected update follows momentum SGD with an implicit momentum of
     1 - 1/N. The configured momentum, tuned for sync, comes on top of it: with 0.9 and 4
     workers the total is about 1.65 (> 1: the weights oscillate with growing amplitude,
-    which is how the LM diverged, bench/README.md). The rule: explicit = max(0, momentum -
+    which is how the LM diverged, docs/results.md). The rule: explicit = max(0, momentum -
     (1 - 1/N)), so explicit + implicit is what sync applies (0.9 -> 0.15 for N = 4,
     0.4 for N = 2, unchanged for N = 1). Used for SGD's momentum and AdamW's beta1."""
     if num_workers < 1:

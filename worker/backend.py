@@ -81,7 +81,7 @@ class Backend(Protocol):
 
     # ---- per instance ---------------------------------------------------------------
     mode: str
-    """'sync' | 'async' | 'ssp' | 'local' for ps; 'ddp' or 'local' for allreduce."""
+    """The consistency mode for ps (--mode); for allreduce ddp, or --mode local's."""
     rank: int
     world_size: int
     device: torch.device

@@ -22,17 +22,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from trainkit.choices import DEFAULT_MODE, LOCAL_SGD_MODES, MODES, local_sgd
 from worker import compare_repeats, report
 from worker.intervals import format_interval
 from worker.launch import LaunchSpec, add_launch_flags, auto_servers, launch
 
 RUNS: dict[str, tuple[str, str]] = {
-    "allreduce": ("allreduce", "sync"),
-    "ps-sync": ("ps", "sync"),
-    "ps-async": ("ps", "async"),
-    "ps-ssp": ("ps", "ssp"),
-    "ps-local": ("ps", "local"),
-    "allreduce-local": ("allreduce", "local"),
+    "allreduce": ("allreduce", DEFAULT_MODE),
+    **{f"ps-{m}": ("ps", m) for m in MODES},
+    **{f"allreduce-{m}": ("allreduce", m) for m in LOCAL_SGD_MODES},
 }
 DEFAULT_RUNS = ("allreduce", "ps-sync", "ps-async", "ps-ssp")
 """What --runs means when not given; the local-SGD runs (--sync-every) are asked for."""
@@ -282,7 +280,7 @@ def compare(args: argparse.Namespace, extra: list[str]) -> tuple[int, dict[str, 
 
 def _mode_args(arch: str, mode: str, args: argparse.Namespace) -> list[str]:
     """What a run needs beyond launch's flags: --mode local's H."""
-    return ["--sync-every", str(args.sync_every)] if mode == "local" else []
+    return ["--sync-every", str(args.sync_every)] if local_sgd(mode) else []
 
 
 def _cpus() -> int:

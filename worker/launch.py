@@ -4,30 +4,30 @@
 --servers/--rank/--world-size (and RANK, WORLD_SIZE, LOCAL_RANK). --arch allreduce runs
 torchrun (`python -m torch.distributed.run`) on a free MASTER_PORT, or, with --straggler,
 starts the ranks itself with torchrun's environment (torchrun gives all ranks one argv).
-On Ctrl-C, SIGTERM, --timeout or any process failing, launch stops every process group
-(SIGTERM, SIGKILL after --grace) and says why in its last line. See docs/launch.md.
+On Ctrl-C, SIGTERM, --timeout or any process failing, launch stops every process it
+started and their descendants (SIGTERM, SIGKILL after --grace: worker/supervisor.py, the
+supervisor bench/ runs its jobs through too) and says why in its last line. See
+docs/launch.md.
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
 import contextlib
 import os
 import re
 import shutil
 import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TextIO
 
-from trainkit.choices import MODES
+from trainkit.choices import DEFAULT_MODE, MODES, local_sgd
+from worker.supervisor import Supervisor, free_port
 from worker.torchrun_compat import torchrun_flags, torchrun_options
 
 EXIT_USAGE, EXIT_TIMEOUT = 2, 124
@@ -46,7 +46,7 @@ class LaunchSpec:
     arch: str = "ps"
     servers: int = 1
     workers: int = 2
-    mode: str = "sync"
+    mode: str = DEFAULT_MODE
     staleness: int = 1
     metrics_base_port: int = 0
     bind_host: str = "127.0.0.1"
@@ -93,8 +93,8 @@ def add_launch_flags(p: argparse.ArgumentParser, *, job: bool = True) -> None:
     """Flags shared by `psar launch` and `psar compare` (job=False: without --arch, --mode)."""
     if job:
         p.add_argument("--arch", choices=("ps", "allreduce"), default="ps", help="(default: ps)")
-        p.add_argument("--mode", choices=MODES, default="sync",
-                       help="ps consistency mode (default: sync)")  # fmt: skip
+        p.add_argument("--mode", choices=MODES, default=DEFAULT_MODE,
+                       help=f"ps consistency mode (default: {DEFAULT_MODE})")  # fmt: skip
     p.add_argument("--servers", type=_servers, default=1, metavar="N|auto",
                    help="ps: number of shards to start; auto: one per two cores left after "
                    "one per worker, 1 to 8 (default: 1)")  # fmt: skip
@@ -163,15 +163,9 @@ def validate(spec: LaunchSpec) -> None:
 
 def _ps_flags(spec: LaunchSpec, servers: str, rank: int) -> list[str]:
     if spec.arch != "ps":  # of the modes only local SGD (--mode local) applies to allreduce
-        return ["--mode", spec.mode] if spec.mode == "local" else []
+        return ["--mode", spec.mode] if local_sgd(spec.mode) else []
     return ["--servers", servers, "--rank", str(rank), "--world-size", str(spec.workers),
             "--mode", spec.mode, "--staleness", str(spec.staleness)]  # fmt: skip
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def launch(args: LaunchSpec | Sequence[str]) -> int:
@@ -189,29 +183,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     return launch(list(sys.argv[1:] if argv is None else argv))
 
 
-@dataclass
-class _Proc:
-    name: str
-    kind: str  # shard | worker | torchrun
-    index: int
-    popen: subprocess.Popen
-    tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=400))
-    thread: threading.Thread = field(init=False)
+def _relabel(name: str, line: str) -> tuple[str, str]:
+    """torchrun's --tee lines ("[workerN]:...") under the rank's own prefix."""
+    if name == "torchrun" and (m := _TEE.match(line)):
+        return f"worker{m.group(1)}", m.group(2)
+    return name, line
 
 
 class _Job:
+    """One job's processes, started and watched through a Supervisor (worker/supervisor.py:
+    process groups, descendants, SIGTERM then SIGKILL after --grace)."""
+
     def __init__(self, spec: LaunchSpec) -> None:
-        self.spec, self.procs, self.addrs = spec, [], {}
+        self.spec, self.addrs = spec, {}
+        self.kinds: dict[str, tuple[str, int]] = {}  # child name -> (shard|worker|torchrun, index)
         self.out, self.err = spec.out or sys.stdout, spec.err or sys.stderr
-        self.lock, self.signal, self.tmp = threading.Lock(), 0, None
-        self.seen: dict[int, str] = {}  # {pid: start time} of our children's children
-        self.scanned, self.deadline = 0.0, time.monotonic() + (spec.timeout or float("inf"))
+        self.signal, self.tmp = 0, None
+        self.deadline = time.monotonic() + (spec.timeout or float("inf"))
         self.host = "127.0.0.1" if spec.bind_host in ("0.0.0.0", "::", "") else spec.bind_host
         auto = spec.launcher == "auto" and spec.straggler
         self.direct = spec.arch == "allreduce" and (spec.launcher == "direct" or bool(auto))
+        self.sup = Supervisor(out=self.out, grace=spec.grace, relabel=_relabel, note=self.say,
+                              pids=spec.pids)  # fmt: skip
 
     def say(self, msg: str) -> None:
-        with self.lock:  # one line, never torn by a child's line
+        with self.sup.lock:  # one line, never torn by a child's line
             print(f"psar launch: {msg}", file=self.err, flush=True)
 
     def run(self) -> int:
@@ -220,7 +216,7 @@ class _Job:
         try:
             code, why = self._watch()
         finally:
-            self._stop_all()
+            self.sup.stop()
             for s, h in old.items():
                 signal.signal(s, h)
             if self.tmp:
@@ -235,26 +231,9 @@ class _Job:
         full = {**os.environ, "PYTHONUNBUFFERED": "1", **self.spec.env, **env}
         if self.spec.workers > 1:
             full.setdefault("OMP_NUM_THREADS", "1")  # as torchrun does
-        popen = subprocess.Popen(cmd, env=full, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                 stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
-        self.procs.append(proc := _Proc(name, kind, index, popen))
-        self.spec.pids.append(popen.pid)
-        proc.thread = threading.Thread(target=self._pump, args=(proc,), daemon=True)
-        proc.thread.start()
-
-    def _pump(self, proc: _Proc) -> None:
-        assert proc.popen.stdout is not None
-        for raw in iter(proc.popen.stdout.readline, b""):
-            line = raw.decode(errors="replace").rstrip("\r\n")
-            proc.tail.append(line)
-            prefix = proc.name
-            if proc.kind == "torchrun" and (m := _TEE.match(line)):
-                prefix, line = f"worker{m.group(1)}", m.group(2)
-            if proc.kind == "shard" and (m := _LISTEN.search(line)):
-                self.addrs[proc.index] = f"{self.host}:{m.group(2)}"
-            with self.lock:
-                self.out.write(f"[{prefix}] {line}\n")
-                self.out.flush()
+        self.kinds[name] = (kind, index)
+        # A shard serves until stopped: its exit, even with code 0, fails the job.
+        self.sup.start(name, cmd, env=full, persistent=kind == "shard")
 
     def _metrics(self, port: int) -> list[str]:
         flags = ["--metrics-port", str(port), "--metrics-addr", self.spec.bind_host]
@@ -262,11 +241,10 @@ class _Job:
 
     def _start_shards(self) -> None:
         s, p = self.spec, self.spec.metrics_base_port
-        # Workers pulling early get slots back only from shards that apply them per chunk.
-        chunks = ["--chunk-rounds"] if "--early-pull" in s.train_args else []
+        # No per-chunk flag: rank 0's Init tells the shards how the job's rounds run.
         for i in range(s.servers):
             cmd = [sys.executable, "-m", "worker.cli", "server", "--bind", f"{s.bind_host}:0",
-                   "--shard", str(i), *chunks, *self._metrics(p + i)]  # fmt: skip
+                   "--shard", str(i), *self._metrics(p + i)]  # fmt: skip
             # All on this host: `--torch-threads auto` splits the cores between them.
             self._spawn(f"shard{i}", "shard", i, cmd, {"PSAR_SHARDS_PER_HOST": str(s.servers)})
 
@@ -300,7 +278,7 @@ class _Job:
             cmd = [sys.executable, "-m", "worker.cli", "train", "--arch", s.arch, *train,
                    *_ps_flags(s, servers, r), *slow]  # fmt: skip
             self._spawn(f"worker{r}", "worker", r, cmd, env)
-        self.say(" ".join(f"{p.name}=pid {p.popen.pid}" for p in self.procs))
+        self.say(" ".join(f"{n}=pid {c.pid}" for n, c in self.sup.children.items()))
 
     def _print_metrics(self) -> None:
         s, p = self.spec, self.spec.metrics_base_port
@@ -316,111 +294,44 @@ class _Job:
             while len(self.addrs) < s.servers:
                 if r := self._check():
                     return r
+                for i in range(s.servers):
+                    if i not in self.addrs and (m := self.sup.find_line(f"shard{i}", _LISTEN)):
+                        self.addrs[i] = f"{self.host}:{m.group(2)}"
                 time.sleep(0.05)
             self.say(f"shards up: {','.join(self.addrs[i] for i in sorted(self.addrs))}")
         self._start_workers()
+        training = [n for n, (kind, _) in self.kinds.items() if kind != "shard"]
         while True:
             if r := self._check():
                 return r
-            if all(p.popen.poll() == 0 for p in self.procs if p.kind != "shard"):
+            if self.sup.finished(training):
                 tail = "; stopped the shards" * (s.arch == "ps")
                 return 0, f"all {s.workers} workers finished{tail}"
             time.sleep(0.05)
 
     def _check(self) -> tuple[int, str] | None:
-        if time.monotonic() - self.scanned > 0.5:  # remember torchrun's workers, if any
-            self.scanned = time.monotonic()
-            self._scan([p.popen.pid for p in self.procs])
         if self.signal:
             name = signal.Signals(self.signal).name
             return 128 + self.signal, f"received {name}; stopped everything"
         if time.monotonic() > self.deadline:
             return EXIT_TIMEOUT, f"--timeout {self.spec.timeout:g}s reached; stopped everything"
-        for p in sorted(self.procs, key=lambda p: p.kind != "shard"):
-            rc = p.popen.poll()
-            if rc is None or (rc == 0 and p.kind != "shard"):
-                continue
-            who = f"{p.kind} {p.index}"
-            if p.kind == "torchrun":
-                who, rc = self._torchrun_failure(p, rc)
-            how = f"was killed by signal {-rc}" if rc < 0 else f"exited with code {rc}"
-            return (128 - rc if rc < 0 else rc or 1), f"{who} {how}; stopped the rest"
-        return None
+        if (failed := self.sup.failure()) is None:  # also remembers torchrun's workers
+            return None
+        child, rc = failed
+        kind, index = self.kinds[child.name]
+        who = f"{kind} {index}"
+        if kind == "torchrun":
+            who, rc = self._torchrun_failure(child.name, rc)
+        how = f"was killed by signal {-rc}" if rc < 0 else f"exited with code {rc}"
+        return (128 - rc if rc < 0 else rc or 1), f"{who} {how}; stopped the rest"
 
-    def _torchrun_failure(self, p: _Proc, rc: int) -> tuple[str, int]:
+    def _torchrun_failure(self, name: str, rc: int) -> tuple[str, int]:
         """The rank and exit code in the 'Root Cause' section of torchrun's summary."""
-        p.thread.join(timeout=2.0)
-        _, found, root = "\n".join(p.tail).partition("Root Cause")
+        _, found, root = "\n".join(self.sup.lines(name, drain=2.0)).partition("Root Cause")
         rank, code = _ROOT_RANK.search(root), _ROOT_CODE.search(root)
         if found and rank and code:
             return f"worker {rank.group(1)}", int(code.group(1))
         return "torchrun", rc
-
-    def _scan(self, roots: list[int]) -> dict[int, str]:
-        new = _descendants(roots)
-        self.spec.pids.extend(pid for pid in new if pid not in self.seen)
-        self.seen.update(new)
-        return self.seen
-
-    def _stop_all(self) -> None:
-        live = [p for p in self.procs if p.popen.poll() is None]
-        seen = self._scan([p.popen.pid for p in self.procs])
-        for p in live:
-            _send(os.killpg, p.popen.pid, signal.SIGTERM)
-        end = time.monotonic() + self.spec.grace
-        while any(p.popen.poll() is None for p in live) and time.monotonic() < end:
-            time.sleep(0.05)
-        self._scan([p.popen.pid for p in live if p.popen.poll() is None])
-        for p in live:
-            if p.popen.poll() is None:
-                self.say(f"{p.name} still running {self.spec.grace:g}s after SIGTERM; SIGKILL")
-            _send(os.killpg, p.popen.pid, signal.SIGKILL)
-        for pid, start in seen.items():
-            if _alive(pid, start):
-                _send(os.kill, pid, signal.SIGKILL)
-        for p in self.procs:
-            p.popen.wait()
-            p.thread.join(timeout=2.0)
-        end = time.monotonic() + 5.0
-        while any(_alive(p, st) for p, st in seen.items()) and time.monotonic() < end:
-            time.sleep(0.05)
-
-
-def _send(kill: Callable[[int, int], None], target: int, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        kill(target, sig)
-
-
-def _start_time(pid: int) -> str | None:
-    """The start time of a live process (tells a reused pid apart); None: gone or zombie."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            f = fh.read().decode(errors="replace").rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return None if f[0] in ("Z", "X") else f"{f[1]} {f[19]}"  # "ppid start"
-
-
-def _alive(pid: int, start: str) -> bool:  # the same process, still running
-    return (_start_time(pid) or " ").split()[1:] == [start]
-
-
-def _descendants(roots: list[int]) -> dict[int, str]:
-    """{pid: start time} of the live descendants of `roots` (Linux /proc; {} elsewhere)."""
-    try:
-        procs = {int(d): _start_time(int(d)) for d in os.listdir("/proc") if d.isdigit()}
-    except OSError:
-        return {}
-    children: dict[int, list[int]] = collections.defaultdict(list)
-    for pid, st in procs.items():
-        if st is not None:
-            children[int(st.split()[0])].append(pid)
-    out, todo = {}, list(roots)
-    while todo:
-        for c in children.get(todo.pop(), []):
-            out[c] = procs[c].split()[1]
-            todo.append(c)
-    return out
 
 
 if __name__ == "__main__":  # pragma: no cover

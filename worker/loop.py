@@ -23,7 +23,6 @@ from typing import Any
 
 import torch
 
-from trainkit.nullmetrics import NullMetrics
 from trainkit.roles import resolve_local_rank, resolve_rank, resolve_world_size
 from trainkit.seeding import seed_process
 from worker.backend import Backend, StepOutcome
@@ -31,6 +30,7 @@ from worker.config import TrainConfig
 from worker.data import ShardedBatches, evaluate
 from worker.precision import PrecisionPolicy, pick_device, resolve
 from worker.progress import Progress
+from worker.recorder import NullWorkerRecorder, WorkerRecorder
 from worker.records import StepLog, run_summary, write_report
 from worker.workloads import Workload, load_workload
 
@@ -58,7 +58,7 @@ def make_backend(
     rank: int,
     world_size: int,
     total_steps: int,
-    metrics: Any,
+    metrics: WorkerRecorder,
     find_unused_parameters: bool = False,
 ) -> Backend:
     """One worker's backend, built the same way whichever the architecture."""
@@ -95,7 +95,7 @@ class _Run:
     """Last step of the run (a resumed worker starts after backend.start_step)."""
     device: torch.device
     precision: PrecisionPolicy
-    metrics: Any
+    metrics: WorkerRecorder
     workload: Workload
     batches: ShardedBatches
     backend: Backend
@@ -314,9 +314,9 @@ def _aborting(backend: Backend) -> Iterator[None]:
         raise
 
 
-def _metrics(cfg: TrainConfig, arch: str, local_rank: int) -> Any:
+def _metrics(cfg: TrainConfig, arch: str, local_rank: int) -> WorkerRecorder:
     if not cfg.metrics_port:
-        return NullMetrics()
+        return NullWorkerRecorder()
     from worker.metrics import WorkerMetrics, serve_metrics
 
     m = WorkerMetrics(arch=arch)

@@ -4,7 +4,7 @@ Like :class:`ps.server.metrics.ShardMetrics`, each :class:`WorkerMetrics` owns i
 (several workers run in one test process) and creates every labelled child up front,
 so the first scrape lists every series and the per-step methods stay cheap.
 
-The serving helpers live in :mod:`ps.server.metrics` (one implementation); they are
+The serving helpers live in :mod:`ps.server.metrics.prometheus` (one implementation); they are
 re-exported here so worker code needs a single import.
 """
 
@@ -48,7 +48,8 @@ PHASES: tuple[str, ...] = (
 
 
 class WorkerMetrics:
-    """Metrics of one worker; every series carries the ``arch`` label (``ps``/``allreduce``)."""
+    """Metrics of one worker; every series carries the ``arch`` label (``ps``/``allreduce``).
+    Its recording methods are exactly worker.recorder.WorkerRecorder's (tests/test_recorders.py)."""
 
     def __init__(self, registry: CollectorRegistry | None = None, *, arch: str) -> None:
         if arch not in ARCHS:

@@ -2,8 +2,10 @@
 
 Each step: the gradients (fp16/bf16/fp32 as --wire-dtype says) are pushed to every
 shard, then the new weights are pulled back. Pulls wait as the consistency mode
-requires (the sync round closes; the slowest SSP worker catches up). In sync mode the
-loss scale comes from the shards with every pull, so workers never drift apart.
+requires (the sync round closes; the slowest SSP worker catches up). The worker acts on
+the traits of the shards' mode (ps/job.py ModeTraits, sent with the job), never on its
+name: where the shards own the loss scale (sync) it comes with every pull, so workers
+never drift apart.
 
 With --overlap (the default) the push streams bucket by bucket while backward runs,
 and the pull runs on in the background after step() returns: the next forward waits
@@ -34,17 +36,19 @@ from ps.client.backend_local import LocalMixin
 from ps.client.backend_overlap import OverlapMixin
 from ps.client.backend_resync import _MAX_RESYNCS, ResyncMixin
 from ps.client.int_buffers import IntBuffers
+from ps.client.locality import resolve_early_pull
 from ps.client.psclient import ClientConfig, NeedsResync, PSClient
 from ps.headers import PullHeader
-from ps.job import Job
+from ps.job import Job, ModeTraits
 from ps.partition import Slot, bytes_per_shard, check_every_shard_holds_a_slot, plan_slots
+from trainkit.choices import chunk_rounds
 from trainkit.device_io import DeviceIO, state_to_host, to_host
-from trainkit.nullmetrics import NullMetrics
-from trainkit.optim import DynamicLossScale, LossScaleConfig, effective_loss_scale, with_run_length
+from trainkit.optim import DynamicLossScale, effective_loss_scale, with_run_length
 from trainkit.sparse_tables import release_tables
 from worker.backend import StepOutcome
 from worker.config import TrainConfig
 from worker.precision import PrecisionPolicy
+from worker.recorder import NullWorkerRecorder, WorkerRecorder
 
 log = logging.getLogger("psar.ps")
 
@@ -97,14 +101,15 @@ class PSBackend(OverlapMixin, ResyncMixin, LocalMixin):
         self.rank, self.world_size = rank, world_size
         self.device = precision.device
         self.total_steps = total_steps
-        self.metrics = metrics if metrics is not None else NullMetrics()
+        self.metrics: WorkerRecorder = metrics if metrics is not None else NullWorkerRecorder()
         self.addresses = cfg.ps.server_list()
         self.clock = 0
         self.bytes_pushed = 0
         self.bytes_pulled = 0
         ls = effective_loss_scale(cfg.loss_scale, precision.loss_scaling)
         self._ls_cfg = ls
-        # sync: the shards own the scale; async/ssp: each worker keeps its own.
+        # Where the shards own the scale (their traits say) it comes with every pull;
+        # elsewhere each worker keeps its own.
         self._local_scale = DynamicLossScale(ls)
         self.loss_scale = self._local_scale.scale
         self._skipped_seen = 0
@@ -115,6 +120,8 @@ class PSBackend(OverlapMixin, ResyncMixin, LocalMixin):
         self.rolled_back_updates = 0
         self.resyncs = 0
         self.rejoined = False
+        self.traits: ModeTraits
+        """How the shards' mode behaves (from GetJob, in setup)."""
 
     # ---- setup ----------------------------------------------------------------------
 
@@ -152,6 +159,14 @@ class PSBackend(OverlapMixin, ResyncMixin, LocalMixin):
             chunk_bytes=chunk,
         )
         check_every_shard_holds_a_slot(self.slots, len(self.addresses), self.cfg.ps.chunk_mib)
+        # Early pulls (and the per-chunk rounds they need) are the job's: rank 0 proposes
+        # them, every worker follows what the shards then serve (below).
+        self.early_pull = resolve_early_pull(
+            self.cfg.ps.early_pull,
+            eligible=chunk_rounds(self.mode) and not self.sparse and not self.cfg.local_sgd,
+            data_plane=self.cfg.ps.data_plane,
+            addresses=self.addresses,
+        )
         jobs = self._jobs()
         ps = self.cfg.ps
         self.client = PSClient(
@@ -176,15 +191,26 @@ class PSBackend(OverlapMixin, ResyncMixin, LocalMixin):
                 "bytes per shard: %s",
                 ", ".join(f"{i}: {b / 2**20:.2f} MiB" for i, b in enumerate(per)),
             )
-        got = self.client.get_jobs(wait=True, timeout_s=self.cfg.ps.pull_timeout_s)
+        got = self._await_jobs()
         for i, (want, have) in enumerate(zip(jobs, got, strict=True)):
             if have is None:
                 raise RuntimeError(
-                    f"shard {i} ({self.addresses[i]}) was not initialised within "
-                    f"{self.cfg.ps.pull_timeout_s}s; is the worker of rank 0 running? (a shard "
-                    "restarted without --restore stays empty: rank 0 only initialises at start)"
+                    f"worker {self.rank}: the worker of rank 0 never initialised shard {i} "
+                    f"({self.addresses[i]}) within --timeout-s {self.cfg.ps.timeout_s:g}; is "
+                    "it running, with the same --servers? (a shard restarted without "
+                    "--restore stays empty: rank 0 only initialises at start)"
                 )
-            if have != want:
+            if have.traits is None:
+                raise RuntimeError(
+                    f"shard {i} ({self.addresses[i]}) did not say how its mode behaves (an "
+                    "older psar?); run the same psar version on workers and shards"
+                )
+            self.traits = have.traits
+            # Rank 0 decided the job's early pulls: every worker takes them from it.
+            want = dataclasses.replace(
+                want, early_pull=have.early_pull, chunk_rounds=have.chunk_rounds
+            )
+            if have != want.served(have.traits):
                 raise RuntimeError(
                     f"shard {i} ({self.addresses[i]}) serves a different job (mode {have.mode}, "
                     f"{have.num_workers} workers, {len(have.slots)} slots, id {have.job_id!r}); "
@@ -192,7 +218,11 @@ class PSBackend(OverlapMixin, ResyncMixin, LocalMixin):
                 )
         io = self.io
         self._send = {s.key: io.host_buffer(s.numel, self.precision.wire) for s in self.slots}
-        self.early_pull = self.cfg.ps.early_pull and not self.sparse and not self.cfg.local_sgd
+        self.early_pull = got[0].early_pull if got else self.early_pull
+        asked = self.cfg.ps.early_pull
+        if self.rank == 0 or (asked is not None and asked != self.early_pull):
+            log.info("worker %d: early pulls %s (the job's)", self.rank,
+                     "on" if self.early_pull else "off")  # fmt: skip
         # On CPU, pulled bytes land straight in the parameters; on CUDA they land in
         # pinned host buffers and go to the device slot by slot (trainkit/device_io.py),
         # and so do early pulls (their slots may arrive while backward still runs).
@@ -219,6 +249,21 @@ class PSBackend(OverlapMixin, ResyncMixin, LocalMixin):
             self._setup_local()
         return model
 
+    def _await_jobs(self) -> list[Job | None]:
+        """Every shard's job, once rank 0 has initialised them: waited for at most
+        --timeout-s, saying every few seconds what it waits for."""
+        bound = self.cfg.ps.timeout_s
+        shards = ", ".join(f"{i} ({a})" for i, a in enumerate(self.addresses))
+
+        def describe(seconds: float) -> str:
+            return (
+                f"worker {self.rank}: waiting {seconds:.0f} s of --timeout-s {bound:g} for "
+                f"the worker of rank 0 to initialise shard(s) {shards}"
+            )
+
+        with self.client.waits.waiting(describe):
+            return self.client.get_jobs(wait=True, timeout_s=bound)
+
     def _jobs(self) -> list[Job]:
         opt = with_run_length(self.cfg.optimizer, self.total_steps)
         if self.cfg.local_sgd:  # the shards apply the outer optimizer
@@ -229,7 +274,7 @@ class PSBackend(OverlapMixin, ResyncMixin, LocalMixin):
                 staleness=self.cfg.ps.staleness,
                 num_workers=self.world_size,
                 optimizer=opt,
-                loss_scale=self._ls_cfg if self.mode == "sync" else LossScaleConfig(),
+                loss_scale=self._ls_cfg,  # the shards drop it where they do not own the scale
                 shard_index=i,
                 num_shards=len(self.addresses),
                 slots=[s for s in self.slots if s.shard == i],
@@ -245,6 +290,8 @@ class PSBackend(OverlapMixin, ResyncMixin, LocalMixin):
                 ),
                 buffers_average=self.cfg.ps.buffers == "average",
                 int_buffers=self.int_buffers.spec() if i == 0 else (),
+                chunk_rounds=self.early_pull,
+                early_pull=self.early_pull,
             )
             for i in range(len(self.addresses))
         ]
@@ -319,7 +366,7 @@ class PSBackend(OverlapMixin, ResyncMixin, LocalMixin):
                 self._drop_early()  # its round will not close with this push
                 before = self.clock
                 self._resync(fresh=False, cause=e)
-                if self.mode == "sync" and self.clock != before:
+                if self.traits.rounds and self.clock != before:
                     # The round this gradient was for is gone (rollback, or the others
                     # moved on without us): drop it and continue from the new weights.
                     self._pull_resyncing()
@@ -348,7 +395,7 @@ class PSBackend(OverlapMixin, ResyncMixin, LocalMixin):
             wait = self._pull_resyncing()  # the last step: everything lands before eval/save
         t2 = time.perf_counter()
         staleness = max(int(r.staleness) for r in replies)
-        if self.mode == "sync":
+        if self.traits.shard_owns_loss_scale:
             skipped = self._headers[0].skipped_rounds > self._skipped_seen
             self._sync_scale()
         else:
@@ -402,7 +449,7 @@ class PSBackend(OverlapMixin, ResyncMixin, LocalMixin):
         self.bytes_pulled += sum(s.numel for s in self.slots) * dtype.itemsize
         if self.int_buffers and self._headers:
             self.int_buffers.load(self._headers[0].int_buffers)  # shard 0's: rank 0's
-        if self.mode == "sync":
+        if self.traits.shard_owns_loss_scale:
             self.loss_scale = self._headers[0].loss_scale
 
     def _load_slot(self, key: str) -> Any:

@@ -2,7 +2,7 @@
 push of the pseudo-gradient and one pull of the new masters.
 
 The worker keeps its inner optimizer (trainkit/local_sgd.py); the shards hold the masters
-and the outer optimizer (the job's optimizer, ps/server/local_policy.py), and average the
+and the outer optimizer (the job's optimizer, ps/server/modes/local.py), and average the
 workers' pseudo-gradients in rank order like a sync round. The worker's clock counts
 outer rounds. Pushes stream after the H-th backward (there is nothing to overlap them
 with), so the overlap machinery is off in this mode.

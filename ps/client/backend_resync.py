@@ -12,26 +12,28 @@ import logging
 from typing import Any
 
 from ps.client.errors import NeedsResync
+from ps.job import ModeTraits
 
 log = logging.getLogger("psar.ps")
 _MAX_RESYNCS = 50
 
 
 class ResyncMixin:
-    """Needs: client, mode, rank, clock, versions, addresses, _send, _push_args,
+    """Needs: client, traits, rank, clock, versions, addresses, _send, _push_args,
     _known_restores, _seen_versions, restores, rolled_back_updates, resyncs, rejoined,
     instance (set by PSBackend)."""
 
     client: Any
-    mode: str
+    traits: ModeTraits
     rank: int
     clock: int
 
     @property
     def _in_rounds(self) -> bool:
-        """The shards update in rounds every worker joins (sync, and local SGD's outer
-        rounds): a restore is followed by every shard, and clocks count rounds."""
-        return self.mode in ("sync", "local")
+        """The shards update in rounds every worker joins (their mode's traits: sync, and
+        local SGD's outer rounds): a restore is followed by every shard, and clocks count
+        rounds."""
+        return self.traits.rounds
 
     def _resync(
         self, *, fresh: bool, cause: Exception | None = None, pushed: int | None = None

@@ -1,6 +1,6 @@
 """A worker's integer buffers on the PS (BatchNorm's num_batches_tracked, any counter).
 
-Float buffers travel as slots (ps/server/buffers.py); integer ones would not survive the
+Float buffers travel as slots (ps/server/update/buffers.py); integer ones would not survive the
 wire dtype (bf16 holds integers exactly only up to 256), so their exact values ride in
 shard 0's push and pull headers instead: every push to shard 0 carries this worker's,
 the shard keeps rank 0's (DDP broadcasts rank 0's buffers before every forward) and

@@ -1,4 +1,4 @@
-"""Worker side of the data plane (ps/server/dataplane.py): push and pull frames to one shard.
+"""Worker side of the data plane (ps/server/doors/dataplane.py): push and pull frames to one shard.
 
 One DataPlaneClient per shard, thread-safe: each call takes an idle pooled connection or
 opens one (hello with the token and protocol version first). It is the TCP door of the

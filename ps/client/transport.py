@@ -165,7 +165,7 @@ class Transport(ABC):
         An early pull (req.early): pieces may come before the header. They land in `out`
         at once, but on_piece runs for them only once the header says they hold (not
         early_void), just before on_header: the caller lets nothing of them into its
-        parameters before then (ps/server/early_pull.py)."""
+        parameters before then (ps/server/pulls/early.py)."""
         stream = self.open_pull(req, timeout_s=timeout_s)
         try:
             if on_open is not None:

@@ -7,11 +7,12 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import ClassVar
 
 from ps import wire
 from ps.grpc_limits import DEFAULT_MAX_MESSAGE_BYTES
-from ps.server import checkpoint
-from ps.server.lease import DEFAULT_JOIN_GRACE_S, DEFAULT_LEASE_S
+from ps.server.durability import checkpoints
+from ps.server.membership.leases import DEFAULT_JOIN_GRACE_S, DEFAULT_LEASE_S
 
 #: How many shards share this host (`psar server --torch-threads auto` divides its cores).
 SHARDS_PER_HOST_ENV = "PSAR_SHARDS_PER_HOST"
@@ -21,11 +22,28 @@ SHARDS_PER_HOST_ENV = "PSAR_SHARDS_PER_HOST"
 class ServerConfig:
     """One parameter-server shard."""
 
+    FLAG_NAMES: ClassVar[dict[str, str]] = {"threads": "--rpc-threads"}
+    """A flag name means one thing in every psar command: --torch-threads is torch's threads
+    (here and in psar train), so the gRPC handler threads are --rpc-threads."""
+    FLAG_ALIASES: ClassVar[dict[str, tuple[str, ...]]] = {"--rpc-threads": ("--threads",)}
+    HELP_GROUPS: ClassVar[dict[str, tuple[str, ...]]] = {
+        "shard": ("--bind", "--shard", "--rpc-threads", "--torch-threads", "--message-bytes",
+                  "--max-message-bytes", "--chunk-rounds", "--push-lead-mib"),
+        "data plane": ("--data-port", "--data-idle-s", "--data-max-conns-per-peer",
+                       "--data-tls-records", "--data-sealed-records"),
+        "reliability": ("--lease-s", "--join-grace-s", "--checkpoint-dir", "--checkpoint-every",
+                        "--checkpoint-interval", "--checkpoint-keep", "--restore",
+                        "--restore-or-fresh", "--init-timeout-s", "--drain-timeout-s"),
+        "security": ("--tls-cert", "--tls-key", "--tls-ca", "--auth-token-file"),
+        "metrics": ("--metrics-port", "--metrics-addr"),
+    }  # fmt: skip
+    """`psar server --help`'s sections (worker/cli_gen.py; tests/test_cli.py: every flag in one)."""
+
     bind: str = "127.0.0.1:50051"
     """HOST:PORT to listen on (port 0 picks a free one; 0.0.0.0 listens on every interface)."""
     threads: int = 64
-    """gRPC handler threads. A pull waiting for its round (sync barrier, SSP) holds none:
-    it parks on the server's event loop (ps/server/parking.py)."""
+    """gRPC handler threads (--rpc-threads). A pull waiting for its round (sync barrier, SSP) holds none:
+    it parks on the server's event loop (ps/server/pulls/parking.py)."""
     message_bytes: int = wire.DEFAULT_MESSAGE_BYTES
     """Bytes of tensor data per streamed message (~1 MiB streams fastest here)."""
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
@@ -39,7 +57,7 @@ class ServerConfig:
     ordinal, SLURM_PROCID, else 0)."""
     torch_threads: str = "1"
     """Threads of the shard's optimizer update: N | auto | 0. N > 1: a pool of N threads
-    steps the slots, bit-identical to one (ps/server/slot_step.py); torch itself keeps one
+    steps the slots, bit-identical to one (ps/server/update/stepper.py); torch itself keeps one
     thread, the fastest for the shard's copies (1 MiB: 0.12 ms vs 0.63 ms with its default).
     auto: the cores this process may use divided by the shards on this host (env
     PSAR_SHARDS_PER_HOST, else 1), at least 1. 0: torch's default threads, no pool."""
@@ -55,7 +73,7 @@ class ServerConfig:
     (0: 100 in sync mode, or when no --checkpoint-interval is given)."""
     checkpoint_interval: float = 0.0
     """async/ssp: also checkpoint every this many seconds (0: off; sync mode uses rounds)."""
-    checkpoint_keep: int = checkpoint.DEFAULT_KEEP
+    checkpoint_keep: int = checkpoints.DEFAULT_KEEP
     """Keep this many newest checkpoints (>= 2; sync rollbacks need an older one)."""
     restore: str = ""
     """Resume from the newest checkpoint in this folder that verifies (starts fresh if it
@@ -64,6 +82,11 @@ class ServerConfig:
     restore_or_fresh: bool = False
     """With --restore: start an empty shard when every checkpoint of this shard is damaged,
     instead of refusing to start (workers must then be restarted: the job begins again)."""
+    init_timeout_s: float = 3600.0
+    """A shard with no job says every 30 s that it waits for the worker of rank 0's Init,
+    and exits 1 if none came within this many seconds (a job whose workers never started,
+    or a wrong --servers list); 0: wait for ever. A shard restored from a checkpoint has
+    its job already."""
     drain_timeout_s: float = 10.0
     """On SIGTERM, wait up to this long for the sync round in flight before the final
     checkpoint."""
@@ -76,17 +99,17 @@ class ServerConfig:
     auth_token_file: str = ""
     """Refuse calls without `authorization: Bearer <the token in this file>`."""
     chunk_rounds: bool = False
-    """sync: apply the optimizer to each slot as soon as every worker's piece of it is in,
-    while later slots still arrive (undone if the round is skipped or a push refused;
-    ps/server/chunk_rounds.py). Bit-identical results either way. Off by default: the undo copy
-    of each slot's master and optimizer state costs about what the early update hides
-    (measured in docs/architectures.md)."""
+    """Not needed any more: per-chunk rounds (sync: each slot stepped as soon as every
+    worker's piece of it is in, undone if the round is skipped; same bits) are a property
+    of the job, which rank 0's Init carries (workers with --early-pull ask for them). With
+    this flag the shard applies them to every sync job, also one that does not ask
+    (workers from before jobs carried them)."""
     push_lead_mib: float = 2.0
-    """With --chunk-rounds, on the data plane: read a worker's push at most this many MiB
+    """Per-chunk rounds, on the data plane: read a worker's push at most this many MiB
     ahead of the slowest push of the same round still streaming; the rest waits in TCP's
     buffers, so workers sharing a shard host's NIC keep in step and every slot's round
     closes as early as it can (TCP alone lets one push run far ahead and the pulls pile up
-    at the end: ps/server/push_pacing.py). 0 turns pacing off; results are the same bits
+    at the end: ps/server/intake/pacing.py). 0 turns pacing off; results are the same bits
     either way."""
     data_port: int = 0
     """TCP port of the data plane (push and pull as plain frames next to gRPC, on the
@@ -117,8 +140,13 @@ class ServerConfig:
             raise ValueError(
                 f"--bind: expected HOST:PORT (e.g. 127.0.0.1:50051), got {self.bind!r}"
             )
+        if not 0 <= self.init_timeout_s < float("inf"):
+            raise ValueError(
+                f"--init-timeout-s must be a number of seconds >= 0 (0: wait for ever), "
+                f"got {self.init_timeout_s}"
+            )
         if self.threads < 2:
-            raise ValueError(f"--threads must be >= 2, got {self.threads}")
+            raise ValueError(f"--rpc-threads must be >= 2, got {self.threads}")
         if not 1024 <= self.message_bytes <= self.max_message_bytes // 2:
             raise ValueError("--message-bytes must be in [1024, max_message_bytes / 2]")
         if not -1 <= self.data_port < 65536:

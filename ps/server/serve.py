@@ -1,7 +1,7 @@
 """`psar server`: one parameter-server shard as a gRPC server process.
 
 Besides the ParameterServer service it serves the standard gRPC health service
-(ps/server/health.py), writes checkpoints (--checkpoint-dir), resumes from them (--restore),
+(ps/server/doors/health.py), writes checkpoints (--checkpoint-dir), resumes from them (--restore),
 expires worker leases (--lease-s), and can demand TLS and a bearer token (ps/auth.py).
 On SIGTERM it drains: NOT_SERVING, no new pushes, the sync round in flight finishes,
 a final checkpoint is written. docs/reliability.md describes all of it.
@@ -9,26 +9,29 @@ a final checkpoint is written. docs/reliability.md describes all of it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import threading
+import time
 from concurrent import futures
 from typing import Any
 
 from ps import auth
 from ps._gen.psar.v1 import ps_pb2_grpc as pb_grpc
 from ps.grpc_limits import grpc_options
-from ps.server import checkpoint
-from ps.server.aio_host import ShardServer
 from ps.server.config import ServerConfig
-from ps.server.dataplane import DataPlaneServer, server_ssl_context, start_dataplane
-from ps.server.health import ShardHealth
-from ps.server.lease import Reaper
+from ps.server.doors.aio_host import ShardServer
+from ps.server.doors.dataplane import DataPlaneServer, server_ssl_context, start_dataplane
+from ps.server.doors.health import ShardHealth
+from ps.server.doors.sparse_servicer import SparseServicer
+from ps.server.durability import checkpoints
+from ps.server.membership.leases import Reaper
 from ps.server.shard import ShardState
-from ps.server.slot_step import apply_torch_threads
-from ps.server.sparse_servicer import SparseServicer
+from ps.server.update.stepper import apply_torch_threads
 from trainkit.roles import resolve_shard
+from trainkit.waiting import Waits
 
 log = logging.getLogger("psar.server")
 
@@ -38,7 +41,7 @@ def build_state(cfg: ServerConfig, metrics: Any = None) -> ShardState:
     shard = resolve_shard(cfg.shard, os.environ)
     manager = None
     if cfg.checkpoint_folder:
-        manager = checkpoint.CheckpointManager(
+        manager = checkpoints.CheckpointManager(
             cfg.checkpoint_folder,
             shard=shard,
             every=cfg.checkpoint_every,
@@ -64,11 +67,11 @@ def build_state(cfg: ServerConfig, metrics: Any = None) -> ShardState:
             )
         else:
             step, snap = found
-            state.restore(step, snap)
+            state.durability.restore(step, snap)
             log.info("restored shard %d from step %d of %s", shard, step, cfg.restore)
             print(f"psar server restored step {step} from {cfg.restore}", flush=True)
     if manager is not None:
-        manager.start_timer(state)
+        manager.start_timer(state.durability)
     return state
 
 
@@ -78,21 +81,21 @@ def _find_restore(
     """The checkpoint to restore, or None for a folder without any of this shard (start
     fresh). Checkpoints that exist but none of which verifies: refuse to start, naming
     them (UnverifiedCheckpoints), unless fresh_ok (--restore-or-fresh)."""
-    found, rejected = checkpoint.newest_verified(folder, shard)
+    found, rejected = checkpoints.newest_verified(folder, shard)
     if found is None and not rejected:
         # Only one shard's files in the folder and no --shard given: take those.
-        present = checkpoint.shards_in(folder)
+        present = checkpoints.shards_in(folder)
         if len(present) == 1:
             (only,) = present
             log.warning("--restore: no files of shard %d; using shard %d's", shard, only)
-            found, rejected = checkpoint.newest_verified(folder, only)
+            found, rejected = checkpoints.newest_verified(folder, only)
     if found is not None:
         if rejected:
             log.warning("--restore: skipped %d damaged checkpoint(s): %s", len(rejected),
                         "; ".join(rejected))  # fmt: skip
         return found
     if rejected and not fresh_ok:
-        raise checkpoint.UnverifiedCheckpoints(
+        raise checkpoints.UnverifiedCheckpoints(
             f"--restore {folder}: no checkpoint of shard {shard} verifies, refusing to start "
             f"(--restore-or-fresh starts an empty shard instead): {'; '.join(rejected)}"
         )
@@ -106,10 +109,10 @@ def start_server(
 ) -> tuple[ShardServer, int, ShardState]:
     """Start a shard's gRPC server; returns (server, bound port, state). Non-blocking.
 
-    The server is grpc.aio with --threads handler threads (ps/server/aio_host.py): calls
+    The server is grpc.aio with --rpc-threads handler threads (ps/server/doors/aio_host.py): calls
     that wait (Pull, GetJob(wait)) park on its event loop and hold none of them.
-    The server's health service is reachable as `server.psar_health` (ps/server/health.py),
-    its data plane (None when off) as `server.psar_dataplane` (ps/server/dataplane.py).
+    The server's health service is reachable as `server.psar_health` (ps/server/doors/health.py),
+    its data plane (None when off) as `server.psar_dataplane` (ps/server/doors/dataplane.py).
     """
     if state is None:
         state = build_state(cfg, metrics)
@@ -119,20 +122,27 @@ def start_server(
         interceptors.append(auth.TokenServerInterceptor(token, state.metrics))
     server = ShardServer(
         futures.ThreadPoolExecutor(max_workers=cfg.threads, thread_name_prefix="psar-shard"),
-        options=grpc_options(cfg.max_message_bytes),
+        # No SO_REUSEPORT: gRPC sets it by default, and a second shard started on a port
+        # in use (a stale one, a typo in a launch script) would then share it silently.
+        options=[*grpc_options(cfg.max_message_bytes), ("grpc.so_reuseport", 0)],
         interceptors=interceptors,
     )
     servicer = SparseServicer(state)
     servicer.executor = server.executor
     pb_grpc.add_ParameterServerServicer_to_server(servicer, server)
     health = ShardHealth(server)
-    if cfg.tls_cert:
-        creds = auth.server_credentials(cfg.tls_cert, cfg.tls_key, cfg.tls_ca)
-        port = server.add_secure_port(cfg.bind, creds)
-    else:
-        port = server.add_insecure_port(cfg.bind)
+    try:
+        if cfg.tls_cert:
+            creds = auth.server_credentials(cfg.tls_cert, cfg.tls_key, cfg.tls_ca)
+            port = server.add_secure_port(cfg.bind, creds)
+        else:
+            port = server.add_insecure_port(cfg.bind)
+    except RuntimeError:  # grpc.aio raises where the sync server returned 0
+        port = 0
     if port == 0:
-        raise OSError(f"could not bind {cfg.bind}; is the port in use?")
+        with contextlib.suppress(Exception):
+            server.stop(grace=None)
+        raise OSError(f"could not bind {cfg.bind}; is the port in use? (--bind)")
     dataplane: DataPlaneServer | None = None
     if cfg.data_port >= 0:
         # Under TLS the data plane is TLS with the same files (and the same token).
@@ -160,16 +170,19 @@ def start_server(
     server.psar_health = health  # type: ignore[attr-defined]
     server.psar_dataplane = dataplane  # type: ignore[attr-defined]
     if getattr(state, "_reaper", None) is None:
-        state._reaper = Reaper(state, period=min(1.0, state.leases.lease_s / 4))  # type: ignore[attr-defined]
+        state._reaper = Reaper(state.members, period=min(1.0, state.leases.lease_s / 4))  # type: ignore[attr-defined]
     return server, port, state
 
 
 def serve(cfg: ServerConfig) -> int:
     """Run a shard until SIGTERM/SIGINT; returns the process exit code."""
     cfg.shard = resolve_shard(cfg.shard, os.environ)
-    apply_torch_threads(cfg.torch_threads)  # one torch thread unless 0 (slot_step.py)
+    apply_torch_threads(cfg.torch_threads)  # one torch thread unless 0 (update/stepper.py)
     metrics = _make_metrics(cfg)
-    server, port, state = start_server(cfg, metrics=metrics)
+    try:
+        server, port, state = start_server(cfg, metrics=metrics)
+    except OSError as e:  # say which shard: a job's shards share one output
+        raise OSError(f"shard {cfg.shard}: {e}") from None
     host = cfg.bind.rpartition(":")[0]
     scheme = "TLS" if cfg.tls_cert else "plaintext"
     log.info("psar shard %d listening on %s:%d (%s)", cfg.shard, host, port, scheme)
@@ -181,14 +194,46 @@ def serve(cfg: ServerConfig) -> int:
     stop = threading.Event()
 
     def _on_signal(signum: int, _frame: object) -> None:
-        log.info("signal %d: draining", signum)
+        log.info("shard %d: %s, draining", cfg.shard, signal.Signals(signum).name)
         stop.set()
 
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
-    stop.wait()
+    code = 0 if _await_job(state, cfg, stop) else 1
+    if code == 0:
+        stop.wait()
     shutdown(server, state, cfg.drain_timeout_s)
-    return 0
+    log.info("shard %d: drained and stopped", cfg.shard)
+    return code
+
+
+def _await_job(state: ShardState, cfg: ServerConfig, stop: threading.Event) -> bool:
+    """Until the first Init (or a stop): a line every 30 s saying the shard waits for it.
+    False when --init-timeout-s passed without one."""
+    bound = cfg.init_timeout_s
+    waits = Waits(log, first_after_s=min(30.0, bound or 30.0), every_s=30.0)
+    limit = f"; exiting after --init-timeout-s {bound:g}" if bound else ""
+
+    def describe(seconds: float) -> str:
+        return f"shard {cfg.shard}: no job yet, waiting {seconds:.0f} s for rank 0's Init{limit}"
+
+    started = time.monotonic()
+    try:
+        with waits.waiting(describe):
+            while not state.initialized and not stop.is_set():
+                if bound and time.monotonic() - started >= bound:
+                    log.error(
+                        "shard %d: the worker of rank 0 never initialised this shard within "
+                        "--init-timeout-s %g; is rank 0 running, with this shard in its "
+                        "--servers? stopping",
+                        cfg.shard,
+                        bound,
+                    )
+                    return False
+                stop.wait(0.5)
+    finally:
+        waits.close()
+    return True
 
 
 def stop_server(server: ShardServer, grace: float | None = None) -> None:
@@ -205,11 +250,12 @@ def shutdown(server: ShardServer, state: ShardState, drain_timeout_s: float) -> 
     health = getattr(server, "psar_health", None)
     if health is not None:
         health.not_serving()
-    state.drain()
-    if not state.wait_drained(drain_timeout_s):
+    durability = state.durability
+    durability.drain()
+    if not durability.wait_drained(drain_timeout_s):
         log.warning("the sync round in flight did not finish in %.1fs", drain_timeout_s)
-    if state.checkpoint_now("shutdown", wait=True):
-        print(f"psar server final checkpoint at step {state.checkpoint_step}", flush=True)
+    if durability.checkpoint_now("shutdown", wait=True):
+        print(f"psar server final checkpoint at step {durability.checkpoint_step}", flush=True)
     if health is not None:
         health.shutdown()
     stop_server(server, grace=2)
@@ -220,7 +266,7 @@ def shutdown(server: ShardServer, state: ShardState, drain_timeout_s: float) -> 
 def _make_metrics(cfg: ServerConfig):  # noqa: ANN202 - metrics type is optional here
     if not cfg.metrics_port:
         return None
-    from ps.server.metrics import ShardMetrics, serve_metrics
+    from ps.server.metrics.prometheus import ShardMetrics, serve_metrics
 
     metrics = ShardMetrics(shard=cfg.shard)
     serve_metrics(metrics.registry, cfg.metrics_port, cfg.metrics_addr)

@@ -31,6 +31,46 @@ ASYNC: Mode
 SSP: Mode
 LOCAL: Mode
 
+class ModeTraits(_message.Message):
+    __slots__ = ("rounds", "staleness", "between_steps", "shard_owns_loss_scale", "rejoin")
+    class Staleness(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        STALENESS_UNSPECIFIED: _ClassVar[ModeTraits.Staleness]
+        NONE: _ClassVar[ModeTraits.Staleness]
+        VERSIONS: _ClassVar[ModeTraits.Staleness]
+        BOUNDED: _ClassVar[ModeTraits.Staleness]
+    STALENESS_UNSPECIFIED: ModeTraits.Staleness
+    NONE: ModeTraits.Staleness
+    VERSIONS: ModeTraits.Staleness
+    BOUNDED: ModeTraits.Staleness
+    class BetweenSteps(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        BETWEEN_STEPS_UNSPECIFIED: _ClassVar[ModeTraits.BetweenSteps]
+        PULL: _ClassVar[ModeTraits.BetweenSteps]
+        LOCAL_STEPS: _ClassVar[ModeTraits.BetweenSteps]
+    BETWEEN_STEPS_UNSPECIFIED: ModeTraits.BetweenSteps
+    PULL: ModeTraits.BetweenSteps
+    LOCAL_STEPS: ModeTraits.BetweenSteps
+    class Rejoin(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        REJOIN_UNSPECIFIED: _ClassVar[ModeTraits.Rejoin]
+        AT_ROUND_BOUNDARY: _ClassVar[ModeTraits.Rejoin]
+        AT_ONCE: _ClassVar[ModeTraits.Rejoin]
+    REJOIN_UNSPECIFIED: ModeTraits.Rejoin
+    AT_ROUND_BOUNDARY: ModeTraits.Rejoin
+    AT_ONCE: ModeTraits.Rejoin
+    ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_FIELD_NUMBER: _ClassVar[int]
+    BETWEEN_STEPS_FIELD_NUMBER: _ClassVar[int]
+    SHARD_OWNS_LOSS_SCALE_FIELD_NUMBER: _ClassVar[int]
+    REJOIN_FIELD_NUMBER: _ClassVar[int]
+    rounds: bool
+    staleness: ModeTraits.Staleness
+    between_steps: ModeTraits.BetweenSteps
+    shard_owns_loss_scale: bool
+    rejoin: ModeTraits.Rejoin
+    def __init__(self, rounds: _Optional[bool] = ..., staleness: _Optional[_Union[ModeTraits.Staleness, str]] = ..., between_steps: _Optional[_Union[ModeTraits.BetweenSteps, str]] = ..., shard_owns_loss_scale: _Optional[bool] = ..., rejoin: _Optional[_Union[ModeTraits.Rejoin, str]] = ...) -> None: ...
+
 class TensorData(_message.Message):
     __slots__ = ("key", "offset", "data")
     KEY_FIELD_NUMBER: _ClassVar[int]
@@ -96,7 +136,14 @@ class LossScaleSpec(_message.Message):
     def __init__(self, enabled: _Optional[bool] = ..., init_scale: _Optional[float] = ..., growth_factor: _Optional[float] = ..., backoff_factor: _Optional[float] = ..., growth_interval: _Optional[int] = ...) -> None: ...
 
 class JobSpec(_message.Message):
-    __slots__ = ("mode", "staleness", "num_workers", "optimizer", "loss_scale", "shard_index", "num_shards", "slots", "job_id", "sync_every", "staleness_lr", "delay_compensation", "momentum_correction", "staleness_lr_power", "dc_adaptive", "buffer_slots", "buffers_average", "int_buffers")
+    __slots__ = ("mode", "staleness", "num_workers", "optimizer", "loss_scale", "shard_index", "num_shards", "slots", "job_id", "sync_every", "staleness_lr", "delay_compensation", "momentum_correction", "staleness_lr_power", "dc_adaptive", "buffer_slots", "buffers_average", "int_buffers", "mode_name", "mode_options", "traits", "chunk_rounds", "early_pull")
+    class ModeOptionsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     MODE_FIELD_NUMBER: _ClassVar[int]
     STALENESS_FIELD_NUMBER: _ClassVar[int]
     NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
@@ -115,6 +162,11 @@ class JobSpec(_message.Message):
     BUFFER_SLOTS_FIELD_NUMBER: _ClassVar[int]
     BUFFERS_AVERAGE_FIELD_NUMBER: _ClassVar[int]
     INT_BUFFERS_FIELD_NUMBER: _ClassVar[int]
+    MODE_NAME_FIELD_NUMBER: _ClassVar[int]
+    MODE_OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    TRAITS_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    EARLY_PULL_FIELD_NUMBER: _ClassVar[int]
     mode: Mode
     staleness: int
     num_workers: int
@@ -133,7 +185,12 @@ class JobSpec(_message.Message):
     buffer_slots: _containers.RepeatedScalarFieldContainer[str]
     buffers_average: bool
     int_buffers: _containers.RepeatedCompositeFieldContainer[IntBufferSpec]
-    def __init__(self, mode: _Optional[_Union[Mode, str]] = ..., staleness: _Optional[int] = ..., num_workers: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., loss_scale: _Optional[_Union[LossScaleSpec, _Mapping]] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., slots: _Optional[_Iterable[_Union[SlotSpec, _Mapping]]] = ..., job_id: _Optional[str] = ..., sync_every: _Optional[int] = ..., staleness_lr: _Optional[bool] = ..., delay_compensation: _Optional[float] = ..., momentum_correction: _Optional[bool] = ..., staleness_lr_power: _Optional[float] = ..., dc_adaptive: _Optional[bool] = ..., buffer_slots: _Optional[_Iterable[str]] = ..., buffers_average: _Optional[bool] = ..., int_buffers: _Optional[_Iterable[_Union[IntBufferSpec, _Mapping]]] = ...) -> None: ...
+    mode_name: str
+    mode_options: _containers.ScalarMap[str, float]
+    traits: ModeTraits
+    chunk_rounds: bool
+    early_pull: bool
+    def __init__(self, mode: _Optional[_Union[Mode, str]] = ..., staleness: _Optional[int] = ..., num_workers: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., loss_scale: _Optional[_Union[LossScaleSpec, _Mapping]] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., slots: _Optional[_Iterable[_Union[SlotSpec, _Mapping]]] = ..., job_id: _Optional[str] = ..., sync_every: _Optional[int] = ..., staleness_lr: _Optional[bool] = ..., delay_compensation: _Optional[float] = ..., momentum_correction: _Optional[bool] = ..., staleness_lr_power: _Optional[float] = ..., dc_adaptive: _Optional[bool] = ..., buffer_slots: _Optional[_Iterable[str]] = ..., buffers_average: _Optional[bool] = ..., int_buffers: _Optional[_Iterable[_Union[IntBufferSpec, _Mapping]]] = ..., mode_name: _Optional[str] = ..., mode_options: _Optional[_Mapping[str, float]] = ..., traits: _Optional[_Union[ModeTraits, _Mapping]] = ..., chunk_rounds: _Optional[bool] = ..., early_pull: _Optional[bool] = ...) -> None: ...
 
 class IntBufferSpec(_message.Message):
     __slots__ = ("name", "numel")

@@ -1,0 +1,260 @@
+"""A shard's intake of pushes: admit a header, take its pieces, hand the whole push to the rule.
+
+A component of the shard (ps/server/shard.py). Both doors (the gRPC servicer and the TCP
+data plane) feed a push through the same four calls: `begin_push` (the header: checked
+completely, the worker's push lock taken), `add_data` / `add_data_from` (each piece,
+validated from its description before a byte lands in the worker's staging buffers,
+ps/server/intake/pieces.py), `add_verdict` (the finiteness verdict of a push streamed during
+backward), `finish_push` (complete and finite: the update rule takes it). A refused push
+changes nothing: masters and optimizer state stay byte for byte.
+
+Per-chunk rules (sync with --chunk-rounds) hear of each slot as it completes, and a push
+running ahead of its round's slowest is paced (ps/server/intake/pacing.py). A worker's
+newer push, on either door, cuts off its stalled one instead of waiting for its lock
+(`in_flight`, ps/server/intake/takeover.py).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ps.errors import DeadlineExceeded, Unavailable
+from ps.headers import PushHeader, PushOutcome
+from ps.server.intake import pacing
+from ps.server.intake.pieces import (
+    PushTicket,
+    add_piece,
+    add_piece_streamed,
+    add_verdict,
+    check_absent,
+    check_complete,
+    check_header,
+    slot_complete,
+    unscale_rest,
+    unscale_slot,
+    zero_absent,
+)
+from ps.server.intake.takeover import InFlightPushes
+from ps.server.membership.membership import Membership, Restored
+from ps.server.modes.base import StagedPush
+from ps.server.state import ShardData
+from ps.server.update.buffers import check_int_buffers
+from ps.server.update.updates import Updates
+
+
+class Intake:
+    """Takes pushes into a shard (see the module docstring)."""
+
+    def __init__(self, data: ShardData, members: Membership, updates: Updates) -> None:
+        self.data = data
+        self.members = members
+        self.updates = updates
+        self._staging: dict[int, dict[str, torch.Tensor]] = {}
+        """Per worker, the buffers its pushes land in (reused push after push)."""
+        self._worker_locks: dict[int, threading.Lock] = {}
+        self._pacing = 0
+        """Pushes waiting in pace_push now: a completed or dropped slot wakes the shard's
+        condition (and every pull waiting on it) only when one is."""
+        self.in_flight = InFlightPushes()
+        """The push each worker is streaming, on either door: a newer one cuts it off
+        instead of waiting for its lock (ps/server/intake/takeover.py)."""
+
+    def forget(self) -> None:
+        """The state was replaced (restore, rollback): fresh staging buffers from now on."""
+        self._staging.clear()
+
+    # ---- the header --------------------------------------------------------------------
+
+    def begin_push(
+        self, header: PushHeader, *, incarnation: int = 0, lock_timeout: float = 60.0
+    ) -> PushTicket:
+        """Validate a push header; returns the ticket that its data goes into."""
+        d = self.data
+        with d.cond:
+            job = d.require_job()
+            check_header(header, job.num_workers)
+            check_int_buffers(job, header.int_buffers)
+            self.members.check_incarnation(incarnation)
+            self._check_draining(header.clock)
+            lock = self._worker_locks.setdefault(header.worker, threading.Lock())
+        # One push per worker at a time: a retry racing its original waits here, then
+        # finds the original applied and is acknowledged as a duplicate.
+        if not lock.acquire(timeout=lock_timeout):
+            raise DeadlineExceeded(f"worker {header.worker}: another push is still in flight")
+        try:
+            with d.cond:
+                self.members.check_incarnation(incarnation)
+                duplicate = self.members.check_clock(header)
+                policy = self.updates.policy
+                if not duplicate:
+                    policy.check_push(
+                        self.updates, header.worker, header.clock, header.base_version
+                    )
+                self.members.touch(header.worker)
+                staging = self._staging.get(header.worker)
+                if staging is None:
+                    staging = {k: torch.empty(n) for k, n in d.numel.items()}
+                    self._staging[header.worker] = staging
+                ticket = PushTicket(
+                    header=header,
+                    staging=staging,
+                    duplicate=duplicate,
+                    lock=lock,
+                    incarnation=d.incarnation,
+                    absent=check_absent(d.numel, header.absent),
+                    raw=d.buffer_keys,
+                )
+                if policy.applies_chunks:
+                    ticket.on_drop = self._push_dropped
+                    policy.push_started(self.updates, ticket)
+        except BaseException:
+            lock.release()
+            raise
+        return ticket
+
+    def _check_draining(self, clock: int) -> None:
+        """Draining: only pushes that finish the sync round already in flight get in."""
+        d = self.data
+        in_flight = d.policy.round_in_flight() if d.policy is not None else False
+        if d.draining and not (in_flight and clock == d.rounds + 1):
+            raise Unavailable("draining: this shard is shutting down; retry after its restart")
+
+    # ---- the pieces ------------------------------------------------------------------------
+
+    def add_data(self, ticket: PushTicket, key: str, offset: int, data: bytes) -> None:
+        """Copy one piece of a push into the staging buffers (validated first)."""
+        add_piece(self.data.numel, ticket, key, offset, data)
+        if slot_complete(self.data.numel, ticket, key):
+            self._slot_done(ticket, key)
+
+    def add_data_from(
+        self,
+        ticket: PushTicket,
+        key: str,
+        offset: int,
+        nbytes: int,
+        read_into: Callable[[memoryview], None],
+        read: Callable[[int], Any],
+    ) -> None:
+        """add_data for a piece whose bytes are still in a socket: checked from its
+        description, then (fp32) read straight into the staging buffer, no copy."""
+        add_piece_streamed(self.data.numel, ticket, key, offset, nbytes, read_into, read)
+        if slot_complete(self.data.numel, ticket, key):
+            self._slot_done(ticket, key)
+
+    def pace_push(self, ticket: PushTicket, offset: int) -> float:
+        """Before a slot's first piece is read: wait while this push runs `push_lead_bytes`
+        ahead of the slowest other push of its round (ps/server/intake/pacing.py). Returns
+        the seconds waited."""
+        d = self.data
+        if offset or not d.push_lead_bytes or not self.updates.policy.applies_chunks:
+            return 0.0
+        left = pacing.BUDGET_S - ticket.paced_s
+        if left <= 0:
+            return 0.0
+        t0 = time.monotonic()
+        with d.cond:  # the policy is read each time: a restore may replace it
+            self._pacing += 1
+            try:
+                d.cond.wait_for(
+                    lambda: not self.updates.policy.push_ahead(ticket, d.push_lead_bytes), left
+                )
+            finally:
+                self._pacing -= 1
+            waited = time.monotonic() - t0
+            if waited > 1e-4:
+                d.push_paced_s += waited
+                ticket.paced_s += waited
+                d.metrics.push_paced(waited)
+        return waited
+
+    def _slot_done(self, ticket: PushTicket, key: str) -> None:
+        """A slot of a push is complete: unscale it now, while later slots still stream
+        (off the round's critical path), and tell a per-chunk policy."""
+        unscale_slot(ticket, key)
+        if self.updates.policy.applies_chunks:
+            d = self.data
+            with d.cond:
+                if ticket.incarnation == d.incarnation:
+                    self.updates.policy.slot_complete(self.updates, ticket, key)
+                if self._pacing:
+                    d.cond.notify_all()  # a paced push behind this one may go on
+
+    def _push_dropped(self, ticket: PushTicket) -> None:
+        with self.data.cond:
+            self.updates.policy.push_dropped(self.updates, ticket)
+            if self._pacing:
+                self.data.cond.notify_all()  # it no longer holds paced pushes back
+
+    def add_verdict(self, ticket: PushTicket, overflow: bool, absent: tuple[str, ...] = ()) -> None:
+        """The finiteness verdict of a push that streamed during backward (and the
+        slots it had no gradient for, known only then)."""
+        add_verdict(ticket, overflow, check_absent(self.data.numel, absent))
+        if overflow and self.updates.policy.applies_chunks:
+            with self.data.cond:  # the round will be skipped: nothing of it may stay applied
+                self.updates.policy.push_dropped(self.updates, ticket)
+
+    # ---- the end -------------------------------------------------------------------------------
+
+    def finish_push(self, ticket: PushTicket) -> tuple[PushOutcome, int, bool]:
+        """Validate completeness and finiteness, then hand the push to the policy.
+
+        Returns (outcome, shard version after it, already_applied).
+        """
+        d = self.data
+        try:
+            h = ticket.header
+            d.metrics.bytes_received(ticket.bytes_in)
+            if ticket.duplicate:
+                with d.cond:
+                    return PushOutcome(False, False, 0), d.version, True
+            if h.verdict_follows and ticket.verdict is None:
+                check_complete(d.numel, ticket)  # refuses: the verdict never came
+            if ticket.verdict:
+                h.overflow = True  # data already staged is ignored, like a header overflow
+            if not h.overflow:
+                check_complete(d.numel, ticket)
+                zero_absent(ticket)
+            grads = ticket.staging
+            if not h.overflow and not unscale_rest(ticket):
+                with d.cond:  # sync refuses it; async/ssp drop and count it below
+                    self.updates.policy.nonfinite_unflagged(self.updates, h.worker)
+                h.overflow = True
+            with d.cond:
+                # Re-check under the lock: another thread may have moved the round on,
+                # or a rollback may have replaced the state the push was checked against.
+                if ticket.incarnation != d.incarnation:
+                    raise Restored("restored: the shard was rolled back during this push")
+                policy = self.updates.policy
+                self.members.check_clock(h)
+                policy.check_push(self.updates, h.worker, h.clock, h.base_version)
+                staged = StagedPush(
+                    h.worker, h.clock, h.base_version, h.overflow, grads, ticket.absent
+                )
+                if h.overflow and not policy.holds_gradients:
+                    staged.grads = {}
+                elif (ticket.absent or ticket.raw) and not policy.holds_gradients:
+                    # Applied alone (async/ssp): a slot this push has no gradient for
+                    # is left alone, not stepped with zeros (apply_update skips it);
+                    # buffers are values, taken from rank 0 as DDP broadcasts them.
+                    if h.worker == 0:
+                        self.updates.set_buffers({k: grads[k] for k in ticket.raw})
+                    skip = ticket.absent | ticket.raw
+                    staged.grads = {k: g for k, g in grads.items() if k not in skip}
+                d.clocks[h.worker] = h.clock
+                if h.int_buffers and policy.takes_int_buffers(
+                    d.int_buffers.held(h.clock), h.worker
+                ):
+                    d.int_buffers.put(h.clock, h.worker, h.int_buffers)
+                ticket.accepted = True
+                outcome = policy.accept(self.updates, staged)
+                d.metrics.push_accepted()
+                d.cond.notify_all()
+                return outcome, d.version, False
+        finally:
+            ticket.release()

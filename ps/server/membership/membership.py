@@ -1,0 +1,248 @@
+"""Who is in a shard's live set: leases, heartbeats, leaving, registering and rejoining.
+
+`Membership` is a component of the shard (ps/server/shard.py); it owns the live set, the
+leases and the workers' admission (clock, incarnation) and takes the shard's lock in every
+public method. The rules, per mode (docs/reliability.md has the whole protocol):
+
+- A worker is *live* while its lease holds. Sync rounds close when every live worker
+  has pushed (the mean is over those that pushed); SSP waits only for live workers.
+- A worker whose lease runs out is *expired*: it leaves the live set and its pushes
+  are refused with ABORTED (reason expired) until it registers again.
+- A worker that calls Leave has *left* for good (its pushes are refused as before).
+- Register (re)joins. async/ssp: the shard's record of the worker's clock becomes
+  max(record, clock) and it is live at once. sync: it joins at round clock + 1 — live
+  now if that round is the open one, else when round `clock` closes — so every shard
+  adds it at the same round boundary.
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Any
+
+from ps.errors import Aborted, FailedPrecondition, InvalidArgument
+from ps.headers import PushHeader
+from ps.server.modes.view import ShardView
+from ps.server.state import ShardData
+
+
+class Restored(Aborted):
+    """The request was made against an older incarnation of the shard (restored or
+    rolled back since): the worker must re-synchronise (Register) and retry."""
+
+    reason = "restored"
+
+
+class Expired(Aborted):
+    """The worker's lease expired (or it has not joined yet): Register to rejoin."""
+
+    reason = "expired"
+
+
+class TooLate(Aborted):
+    """Register asked to join at a round that has already closed on this shard."""
+
+    reason = "too_late"
+
+
+def new_incarnation() -> int:
+    """A random non-zero 63-bit id (0 on the wire means "do not check")."""
+    return secrets.randbits(63) or 1
+
+
+class Membership:
+    """Leases and the live set of a shard (see the module docstring). `view`: what the
+    update rule is told a worker left with (a sync round may close)."""
+
+    def __init__(self, data: ShardData, view: ShardView) -> None:
+        self.data = data
+        self.view = view
+
+    def check_worker(self, worker: int) -> None:
+        job = self.data.require_job()
+        if not 0 <= worker < job.num_workers:
+            raise InvalidArgument(
+                f"worker {worker} is not in this job (workers 0..{job.num_workers - 1})",
+                reason="bad_worker",
+            )
+
+    def check_incarnation(self, incarnation: int) -> None:
+        if incarnation and incarnation != self.data.incarnation:
+            raise Restored(
+                f"restored: this shard was restored or rolled back (incarnation "
+                f"{self.data.incarnation}, the request expected {incarnation}); register again "
+                f"(the client does this by itself) and retry"
+            )
+
+    def check_clock(self, h: PushHeader) -> bool:
+        """Clocks advance by one per push. Returns True for an acknowledged retry."""
+        d = self.data
+        if h.clock < 1:
+            raise InvalidArgument(
+                f"push clock must be >= 1 (the worker's clock after this push), got {h.clock}",
+                reason="malformed",
+            )
+        last = d.clocks[h.worker]
+        if h.clock <= last:
+            if h.retry:
+                return True
+            raise FailedPrecondition(
+                f"duplicate push: worker {h.worker} clock {h.clock} was already taken "
+                f"(worker clock is {last}); never counted twice. Set retry=true when "
+                f"re-sending a push whose reply was lost",
+                reason="duplicate",
+            )
+        if h.worker in d.left:
+            raise FailedPrecondition(
+                f"worker {h.worker} has left the job; it cannot push any more",
+                reason="left",
+            )
+        if h.worker not in d.live:
+            raise Expired(
+                f"expired: worker {h.worker} is not in the live set (its lease of "
+                f"{d.leases.lease_s:g}s expired, or it waits to join at round "
+                f"{d.joining.get(h.worker, '?')}); register again to rejoin"
+            )
+        if h.clock != last + 1:
+            raise FailedPrecondition(
+                f"out-of-order push: worker {h.worker} sent clock {h.clock}, expected {last + 1}",
+                reason="out_of_order",
+            )
+        return False
+
+    def touch(self, worker: int) -> None:
+        """The worker was heard from (under the lock)."""
+        if worker in self.data.live:
+            self.data.leases.renew(worker)
+
+    def heartbeat(self, worker: int) -> tuple[bool, int, float]:
+        """Renew the worker's lease; returns (live, incarnation, lease_s)."""
+        d = self.data
+        with d.cond:
+            self.check_worker(worker)
+            self.touch(worker)
+            return worker in d.live, d.incarnation, d.leases.lease_s
+
+    def expire_leases(self) -> list[int]:
+        """Drop every live worker whose lease ran out; returns them."""
+        d = self.data
+        with d.cond:
+            if d.job is None:
+                return []
+            gone = [w for w in d.leases.expired() if w in d.live]
+            for w in gone:
+                d.leases.drop(w)
+                d.expired.add(w)
+                self._remove_live(w)
+                d.lease_expirations += 1
+                d.metrics.lease_expired()
+            return gone
+
+    def leave(self, worker: int) -> int:
+        """`worker` is done: nobody waits for it any more. Returns live workers left."""
+        d = self.data
+        with d.cond:
+            self.check_worker(worker)
+            d.left.add(worker)
+            d.expired.discard(worker)
+            d.joining.pop(worker, None)
+            d.leases.drop(worker)
+            if worker in d.live:
+                self._remove_live(worker)
+            return len(d.live)
+
+    def _remove_live(self, worker: int) -> None:
+        d = self.data
+        d.live.discard(worker)
+        d.policy.on_leave(self.view, worker)
+        d.metrics.set_live_workers(len(d.live))
+        d.cond.notify_all()
+
+    def _add_live(self, worker: int) -> None:
+        d = self.data
+        d.live.add(worker)
+        d.left.discard(worker)
+        d.leases.grant([worker], grace=False)
+        d.metrics.set_live_workers(len(d.live))
+        d.cond.notify_all()
+
+    def promote_joiners(self) -> None:
+        """sync: a round just closed; workers waiting for this boundary become live."""
+        d = self.data
+        for w, c in list(d.joining.items()):
+            if c <= d.rounds:
+                del d.joining[w]
+                self._add_live(w)
+
+    def register(
+        self, worker: int, clock: int, *, query: bool = False, instance: str = ""
+    ) -> dict[str, Any]:
+        """Join or rejoin the live set (see the module docstring); query only reads."""
+        d = self.data
+        with d.cond:
+            self.check_worker(worker)
+            job = d.job
+            assert job is not None
+            rejoined = False
+            if not query:
+                was_live = worker in d.live
+                old = d.instances.get(worker, "")
+                lapsed = not was_live and (worker in d.expired or worker in d.left)
+                if d.traits.rejoin == "at_round_boundary":
+                    self._register_sync(worker, clock)
+                else:
+                    d.clocks[worker] = max(d.clocks[worker], clock)
+                    d.joining.pop(worker, None)
+                    if not was_live:
+                        self._add_live(worker)
+                    self.touch(worker)
+                changed = bool(old) and bool(instance) and instance != old
+                if changed or lapsed:
+                    rejoined = True
+                    d.rejoins += 1
+                    d.metrics.worker_rejoined()
+                d.expired.discard(worker)
+                if instance:
+                    d.instances[worker] = instance
+            return {
+                "incarnation": d.incarnation,
+                "clock": d.clocks[worker],
+                "version": d.version,
+                "rounds": d.rounds,
+                "live": worker in d.live,
+                "rejoined": rejoined,
+                "lease_s": d.leases.lease_s,
+                "restored": d.restored_pending,
+                "restores": d.restores,
+            }
+
+    def _register_sync(self, worker: int, clock: int) -> None:
+        d = self.data
+        if d.rounds > clock:
+            raise TooLate(
+                f"too late: round {clock + 1} cannot be joined, {d.rounds} rounds have "
+                f"closed here; register for round {d.rounds + 1} or later",
+            )
+        if clock < d.clocks[worker]:
+            raise FailedPrecondition(
+                f"sync: worker {worker} already pushed for round {d.clocks[worker]}; "
+                f"register with clock >= {d.clocks[worker]}",
+                reason="out_of_order",
+            )
+        if worker in d.live and d.clocks[worker] == clock == d.rounds + 1:
+            self.touch(worker)  # it already pushed for the open round: it is in it
+            return
+        if d.rounds == clock:
+            d.joining.pop(worker, None)
+            d.clocks[worker] = clock
+            if worker not in d.live:
+                self._add_live(worker)
+            self.touch(worker)
+            return
+        # Join at a later boundary: out of the live set until round `clock` closes.
+        if worker in d.live:
+            d.leases.drop(worker)
+            self._remove_live(worker)
+        d.clocks[worker] = clock
+        d.joining[worker] = clock
+        self.promote_joiners()  # leaving may have closed the round it waits for

@@ -1,0 +1,107 @@
+"""The rule of modes whose updates come in rounds (sync, and local SGD's outer rounds): one
+averaged update per round, a round closing when every live worker has pushed once.
+
+Used by ps/server/modes/sync.py (with its per-chunk variant, sync_chunks.py) and
+ps/server/modes/local.py."""
+
+from __future__ import annotations
+
+from ps.errors import FailedPrecondition, InvalidArgument
+from ps.headers import PushOutcome
+from ps.server.modes.base import StagedPush, UpdatePolicy
+from ps.server.modes.rows import RowRounds
+from ps.server.modes.view import ShardView
+
+
+class SyncPolicy(UpdatePolicy):
+    """One averaged update per round; a round closes when every live worker has pushed once.
+
+    The mean is summed in worker-rank order in fp32, so the result does not depend on
+    arrival order. A round with any overflow flag is skipped on every shard.
+    """
+
+    holds_gradients = True
+    pull_views = True
+    rows = RowRounds()
+
+    def __init__(self) -> None:
+        self.pending: dict[int, StagedPush] = {}
+
+    def check_push(self, view: ShardView, worker: int, clock: int, base_version: int) -> None:
+        open_round = view.rounds + 1
+        if clock != open_round:
+            raise FailedPrecondition(
+                f"sync: worker {worker} pushed for round {clock} but round {open_round} is "
+                f"open; pull (clock {open_round - 1}) before computing the next gradient",
+                reason="out_of_order",
+            )
+        if base_version != view.version:
+            raise FailedPrecondition(
+                f"sync: gradient computed from version {base_version}, but round {open_round} "
+                f"needs version {view.version}; pull the current weights first",
+                reason="too_stale",
+            )
+
+    def accept(self, view: ShardView, push: StagedPush) -> PushOutcome:
+        self.pending[push.worker] = push
+        self._maybe_close(view)
+        return PushOutcome(applied=True, dropped_nonfinite=False, staleness=0)
+
+    def pull_ready(self, view: ShardView, worker: int, clock: int) -> bool:
+        return view.rounds >= clock
+
+    def on_leave(self, view: ShardView, worker: int) -> None:
+        self._maybe_close(view)
+
+    def pull_waited(self, view: ShardView, seconds: float) -> None:
+        view.metrics.barrier_wait(seconds)
+
+    def nonfinite_unflagged(self, view: ShardView, worker: int) -> None:
+        raise InvalidArgument(
+            "non-finite gradient without the overflow flag: in sync mode a worker that sees "
+            "inf/nan must push overflow=true (no data) so every shard skips the round",
+            reason="nonfinite",
+        )
+
+    def takes_int_buffers(self, held: int | None, worker: int) -> bool:
+        """The lowest rank's of each clock: rank 0's once its round is in, as DDP
+        broadcasts them."""
+        return held is None or worker < held
+
+    def round_in_flight(self) -> bool:
+        return bool(self.pending)
+
+    def _maybe_close(self, view: ShardView) -> None:
+        if not self.pending or not view.live.issubset(self.pending):
+            return
+        pushes = [self.pending[w] for w in sorted(self.pending)]
+        self.pending = {}
+        self._close(view, pushes)
+
+    def _close(self, view: ShardView, pushes: list[StagedPush]) -> None:
+        """Every live worker has pushed (`pushes`, in rank order): apply or skip."""
+        if any(p.overflow for p in pushes):
+            view.skip_round("overflow")
+            return
+        buffers = view.buffer_values([p.grads for p in pushes])  # before the sum below
+        # Sum in place into the lowest rank's staging buffers (they are consumed by this
+        # round), always in rank order: the bits never depend on arrival order.
+        total = pushes[0].grads
+        for p in pushes[1:]:
+            for k, t in p.grads.items():
+                total[k].add_(t)
+        if len(pushes) > 1:
+            for t in total.values():
+                t.div_(len(pushes))
+        # DDP (find_unused_parameters): a slot some worker used is the mean over every
+        # worker, the others counting zeros (done above); one no worker used is not stepped.
+        unused = unused_by_all(pushes)
+        if unused or buffers:
+            total = {k: t for k, t in total.items() if k not in unused and k not in buffers}
+        view.set_buffers(buffers)
+        view.apply_update(total, staleness=[0] * len(pushes))
+
+
+def unused_by_all(pushes: list[StagedPush]) -> frozenset[str]:
+    """The slots no push of a round has a gradient for."""
+    return frozenset.intersection(*(p.absent for p in pushes)) if pushes else frozenset()

@@ -1,0 +1,31 @@
+"""--mode sync: one averaged update per round, a round closing when every live worker has
+pushed once (the parameter server's bulk-synchronous mode; DDP's semantics, bit for bit).
+
+The mode is this module: its traits, its rule (ps/server/modes/rounds.py's SyncPolicy;
+with per-chunk rounds, which the job asks for (Job.chunk_rounds, rank 0's --early-pull)
+or `psar server --chunk-rounds` forces, the per-chunk variant, ps/server/modes/sync_chunks.py,
+bit-identical) and its configuration (the job's buffers_average and its shard-owned loss
+scale, which the traits say)."""
+
+from __future__ import annotations
+
+from ps.job import Job, ModeTraits
+from ps.server.modes.base import UpdatePolicy
+from ps.server.modes.registry import Mode, RuleOptions
+from ps.server.modes.rounds import SyncPolicy
+from ps.server.modes.sync_chunks import ChunkedSyncPolicy
+
+TRAITS = ModeTraits(
+    rounds=True,
+    staleness="none",
+    between_steps="pull",
+    shard_owns_loss_scale=True,
+    rejoin="at_round_boundary",
+)
+
+
+def _rule(job: Job, options: RuleOptions) -> UpdatePolicy:
+    return ChunkedSyncPolicy() if job.chunk_rounds or options.chunk_rounds else SyncPolicy()
+
+
+MODE = Mode(name="sync", traits=TRAITS, rule=_rule, chunk_rounds=True)

@@ -1,0 +1,169 @@
+"""One shard's rows of a sparse embedding table, and the sparse optimizers.
+
+A table of `rows` x `dim` fp32 values is sharded by row: row r lives on shard
+r % num_shards, at local index r // num_shards. Only rows a push names are touched:
+
+- ``sgd``: w -= lr * g.
+- ``adagrad`` (row-wise): one accumulator per row, acc += mean(g * g) over the row;
+  w -= lr * g / (sqrt(acc) + eps).
+- ``lazy_adam``: Adam moments and a step count per row, updated only for pushed rows;
+  w -= lr * sqrt(1 - b2^t) / (1 - b1^t) * m / (sqrt(v) + eps) (torch.optim.SparseAdam's
+  form) with t the row's own step count.
+
+Untouched rows (values and optimizer state) are never written, so they stay bit for bit.
+Initial values come from :func:`init_rows`, a deterministic block generator that the
+workload uses for its local copy too, so no table bytes travel at start.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ps.sparse_spec import TableSpec, init_rows, local_rows
+
+
+class SparseTable:
+    """One shard's rows of one table with their optimizer state. Not locked: the caller
+    (ps/server/sparse/tables.py) serialises calls."""
+
+    def __init__(self, spec: TableSpec) -> None:
+        self.spec = spec
+        s = spec
+        self.weight = init_rows(
+            s.rows, s.dim, s.init_std, s.init_seed, shard=s.shard_index, num_shards=s.num_shards
+        )
+        n = self.weight.shape[0]
+        self.acc = torch.zeros(n) if s.optimizer == "adagrad" else None
+        self.m = torch.zeros(n, s.dim) if s.optimizer == "lazy_adam" else None
+        self.v = torch.zeros(n, s.dim) if s.optimizer == "lazy_adam" else None
+        self.steps = torch.zeros(n, dtype=torch.int64) if s.optimizer == "lazy_adam" else None
+        self.version = 0
+        """Updates applied to this table on this shard."""
+
+    #: The optimizer's per-row state tensors, by optimizer (checkpoints carry them).
+    STATE = {"sgd": (), "adagrad": ("acc",), "lazy_adam": ("m", "v", "steps")}
+
+    def state_dict(self) -> dict[str, Any]:
+        """A copy of the rows, their optimizer state and the version (for a checkpoint)."""
+        out: dict[str, Any] = {"spec": dict(vars(self.spec)), "version": self.version}
+        out["weight"] = self.weight.clone()
+        for k in self.STATE[self.spec.optimizer]:
+            out[k] = getattr(self, k).clone()
+        return out
+
+    @classmethod
+    def from_state(cls, spec: TableSpec, state: dict[str, Any], *, where: str) -> SparseTable:
+        """The table a state_dict describes, its tensors checked against `spec` (shapes
+        and dtypes: a ValueError naming `where` and the tensor). Skips init_rows: a
+        restored 10M-row table is not drawn first and then overwritten."""
+        n = local_rows(spec.rows, spec.shard_index, spec.num_shards)
+        want = {"weight": ((n, spec.dim), torch.float32), "acc": ((n,), torch.float32)}
+        want |= {"m": ((n, spec.dim), torch.float32), "v": ((n, spec.dim), torch.float32)}
+        want["steps"] = ((n,), torch.int64)
+        t = cls.__new__(cls)
+        t.spec = spec
+        t.acc = t.m = t.v = t.steps = None
+        for k in ("weight", *cls.STATE[spec.optimizer]):
+            v = state.get(k)
+            shape, dtype = want[k]
+            if not isinstance(v, torch.Tensor) or tuple(v.shape) != shape or v.dtype != dtype:
+                got = f"{tuple(v.shape)} {v.dtype}" if isinstance(v, torch.Tensor) else repr(v)
+                raise ValueError(
+                    f"{where}: sparse table {spec.name!r} ({spec.optimizer}): {k!r} should be "
+                    f"{shape} {dtype}, the checkpoint holds {got}"
+                )
+            setattr(t, k, v.clone())
+        t.version = int(state["version"])
+        return t
+
+    @property
+    def nbytes(self) -> int:
+        state = [self.weight, self.acc, self.m, self.v, self.steps]
+        return sum(t.numel() * t.element_size() for t in state if t is not None)
+
+    def local_index(self, ids: torch.Tensor, *, what: str) -> torch.Tensor:
+        """Validate global row ids (int64, 1-D) held here, without duplicates; returns
+        their local indices. Raises InvalidArgument naming the table and the bad ids."""
+        from ps.errors import InvalidArgument, quote  # grpc: kept out of DDP processes
+
+        s = self.spec
+        if ids.dtype != torch.int64 or ids.dim() != 1:
+            raise InvalidArgument(f"{what} table {quote(s.name)}: ids must be a 1-D int64 list")
+        bad = ids[(ids < 0) | (ids >= s.rows)]
+        if bad.numel():
+            raise InvalidArgument(
+                f"{what} table {quote(s.name)}: row ids out of range [0, {s.rows}): {bad[:8].tolist()}",
+                reason="bad_ids",
+            )
+        wrong = ids[ids % s.num_shards != s.shard_index]
+        if wrong.numel():
+            raise InvalidArgument(
+                f"{what} table {quote(s.name)}: rows {wrong[:8].tolist()} are not held by shard "
+                f"{s.shard_index} of {s.num_shards} (row r lives on shard r % {s.num_shards})",
+                reason="bad_ids",
+            )
+        # Workers send each shard's ids sorted (torch.unique's order): strictly increasing
+        # ids have no duplicates, which a linear comparison shows without a sort.
+        if ids.numel() > 1 and not bool((ids[1:] > ids[:-1]).all()):
+            uniq = torch.unique(ids)
+        else:
+            uniq = ids
+        if uniq.numel() != ids.numel():
+            counts = torch.bincount(torch.searchsorted(uniq, ids), minlength=uniq.numel())
+            raise InvalidArgument(
+                f"{what} table {quote(s.name)}: duplicate row ids {uniq[counts > 1][:8].tolist()}; "
+                "deduplicate (sum their gradients) before sending",
+                reason="bad_ids",
+            )
+        return ids // s.num_shards
+
+    def gather(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.weight.index_select(0, idx)
+
+    def apply(self, idx: torch.Tensor, grads: torch.Tensor) -> None:
+        """One optimizer step on rows `idx` (unique local indices) with fp32 `grads`."""
+        s = self.spec
+        if idx.numel():
+            if s.optimizer == "sgd":
+                self.weight.index_add_(0, idx, grads, alpha=-s.lr)
+            elif s.optimizer == "adagrad":
+                assert self.acc is not None
+                acc = self.acc.index_select(0, idx) + (grads * grads).mean(dim=1)
+                self.acc.index_copy_(0, idx, acc)
+                step = grads / (acc.sqrt() + s.eps).unsqueeze(1)
+                self.weight.index_add_(0, idx, step, alpha=-s.lr)
+            else:
+                self._lazy_adam(idx, grads)
+        self.version += 1
+
+    def _lazy_adam(self, idx: torch.Tensor, g: torch.Tensor) -> None:
+        s = self.spec
+        assert self.m is not None and self.v is not None and self.steps is not None
+        t = self.steps.index_select(0, idx) + 1
+        self.steps.index_copy_(0, idx, t)
+        m = self.m.index_select(0, idx).mul_(s.beta1).add_(g, alpha=1 - s.beta1)
+        v = self.v.index_select(0, idx).mul_(s.beta2).addcmul_(g, g, value=1 - s.beta2)
+        self.m.index_copy_(0, idx, m)
+        self.v.index_copy_(0, idx, v)
+        tf = t.to(torch.float64)
+        bc1 = (1 - torch.pow(torch.tensor(s.beta1, dtype=torch.float64), tf)).float()
+        bc2 = (1 - torch.pow(torch.tensor(s.beta2, dtype=torch.float64), tf)).float()
+        # torch.optim.SparseAdam's form, with per-row bias corrections.
+        step = m / v.sqrt().add_(s.eps) * (bc2.sqrt() / bc1).unsqueeze(1)
+        self.weight.index_add_(0, idx, step, alpha=-s.lr)
+
+
+def dense_reference_step(
+    spec: TableSpec, weight: torch.Tensor, state: dict[str, torch.Tensor], grad: torch.Tensor
+) -> None:
+    """The same update applied densely to a full table (tests compare against it)."""
+    if spec.optimizer == "sgd":
+        weight.add_(grad, alpha=-spec.lr)
+    elif spec.optimizer == "adagrad":
+        acc = state.setdefault("acc", torch.zeros(weight.shape[0]))
+        acc.add_((grad * grad).mean(dim=1))
+        weight.add_(grad / (acc.sqrt() + spec.eps).unsqueeze(1), alpha=-spec.lr)
+    else:
+        raise ValueError("dense reference: sgd and adagrad only (lazy_adam is row-lazy)")

@@ -1,0 +1,184 @@
+"""The shard's update: optimizer steps on the masters, versions, rounds; the ShardView rules get.
+
+`Updates` is the component every update rule (ps/server/modes/) is handed as its
+`ShardView` (ps/server/modes/view.py): the reads and changes a rule may make, under
+the shard's lock, and nothing else. It owns the masters' optimizer, schedule and loss
+scale (`install`), steps them (ps/server/update/stepper.py), and counts what an update or a
+skipped round changes. What happens when a round closes beyond that (joiners become live,
+a checkpoint falls due) is the membership's and the durability's: `on_round_closed` and
+`on_update` are theirs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Set
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ps.job import Job
+from ps.server.metrics.recorder import ShardRecorder
+from ps.server.modes.registry import RuleOptions
+from ps.server.state import ShardData
+from ps.server.update.buffers import round_buffers
+from ps.server.update.stepper import SlotStepper
+from trainkit.optim import DynamicLossScale, StepAdjust, build_optimizer, build_scheduler
+
+if TYPE_CHECKING:
+    from ps.server.modes import UpdatePolicy
+
+
+class Updates:
+    """Applies updates to a shard's masters (a ShardView; see the module docstring)."""
+
+    def __init__(
+        self,
+        data: ShardData,
+        stepper: SlotStepper,
+        *,
+        on_round_closed: Callable[[], None],
+        on_update: Callable[[], None],
+    ) -> None:
+        self.data = data
+        self.stepper = stepper
+        """Runs and times the optimizer steps (ps/server/update/stepper.py: --torch-threads)."""
+        self._on_round_closed = on_round_closed
+        """A round closed: joiners waiting for it become live, a checkpoint may fall due."""
+        self._on_update = on_update
+        """An update outside rounds was applied: a checkpoint may fall due."""
+
+    # ---- set up from a job (init, restore, rollback) -----------------------------------
+
+    def install(self, job: Job, masters: dict[str, torch.nn.Parameter]) -> None:
+        """Take these masters for `job`: a fresh optimizer, schedule, loss scale and update
+        rule (the previous rule is closed: queued work of it must not run)."""
+        d = self.data
+        d.masters = masters
+        d.numel = {s.key: s.numel for s in job.slots}
+        if d.policy is not None:
+            d.policy.close()
+        d.policy = d.modes.rule(job, RuleOptions(chunk_rounds=d.chunk_rounds))
+        d.optimizer = build_optimizer(masters.values(), job.optimizer)
+        # The schedule after the optimizer: building it sets the group's lr to the
+        # schedule's start (a restore then loads the saved param group over it).
+        d.scheduler = build_scheduler(d.optimizer, job.optimizer)
+        d.loss_scale = DynamicLossScale(job.loss_scale)
+
+    @property
+    def policy(self) -> UpdatePolicy:
+        policy = self.data.policy
+        assert policy is not None, "no update rule before init"
+        return policy
+
+    # ---- ShardView: what a rule reads ----------------------------------------------------
+
+    @property
+    def job(self) -> Job | None:
+        return self.data.job
+
+    @property
+    def version(self) -> int:
+        return self.data.version
+
+    @property
+    def rounds(self) -> int:
+        return self.data.rounds
+
+    @property
+    def live(self) -> Set[int]:
+        return self.data.live
+
+    @property
+    def masters(self) -> Mapping[str, torch.nn.Parameter]:
+        return self.data.masters
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.data.optimizer
+
+    @property
+    def metrics(self) -> ShardRecorder:
+        return self.data.metrics
+
+    @property
+    def buffer_keys(self) -> frozenset[str]:
+        return self.data.buffer_keys
+
+    def slowest_live_clock(self, default: int) -> int:
+        return self.data.slowest_live_clock(default)
+
+    # ---- ShardView: what a rule changes (under the lock) ----------------------------------
+
+    def apply_update(
+        self, grads: dict[str, torch.Tensor], staleness: list[int], adjust: StepAdjust | None = None
+    ) -> None:
+        """One optimizer step with these fp32 gradients (keyed by slot); `adjust`: this
+        step's learning-rate scale / momentum (async/ssp, ps/server/modes/staleness.py). A slot
+        missing from `grads` (no gradient: an unused parameter) is not stepped at all:
+        torch's optimizers skip a parameter whose .grad is None, state and weight decay
+        included, as they do for a DDP parameter no rank used."""
+        masters = self.data.masters
+        for key, p in masters.items():
+            p.grad = grads.get(key)
+        try:
+            self.stepper.step_all(self.data, adjust)
+        finally:
+            for p in masters.values():
+                p.grad = None
+        self.finish_update(staleness)
+
+    def step_slot(self, key: str, grad: torch.Tensor) -> None:
+        """The optimizer step of one slot only (per-chunk rounds); finish_update ends the
+        round (torch's optimizers step each parameter on its own: same bits)."""
+        self.stepper.step_slot(self.data, key, grad)
+
+    def step_each(self, keys: Iterable[str], fn: Callable[[str], Any]) -> None:
+        self.stepper.each(self.data, keys, fn)
+
+    def buffer_values(self, grads: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """A sync round's buffer values (ps/server/update/buffers.py)."""
+        job = self.data.job
+        return round_buffers(job, grads) if job is not None else {}
+
+    def set_buffers(self, values: dict[str, torch.Tensor]) -> None:
+        """Overwrite buffer slots with these values (they are never optimizer-stepped)."""
+        for k, v in values.items():
+            self.data.masters[k].detach().copy_(v)
+
+    def finish_update(self, staleness: list[int]) -> None:
+        """After the optimizer step(s) of an update: schedule, version, counters, round."""
+        d = self.data
+        d.scheduler.step()
+        d.version += 1
+        d.updates_applied += 1
+        numel = sum(d.numel.values())
+        d.metrics.update_timed(numel, self.stepper.commit(numel))
+        d.metrics.optimizer_step()
+        d.metrics.set_version(d.version)
+        for s in staleness:
+            d.staleness_counts[s] += 1
+            d.metrics.gradient_applied(s)
+        if d.traits.rounds:
+            self._close_round(skipped=False)
+        else:
+            self._on_update()
+
+    def skip_round(self, reason: str) -> None:
+        """Close a round without an update (weights and optimizer state untouched)."""
+        self.data.skipped_rounds += 1
+        self.data.metrics.round_skipped(reason)
+        self._close_round(skipped=True)
+
+    def drop_nonfinite(self) -> None:
+        self.data.dropped_nonfinite += 1
+        self.data.metrics.nonfinite_dropped()
+        self.data.metrics.push_rejected("nonfinite")
+
+    def _close_round(self, skipped: bool) -> None:
+        d = self.data
+        d.rounds += 1
+        d.last_round_skipped = skipped
+        d.loss_scale.update(overflow=skipped)
+        d.metrics.set_loss_scale(d.loss_scale.scale)
+        d.restored_pending = False
+        self._on_round_closed()
