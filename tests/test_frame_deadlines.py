@@ -19,7 +19,7 @@ import pytest
 
 from ps import framing as fr
 from ps.client.tcp_transport import client_ssl_context
-from ps.server.dataplane import server_ssl_context
+from ps.server.doors.dataplane import server_ssl_context
 from tests.test_security import certs  # noqa: F401 - the fixture
 
 SLACK = fr.DEADLINE_SLACK_S

@@ -32,7 +32,7 @@ import pytest
 from ps import framing as fr
 from ps import tls_stream
 from ps.client.tcp_transport import client_ssl_context
-from ps.server.dataplane import server_ssl_context
+from ps.server.doors.dataplane import server_ssl_context
 from ps.tls_stream import TLSStream
 from tests.test_security import certs  # noqa: F401 - the fixture
 from worker.launch import free_port

@@ -68,7 +68,7 @@ def pattern(frame_mib: int) -> bytearray:
 
 def _server_side(sock: socket.socket, wire: str, certs: dict[str, str]) -> socket.socket:
     from ps import sealed, tls_stream
-    from ps.server.dataplane import server_ssl_context
+    from ps.server.doors.dataplane import server_ssl_context
 
     if wire == "tcp":
         return sock
