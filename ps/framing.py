@@ -4,9 +4,9 @@ A frame is a 16-byte little-endian prefix ``<4sIQ`` (magic b"PSD1", header lengt
 payload length), a serialized ``DataFrame`` header, then the payload: raw tensor bytes,
 only in ``piece`` frames. Everything here moves buffers with ``sendmsg``/``recv_into``
 (no per-byte Python, no joining of payloads); the caller owns the sockets, which may be
-plain TCP, TLS (``ps.tls_stream.TLSStream``, or an ``ssl.SSLSocket``) or sealed records
-after a TLS hello (``ps.sealed.SealedSocket``): those have no sendmsg and no recv flags, so
-they take the plain sendall/recv_into path (TLSStream and SealedSocket: send_buffers).
+plain TCP, TLS (``ssl.SSLSocket``) or sealed records after a TLS hello
+(``ps.sealed.SealedSocket``): those have no sendmsg and no recv flags, so they take the
+plain sendall/recv_into path.
 
 Reading never trusts a length before its bytes arrive: buffers for headers and payloads
 (Scratch) grow as bytes are received, so a prefix that claims 16 MiB and then goes
@@ -30,7 +30,6 @@ from google.protobuf.message import DecodeError
 from ps._gen.psar.v1 import ps_pb2 as pb
 from ps.errors import InvalidArgument, PSError, ResourceExhausted
 from ps.sealed import SealedSocket
-from ps.tls_stream import TLSStream
 
 MAGIC = b"PSD1"
 PREFIX = struct.Struct("<4sIQ")
@@ -165,7 +164,7 @@ def peer_spoke(sock: socket.socket) -> bool:
 
 def is_tls(sock: socket.socket) -> bool:
     """TLS or sealed records (ps/sealed.py): no sendmsg, no recv flags, pending()."""
-    return isinstance(sock, (TLSStream, ssl.SSLSocket, SealedSocket))
+    return isinstance(sock, (ssl.SSLSocket, SealedSocket))
 
 
 def _set_deadline(sock: socket.socket, deadline: float | None) -> None:
@@ -202,7 +201,7 @@ def send(sock: socket.socket, frame: pb.DataFrame, payload: Any = None) -> None:
 def send_buffers(sock: socket.socket, buffers: Sequence[Any]) -> None:
     """sendall for several buffers in one sendmsg call each round (no concatenation)."""
     views = [memoryview(b).cast("B") for b in buffers if len(b)]
-    if isinstance(sock, (TLSStream, SealedSocket)):
+    if isinstance(sock, SealedSocket):
         sock.send_buffers(views)
         return
     if is_tls(sock):  # no sendmsg: one write (one or more records) per buffer

@@ -24,17 +24,17 @@ def test_tls_cost_runs_every_wire(tmp_path: Path) -> None:
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-2000:]
     runs = json.loads(out.read_text())["runs"]
-    wires = ["tcp", "sslsocket", "tlsstream", "sealed", "sslsocket-aes128"]
-    assert [r["wire"] for r in runs] == wires
+    assert [r["wire"] for r in runs] == ["tcp", "sslsocket", "sealed"]
     for r in runs:
         assert r["send_s_per_gib"] > 0 and r["recv_s_per_gib"] > 0, r
-    assert runs[1]["tls"].startswith("TLSv1.") and runs[2]["tls"] == runs[1]["tls"]
-    assert runs[4]["tls"] == "TLSv1.3 TLS_AES_128_GCM_SHA256"  # the operator's config took
-    for wire in wires:
+    assert runs[1]["tls"].startswith("TLSv1.")
+    for wire in ("tcp", "sslsocket", "sealed"):
         assert f"| {wire} |" in res.stdout
 
 
 def test_tls_cost_names_a_bad_wire() -> None:
     cmd = [sys.executable, "-m", "bench.experiments.tls_cost", "--wires", "tcp,quic"]
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert res.returncode == 2 and "--wires" in res.stderr and "sslsocket-aes128" in res.stderr
+    assert (
+        res.returncode == 2 and "--wires" in res.stderr and "tcp, sslsocket, sealed" in res.stderr
+    )

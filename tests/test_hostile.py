@@ -298,7 +298,7 @@ def test_hostile_data_plane_fuzz(tmp_path: Path) -> None:
 @pytest.mark.parametrize("wire", ["tls", "sealed"])
 def test_hostile_secured_wires_fuzz(tmp_path: Path, certs: Path, mode: str, wire: str) -> None:  # noqa: F811
     """The data-plane campaign over a TLS shard, async and sync: in standard TLS records
-    (the default; the shard's end is ps/tls_stream.py, the campaign's Python's SSLSocket)
+    (the default: Python's SSLSocket at both ends)
     and in sealed records (--data-sealed-records)."""
     mix = DATA_MIX if mode == "async" else {"grpc_push": 2, "data_push": 8}
     sealed = wire == "sealed"

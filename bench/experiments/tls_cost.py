@@ -7,15 +7,9 @@ shard does (fr.read_header under a FrameClock, then fr.recv_exact under the fram
 deadline straight into a reused buffer), over each wire:
 
 - tcp:       plain TCP (sendmsg / recv_into);
-- sslsocket: standard TLS through Python's ssl.SSLSocket (OpenSSL on the socket, one
-             16 KiB record per read);
-- tlsstream: standard TLS through ps.tls_stream.TLSStream, the data plane's: an SSLObject
-             over MemoryBIOs, the socket read and written in chunks of 256 KiB;
-- sealed:    psar's opt-in sealed records after a TLS hello (ps/sealed.py);
-- WIRE-aes128: a TLS wire with both processes under an OpenSSL config (OPENSSL_CONF) that
-             puts TLS 1.3's TLS_AES_128_GCM_SHA256 first: what an operator's config can
-             choose (Python's ssl cannot pick TLS 1.3 suites; OpenSSL's default client
-             order, which the server follows, gets TLS_AES_256_GCM_SHA384).
+- sslsocket: standard TLS, the data plane's default: Python's ssl.SSLSocket (OpenSSL on
+             the socket, one 16 KiB record per read);
+- sealed:    psar's opt-in sealed records after a TLS hello (ps/sealed.py).
 
 TLS uses the data plane's own contexts (server_ssl_context, client_ssl_context) with a
 throwaway CA (openssl CLI). Each process counts its own CPU time (user + system,
@@ -46,19 +40,8 @@ from typing import Any
 from ps import framing as fr
 from ps._gen.psar.v1 import ps_pb2 as pb
 
-TLS_WIRES = ("sslsocket", "tlsstream")
-AES128 = "-aes128"
-WIRES = ("tcp", *TLS_WIRES, "sealed", *(w + AES128 for w in TLS_WIRES))
-DEFAULT_WIRES = ("tcp", *TLS_WIRES, "sealed", TLS_WIRES[0] + AES128)
+WIRES = ("tcp", "sslsocket", "sealed")
 WARMUP_FRAMES = 2
-AES128_CONF = """openssl_conf = tls_cost
-[tls_cost]
-ssl_conf = tls_cost_ssl
-[tls_cost_ssl]
-system_default = tls_cost_default
-[tls_cost_default]
-Ciphersuites = TLS_AES_128_GCM_SHA256:TLS_AES_256_GCM_SHA384:TLS_CHACHA20_POLY1305_SHA256
-"""
 
 
 def pattern(frame_mib: int) -> bytearray:
@@ -67,16 +50,14 @@ def pattern(frame_mib: int) -> bytearray:
 
 
 def _server_side(sock: socket.socket, wire: str, certs: dict[str, str]) -> socket.socket:
-    from ps import sealed, tls_stream
+    from ps import sealed
     from ps.server.doors.dataplane import server_ssl_context
 
     if wire == "tcp":
         return sock
     ctx = server_ssl_context(certs["cert"], certs["key"])
+    tls = ctx.wrap_socket(sock, server_side=True)
     if wire == "sslsocket":
-        return ctx.wrap_socket(sock, server_side=True)
-    tls = tls_stream.wrap_socket(ctx, sock, server_side=True)
-    if wire == "tlsstream":
         return tls
     theirs = bytearray(sealed.SHARE_BYTES)
     fr.recv_exact(tls, memoryview(theirs))
@@ -87,16 +68,14 @@ def _server_side(sock: socket.socket, wire: str, certs: dict[str, str]) -> socke
 
 
 def _client_side(sock: socket.socket, wire: str, certs: dict[str, str]) -> socket.socket:
-    from ps import sealed, tls_stream
+    from ps import sealed
     from ps.client.tcp_transport import client_ssl_context
 
     if wire == "tcp":
         return sock
     ctx = client_ssl_context(certs["ca"])
+    tls = ctx.wrap_socket(sock, server_hostname="127.0.0.1")
     if wire == "sslsocket":
-        return ctx.wrap_socket(sock, server_hostname="127.0.0.1")
-    tls = tls_stream.wrap_socket(ctx, sock, server_hostname="127.0.0.1")
-    if wire == "tlsstream":
         return tls
     mine = sealed.new_share()
     tls.sendall(mine)
@@ -121,7 +100,7 @@ def receive(args: argparse.Namespace) -> dict[str, Any]:
     raw, _ = listener.accept()
     raw.settimeout(120)
     fr.tune(raw)
-    sock = _server_side(raw, args.wire.removesuffix(AES128), certs)
+    sock = _server_side(raw, args.wire, certs)
     sock.settimeout(120)
     what = _describe(sock)
     buf = bytearray(args.frame_mib << 20)
@@ -148,7 +127,7 @@ def send(args: argparse.Namespace) -> dict[str, Any]:
     certs = json.loads(args.certs)
     raw = socket.create_connection(("127.0.0.1", args.port), timeout=120)
     fr.tune(raw)
-    sock = _client_side(raw, args.wire.removesuffix(AES128), certs)
+    sock = _client_side(raw, args.wire, certs)
     sock.settimeout(120)
     payload = memoryview(pattern(args.frame_mib))
     frames = int(args.gib * 1024 / args.frame_mib)
@@ -171,14 +150,11 @@ def run_pair(wire: str, args: argparse.Namespace, certs: dict[str, str]) -> dict
     base = [sys.executable, "-m", "bench.experiments.tls_cost", "--wire", wire,
             "--gib", str(args.gib), "--frame-mib", str(args.frame_mib),
             "--certs", json.dumps(certs)]  # fmt: skip
-    env = None
-    if wire.endswith(AES128):
-        env = {**os.environ, "OPENSSL_CONF": certs["aes128_conf"]}
-    rx = subprocess.Popen([*base, "--role", "recv"], stdout=subprocess.PIPE, text=True, env=env)
+    rx = subprocess.Popen([*base, "--role", "recv"], stdout=subprocess.PIPE, text=True)
     try:
         assert rx.stdout is not None
         port = int(rx.stdout.readline())
-        tx = subprocess.run([*base, "--role", "send", "--port", str(port)], env=env,
+        tx = subprocess.run([*base, "--role", "send", "--port", str(port)],
                             capture_output=True, text=True, timeout=600, check=True)  # fmt: skip
         out, _ = rx.communicate(timeout=600)
     finally:
@@ -197,8 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gib", type=float, default=1.0, help="GiB moved per transfer")
     p.add_argument("--frame-mib", type=int, default=4, help="MiB of payload per frame")
     p.add_argument("--repeats", type=int, default=3, help="transfers per wire (alternated)")
-    p.add_argument("--wires", default=",".join(DEFAULT_WIRES),
-                   help=f"comma-separated, of {', '.join(WIRES)}")  # fmt: skip
+    p.add_argument("--wires", default=",".join(WIRES), help=f"comma-separated, of {WIRES}")
     p.add_argument("--json", default="", help="also write every transfer's figures here")
     p.add_argument("--role", choices=("recv", "send"), help=argparse.SUPPRESS)
     p.add_argument("--wire", help=argparse.SUPPRESS)
@@ -219,8 +194,6 @@ def main(argv: list[str] | None = None) -> int:
     runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as d:
         certs = make_certs(Path(d))
-        certs["aes128_conf"] = str(Path(d) / "aes128.cnf")
-        Path(certs["aes128_conf"]).write_text(AES128_CONF)
         for rep in range(args.repeats):
             for wire in wires if rep % 2 == 0 else wires[::-1]:
                 runs.append(run_pair(wire, args, certs))

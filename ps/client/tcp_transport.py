@@ -15,8 +15,7 @@ cancel_all() -> CANCELLED; a shard's refusal -> its status code and details verb
 Under TLS (`ssl_context`, from client_ssl_context: the same --tls-ca, --tls-cert and
 --tls-key as the worker's gRPC channels) every connection is TLS, the shard's certificate
 checked against `server_name` (--tls-server-name, else the host), in standard TLS
-records (ps/tls_stream.py: OpenSSL's records, the socket read and written in large
-chunks). The hello offers sealed records (ps/sealed.py: AES-GCM under keys the two ends
+records. The hello offers sealed records (ps/sealed.py: AES-GCM under keys the two ends
 agree inside TLS); only a shard with the opt-in --data-sealed-records agrees
 (docs/sealed-records.md), and then the connection leaves TLS after the hello.
 """
@@ -34,7 +33,7 @@ from typing import Any, NoReturn
 import grpc
 
 from ps import framing as fr
-from ps import sealed, tls_stream
+from ps import sealed
 from ps._gen.psar.v1 import ps_pb2 as pb
 from ps.client.transport import Incoming, Piece, PullStream, Transport, TransportError, Verdict
 
@@ -266,7 +265,7 @@ class DataPlaneClient(Transport):
         assert self.ssl_context is not None
         sock.settimeout(max(0.001, min(self.connect_timeout_s, deadline - time.monotonic())))
         try:
-            return tls_stream.wrap_socket(self.ssl_context, sock, server_hostname=self.server_name)
+            return self.ssl_context.wrap_socket(sock, server_hostname=self.server_name)
         except ssl.SSLCertVerificationError as e:
             raise DataPlaneError(
                 SC.UNAVAILABLE,

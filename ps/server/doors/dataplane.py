@@ -24,8 +24,7 @@ W supersedes W's push still streaming on another connection (that connection is 
 push released unapplied), so a stalled connection cannot make W's retry wait.
 
 Under TLS (`ssl_context`: the shard's --tls-cert/--tls-key, --tls-ca for mutual TLS) every
-connection is TLS from its first byte to its last (standard TLS records, the default,
-through ps/tls_stream.py: the socket read and written in large chunks);
+connection is TLS from its first byte to its last (standard TLS records, the default);
 the token is checked in the hello as before. Only with `seal_records` (psar server
 --data-sealed-records, an opt-in: docs/sealed-records.md) does a worker that asks in its
 hello (seal_share) get the rest of the connection in psar's sealed records (ps/sealed.py).
@@ -43,7 +42,7 @@ import time
 import grpc
 
 from ps import framing as fr
-from ps import sealed, tls_stream
+from ps import sealed
 from ps.server.doors.dataplane_conn import _Connection
 from ps.server.shard import ShardState
 
@@ -235,9 +234,7 @@ class DataPlaneServer:
         if self.ssl_context is None:
             return sock
         sock.settimeout(min(self.frame_s, self.idle_s))
-        tls = tls_stream.wrap_socket(
-            self.ssl_context, sock, server_side=True, do_handshake_on_connect=False
-        )
+        tls = self.ssl_context.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
         self._rehome(sock, tls)
         return tls
 
