@@ -77,6 +77,7 @@ def test_a_tie_the_plan_calls_and_a_tie_measured_agree() -> None:
     }
 
 
+@pytest.mark.slow
 def test_cells_check_measured_rates_against_psar_plan() -> None:
     link = {"workers": 4, "mbit": 1000.0, "gbps_best": 0.1, "rtt_us": 40.0}
     jobs = {

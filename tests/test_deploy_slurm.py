@@ -238,11 +238,16 @@ def test_slurm_configuration_error_stops_the_job_before_any_step(tmp_path, scrip
 
 def test_slurm_ps_a_shard_that_fails_ends_the_job(tmp_path) -> None:
     """The shard step exits at once: the job ends with its code and a line naming it; the
-    workers are cancelled instead of waiting out their timeout."""
+    workers are cancelled instead of waiting out their timeout, or never launched when the
+    shard failed while their flags were checked (which comes first depends on the load)."""
     run = Run(SLURM / "ps.sbatch", tmp_path, 3, FAKE_SHARD_FAILS="1")
     assert run.rc == 1, run.err
     assert "psar: shard 0 (10.1.0.1:50051 on node00) exited with code 1" in run.err
     assert "could not bind" in run.err  # the shard's own line
+    if "before the workers started" in run.err:
+        # The shard failed while the workers' flags were checked: no worker was launched.
+        assert "psar-workers" not in run.step_ids, run.err
+        return
     # SIGTERM first (a worker leaves at once with exit code 1); the fake workers obey, so
     # the SIGKILL of a plain scancel is not needed.
     assert run.scancels[0] == f"--ctld --quiet --signal=TERM {run.step_ids['psar-workers']}"

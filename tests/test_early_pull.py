@@ -212,6 +212,7 @@ RUNS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "names",
     [

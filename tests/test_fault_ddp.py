@@ -10,6 +10,8 @@ import signal
 import subprocess
 import sys
 
+import pytest
+
 from ps.server.durability.checkpoints import load
 from tests.procs import ENV, free_port
 
@@ -37,6 +39,7 @@ def torchrun(tmp, steps: int, *extra: str) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(args, p.returncode, out, err)
 
 
+@pytest.mark.slow
 def test_relaunched_ddp_job_resumes_from_the_newest_checkpoint(tmp_path) -> None:
     steps = 12
     p = torchrun(tmp_path, steps)

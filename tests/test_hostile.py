@@ -231,6 +231,7 @@ def test_hostile_smoke_both_doors(tmp_path: Path) -> None:
             sock.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("wire", ["tls", "sealed"])
 def test_hostile_smoke_secured_wires(tmp_path: Path, certs: Path, wire: str) -> None:  # noqa: F811
     """Issue #33: the same campaign against a TLS shard, every data-plane request in

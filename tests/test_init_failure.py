@@ -138,6 +138,7 @@ def test_rank_0_whose_init_is_refused_takes_the_other_workers_down(tmp_path: Pat
 # ---- waiting says what it waits for, and ends (issue #34) -------------------------------
 
 
+@pytest.mark.slow
 def test_rank_1_without_rank_0_says_it_waits_and_exits_naming_rank_0(tmp_path: Path) -> None:
     with shards(1) as addrs:
         p = subprocess.run(

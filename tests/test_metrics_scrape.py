@@ -51,6 +51,7 @@ def wait_for(port: int, name: str, at_least: float, timeout: float = 120) -> str
         time.sleep(0.2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_ps_job_scraped_during_and_after(tmp_path, mode: str) -> None:
     shard_ports = [free_port(), free_port()]
@@ -113,6 +114,7 @@ def test_ps_job_scraped_during_and_after(tmp_path, mode: str) -> None:
         assert obs == STEPS
 
 
+@pytest.mark.slow
 def test_ddp_job_scraped(tmp_path) -> None:
     base = free_port()
     while not all(_port_free(base + i) for i in range(2)):

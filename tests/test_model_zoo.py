@@ -94,9 +94,9 @@ def check_zoo(model: str, runs: dict) -> tuple[float, float]:
     return loss_rel, _max_rel_state(w_on, w_ddp)
 
 
-# The default run keeps models the issues found broken (an unused parameter,
-# BatchNorm, a functional read, dropout); the rest run with the slow tests.
-DEFAULT_ZOO = ("batchnorm", "dropout", "functional")  # the rest run with -m slow (CI runs both)
+# Every model of the zoo takes 30-50 s on 2 cores: all run with the slow tests (CI runs
+# them); the default run's PS == DDP check is tests/test_train_equivalence.py.
+DEFAULT_ZOO: tuple[str, ...] = ()
 
 
 @pytest.mark.parametrize(
@@ -188,6 +188,7 @@ def test_a_model_the_gate_cannot_see_into_is_reported() -> None:
     assert ungateable_reason(Functional()) == ""
 
 
+@pytest.mark.slow
 def test_local_mode_keeps_each_workers_buffers(tmp_path: Path) -> None:
     """--mode local with BatchNorm: the shards hold no buffer slots (pushes are
     pseudo-gradients of the parameters), each worker keeps its own running stats, as

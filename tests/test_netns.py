@@ -149,6 +149,7 @@ def test_ps_job_across_namespaces(lan3, tmp_path) -> None:
     print(f"netns PS job: {time.monotonic() - t0:.1f}s")
 
 
+@pytest.mark.slow
 def test_allreduce_job_across_namespaces(tmp_path) -> None:
     """`torchrun --rdzv-backend c10d` on two hosts, as deploy/slurm/allreduce.sbatch runs it."""
     reason = netns.unavailable_reason()

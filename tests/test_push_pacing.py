@@ -165,6 +165,7 @@ COMMON = ["--workload", "mlp", "--steps", "6", "--batch-size", "16", "--seed", "
           "--chunk-mib", "0.0625"]  # fmt: skip
 
 
+@pytest.mark.slow
 def test_a_paced_job_trains_the_bits_of_an_unpaced_one(tmp_path) -> None:  # noqa: ANN001
     """2 workers, 2 shards over the data plane with early pulls; the paced shards hold a
     push back as soon as it is 64 bytes ahead, i.e. at nearly every slot."""

@@ -24,6 +24,7 @@ def _importable(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(procs.ENV, "PYTHONPATH", ROOT)
 
 
+@pytest.mark.slow
 def test_awkward_user_model_trains_under_both(tmp_path) -> None:
     with shards(2) as addrs:
         ps = run_ps_workers(addrs, 2, tmp_path, [*USER, "--save", str(tmp_path / "ps.pt")])
