@@ -163,6 +163,8 @@ def job_to_pb(job: Job) -> pb.JobSpec:
         staleness_lr_power=job.staleness_lr_power,
         dc_adaptive=job.dc_adaptive,
         param_groups=[pb.ParamGroupSpec(**dataclasses.asdict(g)) for g in job.param_groups],
+        chunk_rounds=job.chunk_rounds,
+        early_pull=job.early_pull,
     )
 
 
@@ -201,6 +203,8 @@ def job_from_pb(spec: pb.JobSpec) -> Job:
             mode_options=dict(spec.mode_options),
             param_groups=tuple(_group_from_pb(g) for g in spec.param_groups),
             traits=traits,
+            chunk_rounds=spec.chunk_rounds,
+            early_pull=spec.early_pull,
         )
     except ValueError as e:
         raise InvalidArgument(f"invalid job spec: {e}", reason="malformed") from None

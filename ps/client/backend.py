@@ -37,10 +37,12 @@ from ps.client.backend_overlap import OverlapMixin
 from ps.client.backend_own import OwnLoopMixin, OwnOptimizer
 from ps.client.backend_resync import _MAX_RESYNCS, ResyncMixin
 from ps.client.int_buffers import IntBuffers
+from ps.client.locality import resolve_early_pull
 from ps.client.psclient import ClientConfig, NeedsResync, PSClient
 from ps.headers import PullHeader
 from ps.job import Job, ModeTraits
 from ps.partition import Slot, bytes_per_shard, check_every_shard_holds_a_slot, plan_slots
+from trainkit.choices import chunk_rounds
 from trainkit.device_io import DeviceIO, state_to_host, to_host
 from trainkit.optim import DynamicLossScale, StepOptions, effective_loss_scale, with_run_length
 from trainkit.sparse_tables import release_tables
@@ -171,6 +173,20 @@ class PSBackend(OverlapMixin, ResyncMixin, LocalMixin, OwnLoopMixin):
             chunk_bytes=chunk,
         )
         check_every_shard_holds_a_slot(self.slots, len(self.addresses), self.cfg.ps.chunk_mib)
+        # Early pulls (and the per-chunk rounds they need) are the job's: rank 0 proposes
+        # them, every worker follows what the shards then serve (below).
+        self.early_pull = resolve_early_pull(
+            self.cfg.ps.early_pull,
+            # A loop of its own (and clipping) sends the step's learning rates and clip
+            # when its optimizer steps, after backward: the shards apply whole rounds.
+            eligible=chunk_rounds(self.mode)
+            and not self.sparse
+            and not self.cfg.local_sgd
+            and self.own is None
+            and not self.cfg.clip_grad_norm,
+            data_plane=self.cfg.ps.data_plane,
+            addresses=self.addresses,
+        )
         jobs = self._jobs()
         ps = self.cfg.ps
         self.client = PSClient(
@@ -195,13 +211,14 @@ class PSBackend(OverlapMixin, ResyncMixin, LocalMixin, OwnLoopMixin):
                 "bytes per shard: %s",
                 ", ".join(f"{i}: {b / 2**20:.2f} MiB" for i, b in enumerate(per)),
             )
-        got = self.client.get_jobs(wait=True, timeout_s=self.cfg.ps.pull_timeout_s)
+        got = self._await_jobs()
         for i, (want, have) in enumerate(zip(jobs, got, strict=True)):
             if have is None:
                 raise RuntimeError(
-                    f"shard {i} ({self.addresses[i]}) was not initialised within "
-                    f"{self.cfg.ps.pull_timeout_s}s; is the worker of rank 0 running? (a shard "
-                    "restarted without --restore stays empty: rank 0 only initialises at start)"
+                    f"worker {self.rank}: the worker of rank 0 never initialised shard {i} "
+                    f"({self.addresses[i]}) within --timeout-s {self.cfg.ps.timeout_s:g}; is "
+                    "it running, with the same --servers? (a shard restarted without "
+                    "--restore stays empty: rank 0 only initialises at start)"
                 )
             if have.traits is None:
                 raise RuntimeError(
@@ -209,6 +226,10 @@ class PSBackend(OverlapMixin, ResyncMixin, LocalMixin, OwnLoopMixin):
                     "older psar?); run the same psar version on workers and shards"
                 )
             self.traits = have.traits
+            # Rank 0 decided the job's early pulls: every worker takes them from it.
+            want = dataclasses.replace(
+                want, early_pull=have.early_pull, chunk_rounds=have.chunk_rounds
+            )
             if have != want.served(have.traits):
                 raise RuntimeError(
                     f"shard {i} ({self.addresses[i]}) serves a different job (mode {have.mode}, "
@@ -217,15 +238,11 @@ class PSBackend(OverlapMixin, ResyncMixin, LocalMixin, OwnLoopMixin):
                 )
         io = self.io
         self._send = {s.key: io.host_buffer(s.numel, self.precision.wire) for s in self.slots}
-        # A loop of its own sends the step's learning rates and clipping when its
-        # optimizer steps, after backward: the shards apply whole rounds.
-        self.early_pull = (
-            self.cfg.ps.early_pull
-            and not self.sparse
-            and not self.cfg.local_sgd
-            and self.own is None
-            and not self.cfg.clip_grad_norm
-        )
+        self.early_pull = got[0].early_pull if got else self.early_pull
+        asked = self.cfg.ps.early_pull
+        if self.rank == 0 or (asked is not None and asked != self.early_pull):
+            log.info("worker %d: early pulls %s (the job's)", self.rank,
+                     "on" if self.early_pull else "off")  # fmt: skip
         # On CPU, pulled bytes land straight in the parameters; on CUDA they land in
         # pinned host buffers and go to the device slot by slot (trainkit/device_io.py),
         # and so do early pulls (their slots may arrive while backward still runs).
@@ -253,6 +270,21 @@ class PSBackend(OverlapMixin, ResyncMixin, LocalMixin, OwnLoopMixin):
         if self.cfg.local_sgd:
             self._setup_local()
         return model
+
+    def _await_jobs(self) -> list[Job | None]:
+        """Every shard's job, once rank 0 has initialised them: waited for at most
+        --timeout-s, saying every few seconds what it waits for."""
+        bound = self.cfg.ps.timeout_s
+        shards = ", ".join(f"{i} ({a})" for i, a in enumerate(self.addresses))
+
+        def describe(seconds: float) -> str:
+            return (
+                f"worker {self.rank}: waiting {seconds:.0f} s of --timeout-s {bound:g} for "
+                f"the worker of rank 0 to initialise shard(s) {shards}"
+            )
+
+        with self.client.waits.waiting(describe):
+            return self.client.get_jobs(wait=True, timeout_s=bound)
 
     def _jobs(self) -> list[Job]:
         opt = with_run_length(self.cfg.optimizer, self.total_steps)
@@ -287,6 +319,8 @@ class PSBackend(OverlapMixin, ResyncMixin, LocalMixin, OwnLoopMixin):
                     if self.own is not None
                     else ()
                 ),
+                chunk_rounds=self.early_pull,
+                early_pull=self.early_pull,
             )
             for i in range(len(self.addresses))
         ]
