@@ -1,13 +1,13 @@
-"""A training loop of your own, on a parameter server or on DDP: the script does not say
-which (docs/own-loop.md).
+"""A training loop of your own, trained by psar: nothing in this file says how the
+gradients travel; `psar launch` picks it with one flag (docs/own-loop.md):
 
-    psar launch --arch ps --mode sync --servers 2 --workers 2 -- python examples/own_loop.py
-    psar launch --arch allreduce --workers 2 -- python examples/own_loop.py
+    psar launch --workers 2 [--arch ...] -- python examples/own_loop.py --steps 40
 
 Everything below is plain PyTorch but three lines: prepare() takes the model and the
 optimizer, run.backward(loss) scales the loss where fp16 needs it, and
 run.clip_grad_norm_() clips the update by its global norm. Rank 0 prints its last loss
-as `final_loss=<value>`; --log-every N prints every rank's loss every N steps.
+as `final_loss=<value>`; --log-every N prints every rank's loss every N steps; --save
+and --load write and read a checkpoint (model and optimizer state dicts, torch's format).
 
 `make_workload` at the bottom hands the same model and data to psar's own loop:
 `psar train --workload examples.own_loop:make_workload` (tests/test_own_loop.py holds
@@ -88,6 +88,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=0)
+    p.add_argument("--save", default="", help="rank 0 writes a checkpoint here at the end")
+    p.add_argument("--load", default="", help="start from this checkpoint (from --save)")
     args = p.parse_args(argv)
 
     model = build_model(args.seed, dropout=args.dropout)
@@ -100,6 +102,10 @@ def main(argv: list[str] | None = None) -> None:
         optimizer = torch.optim.SGD(groups, lr=args.lr, momentum=0.9, nesterov=True)
     else:
         optimizer = torch.optim.AdamW(groups, lr=args.lr)
+    if args.load:  # before prepare(), as you would before wrapping in anything
+        checkpoint = torch.load(args.load)
+        model.load_state_dict(checkpoint["model"])
+        optimizer.load_state_dict(checkpoint["optimizer"])
 
     run = prepare(model, optimizer, seed=args.seed, total_steps=args.steps)
     data = build_data()
@@ -132,6 +138,9 @@ def main(argv: list[str] | None = None) -> None:
                       flush=True)  # fmt: skip
             if step == args.steps:
                 break
+    if args.save and run.rank == 0:  # the optimizer's state: torch's format
+        state = {"model": model.state_dict(), "optimizer": run.optimizer.state_dict()}
+        torch.save(state, args.save)
     run.finish()
     if run.rank == 0:
         print(f"final_loss={loss.item():.4f}", flush=True)
