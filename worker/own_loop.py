@@ -36,7 +36,7 @@ import torch
 
 from trainkit.optim import StepOptions
 from trainkit.seeding import seed_process
-from trainkit.user_optim import current_lrs, optimizer_name
+from trainkit.user_optim import current_lrs
 from worker.backend import Backend, StepOutcome
 from worker.config import TrainConfig
 from worker.loop import make_backend, resolve_ranks
@@ -173,15 +173,15 @@ def prepare(
 
     model: built the same way on every rank (rank 0's weights are the ones trained);
     load a checkpoint into it and into the optimizer before calling this.
-    optimizer: torch.optim.SGD or AdamW over model's parameters, any number of param
-    groups with hyper-parameters of their own.
+    optimizer: any torch.optim optimizer over model's parameters under allreduce; under
+    ps the shards run it, so torch.optim.SGD or AdamW (any number of param groups with
+    hyper-parameters of their own; another class is refused before any shard is asked).
     seed: seeds torch, random and numpy from (seed, rank) once the model is placed, as
     `psar train --seed` does (default: --seed from PSAR_ARGS, else 0).
     args: more `psar train` flags (after PSAR_ARGS). total_steps: the run's length, if
     known (ps: the overlap trial fits in it)."""
     env = dict(os.environ if env is None else env)
     cfg = config_of(args, env)
-    optimizer_name(optimizer)  # a clear error for an unsupported class, before any setup
     rank, world, local_rank = resolve_ranks(cfg, env)
     if world == 1 and "MASTER_ADDR" not in os.environ:  # a lone process: its own group
         os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(free_port())
