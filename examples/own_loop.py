@@ -3,11 +3,13 @@ gradients travel; `psar launch` picks it with one flag (docs/own-loop.md):
 
     psar launch --workers 2 [--arch ...] -- python examples/own_loop.py --steps 40
 
-Everything below is plain PyTorch but three lines: prepare() takes the model and the
-optimizer, run.backward(loss) scales the loss where fp16 needs it, and
-run.clip_grad_norm_() clips the update by its global norm. Rank 0 prints its last loss
-as `final_loss=<value>`; --log-every N prints every rank's loss every N steps; --save
-and --load write and read a checkpoint (model and optimizer state dicts, torch's format).
+Everything below is plain PyTorch but a few names: prepare() takes the model and the
+optimizer, run.backward(loss) scales the loss where fp16 needs it, run.clip_grad_norm_()
+clips the update by its global norm, run.no_sync() accumulates gradients without
+communicating (--accum N micro-batches a step) and run.autocast() follows `psar launch
+--precision`. Rank 0 prints its last loss as `final_loss=<value>`; --log-every N prints
+every rank's loss every N steps; --save and --load write and read a checkpoint (model
+and optimizer state dicts, torch's format).
 
 `make_workload` at the bottom hands the same model and data to psar's own loop:
 `psar train --workload examples.own_loop:make_workload` (tests/test_own_loop.py holds
@@ -17,6 +19,7 @@ both loops to the same losses).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import sys
 from pathlib import Path
@@ -76,6 +79,15 @@ def warmup_cosine(warmup: int, total: int):  # noqa: ANN201 - a LambdaLR factor
     return factor
 
 
+def endless(loader: DataLoader, sampler: DistributedSampler):  # noqa: ANN201 - a generator
+    """The loader's batches, epoch after epoch (each epoch shuffled anew)."""
+    epoch = 0
+    while True:
+        sampler.set_epoch(epoch)
+        yield from loader
+        epoch += 1
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=40)
@@ -87,6 +99,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--accum", type=int, default=1, help="micro-batches per step")
     p.add_argument("--log-every", type=int, default=0)
     p.add_argument("--save", default="", help="rank 0 writes a checkpoint here at the end")
     p.add_argument("--load", default="", help="start from this checkpoint (from --save)")
@@ -120,30 +133,33 @@ def main(argv: list[str] | None = None) -> None:
         run.optimizer, warmup_cosine(args.warmup, args.steps)
     )
 
-    step, loss = 0, torch.tensor(float("nan"))
-    while step < args.steps:
-        sampler.set_epoch(step // len(loader))
-        for x, y in loader:
-            run.optimizer.zero_grad()
-            loss = F.cross_entropy(run.model(x.to(run.device)), y.to(run.device))
-            run.backward(loss)
-            if args.clip:
-                run.clip_grad_norm_(args.clip)
-            run.optimizer.step()
-            scheduler.step()
-            step += 1
-            if args.log_every and step % args.log_every == 0:
-                norm = run.last_step.grad_norm  # before clipping (None: not clipped)
-                print(f"step={step} rank={run.rank} loss={loss.item():.9g} grad_norm={norm}",
-                      flush=True)  # fmt: skip
-            if step == args.steps:
-                break
+    batches = endless(loader, sampler)
+    loss = float("nan")
+    for step in range(1, args.steps + 1):
+        run.optimizer.zero_grad()
+        loss = 0.0
+        for micro in range(args.accum):  # every micro-batch but the last: no_sync()
+            x, y = next(batches)
+            last = micro == args.accum - 1
+            with contextlib.nullcontext() if last else run.no_sync():
+                with run.autocast():
+                    micro_loss = F.cross_entropy(run.model(x.to(run.device)), y.to(run.device))
+                run.backward(micro_loss / args.accum)
+            loss += micro_loss.item() / args.accum
+        if args.clip:
+            run.clip_grad_norm_(args.clip)
+        run.optimizer.step()
+        scheduler.step()
+        if args.log_every and step % args.log_every == 0:
+            out = run.last_step  # grad_norm: before clipping (None: not clipped)
+            print(f"step={step} rank={run.rank} loss={loss:.9g} grad_norm={out.grad_norm} "
+                  f"loss_scale={out.loss_scale:g} skipped={out.skipped}", flush=True)  # fmt: skip
     if args.save and run.rank == 0:  # the optimizer's state: torch's format
         state = {"model": model.state_dict(), "optimizer": run.optimizer.state_dict()}
         torch.save(state, args.save)
     run.finish()
     if run.rank == 0:
-        print(f"final_loss={loss.item():.4f}", flush=True)
+        print(f"final_loss={loss:.4f}", flush=True)
 
 
 def make_workload(seed: int, *, width: str = "64", dropout: str = "0.1"):  # noqa: ANN201
