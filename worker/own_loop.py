@@ -30,7 +30,6 @@ import logging
 import os
 import shlex
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 import torch
 
@@ -83,11 +82,21 @@ def config_of(args: Sequence[str] = (), env: Mapping[str, str] | None = None) ->
 class OwnLoop:
     """What prepare() returns: everything a loop of its own needs (module docstring)."""
 
-    def __init__(self, backend: Backend, module: torch.nn.Module, optimizer: Any, cfg: TrainConfig, local_rank: int) -> None:  # fmt: skip
+    def __init__(
+        self,
+        backend: Backend,
+        module: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        names: dict[int, str],
+        cfg: TrainConfig,
+        local_rank: int,
+    ) -> None:
+        """`optimizer`: the user's, set up on `backend`; `names`: id(parameter) -> its
+        name in the model."""
         self.backend = backend
         self.model = module
         """The module to train: forward through it (DDP-wrapped under allreduce)."""
-        self.optimizer: torch.optim.Optimizer = optimizer
+        self.optimizer = distributed(optimizer, self._step, backend.remote_optimizer_state, names)
         """Your optimizer's class, sharing your param groups: step() does the
         architecture's work (worker/own_optimizer.py)."""
         self.cfg = cfg
@@ -206,6 +215,4 @@ def prepare(
     # Dropout and other draws during training: the same run after run, and the same for
     # rank r under either architecture (trainkit/seeding.py), as psar train does.
     seed_process(cfg.seed if seed is None else seed, rank)
-    run = OwnLoop(backend, module, None, cfg, local_rank)
-    run.optimizer = distributed(optimizer, run._step, backend.remote_optimizer_state, names)
-    return run
+    return OwnLoop(backend, module, optimizer, names, cfg, local_rank)
