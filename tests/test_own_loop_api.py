@@ -92,7 +92,9 @@ def test_loading_or_adding_groups_after_prepare_says_what_to_do() -> None:
     ],
 )
 def test_the_architecture_comes_from_the_environment(env: dict, arch: str) -> None:
-    assert config_of((), env).arch == arch
+    cfg = config_of((), env)
+    assert cfg.arch == arch
+    assert cfg.ps.servers == env.get("PSAR_SERVERS", "")  # from `env`, not os.environ
 
 
 def test_psar_args_are_train_flags_and_fp32_is_the_default() -> None:
@@ -111,3 +113,15 @@ def test_launch_runs_a_command_after_the_double_dash() -> None:
     s = parse(["--arch", "ps", "--mode", "local", "--", "python", "t.py"])
     s.err = io.StringIO()
     assert launch(s) == 2 and "--mode local" in s.err.getvalue() and s.pids == []
+
+
+def test_an_optimizer_the_shards_cannot_run_is_refused_before_any_shard_is_asked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from worker.own_loop import prepare
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")  # prepare() leaves the process as it is
+    model = _model()
+    env = {"PSAR_SERVERS": "127.0.0.1:1", "RANK": "0", "WORLD_SIZE": "1"}  # nobody listens
+    with pytest.raises(ValueError, match=r"torch\.optim\.SGD, torch\.optim\.AdamW"):
+        prepare(model, torch.optim.Adam(model.parameters()), env=env)

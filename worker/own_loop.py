@@ -63,7 +63,9 @@ def config_of(args: Sequence[str] = (), env: Mapping[str, str] | None = None) ->
     from worker import cli_gen, cli_parser  # the CLI machinery, only when configuring
 
     env = os.environ if env is None else env
-    argv = [*DEFAULTS, *shlex.split(env.get("PSAR_ARGS", "")), *args]
+    # The shards the launcher named, from `env` (the config itself reads os.environ).
+    servers = ["--servers", env["PSAR_SERVERS"]] if env.get("PSAR_SERVERS") else []
+    argv = [*DEFAULTS, *servers, *shlex.split(env.get("PSAR_ARGS", "")), *args]
     if "--arch" not in argv and not any(a.startswith("--arch=") for a in argv):
         arch = env.get("PSAR_ARCH", "").strip() or (
             "ps" if env.get("PSAR_SERVERS") else "allreduce"
