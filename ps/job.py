@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from ps.partition import Slot
 from trainkit.choices import DEFAULT_MODE, averages_buffers, local_sgd
-from trainkit.optim import LossScaleConfig, OptimizerConfig
+from trainkit.optim import LossScaleConfig, OptimizerConfig, ParamGroup
 
 MAX_INT_BUFFER_ELEMENTS = 4096
 """Integer buffer elements a job may carry in its headers (counters are scalars)."""
@@ -127,9 +127,42 @@ class Job:
     mode_options: dict[str, float] = field(default_factory=dict)
     """The knobs of a mode that has no field of its own above (a mode added as one
     module: its configuration reads them, ps/server/modes/); empty for the built-in ones."""
+    param_groups: tuple[ParamGroup, ...] = ()
+    """The optimizer's parameter groups with their own hyper-parameters (a user's own
+    torch.optim optimizer, worker/own_loop.py), each naming the parameters of this
+    shard's slots it holds; `optimizer` then names the class only (its schedule:
+    constant, the worker ships each step's learning rates with its push). Empty: one
+    group with `optimizer`'s values."""
     traits: ModeTraits | None = field(default=None, compare=False)
     """How the serving shard's mode behaves: set on the job a shard installed (and sends
     back with GetJob), None on one a worker built. Not part of the job's identity."""
+
+    def group_of(self) -> dict[str, int]:
+        """Each slot's parameter group (0 for all without param_groups; buffer slots,
+        never stepped, in group 0)."""
+        by_param = {n: i for i, g in enumerate(self.param_groups) for n in g.params}
+        return {s.key: by_param.get(s.param, 0) for s in self.slots}
+
+    def _check_groups(self) -> None:
+        self.param_groups = tuple(self.param_groups)
+        if not self.param_groups:
+            return
+        names = [n for g in self.param_groups for n in g.params]
+        if len(set(names)) != len(names):
+            raise ValueError("param groups: a parameter is listed in more than one group")
+        buffers = set(self.buffer_slots)
+        stray = {s.param for s in self.slots if s.key not in buffers} - set(names)
+        if stray:
+            raise ValueError(
+                f"param groups: parameters {sorted(stray)[:3]} of this shard's slots are in "
+                "no group; every trained parameter belongs to exactly one group"
+            )
+        if self.optimizer.schedule != "constant":
+            raise ValueError(
+                "param groups come with the worker's own LR schedule (its learning rates "
+                f"travel with each push): the job's schedule must be constant, got "
+                f"{self.optimizer.schedule!r}"
+            )
 
     def served(self, traits: ModeTraits) -> Job:
         """This job as a shard of a mode with `traits` holds it: with those traits, and
@@ -187,6 +220,7 @@ class Job:
                 f"integer buffers hold more than {MAX_INT_BUFFER_ELEMENTS} elements; they "
                 "travel in headers (larger ones stay each worker's own)"
             )
+        self._check_groups()
         if self.early_pull and not self.chunk_rounds:
             raise ValueError("a job with early pulls needs chunk_rounds (slots applied early)")
         self.mode_options = {str(k): float(v) for k, v in self.mode_options.items()}

@@ -91,6 +91,68 @@ def build_optimizer(params: Iterable[torch.Tensor], cfg: OptimizerConfig) -> tor
     )
 
 
+@dataclass(frozen=True, kw_only=True)
+class ParamGroup:
+    """One parameter group of an optimizer with hyper-parameters of its own (torch's
+    `param_groups[i]`): what a user's own torch.optim optimizer ships to the shards
+    (worker/own_loop.py). SGD reads lr, momentum, dampening, nesterov and weight_decay;
+    AdamW lr, beta1, beta2, eps, weight_decay and amsgrad."""
+
+    params: tuple[str, ...]
+    """The names of the parameters in this group (model.named_parameters())."""
+    lr: float
+    momentum: float = 0.0
+    dampening: float = 0.0
+    nesterov: bool = False
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    amsgrad: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "params", tuple(str(n) for n in self.params))
+        numbers = ("lr", "momentum", "dampening", "weight_decay", "beta1", "beta2", "eps")
+        for name in numbers:
+            value = getattr(self, name)
+            if not math.isfinite(value) or value < 0:
+                raise ValueError(f"param group {name} must be a finite number >= 0, got {value}")
+        if not (self.beta1 < 1.0 and self.beta2 < 1.0):
+            raise ValueError(f"param group betas must be < 1, got ({self.beta1}, {self.beta2})")
+        if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
+            raise ValueError("param group: nesterov needs momentum > 0 and dampening 0")
+
+    def torch_options(self, name: str) -> dict[str, object]:
+        """This group's hyper-parameters as torch's optimizer `name` takes them."""
+        if name == "sgd":
+            return {
+                "lr": self.lr,
+                "momentum": self.momentum,
+                "dampening": self.dampening,
+                "nesterov": self.nesterov,
+                "weight_decay": self.weight_decay,
+            }
+        return {
+            "lr": self.lr,
+            "betas": (self.beta1, self.beta2),
+            "eps": self.eps,
+            "weight_decay": self.weight_decay,
+            "amsgrad": self.amsgrad,
+        }
+
+
+def build_grouped_optimizer(
+    name: str, groups: list[tuple[list[torch.Tensor], ParamGroup]]
+) -> torch.optim.Optimizer:
+    """torch's optimizer `name` (sgd | adamw) over these parameter groups, each with its
+    own hyper-parameters (foreach=False as build_optimizer: the same kernels as there)."""
+    if name not in OPTIMIZERS:
+        raise ValueError(f"optimizer {name!r}: accepted: {', '.join(OPTIMIZERS)}")
+    cls = torch.optim.SGD if name == "sgd" else torch.optim.AdamW
+    torch_groups = [{"params": list(ps), **g.torch_options(name)} for ps, g in groups]
+    return cls(torch_groups, foreach=False)
+
+
 def lr_factor(cfg: OptimizerConfig, updates: int) -> float:
     """Multiplier of cfg.lr after `updates` applied updates (a LambdaLR lambda)."""
     if cfg.schedule == "constant":
@@ -172,6 +234,40 @@ class DynamicLossScale:
             self.clean_steps = 0
 
 
+MAX_GROUPS = 1024
+"""Parameter groups a job's optimizer may have (their learning rates travel in headers)."""
+
+
+@dataclass(frozen=True, slots=True)
+class StepOptions:
+    """What a worker's own loop says about one step (worker/own_loop.py), known when its
+    optimizer steps: in a push's header, or in the verdict of a push streamed during
+    backward. The default says nothing: the job's schedule, no clipping."""
+
+    lrs: tuple[float, ...] = ()
+    """Each parameter group's learning rate for this step; empty: the job's schedule."""
+    clip_norm: float = 0.0
+    """> 0: clip the update to this global L2 norm (docs/own-loop.md, "Clipping"): the shards
+    clip, and the DDP backend clips the averaged gradient."""
+    grad_norm: float = 0.0
+    """Modes without rounds: the L2 norm of the worker's whole unscaled gradient."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "lrs", tuple(float(x) for x in self.lrs))
+        if len(self.lrs) > MAX_GROUPS:
+            raise ValueError(f"step options: {len(self.lrs)} learning rates, at most {MAX_GROUPS}")
+        for name, values in (("lrs", self.lrs), ("clip_norm", (self.clip_norm, self.grad_norm))):
+            if any(not math.isfinite(v) or v < 0 for v in values):
+                raise ValueError(
+                    f"step options: {name} must be finite numbers >= 0, got {values}; "
+                    "a non-finite gradient norm is an overflow (send overflow=true)"
+                )
+
+    @property
+    def given(self) -> bool:
+        return bool(self.lrs) or self.clip_norm > 0
+
+
 # ---- staleness-aware updates (PS async / ssp; ps/server/modes/staleness.py applies them) ----
 
 
@@ -221,24 +317,32 @@ class StepAdjust:
     """Multiply every group's (scheduled) learning rate by this for this step."""
     momentum: float | None = None
     """SGD momentum / AdamW beta1 for this step (None: as configured)."""
+    momenta: tuple[float, ...] = ()
+    """Each group's momentum / beta1 for this step (overrides `momentum`; a user's own
+    optimizer with groups of their own momenta)."""
+    lrs: tuple[float, ...] = ()
+    """Each group's learning rate for this step, before lr_scale (the worker's own LR
+    scheduler, shipped with its push; worker/own_loop.py). Empty: the scheduled ones."""
 
 
 @contextlib.contextmanager
 def adjusted(optimizer: torch.optim.Optimizer, adjust: StepAdjust | None) -> Iterator[None]:
     """Run an optimizer step with `adjust` applied to its param groups, restored after
     (the scheduler and checkpoints see the configured values, never the adjusted ones)."""
-    if adjust is None or (adjust.lr_scale == 1.0 and adjust.momentum is None):
+    if adjust is None or (adjust.lr_scale == 1.0 and adjust.momentum is None and not adjust.lrs):
         yield
         return
     saved = [dict(g) for g in optimizer.param_groups]
+    lrs = adjust.lrs or tuple(g["lr"] for g in optimizer.param_groups)
+    momenta = adjust.momenta or (adjust.momentum,) * len(optimizer.param_groups)
     try:
-        for g in optimizer.param_groups:
-            g["lr"] = g["lr"] * adjust.lr_scale
-            if adjust.momentum is not None:
+        for g, lr, momentum in zip(optimizer.param_groups, lrs, momenta, strict=True):
+            g["lr"] = lr * adjust.lr_scale
+            if momentum is not None:
                 if "betas" in g:
-                    g["betas"] = (adjust.momentum, g["betas"][1])
+                    g["betas"] = (momentum, g["betas"][1])
                 else:
-                    g["momentum"] = adjust.momentum
+                    g["momentum"] = momentum
         yield
     finally:
         for g, old in zip(optimizer.param_groups, saved, strict=True):

@@ -261,7 +261,7 @@ class TrainConfig:
                            "--device", "--torch-threads", "--save"),
         "optimizer": ("--optimizer", "--lr", "--momentum", "--nesterov", "--weight-decay",
                       "--beta1", "--beta2", "--eps", "--schedule", "--warmup-steps",
-                      "--total-steps", "--min-lr-ratio"),
+                      "--total-steps", "--min-lr-ratio", "--clip-grad-norm"),
         "architecture": ("--arch", "--mode", "--staleness", "--sync-every",
                          "--outer-optimizer", "--outer-lr", "--outer-momentum", "--backend",
                          "--pg-timeout-s", "--bucket-cap-mb", "--find-unused-parameters"),
@@ -345,6 +345,11 @@ class TrainConfig:
     many ms (times --slowdown), so many workers share few cores honestly (0: off)."""
     inject_overflow_step: int = 0
     """Testing aid: rank 0 makes its gradient non-finite at this step (0: never)."""
+    clip_grad_norm: float = 0.0
+    """Clip each update to this global L2 norm, as torch.nn.utils.clip_grad_norm_ clips
+    the averaged gradient under DDP (0: off). ps sync: the shards clip the round's mean
+    by its norm over every shard; async/ssp: each push by its own gradient's norm
+    (docs/own-loop.md, "Clipping")."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     """The optimizer (applied on the shards for ps, on every rank for allreduce)."""
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
@@ -372,6 +377,17 @@ class TrainConfig:
             )
         if self.emulate_compute_ms < 0:
             raise ValueError(f"--emulate-compute-ms must be >= 0, got {self.emulate_compute_ms}")
+        if not 0.0 <= self.clip_grad_norm < float("inf"):
+            raise ValueError(
+                f"--clip-grad-norm must be a finite number >= 0 (0: off), got {self.clip_grad_norm}"
+            )
+        if self.clip_grad_norm and self.local_sgd:
+            raise ValueError("--clip-grad-norm with --mode local: not supported; leave it out")
+        if self.clip_grad_norm and self.ps.early_pull:
+            raise ValueError(
+                "--clip-grad-norm with --early-pull: a round's update waits for its norm over "
+                "every shard, so nothing comes back early; leave --early-pull out"
+            )
         if self.slowdown < 1.0:
             raise ValueError(f"--slowdown must be >= 1 (1 means no slowdown), got {self.slowdown}")
         if not 0 <= self.sigterm_exit_code <= 255:

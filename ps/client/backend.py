@@ -34,6 +34,7 @@ import torch
 from ps import auth
 from ps.client.backend_local import LocalMixin
 from ps.client.backend_overlap import OverlapMixin
+from ps.client.backend_own import OwnLoopMixin, OwnOptimizer
 from ps.client.backend_resync import _MAX_RESYNCS, ResyncMixin
 from ps.client.int_buffers import IntBuffers
 from ps.client.locality import resolve_early_pull
@@ -43,7 +44,7 @@ from ps.job import Job, ModeTraits
 from ps.partition import Slot, bytes_per_shard, check_every_shard_holds_a_slot, plan_slots
 from trainkit.choices import chunk_rounds
 from trainkit.device_io import DeviceIO, state_to_host, to_host
-from trainkit.optim import DynamicLossScale, effective_loss_scale, with_run_length
+from trainkit.optim import DynamicLossScale, StepOptions, effective_loss_scale, with_run_length
 from trainkit.sparse_tables import release_tables
 from worker.backend import StepOutcome
 from worker.config import TrainConfig
@@ -53,7 +54,7 @@ from worker.recorder import NullWorkerRecorder, WorkerRecorder
 log = logging.getLogger("psar.ps")
 
 
-class PSBackend(OverlapMixin, ResyncMixin, LocalMixin):
+class PSBackend(OverlapMixin, ResyncMixin, LocalMixin, OwnLoopMixin):
     arch = "ps"
     reports_staleness = True  # async/ssp apply gradients to newer weights (sync: 0)
     per_rank_reports = True  # each worker is its own process with its own staleness/faults
@@ -122,10 +123,21 @@ class PSBackend(OverlapMixin, ResyncMixin, LocalMixin):
         self.rejoined = False
         self.traits: ModeTraits
         """How the shards' mode behaves (from GetJob, in setup)."""
+        self.own: OwnOptimizer | None = None
+        """A worker's own loop: the user's optimizer the shards run (backend_own.py)."""
+        self._clip_total: float | None = None
+        """This step's round squared norm, sent with its pull (clipping in rounds)."""
 
     # ---- setup ----------------------------------------------------------------------
 
-    def setup(self, model: torch.nn.Module) -> torch.nn.Module:
+    def setup(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
+    ) -> torch.nn.Module:
+        if optimizer is not None and self.cfg.local_sgd:
+            raise ValueError(
+                "--mode local runs psar's own inner optimizer; a loop of your own runs under "
+                "--mode sync, async or ssp"
+            )
         self.io = DeviceIO(self.device)
         release_tables(model)  # the shards hold the sparse tables' rows (docs/sparse.md)
         model.to(self.device)
@@ -141,6 +153,8 @@ class PSBackend(OverlapMixin, ResyncMixin, LocalMixin):
             if p.requires_grad and p.is_floating_point() and n not in self.sparse.names
         ]
         self.params = dict(params)
+        if optimizer is not None:
+            self.own = OwnOptimizer.of(optimizer, self.params)
         # Buffers (BatchNorm running stats) live on the shards too, as slots that are
         # never stepped: rank 0's values (or the mean, --buffers average) come back with
         # every pull, as DDP broadcasts rank 0's before every forward. Local SGD keeps
@@ -163,7 +177,13 @@ class PSBackend(OverlapMixin, ResyncMixin, LocalMixin):
         # them, every worker follows what the shards then serve (below).
         self.early_pull = resolve_early_pull(
             self.cfg.ps.early_pull,
-            eligible=chunk_rounds(self.mode) and not self.sparse and not self.cfg.local_sgd,
+            # A loop of its own (and clipping) sends the step's learning rates and clip
+            # when its optimizer steps, after backward: the shards apply whole rounds.
+            eligible=chunk_rounds(self.mode)
+            and not self.sparse
+            and not self.cfg.local_sgd
+            and self.own is None
+            and not self.cfg.clip_grad_norm,
             data_plane=self.cfg.ps.data_plane,
             addresses=self.addresses,
         )
@@ -182,7 +202,7 @@ class PSBackend(OverlapMixin, ResyncMixin, LocalMixin):
         if self.rank == 0:
             values = {s.key: to_host(self._view(s), torch.float32) for s in self.slots}
             try:
-                self.client.init(jobs, values)
+                self.client.init(jobs, values, self._init_state())
             except Exception as e:  # the waiting workers fail now, with this reason
                 self.client.report_init_failure(str(e))
                 raise
@@ -240,6 +260,8 @@ class PSBackend(OverlapMixin, ResyncMixin, LocalMixin):
         self._pushed: int | None = None
         self._push_args: dict[str, Any] = {}
         self._setup_overlap(model)
+        # Its verdict waits for step(): the step's options travel with it.
+        self.buckets.hold_verdict = self.own is not None or bool(self.cfg.clip_grad_norm)
         self._resync(fresh=True)
         self.start_step = self.clock
         self.client.start_heartbeats()
@@ -268,6 +290,8 @@ class PSBackend(OverlapMixin, ResyncMixin, LocalMixin):
         opt = with_run_length(self.cfg.optimizer, self.total_steps)
         if self.cfg.local_sgd:  # the shards apply the outer optimizer
             opt = self._outer_config()
+        if self.own is not None:  # the user's: its class, groups, and schedule of its own
+            opt = self.own.config
         return [
             Job(
                 mode=self.mode,
@@ -290,6 +314,11 @@ class PSBackend(OverlapMixin, ResyncMixin, LocalMixin):
                 ),
                 buffers_average=self.cfg.ps.buffers == "average",
                 int_buffers=self.int_buffers.spec() if i == 0 else (),
+                param_groups=(
+                    self.own.groups_on([s for s in self.slots if s.shard == i])
+                    if self.own is not None
+                    else ()
+                ),
                 chunk_rounds=self.early_pull,
                 early_pull=self.early_pull,
             )
@@ -320,9 +349,12 @@ class PSBackend(OverlapMixin, ResyncMixin, LocalMixin):
             return self.local.scale_loss(loss)  # the inner steps' own loss scale
         return loss * self.loss_scale if self.loss_scale != 1.0 else loss
 
-    def step(self) -> StepOutcome:
+    def step(self, options: StepOptions | None = None) -> StepOutcome:
         if self.local is not None:
             return self._local_step(self.local)
+        if options is None and self.cfg.clip_grad_norm:
+            options = StepOptions(clip_norm=self.cfg.clip_grad_norm)
+        options = self._step_options(options)
         t0 = time.perf_counter()
         # Pulled weights may overwrite the parameters only once the compute stream is
         # done with this step's backward (CUDA; None on a CPU).
@@ -330,7 +362,7 @@ class PSBackend(OverlapMixin, ResyncMixin, LocalMixin):
         fwd_wait = self.gate.take_waited()
         if self._push_future is None:
             self._start_push()  # no hook fired (overlap off, or no gradient at all)
-        finite = self.buckets.finish()
+        finite = self.buckets.finish(options)
         if self._poisoned:
             # A background pull failed after this step's forward had used part of its
             # weights: the gradient is of mixed weights. It is not pushed; the clock
@@ -345,6 +377,7 @@ class PSBackend(OverlapMixin, ResyncMixin, LocalMixin):
             "overflow": not finite,
             "absent": frozenset(self.buckets.absent),
             "int_buffers": self.int_buffers.values(),
+            "options": options,
         }
         self._pushed = None
         replies = None
@@ -381,6 +414,9 @@ class PSBackend(OverlapMixin, ResyncMixin, LocalMixin):
             self._seen_versions[i] = max(self._seen_versions[i], r.version)
         if finite:
             self.bytes_pushed += sum(b.numel() * b.element_size() for b in self._send.values())
+        # Clipping in rounds: every shard's part of the round's squared norm, the total
+        # then going with the pull (ps/server/update/clipping.py).
+        self._clip_total, grad_norm = self._round_total(options)
         t1 = time.perf_counter()
         self._tune_overlap(t1)  # the push has ended: pick the arm of what follows
         in_background = self.overlap_pull and self._arm[1] and self.clock < self.total_steps
@@ -407,6 +443,7 @@ class PSBackend(OverlapMixin, ResyncMixin, LocalMixin):
             skipped=skipped,
             loss_scale=self.loss_scale,
             staleness=staleness,
+            grad_norm=grad_norm,
             phases={
                 "push": t1 - t0,
                 "wait": wait,
@@ -432,7 +469,9 @@ class PSBackend(OverlapMixin, ResyncMixin, LocalMixin):
         self._await_pull()
         self.gate.settle_host()  # CUDA: the last copies out of the host buffers are done
         dtype = self.precision.weights
-        headers = self.client.pull(clock=self.clock, dtype=dtype, out=self._recv)
+        headers = self.client.pull(
+            clock=self.clock, dtype=dtype, out=self._recv, clip_total_sq=self._clip_total
+        )
         self._took_headers(headers)
         self.gate.loaded_all()
         # The shards answer only once the round/bound allows: time to the first reply

@@ -42,6 +42,7 @@ from ps.server.modes import BUILTIN, Modes
 from ps.server.pulls.pulls import Pulls
 from ps.server.state import ShardData
 from ps.server.update.buffers import IntBufferLog
+from ps.server.update.opt_state import StateValue, load_state, read_state
 from ps.server.update.stepper import SlotStepper
 from ps.server.update.updates import Updates
 from trainkit.optim import StepAdjust
@@ -107,9 +108,15 @@ class ShardState(ShardData):
 
     # ---- the job ------------------------------------------------------------------------
 
-    def init(self, job: Job, values: dict[str, torch.Tensor]) -> bool:
-        """Install the job and the initial fp32 values. Returns True if an identical job
-        was already installed (a retried init), raises if a different one was."""
+    def init(
+        self,
+        job: Job,
+        values: dict[str, torch.Tensor],
+        opt_state: list[StateValue] | None = None,
+    ) -> bool:
+        """Install the job and the initial fp32 values (and the optimizer's state to start
+        from, if any: a resumed user loop). Returns True if an identical job was already
+        installed (a retried init), raises if a different one was."""
         with self.cond:
             if self.check_job(job):
                 return True
@@ -133,6 +140,8 @@ class ShardState(ShardData):
                 for s in job.slots
             }
             self.updates.install(job, masters)
+            if opt_state:
+                load_state(self.optimizer, masters, opt_state)
             self.live = set(range(job.num_workers))
             self.clocks = [0] * job.num_workers
             self.int_buffers = IntBufferLog.for_job(job)
@@ -168,6 +177,13 @@ class ShardState(ShardData):
         self.metrics.set_loss_scale(self.loss_scale.scale)
         self.metrics.set_version(self.version)
         self.cond.notify_all()
+
+    def optimizer_state(self) -> list[StateValue]:
+        """Every slot's optimizer state now (copies), as of the last closed round."""
+        with self.cond:
+            self.require_job()
+            self.updates.policy.settle(self.updates)
+            return read_state(self.optimizer, self.masters)
 
     def wait_initialized(self, timeout: float | None) -> bool:
         """Block until initialised (or the timeout passes); returns whether it is."""

@@ -7,7 +7,7 @@ change it, each its own part, under `cond` (every change is followed by
 | fields | written by (ps/server/...) |
 |---|---|
 | job, numel, masters, optimizer, scheduler, loss_scale, policy | shard.py (init), update/updates.py (install), durability/durability.py (restore, rollback) |
-| version, rounds, skipped_rounds, last_round_skipped, updates_applied, dropped_nonfinite, staleness_counts | update/updates.py |
+| version, rounds, skipped_rounds, last_round_skipped, updates_applied, dropped_nonfinite, staleness_counts, step_options, held, round_norms | update/updates.py (step_options: set by intake/intake.py as it hands a push over) |
 | clocks, int_buffers, push_paced_s | intake/intake.py (clocks: also membership/membership.py on register, durability/durability.py) |
 | live, left, expired, joining, instances, leases, lease_expirations, rejoins | membership/membership.py |
 | incarnation, restores, restored_step, restored_pending, draining | durability/durability.py (incarnation: also shard.py's init) |
@@ -28,10 +28,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ps.errors import FailedPrecondition
+from ps.headers import StepOptions
 from ps.job import Job, ModeTraits
 from ps.server.membership.leases import LeaseTable
 from ps.server.metrics.recorder import ShardRecorder
 from ps.server.update.buffers import IntBufferLog
+from ps.server.update.clipping import HeldRound, RoundNorms
 from trainkit.optim import DynamicLossScale
 
 if TYPE_CHECKING:
@@ -85,6 +87,13 @@ class ShardData:
         self.updates_applied = 0
         self.dropped_nonfinite = 0
         self.staleness_counts: Counter[int] = Counter()
+        self.step_options = StepOptions()
+        """The step options of the push handed to the rule last (a worker's own loop: its
+        learning rates, clipping); the update it makes or closes takes them."""
+        self.held: HeldRound | None = None
+        """A round's update held for its global norm (ps/server/update/clipping.py)."""
+        self.round_norms = RoundNorms()
+        """This shard's parts of recent rounds' squared norms (RoundNorm)."""
         # ---- workers ----------------------------------------------------------------------
         self.clocks: list[int] = []
         self.max_clock_gap = 0

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from ps.errors import DeadlineExceeded, Unavailable
-from ps.headers import PushHeader, PushOutcome
+from ps.headers import PushHeader, PushOutcome, StepOptions
 from ps.server.intake import pacing
 from ps.server.intake.pieces import (
     PushTicket,
@@ -79,6 +79,8 @@ class Intake:
             job = d.require_job()
             check_header(header, job.num_workers)
             check_int_buffers(job, header.int_buffers)
+            if header.options.given:
+                self.updates.take_options(header.options, check_only=True)
             self.members.check_incarnation(incarnation)
             self._check_draining(header.clock)
             lock = self._worker_locks.setdefault(header.worker, threading.Lock())
@@ -191,10 +193,21 @@ class Intake:
             if self._pacing:
                 self.data.cond.notify_all()  # it no longer holds paced pushes back
 
-    def add_verdict(self, ticket: PushTicket, overflow: bool, absent: tuple[str, ...] = ()) -> None:
+    def add_verdict(
+        self,
+        ticket: PushTicket,
+        overflow: bool,
+        absent: tuple[str, ...] = (),
+        options: StepOptions | None = None,
+    ) -> None:
         """The finiteness verdict of a push that streamed during backward (and the
-        slots it had no gradient for, known only then)."""
+        slots it had no gradient for, known only then; and its step options, known
+        only when the worker's optimizer steps)."""
+        if options is not None and options.given:
+            with self.data.cond:
+                self.updates.take_options(options, check_only=True)
         add_verdict(ticket, overflow, check_absent(self.data.numel, absent))
+        ticket.options = options
         if overflow and self.updates.policy.applies_chunks:
             with self.data.cond:  # the round will be skipped: nothing of it may stay applied
                 self.updates.policy.push_dropped(self.updates, ticket)
@@ -252,6 +265,7 @@ class Intake:
                 ):
                     d.int_buffers.put(h.clock, h.worker, h.int_buffers)
                 ticket.accepted = True
+                self.updates.take_options(ticket.options or h.options)
                 outcome = policy.accept(self.updates, staged)
                 d.metrics.push_accepted()
                 d.cond.notify_all()

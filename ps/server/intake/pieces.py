@@ -15,7 +15,7 @@ import torch
 
 from ps import wire
 from ps.errors import InvalidArgument, NotFound, quote
-from ps.headers import PushHeader
+from ps.headers import PushHeader, StepOptions
 from trainkit.finite import all_finite
 
 
@@ -46,6 +46,8 @@ class PushTicket:
     stepped (DDP's find_unused_parameters semantics, docs/architectures.md)."""
     paced_s: float = 0.0
     """Seconds the shard held this push back to keep it in step (ps/server/intake/pacing.py)."""
+    options: StepOptions | None = None
+    """A streamed push's step options, from its verdict (None: the header's)."""
     on_drop: Callable[[PushTicket], None] | None = None
     """Called on release of a push that was never accepted (refused, cut off, or a
     duplicate), before its worker may push again (per-chunk rounds undo with it)."""

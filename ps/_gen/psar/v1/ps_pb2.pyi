@@ -136,7 +136,7 @@ class LossScaleSpec(_message.Message):
     def __init__(self, enabled: _Optional[bool] = ..., init_scale: _Optional[float] = ..., growth_factor: _Optional[float] = ..., backoff_factor: _Optional[float] = ..., growth_interval: _Optional[int] = ...) -> None: ...
 
 class JobSpec(_message.Message):
-    __slots__ = ("mode", "staleness", "num_workers", "optimizer", "loss_scale", "shard_index", "num_shards", "slots", "job_id", "sync_every", "staleness_lr", "delay_compensation", "momentum_correction", "staleness_lr_power", "dc_adaptive", "buffer_slots", "buffers_average", "int_buffers", "mode_name", "mode_options", "traits", "chunk_rounds", "early_pull")
+    __slots__ = ("mode", "staleness", "num_workers", "optimizer", "loss_scale", "shard_index", "num_shards", "slots", "job_id", "sync_every", "staleness_lr", "delay_compensation", "momentum_correction", "staleness_lr_power", "dc_adaptive", "buffer_slots", "buffers_average", "int_buffers", "mode_name", "mode_options", "traits", "param_groups", "chunk_rounds", "early_pull")
     class ModeOptionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -165,6 +165,7 @@ class JobSpec(_message.Message):
     MODE_NAME_FIELD_NUMBER: _ClassVar[int]
     MODE_OPTIONS_FIELD_NUMBER: _ClassVar[int]
     TRAITS_FIELD_NUMBER: _ClassVar[int]
+    PARAM_GROUPS_FIELD_NUMBER: _ClassVar[int]
     CHUNK_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     EARLY_PULL_FIELD_NUMBER: _ClassVar[int]
     mode: Mode
@@ -188,9 +189,44 @@ class JobSpec(_message.Message):
     mode_name: str
     mode_options: _containers.ScalarMap[str, float]
     traits: ModeTraits
+    param_groups: _containers.RepeatedCompositeFieldContainer[ParamGroupSpec]
     chunk_rounds: bool
     early_pull: bool
-    def __init__(self, mode: _Optional[_Union[Mode, str]] = ..., staleness: _Optional[int] = ..., num_workers: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., loss_scale: _Optional[_Union[LossScaleSpec, _Mapping]] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., slots: _Optional[_Iterable[_Union[SlotSpec, _Mapping]]] = ..., job_id: _Optional[str] = ..., sync_every: _Optional[int] = ..., staleness_lr: _Optional[bool] = ..., delay_compensation: _Optional[float] = ..., momentum_correction: _Optional[bool] = ..., staleness_lr_power: _Optional[float] = ..., dc_adaptive: _Optional[bool] = ..., buffer_slots: _Optional[_Iterable[str]] = ..., buffers_average: _Optional[bool] = ..., int_buffers: _Optional[_Iterable[_Union[IntBufferSpec, _Mapping]]] = ..., mode_name: _Optional[str] = ..., mode_options: _Optional[_Mapping[str, float]] = ..., traits: _Optional[_Union[ModeTraits, _Mapping]] = ..., chunk_rounds: _Optional[bool] = ..., early_pull: _Optional[bool] = ...) -> None: ...
+    def __init__(self, mode: _Optional[_Union[Mode, str]] = ..., staleness: _Optional[int] = ..., num_workers: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., loss_scale: _Optional[_Union[LossScaleSpec, _Mapping]] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., slots: _Optional[_Iterable[_Union[SlotSpec, _Mapping]]] = ..., job_id: _Optional[str] = ..., sync_every: _Optional[int] = ..., staleness_lr: _Optional[bool] = ..., delay_compensation: _Optional[float] = ..., momentum_correction: _Optional[bool] = ..., staleness_lr_power: _Optional[float] = ..., dc_adaptive: _Optional[bool] = ..., buffer_slots: _Optional[_Iterable[str]] = ..., buffers_average: _Optional[bool] = ..., int_buffers: _Optional[_Iterable[_Union[IntBufferSpec, _Mapping]]] = ..., mode_name: _Optional[str] = ..., mode_options: _Optional[_Mapping[str, float]] = ..., traits: _Optional[_Union[ModeTraits, _Mapping]] = ..., param_groups: _Optional[_Iterable[_Union[ParamGroupSpec, _Mapping]]] = ..., chunk_rounds: _Optional[bool] = ..., early_pull: _Optional[bool] = ...) -> None: ...
+
+class ParamGroupSpec(_message.Message):
+    __slots__ = ("params", "lr", "momentum", "dampening", "nesterov", "weight_decay", "beta1", "beta2", "eps", "amsgrad")
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    LR_FIELD_NUMBER: _ClassVar[int]
+    MOMENTUM_FIELD_NUMBER: _ClassVar[int]
+    DAMPENING_FIELD_NUMBER: _ClassVar[int]
+    NESTEROV_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_DECAY_FIELD_NUMBER: _ClassVar[int]
+    BETA1_FIELD_NUMBER: _ClassVar[int]
+    BETA2_FIELD_NUMBER: _ClassVar[int]
+    EPS_FIELD_NUMBER: _ClassVar[int]
+    AMSGRAD_FIELD_NUMBER: _ClassVar[int]
+    params: _containers.RepeatedScalarFieldContainer[str]
+    lr: float
+    momentum: float
+    dampening: float
+    nesterov: bool
+    weight_decay: float
+    beta1: float
+    beta2: float
+    eps: float
+    amsgrad: bool
+    def __init__(self, params: _Optional[_Iterable[str]] = ..., lr: _Optional[float] = ..., momentum: _Optional[float] = ..., dampening: _Optional[float] = ..., nesterov: _Optional[bool] = ..., weight_decay: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ..., amsgrad: _Optional[bool] = ...) -> None: ...
+
+class StepOptions(_message.Message):
+    __slots__ = ("lrs", "clip_norm", "grad_norm")
+    LRS_FIELD_NUMBER: _ClassVar[int]
+    CLIP_NORM_FIELD_NUMBER: _ClassVar[int]
+    GRAD_NORM_FIELD_NUMBER: _ClassVar[int]
+    lrs: _containers.RepeatedScalarFieldContainer[float]
+    clip_norm: float
+    grad_norm: float
+    def __init__(self, lrs: _Optional[_Iterable[float]] = ..., clip_norm: _Optional[float] = ..., grad_norm: _Optional[float] = ...) -> None: ...
 
 class IntBufferSpec(_message.Message):
     __slots__ = ("name", "numel")
@@ -213,12 +249,14 @@ class InitHeader(_message.Message):
     def __init__(self, job: _Optional[_Union[JobSpec, _Mapping]] = ...) -> None: ...
 
 class InitChunk(_message.Message):
-    __slots__ = ("header", "data")
+    __slots__ = ("header", "data", "state")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
     header: InitHeader
     data: TensorData
-    def __init__(self, header: _Optional[_Union[InitHeader, _Mapping]] = ..., data: _Optional[_Union[TensorData, _Mapping]] = ...) -> None: ...
+    state: StateChunk
+    def __init__(self, header: _Optional[_Union[InitHeader, _Mapping]] = ..., data: _Optional[_Union[TensorData, _Mapping]] = ..., state: _Optional[_Union[StateChunk, _Mapping]] = ...) -> None: ...
 
 class InitReply(_message.Message):
     __slots__ = ("already_initialized", "master_bytes")
@@ -265,7 +303,7 @@ class GetJobReply(_message.Message):
     def __init__(self, initialized: _Optional[bool] = ..., job: _Optional[_Union[JobSpec, _Mapping]] = ..., version: _Optional[int] = ..., incarnation: _Optional[int] = ..., rounds: _Optional[int] = ..., lease_s: _Optional[float] = ..., data_port: _Optional[int] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("worker", "clock", "base_version", "dtype", "loss_scale", "overflow", "retry", "incarnation", "verdict_follows", "absent", "int_buffers")
+    __slots__ = ("worker", "clock", "base_version", "dtype", "loss_scale", "overflow", "retry", "incarnation", "verdict_follows", "absent", "int_buffers", "options")
     class IntBuffersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -284,6 +322,7 @@ class PushHeader(_message.Message):
     VERDICT_FOLLOWS_FIELD_NUMBER: _ClassVar[int]
     ABSENT_FIELD_NUMBER: _ClassVar[int]
     INT_BUFFERS_FIELD_NUMBER: _ClassVar[int]
+    OPTIONS_FIELD_NUMBER: _ClassVar[int]
     worker: int
     clock: int
     base_version: int
@@ -295,15 +334,18 @@ class PushHeader(_message.Message):
     verdict_follows: bool
     absent: _containers.RepeatedScalarFieldContainer[str]
     int_buffers: _containers.MessageMap[str, IntValues]
-    def __init__(self, worker: _Optional[int] = ..., clock: _Optional[int] = ..., base_version: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., loss_scale: _Optional[float] = ..., overflow: _Optional[bool] = ..., retry: _Optional[bool] = ..., incarnation: _Optional[int] = ..., verdict_follows: _Optional[bool] = ..., absent: _Optional[_Iterable[str]] = ..., int_buffers: _Optional[_Mapping[str, IntValues]] = ...) -> None: ...
+    options: StepOptions
+    def __init__(self, worker: _Optional[int] = ..., clock: _Optional[int] = ..., base_version: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., loss_scale: _Optional[float] = ..., overflow: _Optional[bool] = ..., retry: _Optional[bool] = ..., incarnation: _Optional[int] = ..., verdict_follows: _Optional[bool] = ..., absent: _Optional[_Iterable[str]] = ..., int_buffers: _Optional[_Mapping[str, IntValues]] = ..., options: _Optional[_Union[StepOptions, _Mapping]] = ...) -> None: ...
 
 class PushVerdict(_message.Message):
-    __slots__ = ("overflow", "absent")
+    __slots__ = ("overflow", "absent", "options")
     OVERFLOW_FIELD_NUMBER: _ClassVar[int]
     ABSENT_FIELD_NUMBER: _ClassVar[int]
+    OPTIONS_FIELD_NUMBER: _ClassVar[int]
     overflow: bool
     absent: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, overflow: _Optional[bool] = ..., absent: _Optional[_Iterable[str]] = ...) -> None: ...
+    options: StepOptions
+    def __init__(self, overflow: _Optional[bool] = ..., absent: _Optional[_Iterable[str]] = ..., options: _Optional[_Union[StepOptions, _Mapping]] = ...) -> None: ...
 
 class PushChunk(_message.Message):
     __slots__ = ("header", "data", "verdict")
@@ -332,18 +374,62 @@ class PushReply(_message.Message):
     def __init__(self, applied: _Optional[bool] = ..., already_applied: _Optional[bool] = ..., dropped_nonfinite: _Optional[bool] = ..., version: _Optional[int] = ..., staleness: _Optional[int] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("worker", "clock", "dtype", "incarnation", "early")
+    __slots__ = ("worker", "clock", "dtype", "incarnation", "early", "clip_total_sq")
     WORKER_FIELD_NUMBER: _ClassVar[int]
     CLOCK_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     EARLY_FIELD_NUMBER: _ClassVar[int]
+    CLIP_TOTAL_SQ_FIELD_NUMBER: _ClassVar[int]
     worker: int
     clock: int
     dtype: DType
     incarnation: int
     early: bool
-    def __init__(self, worker: _Optional[int] = ..., clock: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., incarnation: _Optional[int] = ..., early: _Optional[bool] = ...) -> None: ...
+    clip_total_sq: float
+    def __init__(self, worker: _Optional[int] = ..., clock: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., incarnation: _Optional[int] = ..., early: _Optional[bool] = ..., clip_total_sq: _Optional[float] = ...) -> None: ...
+
+class RoundNormRequest(_message.Message):
+    __slots__ = ("worker", "clock", "incarnation")
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    CLOCK_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    worker: int
+    clock: int
+    incarnation: int
+    def __init__(self, worker: _Optional[int] = ..., clock: _Optional[int] = ..., incarnation: _Optional[int] = ...) -> None: ...
+
+class RoundNormReply(_message.Message):
+    __slots__ = ("sq_norm", "skipped", "incarnation")
+    SQ_NORM_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    sq_norm: float
+    skipped: bool
+    incarnation: int
+    def __init__(self, sq_norm: _Optional[float] = ..., skipped: _Optional[bool] = ..., incarnation: _Optional[int] = ...) -> None: ...
+
+class OptimizerStateRequest(_message.Message):
+    __slots__ = ("worker",)
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    worker: int
+    def __init__(self, worker: _Optional[int] = ...) -> None: ...
+
+class StateChunk(_message.Message):
+    __slots__ = ("slot", "name", "numel", "offset", "data", "scalar")
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    NUMEL_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    SCALAR_FIELD_NUMBER: _ClassVar[int]
+    slot: str
+    name: str
+    numel: int
+    offset: int
+    data: bytes
+    scalar: bool
+    def __init__(self, slot: _Optional[str] = ..., name: _Optional[str] = ..., numel: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., scalar: _Optional[bool] = ...) -> None: ...
 
 class PullHeader(_message.Message):
     __slots__ = ("version", "rounds", "loss_scale", "last_round_skipped", "skipped_rounds", "dtype", "clock_gap", "incarnation", "early_void", "int_buffers")
