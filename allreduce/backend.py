@@ -30,7 +30,13 @@ from trainkit.atomic import atomic_save
 from trainkit.device_io import state_to_host
 from trainkit.finite import all_finite
 from trainkit.local_sgd import LocalSteps, outer_optimizer_config
-from trainkit.optim import build_optimizer, build_scheduler, effective_loss_scale, with_run_length
+from trainkit.optim import (
+    build_optimizer,
+    build_scheduler,
+    effective_loss_scale,
+    optimizer_impl,
+    with_run_length,
+)
 from trainkit.sparse_tables import materialize_tables
 from worker.backend import StepOutcome
 from worker.config import TrainConfig
@@ -273,7 +279,8 @@ class DDPBackend:
 
     def report_extras(self) -> dict[str, Any]:
         """Fault figures (and --mode local's rounds) for the run's report (Backend protocol)."""
-        extras = {"start_step": self.start_step, "checkpoints_written": self.checkpoints_written}
+        extras = {"start_step": self.start_step, "checkpoints_written": self.checkpoints_written,
+                  "optimizer_impl": optimizer_impl(self.optimizer)}  # fmt: skip
         return {**extras, **(self.local.report() if self.local is not None else {})}
 
     def no_sync(self):  # noqa: ANN201 - DDP's own context manager
