@@ -81,6 +81,13 @@ class ServerConfig:
     ps/server/modes/sync_chunks.py). Bit-identical results either way. Off by default: the undo copy
     of each slot's master and optimizer state costs about what the early update hides
     (measured in docs/architectures.md)."""
+    exact_fp16_sum: bool = True
+    """sync, fp16 pushes: add each push's slots into one int64 fixed-point accumulator per
+    slot as they arrive (exact: the same bits whatever the arrival order; 8 bytes per
+    parameter whatever the number of workers; the close converts once and steps;
+    ps/server/modes/exact_sum.py). Off: every worker's push is staged in fp32 and the
+    round summed in rank order at its close (the behaviour before issue #36). fp32 and
+    bf16 pushes are summed in rank order either way (DDP's bits)."""
     push_lead_mib: float = 2.0
     """With --chunk-rounds, on the data plane: read a worker's push at most this many MiB
     ahead of the slowest push of the same round still streaming; the rest waits in TCP's

@@ -65,6 +65,7 @@ class ShardState(ShardData):
         chunk_rounds: bool = False,
         update_threads: int = 1,
         push_lead_bytes: int = 0,
+        exact_fp16_sum: bool = True,
     ) -> None:
         super().__init__(
             modes=modes,
@@ -74,6 +75,7 @@ class ShardState(ShardData):
             checkpoints=checkpoints,
             chunk_rounds=chunk_rounds,
             push_lead_bytes=push_lead_bytes,
+            exact_fp16_sum=exact_fp16_sum,
         )
         self.updates = Updates(
             self,
@@ -214,6 +216,7 @@ class ShardState(ShardData):
                 "early_pull_voids": policy.early_voids if policy is not None else 0,
                 "push_paced_s": self.push_paced_s,
                 "optimizer_impl": optimizer_impl(self.optimizer) if self.job else "",
+                "gradient_bytes": self.intake.gradient_bytes(),
             }
 
     def state_digest(self) -> str:

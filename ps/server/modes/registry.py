@@ -24,6 +24,9 @@ class RuleOptions:
     chunk_rounds: bool = False
     """psar server --chunk-rounds: a rule in rounds may apply each slot as soon as every
     worker's piece of it is in (the sync mode's per-chunk variant; same bits)."""
+    exact_fp16_sum: bool = True
+    """psar server --exact-fp16-sum: a sync round of fp16 pushes is summed exactly as they
+    arrive (ps/server/modes/exact_sum.py); off: staged per worker, summed in rank order."""
 
 
 def no_options(job: Job) -> None:

@@ -24,7 +24,8 @@ TRAITS = ModeTraits(
 
 
 def _rule(job: Job, options: RuleOptions) -> UpdatePolicy:
-    return ChunkedSyncPolicy() if options.chunk_rounds else SyncPolicy()
+    exact = options.exact_fp16_sum
+    return ChunkedSyncPolicy(exact_fp16=exact) if options.chunk_rounds else SyncPolicy(exact)
 
 
 MODE = Mode(name="sync", traits=TRAITS, rule=_rule)

@@ -399,7 +399,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("version", "rounds", "updates_applied", "skipped_rounds", "dropped_nonfinite", "live_workers", "loss_scale", "worker_clocks", "max_clock_gap", "staleness_histogram", "master_bytes", "state_digest", "incarnation", "restores", "restored_step", "lease_expirations", "rejoins", "checkpoints_written", "last_checkpoint_step", "live_worker_ids", "draining", "chunks_applied_early", "chunk_undos", "update_params_per_s", "early_pull_slots", "early_pull_voids", "push_paced_s", "optimizer_impl")
+    __slots__ = ("version", "rounds", "updates_applied", "skipped_rounds", "dropped_nonfinite", "live_workers", "loss_scale", "worker_clocks", "max_clock_gap", "staleness_histogram", "master_bytes", "state_digest", "incarnation", "restores", "restored_step", "lease_expirations", "rejoins", "checkpoints_written", "last_checkpoint_step", "live_worker_ids", "draining", "chunks_applied_early", "chunk_undos", "update_params_per_s", "early_pull_slots", "early_pull_voids", "push_paced_s", "optimizer_impl", "gradient_bytes")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     UPDATES_APPLIED_FIELD_NUMBER: _ClassVar[int]
@@ -428,6 +428,7 @@ class StatsReply(_message.Message):
     EARLY_PULL_VOIDS_FIELD_NUMBER: _ClassVar[int]
     PUSH_PACED_S_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_IMPL_FIELD_NUMBER: _ClassVar[int]
+    GRADIENT_BYTES_FIELD_NUMBER: _ClassVar[int]
     version: int
     rounds: int
     updates_applied: int
@@ -456,7 +457,8 @@ class StatsReply(_message.Message):
     early_pull_voids: int
     push_paced_s: float
     optimizer_impl: str
-    def __init__(self, version: _Optional[int] = ..., rounds: _Optional[int] = ..., updates_applied: _Optional[int] = ..., skipped_rounds: _Optional[int] = ..., dropped_nonfinite: _Optional[int] = ..., live_workers: _Optional[int] = ..., loss_scale: _Optional[float] = ..., worker_clocks: _Optional[_Iterable[int]] = ..., max_clock_gap: _Optional[int] = ..., staleness_histogram: _Optional[_Iterable[int]] = ..., master_bytes: _Optional[int] = ..., state_digest: _Optional[str] = ..., incarnation: _Optional[int] = ..., restores: _Optional[int] = ..., restored_step: _Optional[int] = ..., lease_expirations: _Optional[int] = ..., rejoins: _Optional[int] = ..., checkpoints_written: _Optional[int] = ..., last_checkpoint_step: _Optional[int] = ..., live_worker_ids: _Optional[_Iterable[int]] = ..., draining: _Optional[bool] = ..., chunks_applied_early: _Optional[int] = ..., chunk_undos: _Optional[int] = ..., update_params_per_s: _Optional[float] = ..., early_pull_slots: _Optional[int] = ..., early_pull_voids: _Optional[int] = ..., push_paced_s: _Optional[float] = ..., optimizer_impl: _Optional[str] = ...) -> None: ...
+    gradient_bytes: int
+    def __init__(self, version: _Optional[int] = ..., rounds: _Optional[int] = ..., updates_applied: _Optional[int] = ..., skipped_rounds: _Optional[int] = ..., dropped_nonfinite: _Optional[int] = ..., live_workers: _Optional[int] = ..., loss_scale: _Optional[float] = ..., worker_clocks: _Optional[_Iterable[int]] = ..., max_clock_gap: _Optional[int] = ..., staleness_histogram: _Optional[_Iterable[int]] = ..., master_bytes: _Optional[int] = ..., state_digest: _Optional[str] = ..., incarnation: _Optional[int] = ..., restores: _Optional[int] = ..., restored_step: _Optional[int] = ..., lease_expirations: _Optional[int] = ..., rejoins: _Optional[int] = ..., checkpoints_written: _Optional[int] = ..., last_checkpoint_step: _Optional[int] = ..., live_worker_ids: _Optional[_Iterable[int]] = ..., draining: _Optional[bool] = ..., chunks_applied_early: _Optional[int] = ..., chunk_undos: _Optional[int] = ..., update_params_per_s: _Optional[float] = ..., early_pull_slots: _Optional[int] = ..., early_pull_voids: _Optional[int] = ..., push_paced_s: _Optional[float] = ..., optimizer_impl: _Optional[str] = ..., gradient_bytes: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("worker",)
