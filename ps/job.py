@@ -115,6 +115,15 @@ class Job:
     """Shard 0 only: the model's integer buffers (name, numel), e.g. BatchNorm's
     num_batches_tracked. Exact values travel in push and pull headers; the shard keeps rank
     0's (DDP's broadcast). At most MAX_INT_BUFFER_ELEMENTS elements in all."""
+    chunk_rounds: bool = False
+    """Rounds applied slot by slot: a shard steps each slot as soon as every worker's piece
+    of it is in, while later slots still stream (same bits as whole rounds). Rank 0 decides
+    it for the job (it follows --early-pull); a shard whose mode has no such rounds refuses
+    the job, naming why."""
+    early_pull: bool = False
+    """Every worker asks each step's pull while its push still streams, so a slot comes
+    back as soon as it is applied (needs chunk_rounds). Rank 0 decides it for the job;
+    the other workers follow the job they find on the shards."""
     mode_options: dict[str, float] = field(default_factory=dict)
     """The knobs of a mode that has no field of its own above (a mode added as one
     module: its configuration reads them, ps/server/modes/); empty for the built-in ones."""
@@ -178,6 +187,8 @@ class Job:
                 f"integer buffers hold more than {MAX_INT_BUFFER_ELEMENTS} elements; they "
                 "travel in headers (larger ones stay each worker's own)"
             )
+        if self.early_pull and not self.chunk_rounds:
+            raise ValueError("a job with early pulls needs chunk_rounds (slots applied early)")
         self.mode_options = {str(k): float(v) for k, v in self.mode_options.items()}
         bad = [k for k, v in self.mode_options.items() if not math.isfinite(v)]
         if bad:

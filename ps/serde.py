@@ -170,6 +170,8 @@ def job_to_pb(job: Job) -> pb.JobSpec:
         momentum_correction=job.momentum_correction,
         staleness_lr_power=job.staleness_lr_power,
         dc_adaptive=job.dc_adaptive,
+        chunk_rounds=job.chunk_rounds,
+        early_pull=job.early_pull,
     )
 
 
@@ -203,6 +205,8 @@ def job_from_pb(spec: pb.JobSpec) -> Job:
             dc_adaptive=spec.dc_adaptive,
             mode_options=dict(spec.mode_options),
             traits=traits,
+            chunk_rounds=spec.chunk_rounds,
+            early_pull=spec.early_pull,
         )
     except ValueError as e:
         raise InvalidArgument(f"invalid job spec: {e}", reason="malformed") from None

@@ -69,6 +69,8 @@ def make_job(
     job_id: str = "test",
     sync_every: int | None = None,
     mode_options: dict[str, float] | None = None,
+    chunk_rounds: bool = False,
+    early_pull: bool = False,
 ) -> Job:
     opt = optimizer if isinstance(optimizer, OptimizerConfig) else optimizer_config(optimizer)
     if sync_every is None:  # --mode local needs H; the shard's behaviour does not depend on it
@@ -85,6 +87,8 @@ def make_job(
         job_id=job_id,
         sync_every=sync_every,
         mode_options=mode_options or {},
+        chunk_rounds=chunk_rounds,
+        early_pull=early_pull,
     )
 
 

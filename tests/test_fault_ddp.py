@@ -20,7 +20,7 @@ def torchrun(tmp, steps: int, *extra: str) -> subprocess.CompletedProcess:
     args = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
         "--max-restarts", "1", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-        "-m", "worker.cli", "train", "--arch", "allreduce", "--threads", "1", "--log-every", "0",
+        "-m", "worker.cli", "train", "--arch", "allreduce", "--torch-threads", "1", "--log-every", "0",
         "--workload", "tests.fault_workloads:crashing_mlp", "--workload-option", "crash_step=8",
         "--batch-size", "16", "--precision", "fp32", "--eval-batches", "0", "--steps", str(steps),
         "--checkpoint-dir", str(tmp / "ckpt"), "--checkpoint-every", str(EVERY),

@@ -110,7 +110,7 @@ def test_early_pull_workers_get_shards_that_apply_per_chunk(tmp_path: Path) -> N
              arch="ps", servers=1, workers=2, mode="sync")  # fmt: skip
     assert launch(s) == 0, s.err.getvalue() + s.out.getvalue()
     rep = json.loads((tmp_path / "report-0.json").read_text())
-    assert rep["shards"][0]["chunks_applied_early"] > 0  # launch gave it --chunk-rounds
+    assert rep["shards"][0]["chunks_applied_early"] > 0  # the job asked for it, no shard flag
     assert rep["shards"][0]["early_pull_slots"] > 0
     assert_all_gone(s.pids)
 

@@ -283,7 +283,8 @@ EXAMPLE = [
 def test_json_keys_and_values(capsys: pytest.CaptureFixture[str]) -> None:
     d = run_json(capsys, *EXAMPLE, "--compute-ms", "120")
     assert set(d) == {
-        "allreduce", "ps", "winner", "reason", "byteps_bound_seconds", "margin", "inputs"
+        "allreduce", "ps", "winner", "reason", "byteps_bound_seconds", "margin", "inputs",
+        "launch_command", "train_flags",
     }  # fmt: skip
     common = {
         "bytes_sent_per_worker_per_step",
@@ -575,7 +576,7 @@ def test_early_pull_flags_reach_the_model_and_bad_chunks_are_refused(capsys) -> 
             "--bandwidth", "1Gbit/s", "--json"]  # fmt: skip
     assert main([*argv, "--early-pull", "--chunk-mib", "0.125"]) == 0
     early = json.loads(capsys.readouterr().out)
-    assert main(argv) == 0
+    assert main([*argv, "--no-early-pull"]) == 0
     plain = json.loads(capsys.readouterr().out)
     assert early["winner"] == "ps" and plain["winner"] == "allreduce"
     assert early["ps"]["comm_seconds_per_step"] < plain["ps"]["comm_seconds_per_step"]
@@ -704,3 +705,51 @@ def test_cpu_flags_reach_the_model_and_bad_ones_are_refused(capsys) -> None:  # 
     with pytest.raises(SystemExit):
         main([*argv, "--cpu-cores", "2", "--worker-cpu-ms", "5"])
     assert "needs shared cores (--cpu-shared)" in capsys.readouterr().err
+
+
+# --- the launch command of the picked regime (issue #34) ------------------------------
+
+
+def _json(capsys, argv: list[str]) -> dict:  # noqa: ANN001
+    assert main([*argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize(
+    "argv, early",
+    [
+        (["--workers", "4", "--servers", "4", "--shard-hosts", "4"], True),
+        (["--workers", "4", "--servers", "4", "--shard-hosts", "0"], True),  # other workers' hosts
+        (["--workers", "1", "--servers", "2", "--shard-hosts", "0"], False),  # all on one host
+        (["--workers", "4", "--servers", "4", "--sync-every", "8"], False),  # local SGD
+    ],
+)
+def test_plan_models_psar_trains_own_early_pull_default(capsys, argv, early) -> None:  # noqa: ANN001
+    d = _json(capsys, ["--params", "20M", "--bandwidth", "1Gbit/s", *argv])
+    assert d["inputs"]["early_pull"] is early
+    # What the defaults give needs no flag in the printed command.
+    assert not {"--early-pull", "--no-early-pull"} & set(d["train_flags"])
+
+
+def test_the_launch_command_says_only_what_differs_from_the_defaults(capsys) -> None:  # noqa: ANN001
+    from worker.cli_parser import build_parser as psar_parser
+
+    base = ["--params", "20M", "--workers", "4", "--servers", "4", "--shard-hosts", "4",
+            "--bandwidth", "1Gbit/s", "--compute-ms", "100", "--chunk-mib", "0.5"]  # fmt: skip
+    for extra, arch in ((["--wire-dtype", "fp16"], "ps"), (["--no-early-pull"], "allreduce")):
+        d = _json(capsys, [*base, *extra])
+        assert d["winner"] == arch
+        cmd = d["launch_command"][-1]
+        assert f"--arch {arch}" in cmd
+        # Every flag of the command is one psar train knows, with a value it accepts.
+        ns = psar_parser().parse_args(["train", "--arch", arch, *d["train_flags"]])
+        assert ns.command == "train"
+    ps = _json(capsys, [*base, "--wire-dtype", "fp16"])
+    assert "--precision" in ps["train_flags"] and "fp16" in ps["train_flags"]
+    assert "--chunk-mib" in ps["train_flags"]  # not psar train's 4 MiB
+    assert ps["launch_command"][0].startswith("psar server --bind")
+    forced = _json(capsys, [*base, "--no-early-pull", "--optimizer", "sgd"])
+    assert forced["winner"] == "allreduce"
+    assert main([*base, "--wire-dtype", "fp16"]) == 0
+    text = capsys.readouterr().out
+    assert "launch (ps):" in text and text.rstrip().splitlines()[-1].startswith("ps wins")

@@ -58,10 +58,16 @@ def test_a_meta_table_without_a_recipe_is_refused_by_name() -> None:
         materialize_tables(model)
 
 
+# `psar train` leaves through os._exit (worker/cli.py _leave), which runs no atexit hook:
+# report the peak from there.
 _PEAK = """
-import atexit, resource, runpy, sys
-atexit.register(lambda: print("MAXRSS_KB", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
-                              file=sys.stderr))
+import os, resource, runpy, sys
+_exit = os._exit
+def _report_then_exit(code):
+    print("MAXRSS_KB", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr,
+          flush=True)
+    _exit(code)
+os._exit = _report_then_exit
 sys.argv = ["psar", *sys.argv[1:]]
 runpy.run_module("worker.cli", run_name="__main__")
 """
@@ -88,7 +94,7 @@ def test_a_ps_worker_never_holds_the_table(tmp_path: Path) -> None:
              "--workload", "recsys", "--workload-option", f"rows={rows},1000",
              "--workload-option", "samples=2048", "--workload-option", "val_samples=0",
              "--batch-size", "256", "--steps", "3", "--eval-batches", "0", "--log-every", "0",
-             "--run-dir", str(tmp_path), "--threads", "1"],
+             "--run-dir", str(tmp_path), "--torch-threads", "1"],
             cwd=ROOT, capture_output=True, text=True, timeout=300,
         )  # fmt: skip
     finally:

@@ -241,11 +241,10 @@ class _Job:
 
     def _start_shards(self) -> None:
         s, p = self.spec, self.spec.metrics_base_port
-        # Workers pulling early get slots back only from shards that apply them per chunk.
-        chunks = ["--chunk-rounds"] if "--early-pull" in s.train_args else []
+        # No per-chunk flag: rank 0's Init tells the shards how the job's rounds run.
         for i in range(s.servers):
             cmd = [sys.executable, "-m", "worker.cli", "server", "--bind", f"{s.bind_host}:0",
-                   "--shard", str(i), *chunks, *self._metrics(p + i)]  # fmt: skip
+                   "--shard", str(i), *self._metrics(p + i)]  # fmt: skip
             # All on this host: `--torch-threads auto` splits the cores between them.
             self._spawn(f"shard{i}", "shard", i, cmd, {"PSAR_SHARDS_PER_HOST": str(s.servers)})
 

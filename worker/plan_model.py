@@ -63,7 +63,7 @@ class PlanInputs:
     """H: workers communicate once every H steps (--mode local, local SGD / DiLoCo); 1:
     every step. Per-step bytes and times are one sync's divided by H."""
     early_pull: bool = False
-    """Sync PS pipelined (psar train --early-pull, psar server --chunk-rounds): each slot
+    """Sync PS pipelined (psar train --early-pull: the job asks its shards for per-chunk rounds): each slot
     is pulled back while later ones are still pushed, so a NIC's two directions work at
     once and the pull ends one chunk after the push."""
     chunk_bytes: int = 4 * 2**20

@@ -36,10 +36,12 @@ from ps.client.backend_local import LocalMixin
 from ps.client.backend_overlap import OverlapMixin
 from ps.client.backend_resync import _MAX_RESYNCS, ResyncMixin
 from ps.client.int_buffers import IntBuffers
+from ps.client.locality import resolve_early_pull
 from ps.client.psclient import ClientConfig, NeedsResync, PSClient
 from ps.headers import PullHeader
 from ps.job import Job, ModeTraits
 from ps.partition import Slot, bytes_per_shard, check_every_shard_holds_a_slot, plan_slots
+from trainkit.choices import chunk_rounds
 from trainkit.device_io import DeviceIO, state_to_host, to_host
 from trainkit.optim import DynamicLossScale, effective_loss_scale, with_run_length
 from trainkit.sparse_tables import release_tables
@@ -157,6 +159,14 @@ class PSBackend(OverlapMixin, ResyncMixin, LocalMixin):
             chunk_bytes=chunk,
         )
         check_every_shard_holds_a_slot(self.slots, len(self.addresses), self.cfg.ps.chunk_mib)
+        # Early pulls (and the per-chunk rounds they need) are the job's: rank 0 proposes
+        # them, every worker follows what the shards then serve (below).
+        self.early_pull = resolve_early_pull(
+            self.cfg.ps.early_pull,
+            eligible=chunk_rounds(self.mode) and not self.sparse and not self.cfg.local_sgd,
+            data_plane=self.cfg.ps.data_plane,
+            addresses=self.addresses,
+        )
         jobs = self._jobs()
         ps = self.cfg.ps
         self.client = PSClient(
@@ -181,13 +191,14 @@ class PSBackend(OverlapMixin, ResyncMixin, LocalMixin):
                 "bytes per shard: %s",
                 ", ".join(f"{i}: {b / 2**20:.2f} MiB" for i, b in enumerate(per)),
             )
-        got = self.client.get_jobs(wait=True, timeout_s=self.cfg.ps.pull_timeout_s)
+        got = self._await_jobs()
         for i, (want, have) in enumerate(zip(jobs, got, strict=True)):
             if have is None:
                 raise RuntimeError(
-                    f"shard {i} ({self.addresses[i]}) was not initialised within "
-                    f"{self.cfg.ps.pull_timeout_s}s; is the worker of rank 0 running? (a shard "
-                    "restarted without --restore stays empty: rank 0 only initialises at start)"
+                    f"worker {self.rank}: the worker of rank 0 never initialised shard {i} "
+                    f"({self.addresses[i]}) within --timeout-s {self.cfg.ps.timeout_s:g}; is "
+                    "it running, with the same --servers? (a shard restarted without "
+                    "--restore stays empty: rank 0 only initialises at start)"
                 )
             if have.traits is None:
                 raise RuntimeError(
@@ -195,6 +206,10 @@ class PSBackend(OverlapMixin, ResyncMixin, LocalMixin):
                     "older psar?); run the same psar version on workers and shards"
                 )
             self.traits = have.traits
+            # Rank 0 decided the job's early pulls: every worker takes them from it.
+            want = dataclasses.replace(
+                want, early_pull=have.early_pull, chunk_rounds=have.chunk_rounds
+            )
             if have != want.served(have.traits):
                 raise RuntimeError(
                     f"shard {i} ({self.addresses[i]}) serves a different job (mode {have.mode}, "
@@ -203,7 +218,11 @@ class PSBackend(OverlapMixin, ResyncMixin, LocalMixin):
                 )
         io = self.io
         self._send = {s.key: io.host_buffer(s.numel, self.precision.wire) for s in self.slots}
-        self.early_pull = self.cfg.ps.early_pull and not self.sparse and not self.cfg.local_sgd
+        self.early_pull = got[0].early_pull if got else self.early_pull
+        asked = self.cfg.ps.early_pull
+        if self.rank == 0 or (asked is not None and asked != self.early_pull):
+            log.info("worker %d: early pulls %s (the job's)", self.rank,
+                     "on" if self.early_pull else "off")  # fmt: skip
         # On CPU, pulled bytes land straight in the parameters; on CUDA they land in
         # pinned host buffers and go to the device slot by slot (trainkit/device_io.py),
         # and so do early pulls (their slots may arrive while backward still runs).
@@ -229,6 +248,21 @@ class PSBackend(OverlapMixin, ResyncMixin, LocalMixin):
         if self.cfg.local_sgd:
             self._setup_local()
         return model
+
+    def _await_jobs(self) -> list[Job | None]:
+        """Every shard's job, once rank 0 has initialised them: waited for at most
+        --timeout-s, saying every few seconds what it waits for."""
+        bound = self.cfg.ps.timeout_s
+        shards = ", ".join(f"{i} ({a})" for i, a in enumerate(self.addresses))
+
+        def describe(seconds: float) -> str:
+            return (
+                f"worker {self.rank}: waiting {seconds:.0f} s of --timeout-s {bound:g} for "
+                f"the worker of rank 0 to initialise shard(s) {shards}"
+            )
+
+        with self.client.waits.waiting(describe):
+            return self.client.get_jobs(wait=True, timeout_s=bound)
 
     def _jobs(self) -> list[Job]:
         opt = with_run_length(self.cfg.optimizer, self.total_steps)
@@ -256,6 +290,8 @@ class PSBackend(OverlapMixin, ResyncMixin, LocalMixin):
                 ),
                 buffers_average=self.cfg.ps.buffers == "average",
                 int_buffers=self.int_buffers.spec() if i == 0 else (),
+                chunk_rounds=self.early_pull,
+                early_pull=self.early_pull,
             )
             for i in range(len(self.addresses))
         ]

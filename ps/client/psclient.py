@@ -46,6 +46,7 @@ from ps.grpc_limits import grpc_options
 from ps.headers import PullHeader, PushHeader
 from ps.job import Job
 from ps.partition import Slot
+from trainkit.waiting import Waits
 
 __all__ = ["ClientConfig", "InitFailed", "NeedsResync", "PSClient", "PSClientError"]
 
@@ -88,6 +89,8 @@ class PSClient(DataPlaneCalls, MembershipCalls):
         self._pool = ThreadPoolExecutor(2 * len(self.addresses), thread_name_prefix="psar-client")
         self.slots_by_shard: list[list[Slot]] = [[] for _ in self.addresses]
         self.last_pull_wait_s = 0.0
+        self.waits = Waits(log)
+        """Long waits of this worker's calls, said while they last (trainkit/waiting.py)."""
         """Seconds the last pull waited for its first reply (sync barrier, SSP bound)."""
         self.incarnations = [0] * len(self.addresses)
         """Per shard, the incarnation this worker synchronised with (0: do not check)."""
@@ -202,6 +205,10 @@ class PSClient(DataPlaneCalls, MembershipCalls):
                 raise PSClientError(
                     i, self.addresses[i], grpc.StatusCode.CANCELLED, "cut short"
                 ) from None
+            except PSClientError as e:
+                if wait and e.code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    return None  # still not initialised when the wait ran out
+                raise
             self.lease_s = max(self.lease_s, reply.lease_s)
             if reply.initialized:
                 self._use_data_port(i, reply.data_port)
@@ -374,7 +381,20 @@ class PSClient(DataPlaneCalls, MembershipCalls):
 
         if cutter is not None:
             cutter.append(cut_short)
-        headers = self._each(one, shards, on_resync=cut_short)
+
+        def describe(seconds: float) -> str:
+            ids = range(self.num_shards) if shards is None else shards
+            pending = [f"{i} ({self.addresses[i]})" for i in ids if not waits[i]]
+            return (
+                f"worker {self.worker}: the pull of clock {clock} has waited {seconds:.0f} s "
+                f"for shard(s) {', '.join(pending) or '-'}: a round closes once every live "
+                f"worker has pushed (a bounded-staleness pull waits for the slowest), so a "
+                f"slow or gone worker holds it; failing after --pull-timeout-s "
+                f"{self.cfg.pull_timeout_s:g}"
+            )
+
+        with self.waits.waiting(describe):
+            headers = self._each(one, shards, on_resync=cut_short)
         self.last_pull_wait_s = max(waits)
         return headers
 
@@ -393,6 +413,7 @@ class PSClient(DataPlaneCalls, MembershipCalls):
 
     def close(self) -> None:
         self._beat_stop.set()
+        self.waits.close()
         self._pool.shutdown(wait=False)
         for t in [*self._grpc, *self._data]:
             if t is not None:

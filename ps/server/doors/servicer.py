@@ -4,7 +4,7 @@ No logic lives here (thin servicers, serde at the edge): every decision is made 
 ps/server/shard.py and the mode modules (ps/server/modes/), which tests drive without a socket.
 
 The server is grpc.aio (ps/server/doors/aio_host.py): most handlers are plain functions run in
-the --threads pool as they always were; the ones that wait (Pull, GetJob(wait)) are
+the --rpc-threads pool as they always were; the ones that wait (Pull, GetJob(wait)) are
 coroutines that park on the event loop (ps/server/pulls/parking.py) and hold no thread.
 
 A push and a pull arrive through two doors, this servicer and the TCP data plane
@@ -307,7 +307,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         self, request: pb.PullRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[Any]:
         # async: a pull waiting for its round parks on the event loop (ps/server/pulls/parking.py)
-        # instead of holding one of the --threads handler threads.
+        # instead of holding one of the --rpc-threads handler threads.
         t0 = time.monotonic()
         try:
             head, pieces = await start_pull_parked(

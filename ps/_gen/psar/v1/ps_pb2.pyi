@@ -138,7 +138,7 @@ class LossScaleSpec(_message.Message):
     def __init__(self, enabled: _Optional[bool] = ..., init_scale: _Optional[float] = ..., growth_factor: _Optional[float] = ..., backoff_factor: _Optional[float] = ..., growth_interval: _Optional[int] = ...) -> None: ...
 
 class JobSpec(_message.Message):
-    __slots__ = ("mode", "staleness", "num_workers", "optimizer", "loss_scale", "shard_index", "num_shards", "slots", "job_id", "sync_every", "staleness_lr", "delay_compensation", "momentum_correction", "staleness_lr_power", "dc_adaptive", "buffer_slots", "buffers_average", "int_buffers", "mode_name", "mode_options", "traits")
+    __slots__ = ("mode", "staleness", "num_workers", "optimizer", "loss_scale", "shard_index", "num_shards", "slots", "job_id", "sync_every", "staleness_lr", "delay_compensation", "momentum_correction", "staleness_lr_power", "dc_adaptive", "buffer_slots", "buffers_average", "int_buffers", "mode_name", "mode_options", "traits", "chunk_rounds", "early_pull")
     class ModeOptionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -167,6 +167,8 @@ class JobSpec(_message.Message):
     MODE_NAME_FIELD_NUMBER: _ClassVar[int]
     MODE_OPTIONS_FIELD_NUMBER: _ClassVar[int]
     TRAITS_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    EARLY_PULL_FIELD_NUMBER: _ClassVar[int]
     mode: Mode
     staleness: int
     num_workers: int
@@ -188,7 +190,9 @@ class JobSpec(_message.Message):
     mode_name: str
     mode_options: _containers.ScalarMap[str, float]
     traits: ModeTraits
-    def __init__(self, mode: _Optional[_Union[Mode, str]] = ..., staleness: _Optional[int] = ..., num_workers: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., loss_scale: _Optional[_Union[LossScaleSpec, _Mapping]] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., slots: _Optional[_Iterable[_Union[SlotSpec, _Mapping]]] = ..., job_id: _Optional[str] = ..., sync_every: _Optional[int] = ..., staleness_lr: _Optional[bool] = ..., delay_compensation: _Optional[float] = ..., momentum_correction: _Optional[bool] = ..., staleness_lr_power: _Optional[float] = ..., dc_adaptive: _Optional[bool] = ..., buffer_slots: _Optional[_Iterable[str]] = ..., buffers_average: _Optional[bool] = ..., int_buffers: _Optional[_Iterable[_Union[IntBufferSpec, _Mapping]]] = ..., mode_name: _Optional[str] = ..., mode_options: _Optional[_Mapping[str, float]] = ..., traits: _Optional[_Union[ModeTraits, _Mapping]] = ...) -> None: ...
+    chunk_rounds: bool
+    early_pull: bool
+    def __init__(self, mode: _Optional[_Union[Mode, str]] = ..., staleness: _Optional[int] = ..., num_workers: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., loss_scale: _Optional[_Union[LossScaleSpec, _Mapping]] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., slots: _Optional[_Iterable[_Union[SlotSpec, _Mapping]]] = ..., job_id: _Optional[str] = ..., sync_every: _Optional[int] = ..., staleness_lr: _Optional[bool] = ..., delay_compensation: _Optional[float] = ..., momentum_correction: _Optional[bool] = ..., staleness_lr_power: _Optional[float] = ..., dc_adaptive: _Optional[bool] = ..., buffer_slots: _Optional[_Iterable[str]] = ..., buffers_average: _Optional[bool] = ..., int_buffers: _Optional[_Iterable[_Union[IntBufferSpec, _Mapping]]] = ..., mode_name: _Optional[str] = ..., mode_options: _Optional[_Mapping[str, float]] = ..., traits: _Optional[_Union[ModeTraits, _Mapping]] = ..., chunk_rounds: _Optional[bool] = ..., early_pull: _Optional[bool] = ...) -> None: ...
 
 class IntBufferSpec(_message.Message):
     __slots__ = ("name", "numel")
