@@ -4,8 +4,9 @@ Through the shard's own intake (begin_push / add_data / add_verdict / finish_pus
 both doors drive it): the same pushes delivered in every order, whole or with their pieces
 interleaved, by 2 to 8 workers, give bit-identical masters, equal to the exact mean
 rounded once (which the rank-order fp32 sum of wide-ranging fp16 values is not); the
-gradient memory is the same for 2 workers as for 8; a re-sent push skips what counted,
-other values are refused; an overflow skips the round; bad input is refused naming what
+gradient memory is the same for 2 workers as for 8 (pushes one after another); a push
+that is not accepted (cancelled, cut off, non-finite, malformed, superseded) leaves the
+sum and the masters untouched; an overflow skips the round; bad input is refused naming what
 to do; per-chunk rounds, checkpoints and a restore mid-round keep the same bits.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import threading
 from fractions import Fraction
 from pathlib import Path
 
@@ -153,41 +155,123 @@ def test_the_exact_sum_is_more_exact_than_the_rank_order_sum() -> None:
 
 def test_gradient_memory_does_not_grow_with_workers() -> None:
     """Measured: the shard's gradient bytes (Stats gradient_bytes) after a round of 2
-    and of 8 workers: the same with the exact sum (8 bytes per parameter and a pool of
-    one-slot buffers), 4 bytes per parameter per worker staged in rank order."""
+    and of 8 workers. Pushes one after another: the same for 2 and 8 with the exact sum
+    (8 bytes per parameter, one push's fp16 scratch); staged in rank order, 4 bytes per
+    parameter per worker. All pushes streaming at once: each holds its fp16 bytes (2 per
+    parameter) until it is accepted, half of what staging holds until the close."""
     numel = sum(n for _, n in PARAMS)
     held = {}
     for exact in (True, False):
         for workers in (2, 8):
-            job = _job(workers)
-            st = _shard(job, exact_fp16_sum=exact)
-            _round(st, _grads(job, workers), list(range(workers)))
-            held[exact, workers] = st.stats()["gradient_bytes"]
-    assert held[True, 2] == held[True, 8]
-    assert 8 * numel <= held[True, 8] <= 8 * numel + 2 * 256 * 3  # sums + a few slots
-    assert held[False, 8] == 4 * numel * 8 and held[False, 2] == 4 * numel * 2
+            for together in (False, True):
+                job = _job(workers)
+                st = _shard(job, exact_fp16_sum=exact)
+                grads = _grads(job, workers)
+                if together:
+                    _round(st, grads, list(range(workers)))
+                else:
+                    for w in range(workers):
+                        _round(st, grads, [w])
+                assert st.version == 1
+                held[exact, workers, together] = st.stats()["gradient_bytes"]
+    assert held[True, 2, False] == held[True, 8, False] == 8 * numel + 2 * numel
+    assert held[True, 8, True] == 8 * numel + 2 * numel * 8
+    for together in (False, True):
+        assert held[False, 8, together] == 4 * numel * 8
+        assert held[False, 2, together] == 4 * numel * 2
 
 
-def test_a_resent_push_skips_what_counted_and_must_carry_the_same_values() -> None:
-    job = _job(2)
-    grads = _grads(job, 2)
+def _sum_state(st: ShardState) -> tuple:
+    """What the round's exact sum holds: its int64 sums and who counted in each slot."""
+    e = st.policy.exact
+    assert e is not None
+    sums = {k: e.total(k) for k in e.numel}
+    return sums, {k: set(v) for k, v in e.counted.items() if v}, e.round
+
+
+def _same_sum(a: tuple, b: tuple) -> bool:
+    return a[1:] == b[1:] and all(torch.equal(a[0][k], b[0][k]) for k in a[0])
+
+
+def _cut(st: ShardState, w: int, grads: dict[str, torch.Tensor], slots: int) -> None:
+    """`w`'s push of round 1: its first `slots` slots arrive whole, then it is cut off."""
+    t = st.intake.begin_push(_header(w, 1, 0), lock_timeout=5)
+    try:
+        for _, key, off, data in _pieces(w, {k: grads[k] for k in list(grads)[:slots]}):
+            st.intake.add_data(t, key, off, data)
+    finally:
+        t.release()
+
+
+def test_a_push_not_accepted_leaves_the_sum_and_masters_untouched() -> None:
+    """Worker 0's push is in; worker 1's is cancelled, cut off mid-push, non-finite,
+    malformed, superseded by its own re-send, or names a non-zero slot absent: after
+    each, the round's int64 sums, who counted, and the masters are bit for bit what they
+    were; the round then ends with the bits of a round that never saw them."""
+    job = _job(3)
+    grads = _grads(job, 3)
+    keys = list(grads[1])
     clean = _shard(job)
-    _round(clean, grads, [0, 1])
+    _round(clean, grads, [0, 1, 2])
     st = _shard(job)
-    # Worker 0's push is cut off after its first two slots arrived (they counted).
-    t = st.intake.begin_push(_header(0, 1, 0), lock_timeout=5)
-    first = [k for k in grads[0]][:2]
-    for _, key, off, data in _pieces(0, {k: grads[0][k] for k in first}):
-        st.intake.add_data(t, key, off, data)
-    t.release()
+    _round(st, grads, [0])
+    before, masters = _sum_state(st), st.state_digest()
+    assert before[1] == {k: {0} for k in keys}
+
+    def untouched(what: str) -> None:
+        assert _same_sum(_sum_state(st), before), what
+        assert st.state_digest() == masters, what
+
+    for slots in (0, 2, len(keys)):  # cancelled after its header, some slots, every slot
+        _cut(st, 1, grads[1], slots)
+        untouched(f"cut after {slots} slots")
+    nonfinite = {k: v.clone() for k, v in grads[1].items()}
+    nonfinite[keys[-1]][5] = float("inf")  # the last slot: the others were summed already
+    with pytest.raises(InvalidArgument, match="non-finite"):
+        _round(st, [grads[0], nonfinite], [1])
+    untouched("non-finite")
+    t = st.intake.begin_push(_header(1, 1, 0), lock_timeout=5)
+    try:
+        for _, key, off, data in _pieces(1, {k: grads[1][k] for k in keys[:2]}):
+            st.intake.add_data(t, key, off, data)
+        with pytest.raises(InvalidArgument):  # a piece past its slot's end
+            st.intake.add_data(t, keys[2], 10_000, b"\0\0" * 4)
+    finally:
+        t.release()
+    untouched("malformed")
+    t = st.intake.begin_push(_header(1, 1, 0, verdict_follows=True), lock_timeout=5)
+    try:
+        for _, key, off, data in _pieces(1, grads[1]):
+            st.intake.add_data(t, key, off, data)
+        with pytest.raises(InvalidArgument, match="send zeros for a slot with no gradient"):
+            st.intake.add_verdict(t, False, (keys[1],))
+    finally:
+        t.release()
+    untouched("absent but not zeros")
+    # Superseded: a re-send waits for the worker's lock while the stalled push is cut
+    # off (as a door does); the stalled push's slots are withdrawn before it goes on.
+    stalled = st.intake.begin_push(_header(1, 1, 0), lock_timeout=5)
+    for _, key, off, data in _pieces(1, {k: grads[1][k] for k in keys[:2]}):
+        st.intake.add_data(stalled, key, off, data)
+    seen: list[tuple] = []
+
+    def resend() -> None:
+        t = st.intake.begin_push(_header(1, 1, 0), lock_timeout=5)
+        seen.append(_sum_state(st))
+        try:
+            for _, key, off, data in _pieces(1, grads[1]):
+                st.intake.add_data(t, key, off, data)
+            st.intake.finish_push(t)
+        finally:
+            t.release()
+
+    thread = threading.Thread(target=resend)
+    thread.start()
+    stalled.release()
+    thread.join(10)
+    assert _same_sum(seen[0], before), "superseded"
     assert st.version == 0
-    # Its re-send with other values for a counted slot is refused, changing nothing...
-    other = {k: v.clone() for k, v in grads[0].items()}
-    other[first[0]][0] = 1.0
-    with pytest.raises(FailedPrecondition, match="re-sent push must carry the gradient"):
-        _round(st, [other, grads[1]], [0])
-    # ...the same gradient re-sent completes the round with the clean round's bits.
-    _round(st, grads, [1, 0])
+    _round(st, grads, [2])
     assert st.state_digest() == clean.state_digest()
 
 
@@ -344,6 +428,6 @@ def test_exact_sum_unit() -> None:
         assert abs(Fraction(g) - w) <= abs(w) * Fraction(1, 2**23)  # within the last bit
     assert got[0].item() == pytest.approx(1 / 3)  # 65504 - 65504 + 1: no cancellation lost
     assert s.nbytes() == 5 * 8
-    s.close()
+    s.close({0, 1, 2})
     s.add(1, 1, "k", vals[0])  # after the close: dropped
     assert torch.equal(s.mean("k", out=torch.empty(5)), got)

@@ -125,8 +125,9 @@ class Intake:
                     absent=check_absent(d.numel, header.absent),
                     raw=d.buffer_keys,
                 )
-                if policy.applies_chunks:
+                if policy.applies_chunks or exact is not None:
                     ticket.on_drop = self._push_dropped
+                if policy.applies_chunks:
                     policy.push_started(self.updates, ticket)
         except BaseException:
             lock.release()
@@ -222,8 +223,13 @@ class Intake:
                     d.cond.notify_all()  # a paced push behind this one may go on
 
     def _push_dropped(self, ticket: PushTicket) -> None:
+        """A push ends without being accepted: a per-chunk policy undoes what it applied
+        early, then an exact sum subtracts what the push added (nothing of it stays)."""
         with self.data.cond:
-            self.updates.policy.push_dropped(self.updates, ticket)
+            if self.updates.policy.applies_chunks:
+                self.updates.policy.push_dropped(self.updates, ticket)
+            if ticket.exact is not None:
+                ticket.exact.withdraw(ticket.header.worker, ticket.header.clock)
             if self._pacing:
                 self.data.cond.notify_all()  # it no longer holds paced pushes back
 
@@ -298,6 +304,8 @@ class Intake:
                 ):
                     d.int_buffers.put(h.clock, h.worker, h.int_buffers)
                 ticket.accepted = True
+                if ticket.exact is not None:  # what it added stays: its scratch may go
+                    ticket.exact.accept(h.worker, h.clock)
                 outcome = policy.accept(self.updates, staged)
                 d.metrics.push_accepted()
                 d.cond.notify_all()

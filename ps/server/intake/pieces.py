@@ -61,13 +61,13 @@ class PushTicket:
         return self.header.overflow or bool(self.verdict)
 
     def release(self) -> None:
-        if isinstance(self.staging, ExactStaging):
-            self.staging.close()  # slots still being received: their buffers go back
         if self.lock is not None:
             try:
                 if not self.accepted and self.on_drop is not None:
-                    self.on_drop(self)
+                    self.on_drop(self)  # an exact sum subtracts it (from its scratch)
             finally:
+                if isinstance(self.staging, ExactStaging):
+                    self.staging.close()  # its scratch buffers go back to the pool
                 self.lock.release()
                 self.lock = None
 
@@ -217,25 +217,23 @@ def slot_complete(numel: dict[str, int], ticket: PushTicket, key: str) -> bool:
 
 def add_exact(ticket: PushTicket, key: str) -> None:
     """A complete slot of a push into an exact round: checked finite, then added to the
-    round's sum (a slot the header named absent counts as zeros, whatever came); its
-    scratch buffer goes back to the pool. `unscaled` records whether it was finite."""
+    round's sum (a slot the header named absent counts as zeros, whatever came). Its
+    scratch stays with the push until it ends (a push not accepted is subtracted again
+    from it). `unscaled` records whether it was finite."""
     exact, h = ticket.exact, ticket.header
     assert exact is not None
     if key in ticket.raw:  # a buffer's value: kept in the worker's staging for the close
         ticket.unscaled[key] = True
         return
-    try:
-        if key in ticket.absent:
-            exact.add_zeros(h.worker, h.clock, key)
-            ticket.unscaled[key] = True
-            return
-        values = ticket.staging[key]
-        finite = all_finite_readonly([values])
-        ticket.unscaled[key] = finite
-        if finite:
-            exact.add(h.worker, h.clock, key, values)
-    finally:
-        del ticket.staging[key]
+    if key in ticket.absent:
+        exact.add_zeros(h.worker, h.clock, key)
+        ticket.unscaled[key] = True
+        return
+    values = ticket.staging[key]
+    finite = all_finite_readonly([values])
+    ticket.unscaled[key] = finite
+    if finite:
+        exact.add(h.worker, h.clock, key, values)
 
 
 def unscale_slot(ticket: PushTicket, key: str) -> None:

@@ -14,18 +14,21 @@ the slot's worker count, then rounded to fp32: correctly rounded where that coun
 power of two, within the last bit otherwise, and never dependent on order. fp32 and bf16
 rounds keep the rank-order fp32 sum that equals DDP's (rounds.py).
 
-What arrived, counted: a slot counts a worker once its bytes arrived whole and finite (or
-its push named it absent: zeros, DDP's semantics for an unused parameter). With no copy
-per worker there is nothing to take back, so a push cut off or refused after some of its
-slots counted keeps those: its re-send (a retry re-sends the same gradient) skips them,
-checked by a fingerprint (a re-send carrying other values for them is refused), and a
-worker that leaves mid-push counts in the mean of the slots it delivered (each slot divides
-by its own count). A round skipped (overflow) or replaced (restore, rollback) drops all.
+What is in the sum: a slot counts a worker once its bytes arrived whole and finite (or
+its push named it absent: zeros, DDP's semantics for an unused parameter). Until the push
+is accepted the slot's fp16 bytes stay where they landed (the push's scratch): a push that
+is not accepted (refused, non-finite, cut off, superseded, cancelled, or its worker gone
+when the round closes) is subtracted again from those bytes, and integer subtraction
+undoes integer addition exactly, so the sum is bit for bit what it was before the push
+began. A round skipped (overflow) or replaced (restore, rollback) drops all.
 
-The accumulators are the gradients' memory: 8 bytes per parameter whatever the number of
-workers, and at the close each slot's fp32 mean is written into the first half of its own
-accumulator (chunk by chunk, each read before anything overlapping it is written), so the
-step takes its gradients from there without another buffer.
+The accumulators are the gradients' memory between a push's acceptance and the round's
+close: 8 bytes per parameter whatever the number of workers (the rank-order sum held 4 per
+worker until the close). A push's fp16 bytes (2 per parameter) are held only while it is
+in flight, from its first byte to its acceptance. At the close each slot's fp32 mean is
+written into the first half of its own accumulator (chunk by chunk, each read before
+anything overlapping it is written), so the step takes its gradients from there without
+another buffer.
 """
 
 from __future__ import annotations
@@ -61,8 +64,9 @@ class ExactSum:
         """Slot -> the workers whose gradient of it is in the sum (data or zeros)."""
         self.absent: dict[str, set[int]] = {}
         """Slot -> the workers that named it absent (no gradient: zeros)."""
-        self._prints: dict[tuple[int, str], tuple[int, bool]] = {}
-        """(worker, slot) -> (sum of its fixed-point values, all zeros) as counted."""
+        self._held: dict[int, dict[str, torch.Tensor | None]] = {}
+        """Worker -> slot -> the fp16 values its push in flight added (None: zeros), until
+        the push is accepted; a push that is not is subtracted again (withdraw)."""
         self._closing = False
 
     # ---- a round --------------------------------------------------------------------
@@ -84,15 +88,13 @@ class ExactSum:
                 )
 
     def add(self, worker: int, round_: int, key: str, values: torch.Tensor) -> None:
-        """Add a finite fp16 slot of `worker`'s push (its whole slot) into the sum."""
-        fixed = values.to(torch.float32).mul_(UNIT).to(torch.int64)
-        lo, hi = torch.aminmax(fixed)
-        printed = (int(fixed.sum()), bool(lo == 0) and bool(hi == 0))
+        """Add a finite fp16 slot of `worker`'s push (its whole slot) into the sum;
+        `values` must stay as they are until the push is accepted or withdrawn."""
+        fixed = fixed_point(values)
         with self._locks[key]:
             if not self._open_for(round_):
                 return  # the round closed under it: the push is refused at its end
-            if self._counted_again(worker, key, printed):
-                return
+            self._check_new(worker, key)
             acc = self._acc.get(key)
             if acc is None:
                 acc = self._acc[key] = torch.empty(self.numel[key], dtype=torch.int64)
@@ -101,17 +103,20 @@ class ExactSum:
             else:  # the round's first: over what an earlier round left
                 acc.copy_(fixed)
                 self._round_of[key] = round_
-            self._prints[(worker, key)] = printed
             self.counted.setdefault(key, set()).add(worker)
+            with self._meta:
+                self._held.setdefault(worker, {})[key] = values
 
     def add_zeros(self, worker: int, round_: int, key: str) -> None:
         """`worker` named slot `key` absent: it counts as zeros (whatever bytes came)."""
         with self._locks[key]:
-            if not self._open_for(round_) or self._counted_again(worker, key, (0, True)):
+            if not self._open_for(round_):
                 return
-            self._prints[(worker, key)] = (0, True)
+            self._check_new(worker, key)
             self.counted.setdefault(key, set()).add(worker)
             self.absent.setdefault(key, set()).add(worker)
+            with self._meta:
+                self._held.setdefault(worker, {})[key] = None
 
     def name_absent(self, worker: int, round_: int, keys: frozenset[str]) -> None:
         """A verdict names slots absent whose bytes (zeros) were added already."""
@@ -119,23 +124,55 @@ class ExactSum:
             with self._locks[key]:
                 if not self._open_for(round_):
                     return
-                printed = self._prints.get((worker, key))
-                if printed is not None and not printed[1]:
-                    raise InvalidArgument(
-                        f"slot {quote(key)} is named absent in the verdict but its data was "
-                        "not zeros: send zeros for a slot with no gradient",
-                        reason="malformed",
-                    )
-                if printed is None:
-                    self._prints[(worker, key)] = (0, True)
+                held = self._held.get(worker, {})
+                if key in held:
+                    values = held[key]
+                    if values is not None and bool(values.any()):
+                        raise InvalidArgument(
+                            f"slot {quote(key)} is named absent in the verdict but its data "
+                            "was not zeros: send zeros for a slot with no gradient",
+                            reason="malformed",
+                        )
+                else:
+                    self._check_new(worker, key)
                     self.counted.setdefault(key, set()).add(worker)
+                    with self._meta:
+                        self._held.setdefault(worker, {})[key] = None
                 self.absent.setdefault(key, set()).add(worker)
+
+    def accept(self, worker: int, round_: int) -> None:
+        """`worker`'s push of `round_` was accepted: what it added stays (its values may
+        be reused from now on)."""
+        with self._meta:
+            if round_ == self.round:
+                self._held.pop(worker, None)
+
+    def withdraw(self, worker: int, round_: int) -> None:
+        """`worker`'s push of `round_` ended without being accepted: subtract what it added
+        (exact: the sum is what it was before the push began). Under the shard lock."""
+        with self._meta:
+            if round_ != self.round or self._closing:
+                return  # the round closed (it withdrew this push itself) or was dropped
+            held = self._held.pop(worker, None)
+        for key, values in (held or {}).items():
+            with self._locks[key]:
+                if values is not None:
+                    self._acc[key].sub_(fixed_point(values))
+                self.counted[key].discard(worker)
+                self.absent.get(key, set()).discard(worker)
 
     # ---- the close ------------------------------------------------------------------
 
-    def close(self) -> None:
-        """The round closes (under the shard lock): no commit may land any more."""
+    def close(self, accepted: set[int]) -> None:
+        """The round closes with the pushes of `accepted` (under the shard lock): a push
+        still in flight from any other worker (one that left) is withdrawn, and nothing
+        lands any more."""
         with self._meta:
+            gone = [w for w in self._held if w not in accepted]
+        for w in gone:
+            self.withdraw(w, self.round)
+        with self._meta:
+            self._held.clear()
             self._closing = True
 
     def unused(self, key: str) -> bool:
@@ -164,6 +201,14 @@ class ExactSum:
                 out[lo:hi].copy_(part)
         return out
 
+    def total(self, key: str) -> torch.Tensor:
+        """The round's int64 sum of slot `key` so far (zeros before its first add)."""
+        with self._locks[key]:
+            acc = self._acc.get(key)
+            if acc is None or self._round_of.get(key) != self.round:
+                return torch.zeros(self.numel[key], dtype=torch.int64)
+            return acc.clone()
+
     def reset(self, round_: int = 0) -> None:
         """Empty for round `round_` (after a close, or a skipped round); O(1)."""
         with self._meta:
@@ -179,7 +224,7 @@ class ExactSum:
         self._round_of.clear()  # what the accumulators hold belongs to no round now
         self.counted.clear()
         self.absent.clear()
-        self._prints.clear()
+        self._held.clear()
         self.scale = None
         self.round = round_
         self._closing = False
@@ -187,17 +232,15 @@ class ExactSum:
     def _open_for(self, round_: int) -> bool:
         return round_ == self.round and not self._closing
 
-    def _counted_again(self, worker: int, key: str, printed: tuple[int, bool]) -> bool:
-        """Whether `worker`'s slot `key` is in the sum already: a re-send must carry the
-        same values (it is skipped), other values are refused."""
-        before = self._prints.get((worker, key))
-        if before is None:
-            return False
-        if before != printed:
+    def _check_new(self, worker: int, key: str) -> None:
+        if worker in self.counted.get(key, ()):  # a push's slot completes once: a bug
             raise FailedPrecondition(
                 f"slot {quote(key)} of worker {worker}'s round {self.round} is in the round's "
-                "exact sum already with other values: a re-sent push must carry the "
-                "gradient it first sent",
-                reason="resend_differs",
+                "exact sum already: push each round once (a retry re-sends the whole push)",
+                reason="duplicate",
             )
-        return True
+
+
+def fixed_point(values: torch.Tensor) -> torch.Tensor:
+    """fp16 values as int64 multiples of 2^-24 (exact)."""
+    return values.to(torch.float32).mul_(UNIT).to(torch.int64)

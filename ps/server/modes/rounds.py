@@ -116,8 +116,8 @@ class SyncPolicy(UpdatePolicy):
         self.pending = {}
         exact = self.exact if self.kind == "exact" else None
         self.kind = None
-        if exact is not None:
-            exact.close()  # nothing lands in it any more; emptied for the next round below
+        if exact is not None:  # withdraws a push still in flight (its worker left)
+            exact.close({p.worker for p in pushes})  # nothing lands any more; reset below
         try:
             self._close(view, pushes, exact)
         finally:
