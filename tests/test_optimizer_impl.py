@@ -162,3 +162,34 @@ def test_the_flag() -> None:
     assert build(TrainConfig, p.parse_args([])).optimizer.impl == "auto"
     with pytest.raises(ValueError, match=r"--optimizer-impl: unknown 'fast'; accepted: auto"):
         dataclasses.replace(cfg.optimizer, impl="fast")
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_fused_sgd_steps_a_parameter_whose_first_gradient_comes_late(nesterov: bool) -> None:
+    """torch's fused SGD fails on a list where some parameters have momentum buffers and
+    one has none (its first gradient after the others'): an async shard's slot that no
+    push had a gradient for until now, an unused parameter used at last. Built through
+    build_optimizer it steps, each parameter exactly as a fused SGD of its own would
+    (signed zeros in the gradient included)."""
+    cfg = OptimizerConfig(name="sgd", lr=0.1, momentum=0.9, nesterov=nesterov,
+                          weight_decay=0.01, impl="fused")  # fmt: skip
+    g = torch.Generator().manual_seed(3)
+    start = [torch.randn(300, generator=g) for _ in range(2)]
+    grads = [[torch.randn(300, generator=g) for _ in range(2)] for _ in range(3)]
+    grads[1][1][:5] = -0.0  # the late parameter's first gradient holds negative zeros
+    together = [torch.nn.Parameter(t.clone()) for t in start]
+    alone = [torch.nn.Parameter(t.clone()) for t in start]
+    opt = build_optimizer(together, cfg)
+    solo = [build_optimizer([p], cfg) for p in alone]
+    for step, gs in enumerate(grads):
+        for i, (p, q) in enumerate(zip(together, alone, strict=True)):
+            late = i == 1 and step == 0  # parameter 1 has no gradient at step 0
+            p.grad = None if late else gs[i].clone()
+            q.grad = None if late else gs[i].clone()
+        opt.step()
+        for o in solo:
+            o.step()
+    for p, q, o in zip(together, alone, solo, strict=True):
+        assert torch.equal(p.detach(), q.detach())
+        buf, ref = opt.state[p]["momentum_buffer"], o.state[q]["momentum_buffer"]
+        assert torch.equal(buf, ref) and torch.equal(buf.signbit(), ref.signbit())

@@ -13,6 +13,7 @@ import functools
 import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -121,6 +122,21 @@ def impl_kwargs(impl: str) -> dict[str, bool]:
     return {"fused": True} if impl == "fused" else {"foreach": impl == "foreach"}
 
 
+def _first_momentum(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """torch's fused SGD steps its list as a first step (buffer = gradient) only when no
+    parameter of it has a momentum buffer yet, and fails on a None buffer otherwise: a
+    parameter with its first gradient while the others have buffers (a slot no push had
+    a gradient for until now, an unused parameter used at last) would crash the step.
+    Such a buffer starts as -0.0: the kernel's buffer x momentum + gradient is then the
+    gradient bit for bit (signed zeros included), torch's first step for it."""
+    for group in opt.param_groups:
+        with_grad = [p for p in group["params"] if p.grad is not None]
+        fresh = [p for p in with_grad if opt.state[p].get("momentum_buffer") is None]
+        if fresh and len(fresh) < len(with_grad):
+            for p in fresh:
+                opt.state[p]["momentum_buffer"] = torch.full_like(p, -0.0)
+
+
 def build_optimizer(params: Iterable[torch.Tensor], cfg: OptimizerConfig) -> torch.optim.Optimizer:
     """The torch optimizer for `cfg` (torch's own implementation, never a re-implementation),
     with the implementation `cfg.impl` resolves to on the parameters' device."""
@@ -128,10 +144,13 @@ def build_optimizer(params: Iterable[torch.Tensor], cfg: OptimizerConfig) -> tor
     device = params[0].device if params else torch.device("cpu")
     kw = impl_kwargs(resolve_impl(cfg, device))
     if cfg.name == "sgd":
-        return torch.optim.SGD(
+        sgd = torch.optim.SGD(
             params, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov,
             weight_decay=cfg.weight_decay, **kw,
         )  # fmt: skip
+        if kw.get("fused") and cfg.momentum:
+            sgd.register_step_pre_hook(_first_momentum)
+        return sgd
     return torch.optim.AdamW(
         params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
         weight_decay=cfg.weight_decay, **kw,
