@@ -26,6 +26,16 @@ torch's AdamW with the implementation the shard used (`shard_impl`) after the sa
     python -m bench.shard_update --threads 1,2,4 --json
     python -m bench.shard_update --impl loop          # the shard as before issue #36
     python -m bench.shard_update --quick              # 2M parameters, CI-sized
+    python -m bench.shard_update --sections round-close   # a sync round's close, fp16
+
+`--sections round-close` (bench/lib/round_close.py): a sync round of fp16 pushes from
+`--round-workers` workers (8) on a shard of `--round-params` parameters (16M), from the
+last push's last piece received to the new version, with the exact int64 sum as pushes
+arrive (the default since #36) vs the rank-order fp32 sum at the close (before #36),
+rounds alternated; and the shard's gradient bytes after a round of 2, 4 and 8 workers.
+JSON: `round_close.close_median_s`, `round_close.exact_over_rank_order` (and the
+CPU seconds of the close: `close_cpu_median_s`, `cpu_exact_over_rank_order`),
+`round_memory[]`.
 """
 
 from __future__ import annotations
@@ -44,6 +54,7 @@ if __package__ in (None, ""):
 import torch
 
 from bench.lib import common as c
+from bench.lib import round_close
 from ps.job import Job
 from ps.partition import plan_slots
 from ps.server.shard import ShardState
@@ -185,22 +196,78 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=7, help="timed steps per variant")
     p.add_argument("--impl", default="auto", choices=IMPLS,
                    help="the shard's optimizer implementation (--optimizer-impl)")  # fmt: skip
-    a = p.parse_args(argv)
+    p.add_argument(
+        "--sections",
+        default="update",
+        help="what to measure: update, round-close, or both (update,round-close)",
+    )
+    p.add_argument(
+        "--round-params", type=float, default=16e6, help="round-close: parameters in the shard"
+    )
+    p.add_argument("--round-workers", type=int, default=8, help="round-close: workers")
+    p.add_argument("--rounds", type=int, default=5, help="round-close: timed rounds per sum")
+    a = p.parse_args(argv)  # fmt: skip
+    sections = {x.strip() for x in a.sections.split(",")}
+    if not sections <= {"update", "round-close"}:
+        raise SystemExit(f"--sections: update and/or round-close, got {a.sections!r}")
     total, reps = (2_000_000, 3) if a.quick else (int(a.params), a.reps)
     params = model_params(total)
+    doc: dict = {}
+    if "round-close" in sections:
+        doc.update(round_section(a))
+    if "update" not in sections:
+        return c.finish(a, c.out_dir(a, "shard_update"), "shard_update", doc, round_table(doc))
     results = []
     for n in parse_threads(a.threads):
         c.log(f"shard_update: {total / 1e6:.1f}M parameters, {n} thread(s), {reps} steps")
         results.append(measure(params, n, reps, a.impl))
     goal = {str(r["threads"]): r["shard_over"].get("torch fused") for r in results}
     default = {str(r["threads"]): r["shard_over"].get("torch foreach=False") for r in results}
-    doc = {"params": total, "optimizer": "adamw", "shard_impl": results[0]["shard_impl"],
+    doc |= {"params": total, "optimizer": "adamw", "shard_impl": results[0]["shard_impl"],
            "results": results,
            "goal": f"shard >= {GOAL}x torch.optim.AdamW(fused=True) at the same threads",
            "ratio_vs_torch_fused": goal, "ratio_vs_torch_default": default,
            "goal_met": all(v is not None and v >= GOAL for v in goal.values()),
            "identical": all(r["identical"] for r in results)}  # fmt: skip
-    return c.finish(a, c.out_dir(a, "shard_update"), "shard_update", doc, table(doc))
+    md = table(doc) + ("\n\n" + round_table(doc) if "round_close" in doc else "")
+    return c.finish(a, c.out_dir(a, "shard_update"), "shard_update", doc, md)
+
+
+def round_section(a) -> dict:  # noqa: ANN001
+    """bench/lib/round_close.py at --round-params / --round-workers, one update thread per
+    --threads' first count, the shard's --impl."""
+    total, workers, rounds = (1_000_000, 4, 2) if a.quick else (
+        int(a.round_params), a.round_workers, a.rounds)  # fmt: skip
+    params = model_params(total)
+    opt = dataclasses.replace(OPT, impl=a.impl)
+    threads = parse_threads(a.threads)[0]
+    c.log(f"round_close: {total / 1e6:.1f}M parameters, {workers} workers, {rounds} rounds")
+    close = round_close.measure(params, workers, threads, rounds, opt)
+    counts = sorted({2, min(4, workers), workers})
+    c.log(f"round_close: gradient memory at {counts} workers")
+    return {"round_close": close, "round_memory": round_close.memory(params, counts, opt)}
+
+
+def round_table(doc: dict) -> str:
+    r = doc["round_close"]
+    rows = [
+        [
+            k,
+            r["close_median_s"][k] * 1e3,
+            r["close_min_s"][k] * 1e3,
+            r["close_cpu_median_s"][k] * 1e3,
+        ]
+        for k in r["close_median_s"]
+    ]
+    mem = [[m["workers"], m["sum"], m["delivery"], m["gradient_bytes"] / 2**20,
+            m["bytes_per_param"]] for m in doc["round_memory"]]  # fmt: skip
+    return (f"## Sync round close, fp16, {r['workers']} workers, {r['params'] / 1e6:.1f}M "
+            f"parameters, {r['threads']} update thread(s)\n\n"
+            + c.md_table(["sum", "median ms", "min ms", "CPU median ms"], rows)
+            + f"\n\nexact / rank order: {r['exact_over_rank_order']:.3f}x (wall), "
+            f"{r['cpu_exact_over_rank_order']:.3f}x (CPU)\n\n"
+            + "## Shard gradient memory after one round\n\n"
+            + c.md_table(["workers", "sum", "pushes", "MiB", "bytes/param"], mem))  # fmt: skip
 
 
 if __name__ == "__main__":

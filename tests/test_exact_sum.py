@@ -3,8 +3,8 @@
 Through the shard's own intake (begin_push / add_data / add_verdict / finish_push, as
 both doors drive it): the same pushes delivered in every order, whole or with their pieces
 interleaved, by 2 to 8 workers, give bit-identical masters, equal to the exact mean
-rounded once (which the rank-order fp32 sum of wide-ranging fp16 values is not); the
-gradient memory is the same for 2 workers as for 8 (pushes one after another); a push
+rounded once for 2, 4 and 8 workers (which the rank-order fp32 sum of wide-ranging fp16
+values is not); the gradient memory is the same for 2 workers as for 8 (pushes one after another); a push
 that is not accepted (cancelled, cut off, non-finite, malformed, superseded) leaves the
 sum and the masters untouched; an overflow skips the round; bad input is refused naming what
 to do; per-chunk rounds, checkpoints and a restore mid-round keep the same bits.
@@ -27,7 +27,7 @@ from ps.headers import PushHeader
 from ps.job import Job
 from ps.partition import plan_slots
 from ps.server.durability.checkpoints import CheckpointManager
-from ps.server.modes.exact_sum import UNIT, ExactSum
+from ps.server.modes.exact_sum import HEAD, UNIT, ExactSum
 from ps.server.shard import ShardState
 from tests.ps_fixtures import pull
 from trainkit.optim import LossScaleConfig, OptimizerConfig
@@ -103,10 +103,14 @@ def _round(st: ShardState, grads: list[dict[str, torch.Tensor]], order: list[int
 
 
 def _exact_mean(values: list[torch.Tensor]) -> torch.Tensor:
-    """The mean of fp16 values / SCALE, computed with integers, rounded once per
-    element from float64 (what the shard must give)."""
+    """The mean of fp16 values / SCALE as documented: the integer sum converted once to
+    fp32, divided once; for a power-of-two count that is the exact mean rounded once."""
     ints = torch.stack([(t.to(torch.float32) * UNIT).to(torch.int64) for t in values]).sum(0)
-    return (ints.to(torch.float64) / (UNIT * SCALE * len(values))).to(torch.float32)
+    mean = ints.to(torch.float32) / (UNIT * SCALE * len(values))
+    if len(values) & (len(values) - 1) == 0:
+        exact = (ints.to(torch.float64) / (UNIT * SCALE * len(values))).to(torch.float32)
+        assert torch.equal(mean, exact)
+    return mean
 
 
 def _masters(st: ShardState) -> dict[str, torch.Tensor]:
@@ -431,3 +435,16 @@ def test_exact_sum_unit() -> None:
     s.close({0, 1, 2})
     s.add(1, 1, "k", vals[0])  # after the close: dropped
     assert torch.equal(s.mean("k", out=torch.empty(5)), got)
+
+
+def test_the_mean_written_over_its_own_accumulator_equals_one_written_elsewhere() -> None:
+    """A slot larger than HEAD: the in-place mean (doubling spans over the accumulator's
+    bytes) is bit for bit the mean into a separate buffer."""
+    n = 5 * HEAD + 123
+    rng = torch.Generator().manual_seed(9)
+    s = ExactSum({"k": n})
+    s.open(1, SCALE)
+    for w in range(3):
+        s.add(w, 1, "k", _wide_fp16(n, rng))
+    apart = s.mean("k", out=torch.empty(n))
+    assert torch.equal(s.mean("k"), apart)

@@ -9,9 +9,10 @@ finite (from a small per-push scratch of the slot's fp16 bytes, ps/server/intake
 the round's close converts each slot once (`mean`) and steps. Integer addition is
 associative: the sum, and so the mean and the masters, are bit for bit the same whatever
 order the pushes arrive or interleave in, and the close costs one conversion instead of
-n-1 fp32 sums. The mean is the exact sum divided once (in float64) by 2^24 x loss scale x
-the slot's worker count, then rounded to fp32: correctly rounded where that count is a
-power of two, within the last bit otherwise, and never dependent on order. fp32 and bf16
+n-1 fp32 sums. The mean is the exact sum converted once to fp32 and divided once by
+2^24 x loss scale x the slot's worker count (one pass, int64 in, fp32 out): correctly
+rounded where that count is a power of two (loss scales are powers of two: the division
+is then exact), within an ulp otherwise, and never dependent on order. fp32 and bf16
 rounds keep the rank-order fp32 sum that equals DDP's (rounds.py).
 
 What is in the sum: a slot counts a worker once its bytes arrived whole and finite (or
@@ -41,8 +42,9 @@ from ps.errors import FailedPrecondition, InvalidArgument, quote
 
 UNIT = 2.0**24
 """fp16 value * UNIT is an integer (fp16's smallest subnormal is 2^-24)."""
-CHUNK = 1 << 16
-"""Elements converted at a time at the close (float64 temporaries stay in cache)."""
+HEAD = 1 << 16
+"""Elements of a slot's mean computed into a temporary when it is written over the slot's
+own accumulator (the rest needs none)."""
 
 
 class ExactSum:
@@ -190,15 +192,20 @@ class ExactSum:
             return out.zero_() if out is not None else torch.zeros(n)
         assert self.scale is not None
         denom = UNIT * self.scale * len(self.counted.get(key, ()))
-        if out is None:
-            out = acc.view(torch.float32)[:n]
         with self._locks[key]:
-            for lo in range(0, n, CHUNK):
-                hi = min(n, lo + CHUNK)
-                # Chunk lo:hi of the fp32 result overlaps only accumulator elements below
-                # hi / 2 + 1, all read already (this chunk's into `part` first).
-                part = acc[lo:hi].to(torch.float64).div_(denom)
-                out[lo:hi].copy_(part)
+            if out is not None:
+                return torch.div(acc, denom, out=out)
+            # In place: the fp32 mean of elements [lo, hi) takes the accumulator's bytes
+            # of elements [lo/2, hi/2), all read by then when hi <= 2 lo; so the first
+            # HEAD elements go through a temporary, then doubling spans [lo, 2 lo).
+            out = acc.view(torch.float32)[:n]
+            head = min(n, HEAD)
+            out[:head].copy_(torch.div(acc[:head], denom))
+            lo = head
+            while lo < n:
+                hi = min(n, 2 * lo)
+                torch.div(acc[lo:hi], denom, out=out[lo:hi])
+                lo = hi
         return out
 
     def total(self, key: str) -> torch.Tensor:
