@@ -27,7 +27,7 @@ from ps.headers import PushHeader
 from ps.job import Job
 from ps.partition import plan_slots
 from ps.server.durability.checkpoints import CheckpointManager
-from ps.server.modes.exact_sum import HEAD, UNIT, ExactSum
+from ps.server.modes.exact_sum import UNIT, ExactSum
 from ps.server.shard import ShardState
 from tests.ps_fixtures import pull
 from trainkit.optim import LossScaleConfig, OptimizerConfig
@@ -160,7 +160,7 @@ def test_the_exact_sum_is_more_exact_than_the_rank_order_sum() -> None:
 def test_gradient_memory_does_not_grow_with_workers() -> None:
     """Measured: the shard's gradient bytes (Stats gradient_bytes) after a round of 2
     and of 8 workers. Pushes one after another: the same for 2 and 8 with the exact sum
-    (8 bytes per parameter, one push's fp16 scratch); staged in rank order, 4 bytes per
+    (12 bytes per parameter: sums and means; one push's fp16 scratch); staged in rank order, 4 bytes per
     parameter per worker. All pushes streaming at once: each holds its fp16 bytes (2 per
     parameter) until it is accepted, half of what staging holds until the close."""
     numel = sum(n for _, n in PARAMS)
@@ -178,8 +178,8 @@ def test_gradient_memory_does_not_grow_with_workers() -> None:
                         _round(st, grads, [w])
                 assert st.version == 1
                 held[exact, workers, together] = st.stats()["gradient_bytes"]
-    assert held[True, 2, False] == held[True, 8, False] == 8 * numel + 2 * numel
-    assert held[True, 8, True] == 8 * numel + 2 * numel * 8
+    assert held[True, 2, False] == held[True, 8, False] == 12 * numel + 2 * numel
+    assert held[True, 8, True] == 12 * numel + 2 * numel * 8
     for together in (False, True):
         assert held[False, 8, together] == 4 * numel * 8
         assert held[False, 2, together] == 4 * numel * 2
@@ -417,7 +417,7 @@ def test_a_restore_or_rollback_mid_round_drops_the_partial_sum(tmp_path: Path) -
 
 def test_exact_sum_unit() -> None:
     """ExactSum alone: integer sums of fp16 values, means rounded once, a round's
-    commits only, and 8 bytes per element."""
+    commits only, and 12 bytes per element (sums, means)."""
     s = ExactSum({"k": 5})
     s.open(1, 1.0)
     vals = [torch.tensor([65504.0, 2.0**-24, -1.0, 0.5, 3.0], dtype=torch.float16),
@@ -431,20 +431,24 @@ def test_exact_sum_unit() -> None:
     for g, w in zip(got.tolist(), want, strict=True):
         assert abs(Fraction(g) - w) <= abs(w) * Fraction(1, 2**23)  # within the last bit
     assert got[0].item() == pytest.approx(1 / 3)  # 65504 - 65504 + 1: no cancellation lost
-    assert s.nbytes() == 5 * 8
+    assert s.nbytes() == 5 * (8 + 4)  # the sums, and the mean buffer
     s.close({0, 1, 2})
     s.add(1, 1, "k", vals[0])  # after the close: dropped
     assert torch.equal(s.mean("k", out=torch.empty(5)), got)
 
 
-def test_the_mean_written_over_its_own_accumulator_equals_one_written_elsewhere() -> None:
-    """A slot larger than HEAD: the in-place mean (doubling spans over the accumulator's
-    bytes) is bit for bit the mean into a separate buffer."""
-    n = 5 * HEAD + 123
+def test_a_mean_converted_on_arrival_is_converted_again_when_the_sum_changes() -> None:
+    """The last expected worker's slot converts the mean at once (the close finds it);
+    a withdrawn push makes it stale and the next mean is of what the sum holds then."""
+    n = 3000
     rng = torch.Generator().manual_seed(9)
+    vals = [_wide_fp16(n, rng) for _ in range(3)]
     s = ExactSum({"k": n})
-    s.open(1, SCALE)
-    for w in range(3):
-        s.add(w, 1, "k", _wide_fp16(n, rng))
-    apart = s.mean("k", out=torch.empty(n))
-    assert torch.equal(s.mean("k"), apart)
+    s.open(1, SCALE, expected=3)
+    for w, v in enumerate(vals):
+        s.add(w, 1, "k", v)
+    assert s._ready["k"] == s._changed["k"]  # converted as the third arrived
+    assert torch.equal(s.mean("k"), _exact_mean(vals))
+    s.withdraw(2, 1)
+    assert torch.equal(s.mean("k", out=torch.empty(n)), _exact_mean(vals[:2]))
+    assert s.nbytes() == n * (8 + 4)

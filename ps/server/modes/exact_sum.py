@@ -23,13 +23,14 @@ when the round closes) is subtracted again from those bytes, and integer subtrac
 undoes integer addition exactly, so the sum is bit for bit what it was before the push
 began. A round skipped (overflow) or replaced (restore, rollback) drops all.
 
-The accumulators are the gradients' memory between a push's acceptance and the round's
-close: 8 bytes per parameter whatever the number of workers (the rank-order sum held 4 per
-worker until the close). A push's fp16 bytes (2 per parameter) are held only while it is
-in flight, from its first byte to its acceptance. At the close each slot's fp32 mean is
-written into the first half of its own accumulator (chunk by chunk, each read before
-anything overlapping it is written), so the step takes its gradients from there without
-another buffer.
+The close's work is the step: a slot's mean is converted (into a 4-byte-per-parameter
+fp32 buffer of its own) the moment its sum has every live worker in, so with the last
+push streaming slot by slot, only its last slot is converted once its last piece is in;
+a sum that changes after that (a push withdrawn, a worker gone) is converted again at the
+close. The gradients' memory between a push's acceptance and the round's close is then
+12 bytes per parameter whatever the number of workers (8 of sums, 4 of means; the
+rank-order sum held 4 per worker until the close), plus each push's fp16 bytes (2 per
+parameter) while it is in flight, from its first byte to its acceptance.
 """
 
 from __future__ import annotations
@@ -42,9 +43,6 @@ from ps.errors import FailedPrecondition, InvalidArgument, quote
 
 UNIT = 2.0**24
 """fp16 value * UNIT is an integer (fp16's smallest subnormal is 2^-24)."""
-HEAD = 1 << 16
-"""Elements of a slot's mean computed into a temporary when it is written over the slot's
-own accumulator (the rest needs none)."""
 
 
 class ExactSum:
@@ -69,16 +67,28 @@ class ExactSum:
         self._held: dict[int, dict[str, torch.Tensor | None]] = {}
         """Worker -> slot -> the fp16 values its push in flight added (None: zeros), until
         the push is accepted; a push that is not is subtracted again (withdraw)."""
+        self.expected = 0
+        """Live workers when the round's last push began: a slot counted for that many
+        has its mean converted on arrival (off the close's path)."""
+        self._means: dict[str, torch.Tensor] = {}
+        """Slot -> its fp32 mean buffer (4 bytes per parameter, reused round after round)."""
+        self._ready: dict[str, int] = {}
+        """Slot -> the change (`_changed`) its mean buffer was converted at."""
+        self._changed: dict[str, int] = {}
+        """Slot -> a stamp of its sum's last change this round (an add, a subtraction)."""
+        self._stamp = 0
         self._closing = False
 
     # ---- a round --------------------------------------------------------------------
 
-    def open(self, round_: int, loss_scale: float) -> None:
-        """A data push of round `round_` began with `loss_scale` (under the shard lock):
-        the first opens the round; the others must carry the same scale."""
+    def open(self, round_: int, loss_scale: float, expected: int = 0) -> None:
+        """A data push of round `round_` began with `loss_scale` (under the shard lock),
+        `expected` workers live: the first opens the round; the others must carry the
+        same scale."""
         with self._meta:
             if self.round != round_:
                 self._reset(round_)
+            self.expected = expected
             if self.scale is None:
                 self.scale = loss_scale
             elif loss_scale != self.scale:
@@ -108,6 +118,7 @@ class ExactSum:
             self.counted.setdefault(key, set()).add(worker)
             with self._meta:
                 self._held.setdefault(worker, {})[key] = values
+            self._change(key)
 
     def add_zeros(self, worker: int, round_: int, key: str) -> None:
         """`worker` named slot `key` absent: it counts as zeros (whatever bytes came)."""
@@ -119,6 +130,7 @@ class ExactSum:
             self.absent.setdefault(key, set()).add(worker)
             with self._meta:
                 self._held.setdefault(worker, {})[key] = None
+            self._change(key)
 
     def name_absent(self, worker: int, round_: int, keys: frozenset[str]) -> None:
         """A verdict names slots absent whose bytes (zeros) were added already."""
@@ -141,6 +153,7 @@ class ExactSum:
                     with self._meta:
                         self._held.setdefault(worker, {})[key] = None
                 self.absent.setdefault(key, set()).add(worker)
+                self._change(key)
 
     def accept(self, worker: int, round_: int) -> None:
         """`worker`'s push of `round_` was accepted: what it added stays (its values may
@@ -162,6 +175,7 @@ class ExactSum:
                     self._acc[key].sub_(fixed_point(values))
                 self.counted[key].discard(worker)
                 self.absent.get(key, set()).discard(worker)
+                self._change(key)
 
     # ---- the close ------------------------------------------------------------------
 
@@ -182,31 +196,14 @@ class ExactSum:
         return self.counted.get(key, set()) <= self.absent.get(key, set())
 
     def mean(self, key: str, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Slot `key`'s mean over the workers counted for it, as fp32: into `out`, or (the
-        sum is not needed again) into the first half of its accumulator, valid until the
-        next round's first commit."""
-        n = self.numel[key]
-        acc = self._acc.get(key)
-        if acc is None or self._round_of.get(key) != self.round:
-            # No data this round (every worker counted zeros for it)
-            return out.zero_() if out is not None else torch.zeros(n)
-        assert self.scale is not None
-        denom = UNIT * self.scale * len(self.counted.get(key, ()))
+        """Slot `key`'s mean over the workers counted for it, as fp32: into `out`, or its
+        mean buffer (valid until the round's next change or the next round). Converted
+        already where the slot's last push arrived after the others (the usual case)."""
         with self._locks[key]:
-            if out is not None:
-                return torch.div(acc, denom, out=out)
-            # In place: the fp32 mean of elements [lo, hi) takes the accumulator's bytes
-            # of elements [lo/2, hi/2), all read by then when hi <= 2 lo; so the first
-            # HEAD elements go through a temporary, then doubling spans [lo, 2 lo).
-            out = acc.view(torch.float32)[:n]
-            head = min(n, HEAD)
-            out[:head].copy_(torch.div(acc[:head], denom))
-            lo = head
-            while lo < n:
-                hi = min(n, 2 * lo)
-                torch.div(acc[lo:hi], denom, out=out[lo:hi])
-                lo = hi
-        return out
+            if self._ready.get(key) != self._changed.get(key):
+                self._convert(key)
+            buf = self._means[key]
+            return buf if out is None else out.copy_(buf)
 
     def total(self, key: str) -> torch.Tensor:
         """The round's int64 sum of slot `key` so far (zeros before its first add)."""
@@ -222,8 +219,9 @@ class ExactSum:
             self._reset(round_)
 
     def nbytes(self) -> int:
-        """Bytes the accumulators hold (the round's gradient memory)."""
-        return sum(t.numel() * t.element_size() for t in self._acc.values())
+        """Bytes the accumulators and mean buffers hold (the round's gradient memory)."""
+        held = [*self._acc.values(), *self._means.values()]
+        return sum(t.numel() * t.element_size() for t in held)
 
     # ---- internals --------------------------------------------------------------------
 
@@ -232,9 +230,36 @@ class ExactSum:
         self.counted.clear()
         self.absent.clear()
         self._held.clear()
+        self._ready.clear()
+        self._changed.clear()
         self.scale = None
         self.round = round_
         self._closing = False
+
+    def _change(self, key: str) -> None:
+        """Slot `key`'s sum or counts changed (its key lock held): its mean is stale; if
+        every expected worker is in now, convert it at once (the round's close then
+        finds it done)."""
+        self._stamp += 1
+        self._changed[key] = self._stamp
+        if self.expected and len(self.counted.get(key, ())) >= self.expected:
+            if not self.unused(key):
+                self._convert(key)
+
+    def _convert(self, key: str) -> None:
+        """The fp32 mean of slot `key` into its buffer: the int64 sum converted to fp32
+        and divided once, one pass (its key lock held)."""
+        buf = self._means.get(key)
+        if buf is None:
+            buf = self._means[key] = torch.empty(self.numel[key])
+        acc = self._acc.get(key)
+        count = len(self.counted.get(key, ()))
+        if acc is None or self._round_of.get(key) != self.round or not count:
+            buf.zero_()  # no data this round (every worker counted zeros for it)
+        else:
+            assert self.scale is not None
+            torch.div(acc, UNIT * self.scale * count, out=buf)
+        self._ready[key] = self._changed.get(key, 0)
 
     def _open_for(self, round_: int) -> bool:
         return round_ == self.round and not self._closing

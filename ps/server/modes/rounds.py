@@ -103,7 +103,7 @@ class SyncPolicy(UpdatePolicy):
         if self.exact is None:
             skip = view.buffer_keys
             self.exact = ExactSum({k: p.numel() for k, p in view.masters.items() if k not in skip})
-        self.exact.open(view.rounds + 1, header.loss_scale)
+        self.exact.open(view.rounds + 1, header.loss_scale, len(view.live))
         return self.exact
 
     def gradient_bytes(self) -> int:
