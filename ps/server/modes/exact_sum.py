@@ -35,6 +35,7 @@ parameter) while it is in flight, from its first byte to its acceptance.
 
 from __future__ import annotations
 
+import itertools
 import threading
 
 import torch
@@ -76,7 +77,8 @@ class ExactSum:
         """Slot -> the change (`_changed`) its mean buffer was converted at."""
         self._changed: dict[str, int] = {}
         """Slot -> a stamp of its sum's last change this round (an add, a subtraction)."""
-        self._stamp = 0
+        self._stamps = itertools.count(1)
+        """Stamps for `_changed` (next() on it is atomic: slots change on many threads)."""
         self._closing = False
 
     # ---- a round --------------------------------------------------------------------
@@ -200,7 +202,7 @@ class ExactSum:
         mean buffer (valid until the round's next change or the next round). Converted
         already where the slot's last push arrived after the others (the usual case)."""
         with self._locks[key]:
-            if self._ready.get(key) != self._changed.get(key):
+            if key not in self._ready or self._ready[key] != self._changed.get(key, 0):
                 self._convert(key)
             buf = self._means[key]
             return buf if out is None else out.copy_(buf)
@@ -240,8 +242,7 @@ class ExactSum:
         """Slot `key`'s sum or counts changed (its key lock held): its mean is stale; if
         every expected worker is in now, convert it at once (the round's close then
         finds it done)."""
-        self._stamp += 1
-        self._changed[key] = self._stamp
+        self._changed[key] = next(self._stamps)
         if self.expected and len(self.counted.get(key, ())) >= self.expected:
             if not self.unused(key):
                 self._convert(key)
