@@ -452,3 +452,25 @@ def test_a_mean_converted_on_arrival_is_converted_again_when_the_sum_changes() -
     s.withdraw(2, 1)
     assert torch.equal(s.mean("k", out=torch.empty(n)), _exact_mean(vals[:2]))
     assert s.nbytes() == n * (8 + 4)
+
+
+def test_a_worker_that_leaves_mid_push_is_withdrawn_at_the_close() -> None:
+    """Worker 2's push has two slots in the sum when it leaves; the round closes with
+    workers 0 and 1: their mean alone (as a 2-worker round), nothing of worker 2's."""
+    job3, job2 = _job(3), _job(2)
+    grads = _grads(job3, 3)
+    two = _shard(job2)
+    _round(two, grads[:2], [1, 0])
+    st = _shard(job3)
+    t = st.intake.begin_push(_header(2, 1, 0), lock_timeout=5)
+    try:
+        for _, key, off, data in _pieces(2, {k: grads[2][k] for k in list(grads[2])[:2]}):
+            st.intake.add_data(t, key, off, data)
+        _round(st, grads, [0, 1])
+        assert st.version == 0  # waits for worker 2
+        st.members.leave(2)
+        assert st.version == 1
+    finally:
+        t.release()  # its push ends after the close: refused at its end, changes nothing
+    assert torch.equal(torch.cat([p.detach() for p in st.masters.values()]),
+                       torch.cat([p.detach() for p in two.masters.values()]))  # fmt: skip

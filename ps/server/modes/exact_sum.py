@@ -171,27 +171,24 @@ class ExactSum:
             if round_ != self.round or self._closing:
                 return  # the round closed (it withdrew this push itself) or was dropped
             held = self._held.pop(worker, None)
-        for key, values in (held or {}).items():
-            with self._locks[key]:
-                if values is not None:
-                    self._acc[key].sub_(fixed_point(values))
-                self.counted[key].discard(worker)
-                self.absent.get(key, set()).discard(worker)
-                self._change(key)
+        self._subtract(worker, held or {})
 
     # ---- the close ------------------------------------------------------------------
 
     def close(self, accepted: set[int]) -> None:
-        """The round closes with the pushes of `accepted` (under the shard lock): a push
-        still in flight from any other worker (one that left) is withdrawn, and nothing
-        lands any more."""
+        """The round closes with the pushes of `accepted` (under the shard lock): nothing
+        lands any more, and a push still in flight from any other worker (one that left)
+        is withdrawn."""
         with self._meta:
-            gone = [w for w in self._held if w not in accepted]
-        for w in gone:
-            self.withdraw(w, self.round)
-        with self._meta:
-            self._held.clear()
             self._closing = True
+        for lock in self._locks.values():
+            with lock:  # an add that found the round open has landed once this is free
+                pass
+        with self._meta:
+            gone = {w: held for w, held in self._held.items() if w not in accepted}
+            self._held.clear()
+        for w, held in gone.items():
+            self._subtract(w, held)
 
     def unused(self, key: str) -> bool:
         """No worker of the round had a gradient for `key`: it is not stepped."""
@@ -264,6 +261,15 @@ class ExactSum:
 
     def _open_for(self, round_: int) -> bool:
         return round_ == self.round and not self._closing
+
+    def _subtract(self, worker: int, held: dict[str, torch.Tensor | None]) -> None:
+        for key, values in held.items():
+            with self._locks[key]:
+                if values is not None:
+                    self._acc[key].sub_(fixed_point(values))
+                self.counted[key].discard(worker)
+                self.absent.get(key, set()).discard(worker)
+                self._change(key)
 
     def _check_new(self, worker: int, key: str) -> None:
         if worker in self.counted.get(key, ()):  # a push's slot completes once: a bug
