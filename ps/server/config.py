@@ -106,8 +106,9 @@ class ServerConfig:
     (workers from before jobs carried them)."""
     exact_fp16_sum: bool = True
     """sync, fp16 pushes: add each push's slots into one int64 fixed-point accumulator per
-    slot as they arrive (exact: the same bits whatever the arrival order; 8 bytes per
-    parameter whatever the number of workers; the close converts once and steps;
+    slot as they arrive (exact: the same bits whatever the arrival order; 12 bytes per
+    parameter whatever the number of workers, plus 2 per push while it streams; each
+    slot's mean converted once all its pushes are in, so the close mostly steps;
     ps/server/modes/exact_sum.py). Off: every worker's push is staged in fp32 and the
     round summed in rank order at its close (the behaviour before issue #36). fp32 and
     bf16 pushes are summed in rank order either way (DDP's bits)."""

@@ -2,10 +2,11 @@
 
 A push into a sync round summed exactly (ps/server/modes/exact_sum.py) has no staging
 copy of its own: each slot's fp16 bytes land (straight from the socket on the data plane)
-in a scratch buffer of one slot, from a pool the shard shares between pushes, and go back
-to the pool once the slot is added (or the push ends). The memory is one slot (4 MiB of
-fp32 at most, 2 MiB of fp16, with the default --chunk-mib) per slot being received, not a
-copy of every gradient per worker. Model buffers' slots (values, never summed) keep a
+in a scratch buffer of one slot, from a pool the shard shares between pushes; the slot
+is added to the sum once it is whole, and its buffer goes back to the pool when the push
+ends (accepted: its values are in the sum; not accepted: they are subtracted from the sum
+first). The memory is the fp16 bytes of the pushes in flight (2 per parameter each), not
+an fp32 copy of every worker's gradient held until the round's close. Model buffers' slots (values, never summed) keep a
 small fp32 staging per worker, read when the round closes.
 """
 
@@ -63,7 +64,7 @@ class ExactStaging(MutableMapping[str, torch.Tensor]):
         raise TypeError("exact staging is filled piece by piece, never assigned")
 
     def __delitem__(self, key: str) -> None:
-        """Slot `key` was added to the sum (or dropped): its buffer goes back."""
+        """Slot `key`'s buffer goes back to the pool (its values no longer needed)."""
         t = self._open.pop(key, None)
         if t is not None:
             self.pool.give(t)
