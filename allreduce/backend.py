@@ -35,6 +35,7 @@ from trainkit.optim import (
     build_optimizer,
     build_scheduler,
     effective_loss_scale,
+    optimizer_impl,
     with_run_length,
 )
 from trainkit.sparse_tables import materialize_tables
@@ -288,7 +289,8 @@ class DDPBackend:
 
     def report_extras(self) -> dict[str, Any]:
         """Fault figures (and --mode local's rounds) for the run's report (Backend protocol)."""
-        extras = {"start_step": self.start_step, "checkpoints_written": self.checkpoints_written}
+        extras = {"start_step": self.start_step, "checkpoints_written": self.checkpoints_written,
+                  "optimizer_impl": optimizer_impl(self.optimizer)}  # fmt: skip
         return {**extras, **(self.local.report() if self.local is not None else {})}
 
     def no_sync(self):  # noqa: ANN201 - DDP's own context manager

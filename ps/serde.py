@@ -134,6 +134,14 @@ def _fields_of(cls: type, msg: object) -> dict[str, object]:
     return {f.name: getattr(msg, f.name) for f in dataclasses.fields(cls)}
 
 
+def _optimizer_of(o: pb.OptimizerSpec) -> OptimizerConfig:
+    fields = _fields_of(OptimizerConfig, o)
+    # A spec without an implementation was written before the field existed, when every
+    # optimizer ran torch's per-parameter loop: a restored job goes on with the same bits.
+    fields["impl"] = fields["impl"] or "loop"
+    return OptimizerConfig(**fields)
+
+
 def job_to_pb(job: Job) -> pb.JobSpec:
     o, ls = job.optimizer, job.loss_scale
     mode, mode_name = mode_to_pb(job.mode)
@@ -184,7 +192,7 @@ def job_from_pb(spec: pb.JobSpec) -> Job:
             mode=mode,
             staleness=spec.staleness,
             num_workers=spec.num_workers,
-            optimizer=OptimizerConfig(**_fields_of(OptimizerConfig, o)),
+            optimizer=_optimizer_of(o),
             loss_scale=LossScaleConfig(**_fields_of(LossScaleConfig, ls)),
             shard_index=spec.shard_index,
             num_shards=spec.num_shards,

@@ -307,14 +307,17 @@ def stats_digest(stub: pb_grpc.ParameterServerStub) -> str:
 # Diagnostic counters of per-chunk rounds: a refused push may count slots it let the
 # shard update early and then undo (the state itself is unchanged; the digest checks it).
 SPECULATION_COUNTERS = ("chunks_applied_early", "chunk_undos")
+NOT_STATE = (*SPECULATION_COUNTERS, "gradient_bytes")
+"""Stats a refused request may change: the per-chunk speculation counters, and the memory
+held for gradients in flight (a worker's first push allocates its staging)."""
 
 
 def without_speculation(stats: Any) -> Any:
-    """Stats (a dict or a StatsReply) without the per-chunk speculation counters."""
+    """Stats (a dict or a StatsReply) without what is not the shard's state (NOT_STATE)."""
     if isinstance(stats, dict):
-        return {k: v for k, v in stats.items() if k not in SPECULATION_COUNTERS}
+        return {k: v for k, v in stats.items() if k not in NOT_STATE}
     out = type(stats)()
     out.CopyFrom(stats)
-    for name in SPECULATION_COUNTERS:
+    for name in NOT_STATE:
         out.ClearField(name)
     return out

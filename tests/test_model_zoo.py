@@ -126,6 +126,29 @@ def test_zoo_longer_sweep(tmp_path: Path, model: str, optim: str) -> None:
     print(f"zoo {model} {optim}: loss max rel {loss_rel:.2e}, state max rel {state_rel:.2e}")
 
 
+OPTIMIZERS = {
+    "sgd": ("--weight-decay", "0.01", "--nesterov"),  # momentum 0.9 from _args
+    "adamw": ("--optimizer", "adamw", "--lr", "0.01", "--weight-decay", "0.01"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optim", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("impl", ["fused", "foreach", "loop"])
+@pytest.mark.parametrize("model", ["sometimes", "batchnorm"])
+def test_zoo_each_optimizer_impl(tmp_path: Path, model: str, impl: str, optim: str) -> None:
+    """Issue #36: PS and DDP train the same bits under each --optimizer-impl (the shards
+    step slots in groups, a DDP rank whole parameters), SGD with Nesterov momentum and
+    weight decay and AdamW, on a model with a parameter some steps leave unused and one
+    with buffers; both report the implementation they ran."""
+    runs = run_zoo(model, tmp_path, steps=8, extra=(*OPTIMIZERS[optim], "--optimizer-impl", impl))
+    loss_rel, state_rel = check_zoo(model, runs)
+    print(f"zoo {model} {optim} {impl}: loss max rel {loss_rel:.2e}, state {state_rel:.2e}")
+    assert runs["ddp"][0][0]["optimizer_impl"] == impl
+    ps_report = runs["ps_overlap"][0][0]
+    assert {s["optimizer_impl"] for s in ps_report["shards"]} == {impl}
+
+
 # ---- the pull gate, alone (no processes: pure logic) -----------------------------------
 
 

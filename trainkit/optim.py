@@ -9,14 +9,21 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 OPTIMIZERS = ("sgd", "adamw")
 SCHEDULES = ("constant", "warmup_cosine")
+IMPLS = ("auto", "fused", "foreach", "loop")
+"""torch's implementations of an optimizer's step (`--optimizer-impl`): `fused` (one
+kernel per tensor doing the whole update), `foreach` (each elementwise op over a list of
+tensors), `loop` (torch's per-parameter path, foreach=False). They differ in the last bits
+(fused AdamW vs loop: ~2.4e-7), so both architectures build from the same choice."""
 
 
 @dataclass(kw_only=True)
@@ -47,8 +54,17 @@ class OptimizerConfig:
     """warmup_cosine: number of updates over which the cosine decays (0: use the run's steps)."""
     min_lr_ratio: float = 0.0
     """warmup_cosine: final learning rate as a fraction of lr."""
+    impl: str = "auto"
+    """torch's implementation of the step: auto | fused | foreach | loop. auto: fused
+    where this torch has the fused kernel of the optimizer for the device it runs on (the
+    shards' CPU, a DDP rank's device), else loop. PS and DDP train the same bits under
+    each choice; the choices differ from each other in the last bits."""
 
     def __post_init__(self) -> None:
+        if self.impl not in IMPLS:
+            raise ValueError(
+                f"--optimizer-impl: unknown {self.impl!r}; accepted: {', '.join(IMPLS)}"
+            )
         if self.name not in OPTIMIZERS:
             raise ValueError(
                 f"--optimizer: unknown {self.name!r}; accepted: {', '.join(OPTIMIZERS)}"
@@ -69,26 +85,82 @@ class OptimizerConfig:
             raise ValueError(f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
 
 
-def build_optimizer(params: Iterable[torch.Tensor], cfg: OptimizerConfig) -> torch.optim.Optimizer:
-    """The torch optimizer for `cfg` (torch's own implementation, never a re-implementation)."""
-    params = list(params)
-    if cfg.name == "sgd":
-        return torch.optim.SGD(
-            params,
-            lr=cfg.lr,
-            momentum=cfg.momentum,
-            nesterov=cfg.nesterov,
-            weight_decay=cfg.weight_decay,
-            foreach=False,
+_TORCH_CLASSES = {"sgd": "SGD", "adamw": "AdamW"}
+
+
+@functools.cache
+def has_fused(name: str, device_type: str) -> bool:
+    """Whether this torch has the fused kernel of optimizer `name` on `device_type`: one
+    step of a one-element parameter tried (a feature test, never a version check; cached)."""
+    if device_type == "cuda" and not torch.cuda.is_available():
+        return False
+    try:
+        p = torch.nn.Parameter(torch.zeros(1, device=device_type))
+        p.grad = torch.zeros(1, device=device_type)
+        getattr(torch.optim, _TORCH_CLASSES[name])([p], lr=0.1, fused=True).step()
+    except (RuntimeError, ValueError, TypeError, NotImplementedError):
+        return False
+    return True
+
+
+def resolve_impl(cfg: OptimizerConfig, device: torch.device | str) -> str:
+    """The implementation `cfg.impl` means for parameters on `device` (auto decided);
+    ValueError where fused is asked for and this torch has no such kernel there."""
+    device_type = torch.device(device).type
+    if cfg.impl == "auto":
+        return "fused" if has_fused(cfg.name, device_type) else "loop"
+    if cfg.impl == "fused" and not has_fused(cfg.name, device_type):
+        raise ValueError(
+            f"--optimizer-impl fused: torch {torch.__version__} has no fused {cfg.name} "
+            f"kernel for {device_type}; use --optimizer-impl auto, foreach or loop"
         )
+    return cfg.impl
+
+
+def impl_kwargs(impl: str) -> dict[str, bool]:
+    """torch's constructor arguments for a resolved implementation."""
+    return {"fused": True} if impl == "fused" else {"foreach": impl == "foreach"}
+
+
+def _first_momentum(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """torch's fused SGD steps its list as a first step (buffer = gradient) only when no
+    parameter of it has a momentum buffer yet, and fails on a None buffer otherwise: a
+    parameter with its first gradient while the others have buffers (a slot no push had
+    a gradient for until now, an unused parameter used at last) would crash the step.
+    Such a buffer starts as -0.0: the kernel's buffer x momentum + gradient is then the
+    gradient bit for bit (signed zeros included), torch's first step for it."""
+    for group in opt.param_groups:
+        with_grad = [p for p in group["params"] if p.grad is not None]
+        fresh = [p for p in with_grad if opt.state[p].get("momentum_buffer") is None]
+        if fresh and len(fresh) < len(with_grad):
+            for p in fresh:
+                opt.state[p]["momentum_buffer"] = torch.full_like(p, -0.0)
+
+
+def build_optimizer(params: Iterable[torch.Tensor], cfg: OptimizerConfig) -> torch.optim.Optimizer:
+    """The torch optimizer for `cfg` (torch's own implementation, never a re-implementation),
+    with the implementation `cfg.impl` resolves to on the parameters' device."""
+    params = list(params)
+    device = params[0].device if params else torch.device("cpu")
+    kw = impl_kwargs(resolve_impl(cfg, device))
+    if cfg.name == "sgd":
+        sgd = torch.optim.SGD(
+            params, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov,
+            weight_decay=cfg.weight_decay, **kw,
+        )  # fmt: skip
+        if kw.get("fused") and cfg.momentum:
+            sgd.register_step_pre_hook(_first_momentum)
+        return sgd
     return torch.optim.AdamW(
-        params,
-        lr=cfg.lr,
-        betas=(cfg.beta1, cfg.beta2),
-        eps=cfg.eps,
-        weight_decay=cfg.weight_decay,
-        foreach=False,
-    )
+        params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+        weight_decay=cfg.weight_decay, **kw,
+    )  # fmt: skip
+
+
+def optimizer_impl(optimizer: torch.optim.Optimizer) -> str:
+    """The implementation a built optimizer runs (reports, Stats)."""
+    d = optimizer.defaults
+    return "fused" if d.get("fused") else "foreach" if d.get("foreach") else "loop"
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -21,7 +21,7 @@ from typing import Any
 
 # Nested sections whose flags carry a prefix, and fields whose flag is renamed.
 PREFIXES = {"loss_scale": "loss-scale-"}
-RENAMES = {("optimizer", "name"): "optimizer"}
+RENAMES = {("optimizer", "name"): "optimizer", ("optimizer", "impl"): "optimizer-impl"}
 
 
 @cache

@@ -167,6 +167,8 @@ class MembershipCalls:
                 "early_pull_slots": r.early_pull_slots,
                 "early_pull_voids": r.early_pull_voids,
                 "push_paced_s": r.push_paced_s,
+                "optimizer_impl": r.optimizer_impl,
+                "gradient_bytes": r.gradient_bytes,
             }
 
         return self._each(one)

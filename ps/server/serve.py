@@ -56,6 +56,7 @@ def build_state(cfg: ServerConfig, metrics: Any = None) -> ShardState:
         join_grace_s=cfg.join_grace_s,
         checkpoints=manager,
         chunk_rounds=cfg.chunk_rounds,
+        exact_fp16_sum=cfg.exact_fp16_sum,
         update_threads=cfg.update_threads(),
         push_lead_bytes=int(cfg.push_lead_mib * (1 << 20)),
     )

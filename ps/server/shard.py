@@ -45,7 +45,7 @@ from ps.server.update.buffers import IntBufferLog
 from ps.server.update.opt_state import StateValue, load_state, read_state
 from ps.server.update.stepper import SlotStepper
 from ps.server.update.updates import Updates
-from trainkit.optim import StepAdjust
+from trainkit.optim import StepAdjust, optimizer_impl, resolve_impl
 
 __all__ = ["ShardState"]
 
@@ -66,6 +66,7 @@ class ShardState(ShardData):
         chunk_rounds: bool = False,
         update_threads: int = 1,
         push_lead_bytes: int = 0,
+        exact_fp16_sum: bool = True,
     ) -> None:
         super().__init__(
             modes=modes,
@@ -75,6 +76,7 @@ class ShardState(ShardData):
             checkpoints=checkpoints,
             chunk_rounds=chunk_rounds,
             push_lead_bytes=push_lead_bytes,
+            exact_fp16_sum=exact_fp16_sum,
         )
         self.updates = Updates(
             self,
@@ -135,6 +137,10 @@ class ShardState(ShardData):
                         f"init slot {quote(key)}: expected {numel[key]} fp32 elements, got "
                         f"{t.numel()} {t.dtype}"
                     )
+            try:  # masters live on the CPU: fused only where this torch has the kernel
+                resolve_impl(job.optimizer, "cpu")
+            except ValueError as e:
+                raise InvalidArgument(f"this shard cannot run the job's optimizer: {e}") from None
             masters = {
                 s.key: torch.nn.Parameter(values[s.key].detach().clone().reshape(-1))
                 for s in job.slots
@@ -225,6 +231,8 @@ class ShardState(ShardData):
                 "early_pull_slots": policy.early_slots if policy is not None else 0,
                 "early_pull_voids": policy.early_voids if policy is not None else 0,
                 "push_paced_s": self.push_paced_s,
+                "optimizer_impl": optimizer_impl(self.optimizer) if self.job else "",
+                "gradient_bytes": self.intake.gradient_bytes(),
             }
 
     def state_digest(self) -> str:

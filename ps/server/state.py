@@ -55,6 +55,7 @@ class ShardData:
         checkpoints: CheckpointManager | None,
         chunk_rounds: bool,
         push_lead_bytes: int,
+        exact_fp16_sum: bool = True,
     ) -> None:
         self.cond = threading.Condition()
         """The shard's lock; every state change is made holding it."""
@@ -67,6 +68,9 @@ class ShardData:
         self.chunk_rounds = chunk_rounds
         """sync: apply each slot as soon as every worker's piece of it is in
         (ps/server/modes/sync_chunks.py); results are bit-identical either way."""
+        self.exact_fp16_sum = exact_fp16_sum
+        """sync: sum a round's fp16 pushes exactly as they arrive, in an int64 accumulator
+        per slot (ps/server/modes/exact_sum.py), not staged per worker."""
         self.push_lead_bytes = push_lead_bytes
         """Per-chunk rounds, data plane: read a push at most this far ahead of the slowest
         push of its round still streaming (ps/server/intake/pacing.py); 0: no pacing."""

@@ -26,6 +26,9 @@ class RuleOptions:
     worker's piece of it is in (the sync mode's per-chunk variant; same bits) even for a
     job that does not ask for it (workers from before jobs carried it). A job asks with
     Job.chunk_rounds; a shard needs no flag for that."""
+    exact_fp16_sum: bool = True
+    """psar server --exact-fp16-sum: a sync round of fp16 pushes is summed exactly as they
+    arrive (ps/server/modes/exact_sum.py); off: staged per worker, summed in rank order."""
 
 
 def no_options(job: Job) -> None:

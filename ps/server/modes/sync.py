@@ -25,7 +25,10 @@ TRAITS = ModeTraits(
 
 
 def _rule(job: Job, options: RuleOptions) -> UpdatePolicy:
-    return ChunkedSyncPolicy() if job.chunk_rounds or options.chunk_rounds else SyncPolicy()
+    exact = options.exact_fp16_sum
+    if job.chunk_rounds or options.chunk_rounds:
+        return ChunkedSyncPolicy(exact_fp16=exact)
+    return SyncPolicy(exact)
 
 
 MODE = Mode(name="sync", traits=TRAITS, rule=_rule, chunk_rounds=True)

@@ -68,7 +68,8 @@ class Updates:
         d.numel = {s.key: s.numel for s in job.slots}
         if d.policy is not None:
             d.policy.close()
-        d.policy = d.modes.rule(job, RuleOptions(chunk_rounds=d.chunk_rounds))
+        options = RuleOptions(chunk_rounds=d.chunk_rounds, exact_fp16_sum=d.exact_fp16_sum)
+        d.policy = d.modes.rule(job, options)
         d.optimizer = _optimizer(job, masters)
         # The schedule after the optimizer: building it sets the group's lr to the
         # schedule's start (a restore then loads the saved param group over it).
