@@ -64,6 +64,17 @@ def test_summary_divides_by_the_parameters_each_process_holds() -> None:
     assert "memory" in memory.table({**doc, "params": p, "workers": 2, "plan": planned}).lower()
 
 
+def test_early_pulls_are_read_from_rank_0s_log(tmp_path: Path) -> None:
+    (tmp_path / "worker0.log").write_text("x INFO worker 0: early pulls off (the job's)\n")
+    assert memory.early_pulls(tmp_path) is False
+    (tmp_path / "worker0.log").write_text("x INFO worker 0: early pulls on (the job's)\n")
+    assert memory.early_pulls(tmp_path) is True
+    assert "--early-pull" in memory.plan_rows(1000, True)["command"].split()
+    (tmp_path / "worker0.log").write_text("nothing\n")
+    with pytest.raises(RuntimeError, match="early pulls"):
+        memory.early_pulls(tmp_path)
+
+
 @pytest.mark.slow
 def test_memory_section_runs_and_emits_its_keys(tmp_path: Path) -> None:
     argv = [sys.executable, "-m", "bench.step_throughput", "--memory", "--json",
