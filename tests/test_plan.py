@@ -46,7 +46,7 @@ def test_textbook_example_on_the_command_line(capsys: pytest.CaptureFixture[str]
     assert main(["--params", "500M", "--workers", "32"]) == 0
     out = capsys.readouterr().out
     assert "M = 2 GB" in out and "3.875 GB" in out
-    assert "8 GB" in out  # DDP memory: 4 + 4 + 2*4 bytes per parameter
+    assert "10 GB" in out  # DDP memory: 4 + 4 + 2*4 + 4 (buckets) bytes per parameter
 
 
 # --- formulas ---------------------------------------------------------------------------
@@ -91,15 +91,37 @@ def test_one_worker_allreduce_moves_nothing() -> None:
 @pytest.mark.parametrize("worker_weights", sorted(DTYPE_BYTES))
 @pytest.mark.parametrize("s", [1, 3, 4])
 def test_memory(optimizer: str, worker_weights: str, s: int) -> None:
-    p = 1_000_000
+    p, n = 1_000_000, 8
     k = {"sgd": 0, "sgd-momentum": 1, "adamw": 2}[optimizer]
-    r = plan(PlanInputs(p, 8, s, optimizer=optimizer, worker_weights=worker_weights))
-    assert r.allreduce.memory_per_worker.total == (4 + 4 + 4 * k) * p
+    r = plan(PlanInputs(p, n, s, optimizer=optimizer, worker_weights=worker_weights))
+    # fp32 weights, gradients, k states and DDP's flat fp32 buckets
+    assert r.allreduce.memory_per_worker.total == (4 + 4 + 4 * k + 4) * p
+    assert r.allreduce.memory_per_worker.buffers == 4 * p
     w = DTYPE_BYTES[worker_weights]
-    assert r.ps.memory_per_worker.total == 2 * w * p  # working weights + gradients
-    assert r.ps.memory_per_shard is not None
-    # fp32 masters + optimizer state, split over S (rounded up: the largest shard).
-    assert r.ps.memory_per_shard.total == pytest.approx((4 + 4 * k) * p / s, abs=2)
+    # working weights + gradients + a send buffer per slot in the wire dtype (fp32 here)
+    assert r.ps.memory_per_worker.total == (2 * w + 4) * p
+    shard = r.ps.memory_per_shard
+    assert shard is not None
+    held = -(-p // s)  # the largest shard
+    assert shard.fp32_masters == 4 * held and shard.optimizer_state == 4 * k * held
+    assert shard.gradients == (n + 1) * 4 * held  # fp32 wire: N staged pushes + their sum
+    assert shard.buffers == (0 if worker_weights == "fp32" else w * held)  # pull snapshot
+
+
+def test_shard_memory_of_an_exact_fp16_round_and_of_chunk_rounds() -> None:
+    p = 1_000_000
+    whole = plan(PlanInputs(p, 8, 2, wire_dtype="fp16", worker_weights="fp16")).ps
+    assert whole.memory_per_shard is not None
+    # int64 exact sum + its fp32 mean, whatever the number of workers
+    assert whole.memory_per_shard.gradients == 12 * p // 2
+    assert whole.memory_per_shard.buffers == 2 * p // 2  # fp16 snapshot for pulls
+    assert whole.memory_per_shard.total == (4 + 8 + 12 + 2) * p // 2
+    chunks = plan(PlanInputs(p, 8, 2, wire_dtype="fp16", worker_weights="fp16",
+                             early_pull=True)).ps  # fmt: skip
+    assert chunks.memory_per_shard is not None
+    # + undo copies of the master and its two moments, and a mean buffer per slot
+    assert chunks.memory_per_shard.buffers == (2 + 4 + 8 + 4) * p // 2
+    assert whole.memory_per_worker.total == (2 + 2 + 2) * p  # fp16 weights, grads, send
 
 
 def test_step_times_with_compute() -> None:
@@ -306,9 +328,12 @@ def test_json_keys_and_values(capsys: pytest.CaptureFixture[str]) -> None:
     m = 1e9  # fp16
     assert d["allreduce"]["bytes_sent_per_worker_per_step"] == pytest.approx(2 * 31 / 32 * m)
     assert d["ps"]["bytes_received_per_shard_per_step"] == pytest.approx(32 * m / 4)
-    assert d["ps"]["memory_per_shard_bytes"] == 12 * 500_000_000 // 4
-    assert d["ps"]["memory_per_worker_bytes"] == 8 * 500_000_000
-    assert d["allreduce"]["memory_per_worker_bytes"] == 16 * 500_000_000
+    # AdamW, fp16 wire: masters 4 + moments 8 + the exact sum 8 and mean 4 (+ early
+    # pulls' undo copies 16) per parameter held; workers 4 + 4 + 2 (fp32 weights)
+    shard = 24 + (16 if d["inputs"]["early_pull"] else 0)
+    assert d["ps"]["memory_per_shard_bytes"] == shard * 500_000_000 // 4
+    assert d["ps"]["memory_per_worker_bytes"] == 10 * 500_000_000
+    assert d["allreduce"]["memory_per_worker_bytes"] == 20 * 500_000_000
     assert d["winner"] == "allreduce"
     best = min(("allreduce", "ps"), key=lambda a: d[a]["step_seconds_overlap"])
     assert d["winner"] == best

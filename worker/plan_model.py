@@ -269,16 +269,53 @@ def overlapped_step(compute: float, comm: float, tail: float) -> float:
 
 @dataclass(frozen=True)
 class Memory:
-    """Model-state bytes in one process; activations are equal across both designs."""
+    """Bytes one process holds for the model; activations (they depend on the batch and
+    are equal across both designs) are left out."""
 
     weights: int
     gradients: int
+    """A worker's gradients; a shard's: the sync round's (docs/cost-model.md, Memory)."""
     optimizer_state: int
     fp32_masters: int = 0
+    buffers: int = 0
+    """Communication and round buffers: DDP's gradient buckets, a PS worker's send
+    buffers, a shard's pull snapshot and per-chunk-round undo copies."""
 
     @property
     def total(self) -> int:
-        return self.weights + self.gradients + self.optimizer_state + self.fp32_masters
+        return (self.weights + self.gradients + self.optimizer_state + self.fp32_masters
+                + self.buffers)  # fmt: skip
+
+
+def ddp_worker_memory(params: int, states: int) -> Memory:
+    """A DDP rank: fp32 weights, gradients and optimizer state, and the reducer's flat
+    fp32 buckets (DDP copies every gradient into them: gradient_as_bucket_view off)."""
+    return Memory(weights=FP32 * params, gradients=FP32 * params,
+                  optimizer_state=states * FP32 * params, buffers=FP32 * params)  # fmt: skip
+
+
+def ps_worker_memory(params: int, weights: str, wire: str) -> Memory:
+    """A PS worker: working weights and their gradients (autograd makes them in the
+    weights' dtype), and a send buffer per slot in the wire dtype (ps/client/backend.py)."""
+    ww = DTYPE_BYTES[weights]
+    return Memory(weights=ww * params, gradients=ww * params, optimizer_state=0,
+                  buffers=DTYPE_BYTES[wire] * params)  # fmt: skip
+
+
+def ps_shard_memory(params: int, workers: int, servers: int, states: int, wire: str,
+                    weights: str, chunk_rounds: bool) -> Memory:  # fmt: skip
+    """The largest of S shards in a sync job: fp32 masters and optimizer state; the
+    round's gradient (fp16 on the wire: an int64 exact sum and its fp32 mean; else every
+    worker's push staged in fp32 and their fp32 sum); a snapshot of the masters in the
+    pulled dtype (low-precision worker weights); per-chunk rounds (early pulls): undo
+    copies of masters and state and a mean buffer per slot (ps/server/modes)."""
+    held = _ceil_div(params, servers)
+    round_grad = (8 + FP32) if wire == "fp16" else (workers + 1) * FP32
+    snapshot = DTYPE_BYTES[weights] if weights != "fp32" else 0
+    undo = (FP32 + states * FP32 + FP32) if chunk_rounds else 0
+    return Memory(weights=0, gradients=round_grad * held,
+                  optimizer_state=states * FP32 * held, fp32_masters=FP32 * held,
+                  buffers=(snapshot + undo) * held)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -394,11 +431,7 @@ def plan_allreduce(inp: PlanInputs) -> ArchPlan:
         bytes_sent_per_worker_per_step=moved,
         bytes_received_per_worker_per_step=moved,
         worker_comm=ring_allreduce_comm(m, n, alpha, beta),
-        memory_per_worker=Memory(
-            weights=FP32 * inp.params,
-            gradients=FP32 * inp.params,
-            optimizer_state=states * FP32 * inp.params,
-        ),
+        memory_per_worker=ddp_worker_memory(inp.params, states),
         tail_comm=ring_allreduce_comm(min(inp.bucket_bytes, m), n, alpha, beta),
         compute_seconds=inp.compute_seconds,
         cpu_seconds=cpu_seconds(
@@ -414,7 +447,6 @@ def plan_ps(inp: PlanInputs) -> ArchPlan:
     alpha, beta = inp.latency_seconds, inp.bandwidth_bytes_per_second
     bucket = min(inp.bucket_bytes, m)
     states = OPTIMIZER_STATES[inp.optimizer]
-    ww = DTYPE_BYTES[inp.worker_weights]
     k = inp.hosts_of_shards
 
     def sides(size: float) -> tuple[Comm, Comm]:
@@ -436,16 +468,10 @@ def plan_ps(inp: PlanInputs) -> ArchPlan:
         shard_comm=shard,
         bytes_received_per_shard_per_step=n * m / s,
         bytes_sent_per_shard_per_step=n * m / s,
-        # Autograd makes gradients in the dtype of the weights they belong to.
-        memory_per_worker=Memory(
-            weights=ww * inp.params, gradients=ww * inp.params, optimizer_state=0
-        ),
-        memory_per_shard=Memory(
-            weights=0,
-            gradients=0,
-            optimizer_state=_ceil_div(states * FP32 * inp.params, s),
-            fp32_masters=_ceil_div(FP32 * inp.params, s),
-        ),
+        memory_per_worker=ps_worker_memory(inp.params, inp.worker_weights, inp.wire_dtype),
+        memory_per_shard=ps_shard_memory(
+            inp.params, n, s, states, inp.wire_dtype, inp.worker_weights, inp.early_pull
+        ),  # fmt: skip
         tail_comm=max(tail_w, tail_s, key=lambda c: c.seconds),
         compute_seconds=inp.compute_seconds,
         cpu_seconds=cpu_seconds(

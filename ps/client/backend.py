@@ -141,8 +141,6 @@ class PSBackend(OverlapMixin, ResyncMixin, LocalMixin, OwnLoopMixin):
         self.io = DeviceIO(self.device)
         release_tables(model)  # the shards hold the sparse tables' rows (docs/sparse.md)
         model.to(self.device)
-        if self.precision.weights != torch.float32:
-            model.to(self.precision.weights)
         self.model = model
         from ps.client.sparse_worker import SparseSide  # sparse tables: docs/sparse.md
 
@@ -211,6 +209,13 @@ class PSBackend(OverlapMixin, ResyncMixin, LocalMixin, OwnLoopMixin):
                 "bytes per shard: %s",
                 ", ".join(f"{i}: {b / 2**20:.2f} MiB" for i, b in enumerate(per)),
             )
+            del values
+        # Low-precision worker weights only now: rank 0 initialised the fp32 masters from
+        # the model's own fp32 values (as DDP starts from them), sent from the parameters'
+        # memory, not from an fp32 copy beside fp16 ones (bench/lib/memory.py: that copy
+        # was a worker's peak, 6 bytes per parameter; now the fp32 model it was built in).
+        if self.precision.weights != torch.float32:
+            model.to(self.precision.weights)
         got = self._await_jobs()
         for i, (want, have) in enumerate(zip(jobs, got, strict=True)):
             if have is None:
