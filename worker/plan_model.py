@@ -66,6 +66,9 @@ class PlanInputs:
     """Sync PS pipelined (psar train --early-pull: the job asks its shards for per-chunk rounds): each slot
     is pulled back while later ones are still pushed, so a NIC's two directions work at
     once and the pull ends one chunk after the push."""
+    exact_fp16_sum: bool = False
+    """Shards summing fp16 rounds exactly as pushes arrive (psar server --exact-fp16-sum,
+    an opt-in): 12 bytes of round gradient per parameter held instead of 4(N+1)."""
     chunk_bytes: int = 4 * 2**20
     """A slot on the wire at most (psar train --chunk-mib): with early_pull, the pull's
     last chunk can start only once its push has ended."""
@@ -303,14 +306,14 @@ def ps_worker_memory(params: int, weights: str, wire: str) -> Memory:
 
 
 def ps_shard_memory(params: int, workers: int, servers: int, states: int, wire: str,
-                    weights: str, chunk_rounds: bool) -> Memory:  # fmt: skip
+                    weights: str, chunk_rounds: bool, exact: bool = False) -> Memory:  # fmt: skip
     """The largest of S shards in a sync job: fp32 masters and optimizer state; the
-    round's gradient (fp16 on the wire: an int64 exact sum and its fp32 mean; else every
+    round's gradient (fp16 on the wire with `exact`: an int64 exact sum and its fp32 mean; else every
     worker's push staged in fp32 and their fp32 sum); a snapshot of the masters in the
     pulled dtype (low-precision worker weights); per-chunk rounds (early pulls): undo
     copies of masters and state and a mean buffer per slot (ps/server/modes)."""
     held = _ceil_div(params, servers)
-    round_grad = (8 + FP32) if wire == "fp16" else (workers + 1) * FP32
+    round_grad = (8 + FP32) if exact and wire == "fp16" else (workers + 1) * FP32
     snapshot = DTYPE_BYTES[weights] if weights != "fp32" else 0
     undo = (FP32 + states * FP32 + FP32) if chunk_rounds else 0
     return Memory(weights=0, gradients=round_grad * held,
@@ -470,7 +473,14 @@ def plan_ps(inp: PlanInputs) -> ArchPlan:
         bytes_sent_per_shard_per_step=n * m / s,
         memory_per_worker=ps_worker_memory(inp.params, inp.worker_weights, inp.wire_dtype),
         memory_per_shard=ps_shard_memory(
-            inp.params, n, s, states, inp.wire_dtype, inp.worker_weights, inp.early_pull
+            inp.params,
+            n,
+            s,
+            states,
+            inp.wire_dtype,
+            inp.worker_weights,
+            inp.early_pull,
+            inp.exact_fp16_sum,
         ),  # fmt: skip
         tail_comm=max(tail_w, tail_s, key=lambda c: c.seconds),
         compute_seconds=inp.compute_seconds,
