@@ -10,7 +10,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from worker.plan import build_parser, main
-from worker.plan_model import DTYPE_BYTES, OPTIMIZER_STATES, PlanInputs, plan
+from worker.plan_model import PlanInputs, plan
+from worker.plan_types import DTYPE_BYTES, OPTIMIZER_STATES
 from worker.plan_units import (
     human_bytes,
     human_seconds,

@@ -14,7 +14,8 @@ from collections.abc import Callable, Sequence
 
 from worker.compare_repeats import positive_int
 from worker.plan_command import launch_lines, train_flags
-from worker.plan_model import (
+from worker.plan_model import PlanResult, plan
+from worker.plan_types import (
     DEFAULT_BUCKET_BYTES,
     DEFAULT_PS_CPU_RATE,
     DEFAULT_RING_CPU_RATE,
@@ -22,8 +23,6 @@ from worker.plan_model import (
     OPTIMIZER_STATES,
     ArchPlan,
     PlanInputs,
-    PlanResult,
-    plan,
 )
 from worker.plan_units import (
     human_bytes,

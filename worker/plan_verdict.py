@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from worker.plan_units import human_bytes, human_seconds
 
 if TYPE_CHECKING:
-    from worker.plan_model import ArchPlan, PlanInputs
+    from worker.plan_types import ArchPlan, PlanInputs
 
 
 def _score(arch: ArchPlan) -> float:
