@@ -30,7 +30,14 @@ from trainkit.atomic import atomic_save
 from trainkit.device_io import state_to_host
 from trainkit.finite import all_finite
 from trainkit.local_sgd import LocalSteps, outer_optimizer_config
-from trainkit.optim import build_optimizer, build_scheduler, effective_loss_scale, with_run_length
+from trainkit.optim import (
+    StepOptions,
+    build_optimizer,
+    build_scheduler,
+    effective_loss_scale,
+    optimizer_impl,
+    with_run_length,
+)
 from trainkit.sparse_tables import materialize_tables
 from worker.backend import StepOutcome
 from worker.config import TrainConfig
@@ -121,7 +128,16 @@ class DDPBackend:
         if cfg.local_sgd:
             self.mode = cfg.ps.mode  # --mode local
 
-    def setup(self, model: torch.nn.Module) -> torch.nn.Module:
+    def setup(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
+    ) -> torch.nn.Module:
+        """`optimizer`: a user's own (worker/own_loop.py), stepped here as it is, its LR
+        scheduler the user's; None: the one --optimizer configures, with its schedule."""
+        if optimizer is not None and (self.cfg.local_sgd or self.cfg.ddp.checkpoint_dir):
+            raise ValueError(
+                "a loop of your own saves its own checkpoints and runs without --mode local: "
+                "leave --checkpoint-dir and --mode local out"
+            )
         init_process_group(self.cfg, self.device)
         materialize_tables(model)  # every rank holds whole sparse tables under DDP
         model.to(self.device)
@@ -142,8 +158,8 @@ class DDPBackend:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self._step_bytes = sum(p.numel() for p in self.params) * wire.itemsize
         opt_cfg = with_run_length(self.cfg.optimizer, self.total_steps)
-        self.optimizer = build_optimizer(self.params, opt_cfg)
-        self.scheduler = build_scheduler(self.optimizer, opt_cfg)
+        self.optimizer = optimizer or build_optimizer(self.params, opt_cfg)
+        self.scheduler = build_scheduler(self.optimizer, opt_cfg) if optimizer is None else None
         ls = effective_loss_scale(self.cfg.loss_scale, self.precision.loss_scaling)
         self.scaler = torch.amp.GradScaler(
             self.device.type,
@@ -274,7 +290,8 @@ class DDPBackend:
 
     def report_extras(self) -> dict[str, Any]:
         """Fault figures (and --mode local's rounds) for the run's report (Backend protocol)."""
-        extras = {"start_step": self.start_step, "checkpoints_written": self.checkpoints_written}
+        extras = {"start_step": self.start_step, "checkpoints_written": self.checkpoints_written,
+                  "optimizer_impl": optimizer_impl(self.optimizer)}  # fmt: skip
         return {**extras, **(self.local.report() if self.local is not None else {})}
 
     def no_sync(self):  # noqa: ANN201 - DDP's own context manager
@@ -285,13 +302,16 @@ class DDPBackend:
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return self.scaler.scale(loss)
 
-    def step(self) -> StepOutcome:
+    def step(self, options: StepOptions | None = None) -> StepOutcome:
         # Gradients were allreduced during backward (DDP's bucket hooks), so every rank
         # sees the same gradients and reaches the same skip decision with no collective.
+        # `options`: a loop of its own's (its optimizer's learning rates are its own).
         if self.local is not None:
             return self._local_step(self.local)
         t0 = time.perf_counter()
         self.bytes_allreduced += self._step_bytes
+        clip = options.clip_norm if options is not None else self.cfg.clip_grad_norm
+        grad_norm = self.clip(clip) if clip else None
         if self.scaler.is_enabled():
             before = self.scaler.get_scale()
             self.scaler.step(self.optimizer)
@@ -302,7 +322,7 @@ class DDPBackend:
             skipped = not all_finite(_values(p.grad) for p in self.params if p.grad is not None)
             if not skipped:
                 self.optimizer.step()
-        if not skipped:
+        if not skipped and self.scheduler is not None:
             self.scheduler.step()
         self.steps_done += 1
         ckpt = self.cfg.ddp
@@ -311,8 +331,16 @@ class DDPBackend:
         return StepOutcome(
             skipped=skipped,
             loss_scale=self.loss_scale,
+            grad_norm=None if skipped else grad_norm,
             phases={"optimizer": time.perf_counter() - t0},
         )
+
+    def clip(self, max_norm: float) -> float:
+        """Clip the averaged gradient to `max_norm` (unscaled first, as GradScaler users
+        do); returns its norm before clipping. Once per step: step() calls it."""
+        self.scaler.unscale_(self.optimizer)
+        norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
+        return float(norm)
 
     def comm_bytes(self) -> dict[str, int]:
         # A ring allreduce of M bytes over n ranks (reduce-scatter, then all-gather) sends
@@ -336,6 +364,9 @@ class DDPBackend:
 
     def next_batches(self, *, stop: bool = False) -> list[int] | None:
         raise NotImplementedError("allreduce ranks cut their own data shard (deals_data)")
+
+    def remote_optimizer_state(self) -> dict[str, dict[str, torch.Tensor]] | None:
+        return None  # every rank's optimizer holds its own state
 
     def abort(self) -> None:
         """Nothing of ours waits on a step: DDP's collectives belong to torch, which the

@@ -59,7 +59,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument("--worker-train", metavar="FLAGS", default=None,
                    help='psar train flags of your workload without --steps, e.g. "--workload '
-                   'mlp --batch-size 64 --threads 1": also measure worker_cpu_seconds_per_step '
+                   'mlp --batch-size 64 --torch-threads 1": also measure worker_cpu_seconds_per_step '
                    "(a one-worker job at two lengths, differenced)")  # fmt: skip
     p.add_argument("--no-rates", action="store_true",
                    help="skip the two-host byte rates (no namespaces needed)")  # fmt: skip

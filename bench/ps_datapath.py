@@ -6,7 +6,7 @@ with ps.job.Job objects from ps.partition.plan_slots, then push/pull in a loop, 
 async, one worker, so nothing ever waits on a barrier: bench/lib/datapath.py). Two
 transports move the same push and pull through the same PSClient calls, cycles
 alternating on the same shards: "grpc" (--data-plane grpc) and "tcp", the shards' data
-plane (ps/server/dataplane.py; one DataPlaneClient per shard, port from GetJob, shards in
+plane (ps/server/doors/dataplane.py; one DataPlaneClient per shard, port from GetJob, shards in
 parallel). Right before every cycle the same script times one raw loopback TCP transfer
 of the same payload (bench/baselines/tcp.py), so the ratio compares like with like on a
 noisy machine; by default it first waits (bounded) for the CPUs to be quiet.
@@ -53,7 +53,7 @@ class Result:
     payload_mib: float
     shards: int
     transport: str
-    """"grpc" (PSClient over gRPC) or "tcp" (the shards' data plane, ps/server/dataplane.py)."""
+    """"grpc" (PSClient over gRPC) or "tcp" (the shards' data plane, ps/server/doors/dataplane.py)."""
     gbps: float
     """(push + pull bytes) / median cycle time, GB/s."""
     ratio_to_tcp: float

@@ -134,7 +134,7 @@ def bench(
     common = ["train", "--workload", "recsys", *opts, "--steps", str(steps),
               "--batch-size", str(batch), "--precision", "fp32", "--lr", "0.05",
               "--momentum", "0", "--eval-batches", "0", "--log-every", "0",
-              "--threads", "1"]  # fmt: skip
+              "--torch-threads", "1"]  # fmt: skip
     out: dict = {"rows": table_rows, "dim": dim, "bag": bag, "batch_per_worker": batch,
                  "workers": WORLD, "shards": shards, "steps": steps,
                  "worker_cpus": worker_cpus or "all", "shard_cpus": shard_cpus or "all"}  # fmt: skip

@@ -39,6 +39,11 @@ plane >= 0.85x.
         # psar allreduce against plain DDP alone, 8 alternated pairs
     python -m bench.step_throughput --workers 2 --runs plain-ddp,rpc-ps,rpc-ps-async,psar-ps-sync-1
         # the torch RPC parameter servers, both styles
+    python -m bench.step_throughput --memory   # peak bytes/param: PS worker vs DDP rank (104M)
+
+--memory: what a worker must hold (bench/lib/memory.py): peak memory per worker in bytes
+per parameter, PS (fp16 worker weights, AdamW on the shards) vs a DDP rank (fp32 AdamW),
+beside `psar plan`'s memory rows; issue #36's goals in its JSON's `goals`.
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.lib import common as c
+from bench.lib import memory
 
 CONFIGS = ("plain-ddp", "psar-allreduce", "psar-ps-sync-1", "psar-ps-sync-2",
            "psar-ps-sync-1-no-overlap", "psar-ps-sync-1-chunk-rounds",
@@ -327,6 +333,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs", default=None, metavar="ROW,...",
                    help=f"only these rows (default: {NO_COMM},{','.join(CONFIGS)}; also "
                    f"{','.join(EXTRA_CONFIGS)}); without {NO_COMM} no exposed-comm column")  # fmt: skip
+    p.add_argument(
+        "--memory",
+        action="store_true",
+        help="only the peak-memory section (bytes/param, PS vs DDP, vs psar plan)",
+    )
+    p.add_argument(
+        "--memory-hidden",
+        type=int,
+        default=None,
+        help="--memory: width of the mlp's hidden layers (default 4096; quick 512)",
+    )
+    p.add_argument("--memory-depth", type=int, default=None,
+                   help="--memory: hidden layers (default 7: 104M parameters; quick 2)")  # fmt: skip
     args = p.parse_args(argv)
     only = None if args.runs is None else [r for r in args.runs.split(",") if r]
     if only is not None and (bad := set(only) - {NO_COMM, *CONFIGS, *EXTRA_CONFIGS}):
@@ -334,6 +353,15 @@ def main(argv: list[str] | None = None) -> int:
                 f"{', '.join([NO_COMM, *CONFIGS, *EXTRA_CONFIGS])}")  # fmt: skip
     c.install_sigterm()
     out = c.out_dir(args, "step_throughput")
+    if args.memory:
+        doc = memory.measure(
+            out,
+            hidden=args.memory_hidden or (512 if args.quick else 4096),
+            depth=args.memory_depth if args.memory_depth is not None else 2 if args.quick else 7,
+            steps=args.steps or 3,
+            timeout=args.timeout,
+        )
+        return c.finish(args, out, "step_memory", doc, memory.table(doc))
     tls_ratio = args.tls_only and not args.quick
     workers = [
         int(w) for w in (args.workers or ("2" if args.quick or tls_ratio else "2,4")).split(",")

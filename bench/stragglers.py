@@ -51,7 +51,7 @@ def ssp_bound(n: int, steps: int, bound: int) -> float:
 
 
 def run_mode(out: Path, args, mode: str) -> dict:  # noqa: ANN001
-    train = ["--workload", args.workload, "--batch-size", str(args.batch_size), "--threads", "1",
+    train = ["--workload", args.workload, "--batch-size", str(args.batch_size), "--torch-threads", "1",
              "--precision", "fp32", "--log-every", "0", "--eval-batches", "0",
              "--emulate-compute-ms", str(args.compute_ms), "--steps", str(args.steps)]  # fmt: skip
     slow = {args.straggler_rank: ["--slowdown", str(args.slow_factor)]}

@@ -48,6 +48,9 @@ DISCARD_CHUNK_BYTES = 1 << 20
 KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_COUNT = 60, 15, 4
 """TCP keepalive: a peer that vanished (no FIN, no RST) is found within ~2 minutes."""
 
+DEADLINE_SLACK_S = 0.05
+"""A read under a frame's deadline may end up to twice this after it (see _set_deadline)."""
+
 _JOIN_BYTES = 64 << 10
 """Small buffers sent together over TLS are joined into one write (one record)."""
 
@@ -165,12 +168,19 @@ def is_tls(sock: socket.socket) -> bool:
 
 
 def _set_deadline(sock: socket.socket, deadline: float | None) -> None:
+    """Before a blocking read of a frame: the socket's timeout must run out no sooner
+    than `deadline` and at most 2 DEADLINE_SLACK_S after it (TimeoutError once it passed).
+    It is re-armed only when it left that range, not before every read: a TLS read
+    returns one 16 KiB record, and a settimeout per record (a syscall and the Python
+    around it) was a tenth of the receiving end's TLS cost (bench/experiments/tls_cost.py)."""
     if deadline is None:
         return
     remaining = deadline - time.monotonic()
     if remaining <= 0:
         raise TimeoutError("frame deadline passed")
-    sock.settimeout(remaining)
+    timeout = sock.gettimeout()
+    if timeout is None or not remaining <= timeout <= remaining + 2 * DEADLINE_SLACK_S:
+        sock.settimeout(remaining + DEADLINE_SLACK_S)
 
 
 def encode(frame: pb.DataFrame, payload_len: int = 0) -> bytes:

@@ -1,11 +1,16 @@
 """The headers of a push and a pull, and a push's outcome: what both sides of the wire
-speak (ps/serde.py maps them to and from the proto messages)."""
+speak (ps/serde.py maps them to and from the proto messages). A push's StepOptions are
+trainkit.optim's (the DDP backend reads them too)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import torch
+
+from trainkit.optim import StepOptions
+
+__all__ = ["PullHeader", "PushHeader", "PushOutcome", "StepOptions"]
 
 
 @dataclass(slots=True)
@@ -24,6 +29,8 @@ class PushHeader:
     streamed push sends them in its verdict instead: they are known after backward."""
     int_buffers: dict[str, tuple[int, ...]] = field(default_factory=dict)
     """To shard 0: the worker's integer buffers (Job.int_buffers), every one or none."""
+    options: StepOptions = StepOptions()
+    """A whole push's step options (a streamed push sends them in its verdict)."""
 
 
 @dataclass(slots=True)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from ps.partition import Slot
 from trainkit.choices import DEFAULT_MODE, averages_buffers, local_sgd
-from trainkit.optim import LossScaleConfig, OptimizerConfig
+from trainkit.optim import LossScaleConfig, OptimizerConfig, ParamGroup
 
 MAX_INT_BUFFER_ELEMENTS = 4096
 """Integer buffer elements a job may carry in its headers (counters are scalars)."""
@@ -115,6 +115,15 @@ class Job:
     """Shard 0 only: the model's integer buffers (name, numel), e.g. BatchNorm's
     num_batches_tracked. Exact values travel in push and pull headers; the shard keeps rank
     0's (DDP's broadcast). At most MAX_INT_BUFFER_ELEMENTS elements in all."""
+    chunk_rounds: bool = False
+    """Rounds applied slot by slot: a shard steps each slot as soon as every worker's piece
+    of it is in, while later slots still stream (same bits as whole rounds). Rank 0 decides
+    it for the job (it follows --early-pull); a shard whose mode has no such rounds refuses
+    the job, naming why."""
+    early_pull: bool = False
+    """Every worker asks each step's pull while its push still streams, so a slot comes
+    back as soon as it is applied (needs chunk_rounds). Rank 0 decides it for the job;
+    the other workers follow the job they find on the shards."""
     mode_options: dict[str, float] = field(default_factory=dict)
     """The knobs of a mode that has no field of its own above (a mode added as one
     module: its configuration reads them, ps/server/modes/); empty for the built-in ones."""
@@ -132,6 +141,12 @@ class Job:
     data_stream: str = ""
     """Elastic data: how the workers map a batch id to samples (workload, batch size, seed,
     dataset size): the shards never read it, but a worker whose differs is refused."""
+    param_groups: tuple[ParamGroup, ...] = ()
+    """The optimizer's parameter groups with their own hyper-parameters (a user's own
+    torch.optim optimizer, worker/own_loop.py), each naming the parameters of this
+    shard's slots it holds; `optimizer` then names the class only (its schedule:
+    constant, the worker ships each step's learning rates with its push). Empty: one
+    group with `optimizer`'s values."""
     traits: ModeTraits | None = field(default=None, compare=False)
     """How the serving shard's mode behaves: set on the job a shard installed (and sends
     back with GetJob), None on one a worker built. Not part of the job's identity."""
@@ -146,6 +161,33 @@ class Job:
     def elastic(self) -> bool:
         """Workers may join (Join) and the data follows membership."""
         return self.max_workers > 0
+
+    def group_of(self) -> dict[str, int]:
+        """Each slot's parameter group (0 for all without param_groups; buffer slots,
+        never stepped, in group 0)."""
+        by_param = {n: i for i, g in enumerate(self.param_groups) for n in g.params}
+        return {s.key: by_param.get(s.param, 0) for s in self.slots}
+
+    def _check_groups(self) -> None:
+        self.param_groups = tuple(self.param_groups)
+        if not self.param_groups:
+            return
+        names = [n for g in self.param_groups for n in g.params]
+        if len(set(names)) != len(names):
+            raise ValueError("param groups: a parameter is listed in more than one group")
+        buffers = set(self.buffer_slots)
+        stray = {s.param for s in self.slots if s.key not in buffers} - set(names)
+        if stray:
+            raise ValueError(
+                f"param groups: parameters {sorted(stray)[:3]} of this shard's slots are in "
+                "no group; every trained parameter belongs to exactly one group"
+            )
+        if self.optimizer.schedule != "constant":
+            raise ValueError(
+                "param groups come with the worker's own LR schedule (its learning rates "
+                f"travel with each push): the job's schedule must be constant, got "
+                f"{self.optimizer.schedule!r}"
+            )
 
     def served(self, traits: ModeTraits) -> Job:
         """This job as a shard of a mode with `traits` holds it: with those traits, and
@@ -213,6 +255,9 @@ class Job:
                 f"integer buffers hold more than {MAX_INT_BUFFER_ELEMENTS} elements; they "
                 "travel in headers (larger ones stay each worker's own)"
             )
+        self._check_groups()
+        if self.early_pull and not self.chunk_rounds:
+            raise ValueError("a job with early pulls needs chunk_rounds (slots applied early)")
         self.mode_options = {str(k): float(v) for k, v in self.mode_options.items()}
         bad = [k for k, v in self.mode_options.items() if not math.isfinite(v)]
         if bad:

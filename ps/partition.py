@@ -13,6 +13,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 DEFAULT_CHUNK_BYTES = 4 << 20
+CHUNK_ALIGN = 64
+"""Chunks of at least this many elements are cut at multiples of it: torch's fused
+optimizer kernels round a vector loop and its scalar tail differently (fused SGD), so a
+slot must start where a vector of the whole parameter would for a shard stepping slots to
+equal a DDP rank stepping the parameter (ps/server/update/stepper.py)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +58,8 @@ def plan_slots(
     if len(set(names)) != len(names):
         raise ValueError("parameter names must be unique")
     per_chunk = chunk_bytes // itemsize
+    if per_chunk >= CHUNK_ALIGN:
+        per_chunk -= per_chunk % CHUNK_ALIGN
     pieces: list[tuple[str, str, int, int]] = []  # key, param, start, numel
     for name, numel in params:
         if numel <= 0:

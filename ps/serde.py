@@ -14,11 +14,11 @@ import torch
 from ps import wire
 from ps._gen.psar.v1 import ps_pb2 as pb
 from ps.errors import InvalidArgument, quote
-from ps.headers import PullHeader, PushHeader, PushOutcome
+from ps.headers import PullHeader, PushHeader, PushOutcome, StepOptions
 from ps.job import Job, ModeTraits
 from ps.partition import Slot
 from ps.sparse_spec import TableSpec
-from trainkit.optim import LossScaleConfig, OptimizerConfig
+from trainkit.optim import LossScaleConfig, OptimizerConfig, ParamGroup
 
 # A mode travels as its Mode enum value (the name in capitals) where the enum has one, else
 # as mode_name (a mode registered as a module of its own, ps/server/modes/).
@@ -134,6 +134,14 @@ def _fields_of(cls: type, msg: object) -> dict[str, object]:
     return {f.name: getattr(msg, f.name) for f in dataclasses.fields(cls)}
 
 
+def _optimizer_of(o: pb.OptimizerSpec) -> OptimizerConfig:
+    fields = _fields_of(OptimizerConfig, o)
+    # A spec without an implementation was written before the field existed, when every
+    # optimizer ran torch's per-parameter loop: a restored job goes on with the same bits.
+    fields["impl"] = fields["impl"] or "loop"
+    return OptimizerConfig(**fields)
+
+
 def job_to_pb(job: Job) -> pb.JobSpec:
     o, ls = job.optimizer, job.loss_scale
     mode, mode_name = mode_to_pb(job.mode)
@@ -166,7 +174,14 @@ def job_to_pb(job: Job) -> pb.JobSpec:
         data_batches=job.data_batches,
         data_per_step=job.data_per_step,
         data_stream=job.data_stream,
+        param_groups=[pb.ParamGroupSpec(**dataclasses.asdict(g)) for g in job.param_groups],
+        chunk_rounds=job.chunk_rounds,
+        early_pull=job.early_pull,
     )
+
+
+def _group_from_pb(m: pb.ParamGroupSpec) -> ParamGroup:
+    return ParamGroup(**{**_fields_of(ParamGroup, m), "params": tuple(m.params)})
 
 
 def job_from_pb(spec: pb.JobSpec) -> Job:
@@ -181,7 +196,7 @@ def job_from_pb(spec: pb.JobSpec) -> Job:
             mode=mode,
             staleness=spec.staleness,
             num_workers=spec.num_workers,
-            optimizer=OptimizerConfig(**_fields_of(OptimizerConfig, o)),
+            optimizer=_optimizer_of(o),
             loss_scale=LossScaleConfig(**_fields_of(LossScaleConfig, ls)),
             shard_index=spec.shard_index,
             num_shards=spec.num_shards,
@@ -203,7 +218,10 @@ def job_from_pb(spec: pb.JobSpec) -> Job:
             data_per_step=spec.data_per_step or 1,
             data_stream=spec.data_stream,
             mode_options=dict(spec.mode_options),
+            param_groups=tuple(_group_from_pb(g) for g in spec.param_groups),
             traits=traits,
+            chunk_rounds=spec.chunk_rounds,
+            early_pull=spec.early_pull,
         )
     except ValueError as e:
         raise InvalidArgument(f"invalid job spec: {e}", reason="malformed") from None
@@ -230,7 +248,20 @@ def push_header_to_pb(h: PushHeader) -> pb.PushHeader:
         verdict_follows=h.verdict_follows,
         absent=list(h.absent),
         int_buffers=int_values_to_pb(h.int_buffers),
+        options=options_to_pb(h.options) if h.options.given else None,
     )
+
+
+def options_to_pb(o: StepOptions) -> pb.StepOptions:
+    return pb.StepOptions(lrs=list(o.lrs), clip_norm=o.clip_norm, grad_norm=o.grad_norm)
+
+
+def options_from_pb(m: pb.StepOptions) -> StepOptions:
+    """A push's step options; non-finite or negative values are refused (INVALID_ARGUMENT)."""
+    try:
+        return StepOptions(lrs=tuple(m.lrs), clip_norm=m.clip_norm, grad_norm=m.grad_norm)
+    except ValueError as e:
+        raise InvalidArgument(str(e), reason="malformed") from None
 
 
 def push_header_from_pb(m: pb.PushHeader) -> PushHeader:
@@ -246,6 +277,7 @@ def push_header_from_pb(m: pb.PushHeader) -> PushHeader:
         verdict_follows=m.verdict_follows,
         absent=tuple(m.absent),
         int_buffers=int_values_from_pb(m.int_buffers),
+        options=options_from_pb(m.options),
     )
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from tests.procs import ENV, PSAR, free_port
 
 BASE = ["--workload", "mlp", "--batch-size", "16", "--seed", "1", "--precision", "fp32",
-        "--eval-batches", "0", "--threads", "1", "--log-every", "0"]  # fmt: skip
+        "--eval-batches", "0", "--torch-threads", "1", "--log-every", "0"]  # fmt: skip
 
 
 class Shard:

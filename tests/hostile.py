@@ -48,7 +48,7 @@ SC = grpc.StatusCode
 TIMEOUT = 30.0
 """Every call's deadline: generous, the machine may be loaded (nothing asserts a time)."""
 HANDLER_THREADS = 16
-"""The shard's --threads (gRPC handler pool: its threads stay once started)."""
+"""The shard's --rpc-threads (gRPC handler pool: its threads stay once started)."""
 PIECE_BYTES = 1024
 """Tensor bytes per gRPC message / data-plane piece of the valid pushes."""
 # A small MLP's parameters, cut into several slots (as a worker's partition plan does).
@@ -147,7 +147,7 @@ class HostileShard:
                 extra = (*extra, "--data-sealed-records")
         self.proc = Shard(
             0, tmp, "--lease-s", "3600", "--join-grace-s", "3600",
-            "--threads", str(HANDLER_THREADS),
+            "--rpc-threads", str(HANDLER_THREADS),
             "--max-message-bytes", str(max_message), "--message-bytes", str(max_message // 4),
             *extra,
         )  # fmt: skip

@@ -219,7 +219,7 @@ def replay_push(mirror: ShardState, head: pb.PushHeader, items: list[tuple]) -> 
             if kind == "piece":
                 call.piece_bytes(msg.key, msg.offset, data)
             elif kind == "verdict":
-                call.verdict(msg.overflow)
+                call.verdict(msg)
             else:
                 call.misplaced(kind)
         call.finish()

@@ -16,8 +16,14 @@ and deleting the namespaces (always done on exit, also on failure) removes every
 The addresses exist only inside those namespaces: there is no default route, so nothing
 sent to them can leave the machine.
 
+With `lan(..., hostnames=True)` every host is also a host by name: its commands run in a
+UTS namespace whose hostname is the host's name, and see an /etc/hosts of their own
+(/etc/netns/<namespace>/hosts, which `ip netns exec` mounts over /etc/hosts) that names
+localhost and the host itself only, as on a node whose peers are known by address.
+
 Processes started with Host.popen run in their own session; the LAN kills their process
-groups before it deletes the namespaces. Needs root (CAP_SYS_ADMIN + CAP_NET_ADMIN) and
+groups, then every process still inside a namespace (daemons that left their group, such
+as slurmstepd), before it deletes the namespaces. Needs root (CAP_SYS_ADMIN + CAP_NET_ADMIN) and
 iproute2 (`apt-get install -y iproute2`); tc shaping needs the kernel's sch_netem (delay,
 jitter, loss) or sch_tbf (rate only).
 """
@@ -36,6 +42,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 PREFIX = "psar"
+ETC_NETNS = "/etc/netns"  # `ip netns exec NS` bind-mounts ETC_NETNS/NS/* over /etc/*
 DEFAULT_SUBNET = "10.77.0"  # a /24; hosts get .1, .2, ..., the hub .254
 _counter = itertools.count()
 _unavailable: list[str | None] = []  # cached result of unavailable_reason()
@@ -104,9 +111,18 @@ def cleanup_stale() -> list[str]:
         name = line.split()[0] if line.strip() else ""
         m = re.fullmatch(rf"{PREFIX}(\d+)-.+", name)
         if m and not _pid_alive(int(m.group(1))):
+            _kill_inside(name)
             _ip("netns", "del", name, check=False)
+            shutil.rmtree(os.path.join(ETC_NETNS, name), ignore_errors=True)
             gone.append(name)
     return gone
+
+
+def _kill_inside(ns: str) -> None:
+    """SIGKILL every process whose network namespace is ns (by pid: `ip netns pids`)."""
+    for raw in _ip("netns", "pids", ns, check=False).stdout.split():
+        with contextlib.suppress(ProcessLookupError, PermissionError, ValueError):
+            os.kill(int(raw), signal.SIGKILL)
 
 
 def _kill_group(p: subprocess.Popen) -> None:
@@ -125,9 +141,13 @@ class Host:
     ns: str
     addr: str
     ifname: str = "eth0"
+    hostname: str | None = None  # set: commands run in a UTS namespace with this hostname
     procs: list[subprocess.Popen] = field(default_factory=list, repr=False)
 
     def cmd(self, argv: Sequence[str]) -> list[str]:
+        if self.hostname:
+            argv = ["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', self.hostname,
+                    *argv]  # fmt: skip
         return ns_cmd(self.ns, argv)
 
     def popen(self, argv: Sequence[str], **kw) -> subprocess.Popen:
@@ -175,8 +195,13 @@ class Lan:
 
 
 @contextlib.contextmanager
-def lan(names: Sequence[str], subnet: str = DEFAULT_SUBNET) -> Iterator[Lan]:
-    """Create one namespace per name plus a hub with a bridge; delete them all on exit."""
+def lan(
+    names: Sequence[str], subnet: str = DEFAULT_SUBNET, *, hostnames: bool = False
+) -> Iterator[Lan]:
+    """Create one namespace per name plus a hub with a bridge; delete them all on exit.
+
+    hostnames: each host (the hub too, as "hub") also gets its name as hostname and an
+    /etc/hosts naming localhost and itself only (module docstring)."""
     if len(names) > 253 or len(set(names)) != len(names):
         raise ValueError("lan(): up to 253 distinct host names")
     reason = unavailable_reason()
@@ -188,6 +213,15 @@ def lan(names: Sequence[str], subnet: str = DEFAULT_SUBNET) -> Iterator[Lan]:
     hosts = {n: Host(n, f"{tag}-{n}", f"{subnet}.{i + 1}") for i, n in enumerate(names)}
     made: list[str] = []
     try:
+        if hostnames:
+            if shutil.which("unshare") is None:
+                raise RuntimeError("lan(hostnames=True) needs util-linux's `unshare`")
+            for h in [hub, *hosts.values()]:
+                h.hostname = h.name
+                etc = os.path.join(ETC_NETNS, h.ns)
+                os.makedirs(etc, exist_ok=True)
+                with open(os.path.join(etc, "hosts"), "w") as f:
+                    f.write(f"127.0.0.1\tlocalhost\n{h.addr}\t{h.name}\n")
         _ip("netns", "add", hub.ns)
         made.append(hub.ns)
         _ip("-n", hub.ns, "link", "set", "lo", "up")
@@ -210,7 +244,10 @@ def lan(names: Sequence[str], subnet: str = DEFAULT_SUBNET) -> Iterator[Lan]:
         for h in [*hosts.values(), hub]:
             h.kill_all()
         for ns in reversed(made):
+            _kill_inside(ns)
             _ip("netns", "del", ns, check=False)
+        for h in [hub, *hosts.values()]:
+            shutil.rmtree(os.path.join(ETC_NETNS, h.ns), ignore_errors=True)
 
 
 def _qdisc_works(kind: str, params: Sequence[str]) -> bool:

@@ -95,7 +95,7 @@ def run_ps_workers(
         for r in range(world):
             args = [
                 *PSAR, "train", "--arch", "ps", "--servers", ",".join(servers),
-                "--rank", str(r), "--world-size", str(world), "--threads", "1",
+                "--rank", str(r), "--world-size", str(world), "--torch-threads", "1",
                 "--report", str(tmp / f"report-{r}.json"), "--log-every", "0",
                 *common, *(per_rank or {}).get(r, ()),
             ]  # fmt: skip
@@ -123,7 +123,7 @@ def run_torchrun(world: int, tmp: Path, common: Sequence[str], timeout: float = 
     args = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
         "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-        "-m", "worker.cli", "train", "--arch", "allreduce", "--threads", "1",
+        "-m", "worker.cli", "train", "--arch", "allreduce", "--torch-threads", "1",
         "--report", str(tmp / "report-ddp.json"), "--log-every", "0", *common,
     ]  # fmt: skip
     p = run_own_group(args, timeout)  # a rank hung at exit once and outlived its test

@@ -69,6 +69,8 @@ def make_job(
     job_id: str = "test",
     sync_every: int | None = None,
     mode_options: dict[str, float] | None = None,
+    chunk_rounds: bool = False,
+    early_pull: bool = False,
 ) -> Job:
     opt = optimizer if isinstance(optimizer, OptimizerConfig) else optimizer_config(optimizer)
     if sync_every is None:  # --mode local needs H; the shard's behaviour does not depend on it
@@ -85,6 +87,8 @@ def make_job(
         job_id=job_id,
         sync_every=sync_every,
         mode_options=mode_options or {},
+        chunk_rounds=chunk_rounds,
+        early_pull=early_pull,
     )
 
 
@@ -303,14 +307,17 @@ def stats_digest(stub: pb_grpc.ParameterServerStub) -> str:
 # Diagnostic counters of per-chunk rounds: a refused push may count slots it let the
 # shard update early and then undo (the state itself is unchanged; the digest checks it).
 SPECULATION_COUNTERS = ("chunks_applied_early", "chunk_undos")
+NOT_STATE = (*SPECULATION_COUNTERS, "gradient_bytes")
+"""Stats a refused request may change: the per-chunk speculation counters, and the memory
+held for gradients in flight (a worker's first push allocates its staging)."""
 
 
 def without_speculation(stats: Any) -> Any:
-    """Stats (a dict or a StatsReply) without the per-chunk speculation counters."""
+    """Stats (a dict or a StatsReply) without what is not the shard's state (NOT_STATE)."""
     if isinstance(stats, dict):
-        return {k: v for k, v in stats.items() if k not in SPECULATION_COUNTERS}
+        return {k: v for k, v in stats.items() if k not in NOT_STATE}
     out = type(stats)()
     out.CopyFrom(stats)
-    for name in SPECULATION_COUNTERS:
+    for name in NOT_STATE:
         out.ClearField(name)
     return out

@@ -25,7 +25,11 @@ from worker.loop import backend_class, make_backend
 from worker.precision import resolve
 
 ROOT = Path(__file__).resolve().parents[1]
-LOOP_FILES = [ROOT / "worker" / "loop.py", ROOT / "worker" / "records.py"]
+LOOP_FILES = [
+    ROOT / "worker" / "loop.py",
+    ROOT / "worker" / "records.py",
+    ROOT / "worker" / "own_loop.py",
+]
 ARCHS = ("ps", "allreduce")
 
 

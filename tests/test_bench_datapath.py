@@ -52,6 +52,7 @@ def test_ps_datapath_quick_json_schema(tmp_path: Path) -> None:
         assert r["repeats"] >= 1
 
 
+@pytest.mark.slow
 def test_ps_datapath_table_and_bad_flags(tmp_path: Path) -> None:
     proc = _run(
         [str(ROOT / "bench" / "ps_datapath.py"), "--quick", "--sizes", "0.25", "--shards", "1",

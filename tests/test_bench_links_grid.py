@@ -77,6 +77,7 @@ def test_a_tie_the_plan_calls_and_a_tie_measured_agree() -> None:
     }
 
 
+@pytest.mark.slow
 def test_cells_check_measured_rates_against_psar_plan() -> None:
     link = {"workers": 4, "mbit": 1000.0, "gbps_best": 0.1, "rtt_us": 40.0}
     jobs = {
@@ -114,7 +115,7 @@ def test_cells_check_measured_rates_against_psar_plan() -> None:
     assert push_then_pull[2]["plan_winner"] == "allreduce"
     assert g.ps_flags(True) == (["--chunk-rounds"], ["--early-pull"]) and g.ps_flags(False) == (
         [],
-        [],
+        ["--no-early-pull"],
     )
     assert g.shard_counts(4, "4") == [4] and g.shard_counts(8, "0,8") == [0, 8]
     doc = {"grid": "small", "steps": 5, "compute_ms": 30.0, "batch": g.BATCH,
@@ -221,7 +222,7 @@ def test_cpu_rate_cli_says_what_is_missing() -> None:
 
 @pytest.mark.slow
 def test_cpu_rate_cli_measures_a_users_workload() -> None:
-    flags = "--workload mlp --batch-size 32 --threads 1 --log-every 0 --eval-batches 0"
+    flags = "--workload mlp --batch-size 32 --torch-threads 1 --log-every 0 --eval-batches 0"
     p = subprocess.run([sys.executable, "-m", "bench.cpu_rate", "--no-rates", "--worker-train",
                         flags], cwd=ROOT, capture_output=True, text=True, timeout=600)  # fmt: skip
     assert p.returncode == 0, p.stderr[-3000:]

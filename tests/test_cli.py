@@ -12,7 +12,7 @@ import pytest
 from ps.server.config import ServerConfig
 from trainkit.optim import LossScaleConfig, OptimizerConfig
 from worker import cli
-from worker.cli_gen import field_docs, flag_names
+from worker.cli_gen import accepted_flags, field_docs, flag_names
 from worker.config import DDPConfig, PSConfig, TrainConfig
 
 # Users' scripts depend on these names: add freely, never rename or remove.
@@ -32,7 +32,7 @@ TRAIN_FLAGS = [
     "--sparse-lr", "--sparse-eps", "--sparse-wire-dtype", "--checkpoint-dir", "--checkpoint-every",
     "--sync-every", "--outer-optimizer", "--outer-lr", "--outer-momentum",
     "--staleness-lr", "--delay-compensation", "--momentum-correction",
-    "--staleness-lr-power", "--dc-adaptive",
+    "--staleness-lr-power", "--dc-adaptive", "--sigterm-exit-code",
 ]  # fmt: skip
 SERVER_FLAGS = ["--bind", "--threads", "--message-bytes", "--max-message-bytes",
                 "--metrics-port", "--metrics-addr", "--shard", "--torch-threads", "--lease-s",
@@ -44,9 +44,51 @@ SERVER_FLAGS = ["--bind", "--threads", "--message-bytes", "--max-message-bytes",
 
 
 def test_flag_lists_are_frozen() -> None:
-    missing = set(TRAIN_FLAGS) - set(flag_names(TrainConfig))
+    missing = set(TRAIN_FLAGS) - set(accepted_flags(TrainConfig))
     assert not missing, f"train flags renamed or removed: {missing}"
-    assert not set(SERVER_FLAGS) - set(flag_names(ServerConfig))
+    assert not set(SERVER_FLAGS) - set(accepted_flags(ServerConfig))
+
+
+@pytest.mark.parametrize("cls", [TrainConfig, ServerConfig])
+def test_every_flag_is_in_exactly_one_help_group(cls: type) -> None:
+    placed = [f for flags in cls.HELP_GROUPS.values() for f in flags]
+    assert len(placed) == len(set(placed)), "a flag in two help groups"
+    assert set(placed) == set(flag_names(cls)), set(flag_names(cls)) ^ set(placed)
+
+
+# Names both commands have, each with one meaning in both (issue #34: --threads had two).
+SHARED_MEANINGS = {
+    "--torch-threads": "torch's threads of this process",
+    "--metrics-port": "this process's Prometheus endpoint",
+    "--metrics-addr": "the address it binds",
+    "--checkpoint-dir": "the folder this process writes its checkpoints to",
+    "--checkpoint-every": "how often, in steps (rounds/versions on a shard)",
+    "--tls-cert": "this process's own certificate",
+    "--tls-key": "its private key",
+    "--tls-ca": "the CA that signed the peers' certificates",
+    "--auth-token-file": "the bearer token",
+}
+
+
+def test_a_flag_name_means_one_thing_in_every_command() -> None:
+    shared = set(flag_names(TrainConfig)) & set(flag_names(ServerConfig))
+    assert shared == set(SHARED_MEANINGS), shared ^ set(SHARED_MEANINGS)
+    # The old --threads (train: torch's threads; server: gRPC handler threads) is an old
+    # name only now, on both, and says so when used.
+    assert "--threads" not in flag_names(TrainConfig) + flag_names(ServerConfig)
+
+
+def test_old_flag_names_still_work_and_say_the_new_one(capsys) -> None:  # noqa: ANN001
+    from worker.cli_parser import build_parser
+
+    ns = build_parser().parse_args(["train", "--threads", "3"])
+    assert vars(ns)["threads"] == 3
+    assert "--threads is now --torch-threads" in capsys.readouterr().err
+    ns = build_parser().parse_args(["server", "--threads", "9"])
+    assert vars(ns)["threads"] == 9
+    assert "--threads is now --rpc-threads" in capsys.readouterr().err
+    build_parser().parse_args(["server", "--rpc-threads", "9", "--torch-threads", "2"])
+    assert capsys.readouterr().err == ""
 
 
 @pytest.mark.parametrize(
@@ -126,9 +168,10 @@ def test_console_script_help_lists_subcommands() -> None:
         assert sub in out.stdout
 
 
-def test_sigterm_stops_a_worker_with_exit_143(tmp_path) -> None:
+@pytest.mark.parametrize(("extra", "code"), [([], 143), (["--sigterm-exit-code", "1"], 1)])
+def test_sigterm_stops_a_worker_with_its_exit_code(extra, code) -> None:
     # No shard listens on this port, so the worker keeps retrying; SIGTERM must end it
-    # promptly (not after its retry budget) with 143.
+    # promptly (not after its retry budget) with 143, or --sigterm-exit-code (Slurm).
     import queue
     import signal
     import threading
@@ -137,7 +180,7 @@ def test_sigterm_stops_a_worker_with_exit_143(tmp_path) -> None:
 
     p = subprocess.Popen(
         [sys.executable, "-m", "worker.cli", "train", "--arch", "ps",
-         "--servers", f"127.0.0.1:{free_port()}", "--steps", "1", "--timeout-s", "600"],
+         "--servers", f"127.0.0.1:{free_port()}", "--steps", "1", "--timeout-s", "600", *extra],
         stderr=subprocess.PIPE, text=True, env=ENV,
     )  # fmt: skip
     lines: queue.Queue[str] = queue.Queue()
@@ -152,5 +195,46 @@ def test_sigterm_stops_a_worker_with_exit_143(tmp_path) -> None:
     time.sleep(0.2)  # let the reader thread drain the pipe
     while not lines.empty():
         seen += lines.get()
-    assert p.returncode == 143, seen
+    assert p.returncode == code, seen
     assert "terminated (SIGTERM)" in seen
+
+
+def test_sigterm_exit_code_is_checked(capsys) -> None:
+    with pytest.raises(SystemExit) as e:
+        cli.main(["train", "--dry-run", "--servers", "h:1", "--sigterm-exit-code", "256"])
+    assert e.value.code == 2
+    assert "--sigterm-exit-code must be in [0, 255], got 256" in capsys.readouterr().err
+
+
+def test_dry_run_resolves_the_workload(capsys) -> None:
+    assert _dry(capsys, "--servers", "h:1")["resolved"]["workload"] == "worker.workloads.mlp:make"
+    with pytest.raises(SystemExit) as e:
+        cli.main(["train", "--dry-run", "--servers", "h:1", "--workload", "bogus"])
+    assert e.value.code == 2  # as a start would: the Slurm scripts check a job this way
+    assert "unknown workload 'bogus'" in capsys.readouterr().err
+
+
+def test_a_shard_on_a_port_in_use_says_so_and_exits_1() -> None:
+    """Even when the port's holder is a gRPC server with SO_REUSEPORT (gRPC's default),
+    which a shard with gRPC's defaults would silently share the port with."""
+    from concurrent import futures
+
+    import grpc
+
+    from tests.procs import ENV
+
+    holder = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
+    port = holder.add_insecure_port("127.0.0.1:0")
+    holder.start()
+    try:
+        p = subprocess.run(
+            [sys.executable, "-m", "worker.cli", "server", "--bind", f"127.0.0.1:{port}",
+             "--shard", "3", "--data-port", "-1"],
+            capture_output=True, text=True, env=ENV, timeout=120,
+        )  # fmt: skip
+    finally:
+        holder.stop(0)
+    assert p.returncode == 1, p.stderr
+    err = f"psar server: error: shard 3: could not bind 127.0.0.1:{port}; is the port in use?"
+    assert err in p.stderr
+    assert "Traceback" not in p.stderr

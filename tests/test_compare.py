@@ -59,6 +59,7 @@ def test_bad_flags_exit_2(tmp_path: Path, capsys, argv: list[str], needle: str) 
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_compare_end_to_end_small(tmp_path: Path, capsys) -> None:
     out = tmp_path / "cmp"
     argv = ["--steps", "10", "--workers", "2", "--out", str(out), "--smooth", "3",

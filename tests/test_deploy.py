@@ -11,9 +11,8 @@ checked for the wiring that a typo would break.
   structurally always (names, selectors, headless Services, gRPC probes, volumes, scrape
   annotations, PodMonitor match, worker counts); each container's command is expanded
   like the kubelet does ($(VAR) from env and envFrom) and dry-run per pod index.
-- Slurm: the sbatch scripts run under bash with fake `srun`/`scontrol`; each recorded
-  step's command is dry-run with the SLURM_* variables srun would set, torchrun lines
-  parsed by torch's own parser first.
+- Slurm: tests/test_deploy_slurm.py (fake Slurm commands, every run) and
+  tests/test_slurm.py (a real Slurm, slow).
 """
 
 from __future__ import annotations
@@ -624,147 +623,6 @@ def test_pytorchjob_roles_run_the_same_command(tmp_path_factory) -> None:
 
 def test_shipped_knob_is_ps() -> None:
     assert knob() == "ps"
-
-
-# --------------------------------------------------------------------------- Slurm
-
-FAKE_SRUN = r"""#!/usr/bin/env python3
-import json, os, sys
-with open(os.environ["FAKE_LOG"], "a") as f:
-    f.write(json.dumps({"argv": sys.argv[1:],
-                        "env": {k: v for k, v in os.environ.items() if k.startswith("PSAR_")}}))
-    f.write("\n")
-"""
-FAKE_SCONTROL = r"""#!/usr/bin/env python3
-import os, sys
-assert sys.argv[1:3] == ["show", "hostnames"], sys.argv
-for i in range(int(os.environ["FAKE_NODES"])):
-    print(f"node{i:02d}")
-"""
-SRUN_OPTS = {"--nodes", "--ntasks", "--relative", "--ntasks-per-node", "--kill-on-bad-exit",
-             "--job-name", "--gpus-per-node", "--cpus-per-task", "--exact", "--overlap"}  # fmt: skip
-SBATCH_OPTS = {"--job-name", "--nodes", "--ntasks-per-node", "--exclusive", "--time", "--output",
-               "--gpus-per-node", "--cpus-per-task", "--partition", "--account"}  # fmt: skip
-
-
-def sbatch_options(path: Path) -> dict[str, str]:
-    opts = {}
-    for line in path.read_text().splitlines():
-        if line.startswith("#SBATCH "):
-            for tok in shlex.split(line[len("#SBATCH ") :]):
-                key, _, val = tok.partition("=")
-                assert key in SBATCH_OPTS, f"{path.name}: #SBATCH {tok} (use --long=value)"
-                opts[key] = val
-    return opts
-
-
-def run_sbatch(path: Path, tmp: Path, nodes: int, **env: str) -> tuple[int, list[dict], str]:
-    """Run an sbatch script with fake srun/scontrol; returns (rc, srun calls, stderr)."""
-    bin_dir = tmp / "bin"
-    bin_dir.mkdir(exist_ok=True)
-    for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
-        (bin_dir / name).write_text(text)
-        (bin_dir / name).chmod(0o755)
-    log = tmp / f"srun-{path.stem}-{nodes}.jsonl"
-    log.unlink(missing_ok=True)
-    # `kill` of the background shard steps is recorded, not sent: the fake steps then
-    # always finish logging, and the script's final `wait` returns.
-    (tmp / "bash_env").write_text('kill() { echo "$*" >> "$FAKE_LOG.kill"; }\n')
-    full = {k: v for k, v in os.environ.items() if k not in ROLE_ENV and not k.startswith("SLURM")}
-    full.update(PATH=f"{bin_dir}:{os.environ['PATH']}", FAKE_LOG=str(log), FAKE_NODES=str(nodes),
-                BASH_ENV=str(tmp / "bash_env"),
-                SLURM_JOB_ID="4242", SLURM_JOB_NODELIST=f"node[00-{nodes - 1:02d}]",
-                SLURM_JOB_NUM_NODES=str(nodes), SLURM_NNODES=str(nodes), **env)  # fmt: skip
-    p = subprocess.run(["bash", str(path)], env=full, capture_output=True, text=True, timeout=30)
-    calls = [json.loads(ln) for ln in log.read_text().splitlines()] if log.exists() else []
-    return p.returncode, calls, p.stderr
-
-
-def split_srun(argv: list[str]) -> tuple[dict[str, str], list[str]]:
-    opts = {}
-    for i, tok in enumerate(argv):
-        if not tok.startswith("-"):
-            return opts, argv[i:]
-        key, _, val = tok.partition("=")
-        assert key in SRUN_OPTS, f"srun {tok}: unknown here (write options as --long=value)"
-        opts[key] = val
-    raise AssertionError(f"srun without a command: {argv}")
-
-
-def _srun_env(opts: dict[str, str], recorded: dict[str, str], procid: int) -> dict[str, str]:
-    ntasks = int(opts.get("--ntasks", "1"))
-    per_node = int(opts.get("--ntasks-per-node", str(ntasks)))
-    return {**recorded, "SLURM_PROCID": str(procid), "SLURM_NTASKS": str(ntasks),
-            "SLURM_LOCALID": str(procid % per_node)}  # fmt: skip
-
-
-@pytest.mark.parametrize(("shards", "nodes", "per_node"), [(None, None, None), ("2", 5, "2")])
-def test_slurm_ps(tmp_path, shards, nodes, per_node) -> None:
-    path = SLURM / "ps.sbatch"
-    COVERED.add(path)
-    opts = sbatch_options(path)
-    nodes = nodes or int(opts["--nodes"])
-    env = {k: v for k, v in (("NUM_SHARDS", shards), ("WORKERS_PER_NODE", per_node)) if v}
-    rc, calls, err = run_sbatch(path, tmp_path, nodes, **env)
-    assert rc == 0, err
-    n_shards = int(shards or 1)
-    steps = [split_srun(c["argv"]) + (c["env"],) for c in calls]
-    shard_steps = sorted(
-        (s for s in steps if s[1][:2] == ["psar", "server"]), key=lambda s: int(s[0]["--relative"])
-    )  # background: any order
-    worker_steps = [s for s in steps if s[1][:2] == ["psar", "train"]]
-    assert len(shard_steps) == n_shards and len(worker_steps) == 1 and len(steps) == n_shards + 1
-    servers = None
-    for i, (o, argv, recorded) in enumerate(shard_steps):
-        assert o["--relative"] == str(i) and o["--ntasks"] == "1"
-        cfg = run_line(argv, _srun_env(o, recorded, 0))
-        assert cfg["shard"] == i and cfg["bind"].startswith("0.0.0.0:")
-        servers = recorded["PSAR_SERVERS"].split(",")
-        assert servers[i] == f"node{i:02d}:{cfg['bind'].rpartition(':')[2]}"
-    assert len(servers) == n_shards
-    killed = Path(f"{tmp_path}/srun-ps-{nodes}.jsonl.kill").read_text().split()
-    assert killed[0] == "-TERM" and len(killed) == 1 + n_shards, "the shards are stopped"
-    o, argv, recorded = worker_steps[0]
-    n_workers = (nodes - n_shards) * int(per_node or 1)
-    assert o["--ntasks"] == str(n_workers) and o["--relative"] == str(n_shards)
-    for procid in sorted({0, n_workers - 1}):
-        cfg = run_line(argv, _srun_env(o, recorded, procid))
-        res = cfg["_resolved"]
-        assert cfg["arch"] == "ps" and res["rank"] == procid and res["world_size"] == n_workers
-        assert res["servers"].split(",") == servers
-
-
-def test_slurm_ps_refuses_too_few_nodes(tmp_path) -> None:
-    rc, calls, err = run_sbatch(SLURM / "ps.sbatch", tmp_path, 2, NUM_SHARDS="2")
-    assert rc == 2 and not calls and "more nodes" in err
-
-
-@pytest.mark.parametrize(("nodes", "nproc"), [(None, None), (4, "8")])
-def test_slurm_allreduce(tmp_path, nodes, nproc) -> None:
-    path = SLURM / "allreduce.sbatch"
-    COVERED.add(path)
-    opts = sbatch_options(path)
-    assert opts["--ntasks-per-node"] == "1", "one torchrun per node"
-    nodes = nodes or int(opts["--nodes"])
-    rc, calls, err = run_sbatch(
-        path, tmp_path, nodes, **({"NPROC_PER_NODE": nproc} if nproc else {})
-    )
-    assert rc == 0, err
-    (call,) = calls
-    o, argv, = split_srun(call["argv"])[0], split_srun(call["argv"])[1]  # fmt: skip
-    assert o["--ntasks-per-node"] == "1" and argv[0] == "torchrun"
-    cfg = run_line(argv, _srun_env(o, call["env"], 0))
-    tr = cfg["_torchrun"]
-    assert cfg["arch"] == "allreduce"
-    assert tr["nnodes"] == nodes and tr["nproc"] == int(nproc or 1)
-    assert tr["endpoint"].startswith("node00:")
-
-
-@pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck not installed")
-def test_slurm_shellcheck() -> None:
-    p = subprocess.run(["shellcheck", *map(str, sorted(SLURM.glob("*.sbatch")))],
-                       capture_output=True, text=True)  # fmt: skip
-    assert p.returncode == 0, p.stdout
 
 
 # --------------------------------------------------------------------------- coverage

@@ -199,19 +199,28 @@ COMMON = ["--workload", "mlp", "--steps", "10", "--batch-size", "16", "--seed", 
           "--lr", "0.05", "--momentum", "0.9", "--precision", "fp32", "--overlap-trial", "0"]  # fmt: skip
 
 
+# Shards get no flag: per-chunk rounds come with the job (rank 0's --early-pull), except in
+# "early-old-shard", the way shards were started before jobs carried it. On one host
+# --early-pull's default is off ("ordinary"); rank 1 of "early-rank0" asks for nothing
+# and follows the job rank 0 made.
 RUNS = {
     "ordinary": ([], []),
-    "early": (["--chunk-rounds"], ["--early-pull"]),
-    "early-no-overlap": (["--chunk-rounds"], ["--early-pull", "--no-overlap"]),
-    "early-grpc": (["--chunk-rounds"], ["--early-pull", "--data-plane", "grpc"]),
+    "early": ([], ["--early-pull"]),
+    "early-old-shard": (["--chunk-rounds"], ["--early-pull"]),
+    "early-no-overlap": ([], ["--early-pull", "--no-overlap"]),
+    "early-grpc": ([], ["--early-pull", "--data-plane", "grpc"]),
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "names",
     [
         ("ordinary", "early"),
-        pytest.param(("ordinary", "early-no-overlap", "early-grpc"), marks=pytest.mark.slow),
+        pytest.param(
+            ("ordinary", "early-old-shard", "early-no-overlap", "early-grpc"),
+            marks=pytest.mark.slow,
+        ),
     ],
     ids=["overlap", "no-overlap-and-grpc"],
 )
@@ -228,7 +237,7 @@ def test_early_pulls_give_the_bits_of_ordinary_ones(tmp_path, names) -> None:  #
             stats[name] = shard_stats(addrs)
     # The data plane streamed slots before their rounds closed, and none had to be
     # sent again; gRPC answers early pulls whole (nothing early), as do whole rounds.
-    for name in {"early", "early-no-overlap"} & runs.keys():
+    for name in {"early", "early-old-shard", "early-no-overlap"} & runs.keys():
         assert sum(s["early_pull_slots"] for s in stats[name]) > 0, name
         assert sum(s["early_pull_voids"] for s in stats[name]) == 0, name
     for name in {"ordinary", "early-grpc"} & runs.keys():
@@ -239,6 +248,36 @@ def test_early_pulls_give_the_bits_of_ordinary_ones(tmp_path, names) -> None:  #
         assert all(torch.equal(ref[k], got[k]) for k in ref), name
         for r in range(2):
             assert reports[name][r]["losses"] == reports["ordinary"][r]["losses"], name
+
+
+def test_early_pulls_are_the_jobs_rank_0_decides_and_the_others_follow(tmp_path) -> None:  # noqa: ANN001
+    """No shard flag, rank 1 told --no-early-pull: rank 0's job carries early pulls (and
+    the per-chunk rounds they need) to the shards, and rank 1 pulls early too."""
+    with shards(1) as addrs:
+        reps = run_ps_workers(addrs, 2, tmp_path, COMMON, per_rank={0: ["--early-pull"],
+                              1: ["--no-early-pull"]})  # fmt: skip
+        stats = shard_stats(addrs)
+    assert stats[0]["chunks_applied_early"] > 0 and stats[0]["early_pull_slots"] > 0
+    assert "worker 1: early pulls on (the job's)" in (tmp_path / "worker1.log").read_text()
+    assert all(len(r["losses"]) == 10 for r in reps)
+
+
+def test_a_mode_without_per_chunk_rounds_refuses_an_early_pull_job() -> None:
+    from ps.errors import InvalidArgument
+    from ps.server.modes import BUILTIN
+
+    job = make_job(mode="async", chunk_rounds=True, early_pull=True)
+    with pytest.raises(InvalidArgument, match="per-chunk rounds .* --mode async"):
+        BUILTIN.serve(job)
+    assert BUILTIN.serve(make_job(mode="sync", chunk_rounds=True)).chunk_rounds
+
+
+def test_early_pull_with_a_mode_not_in_rounds_is_a_flag_error() -> None:
+    from worker.config import PSConfig
+
+    with pytest.raises(ValueError, match="--early-pull with --mode ssp"):
+        PSConfig(mode="ssp", early_pull=True)
+    assert PSConfig(mode="ssp").early_pull is None  # auto: off there
 
 
 # ---- the worker side: the transport contract ----------------------------------------

@@ -101,6 +101,7 @@ def digest_of(path: Path, step: int) -> str:
     return state.state_digest()
 
 
+@pytest.mark.slow
 def test_restore_skips_a_damaged_newest_and_serves_the_previous_exactly(trained, tmp_path) -> None:
     ckpt = tmp_path / "ckpt"
     shutil.copytree(trained, ckpt)
@@ -143,6 +144,7 @@ def test_restore_refuses_when_no_checkpoint_verifies_unless_restore_or_fresh(
         shard.stop()
 
 
+@pytest.mark.slow
 def test_a_worker_whose_shard_restarted_empty_says_so(tmp_path) -> None:
     shard = Shard(0, tmp_path)
     shard.start()

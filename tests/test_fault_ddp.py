@@ -10,6 +10,8 @@ import signal
 import subprocess
 import sys
 
+import pytest
+
 from ps.server.durability.checkpoints import load
 from tests.procs import ENV, free_port
 
@@ -20,7 +22,7 @@ def torchrun(tmp, steps: int, *extra: str) -> subprocess.CompletedProcess:
     args = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
         "--max-restarts", "1", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-        "-m", "worker.cli", "train", "--arch", "allreduce", "--threads", "1", "--log-every", "0",
+        "-m", "worker.cli", "train", "--arch", "allreduce", "--torch-threads", "1", "--log-every", "0",
         "--workload", "tests.fault_workloads:crashing_mlp", "--workload-option", "crash_step=8",
         "--batch-size", "16", "--precision", "fp32", "--eval-batches", "0", "--steps", str(steps),
         "--checkpoint-dir", str(tmp / "ckpt"), "--checkpoint-every", str(EVERY),
@@ -37,6 +39,7 @@ def torchrun(tmp, steps: int, *extra: str) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(args, p.returncode, out, err)
 
 
+@pytest.mark.slow
 def test_relaunched_ddp_job_resumes_from_the_newest_checkpoint(tmp_path) -> None:
     steps = 12
     p = torchrun(tmp_path, steps)

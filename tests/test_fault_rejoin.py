@@ -15,6 +15,7 @@ LEASE = ["--lease-s", "2", "--join-grace-s", "30"]
 
 
 # async is the simpler case (and test_fault_restore covers its clock adoption): slow.
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", [pytest.param("async", marks=pytest.mark.slow), "sync"])
 def test_restarted_worker_rejoins_and_continues(tmp_path, mode: str) -> None:
     steps = 60

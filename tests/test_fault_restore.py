@@ -15,6 +15,7 @@ from tests.fault_procs import Shard, Workers, shard_set, stats, wait_until
 EVERY = 5
 
 
+@pytest.mark.slow
 def test_async_shard_killed_and_restored_job_finishes(tmp_path) -> None:
     ckpt = tmp_path / "ckpt"
     steps = 30
@@ -51,6 +52,7 @@ def test_async_shard_killed_and_restored_job_finishes(tmp_path) -> None:
 PIPELINED = {"whole-rounds": ([], []), "early-pull": (["--chunk-rounds"], ["--early-pull"])}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "variant", ["whole-rounds", pytest.param("early-pull", marks=pytest.mark.slow)]
 )
@@ -90,6 +92,7 @@ def test_sync_one_of_two_shards_killed_every_shard_continues_from_the_same_round
     assert reports[0]["losses"][-1] < reports[0]["losses"][0]
 
 
+@pytest.mark.slow
 def test_graceful_sigterm_writes_a_final_checkpoint(tmp_path) -> None:
     ckpt = tmp_path / "ckpt"
     shard = Shard(0, tmp_path, "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1000")

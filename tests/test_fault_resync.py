@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
+import pytest
 import torch
 
 from ps.client.psclient import ClientConfig, PSClient
@@ -123,6 +124,7 @@ def run(tmp: Path, crash: bool) -> tuple[list[str], list, Job]:
         job.close()
 
 
+@pytest.mark.slow
 def test_restored_shard_gets_the_lost_push_again(tmp_path) -> None:
     want, _, _ = run(tmp_path / "plain", crash=False)
     got, outcomes, job = run(tmp_path / "crash", crash=True)

@@ -11,6 +11,7 @@ from tests.fault_procs import Workers, shard_set, stats, wait_until
 LEASE = ["--lease-s", "2", "--join-grace-s", "30"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "mode", [pytest.param("async", marks=pytest.mark.slow), "ssp", "sync"]
 )  # async: as ssp, no bound

@@ -231,6 +231,7 @@ def test_hostile_smoke_both_doors(tmp_path: Path) -> None:
             sock.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("wire", ["tls", "sealed"])
 def test_hostile_smoke_secured_wires(tmp_path: Path, certs: Path, wire: str) -> None:  # noqa: F811
     """Issue #33: the same campaign against a TLS shard, every data-plane request in
@@ -295,12 +296,16 @@ def test_hostile_data_plane_fuzz(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["async", "sync"])
-def test_hostile_sealed_records_fuzz(tmp_path: Path, certs: Path, mode: str) -> None:  # noqa: F811
-    """The data-plane campaign in sealed records (--data-sealed-records), async and sync."""
+@pytest.mark.parametrize("wire", ["tls", "sealed"])
+def test_hostile_secured_wires_fuzz(tmp_path: Path, certs: Path, mode: str, wire: str) -> None:  # noqa: F811
+    """The data-plane campaign over a TLS shard, async and sync: in standard TLS records
+    (the default: Python's SSLSocket at both ends)
+    and in sealed records (--data-sealed-records)."""
     mix = DATA_MIX if mode == "async" else {"grpc_push": 2, "data_push": 8}
-    with h.hostile_shard(tmp_path, mode=mode, certs=certs, sealed=True) as s:
-        assert_clean(run_fuzz(s, f"sealed-fuzz-{mode}", seed=3303, n=500, weights=mix))
-        assert s.sealed_exchanges > 100, s.sealed_exchanges
+    sealed = wire == "sealed"
+    with h.hostile_shard(tmp_path, mode=mode, certs=certs, sealed=sealed) as s:
+        assert_clean(run_fuzz(s, f"{wire}-fuzz-{mode}", seed=3303, n=500, weights=mix))
+        assert (s.sealed_exchanges > 100) == sealed, s.sealed_exchanges
 
 
 def _flood_data_plane(s: h.HostileShard, n: int, rng: random.Random) -> list[socket.socket]:

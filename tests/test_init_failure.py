@@ -105,7 +105,7 @@ def test_rank_0_whose_init_is_refused_takes_the_other_workers_down(tmp_path: Pat
     with shards(1, *small) as (addr,):
         common = [
             "train", "--arch", "ps", "--servers", addr, "--world-size", "2", "--steps", "2",
-            "--threads", "1", "--log-every", "0", "--workload-option", "hidden=256",
+            "--torch-threads", "1", "--log-every", "0", "--workload-option", "hidden=256",
             "--timeout-s", "20", "--pull-timeout-s", str(int(NEVER_S)),
             "--reconnect-timeout-s", "5",
         ]  # fmt: skip
@@ -133,3 +133,35 @@ def test_rank_0_whose_init_is_refused_takes_the_other_workers_down(tmp_path: Pat
     assert "rank 0 could not initialise the shards" in text[1], text[1][-3000:]
     assert "RESOURCE_EXHAUSTED" in text[1], text[1][-3000:]  # rank 0's own reason
     assert "is the worker of rank 0 running" not in text[1]
+
+
+# ---- waiting says what it waits for, and ends (issue #34) -------------------------------
+
+
+@pytest.mark.slow
+def test_rank_1_without_rank_0_says_it_waits_and_exits_naming_rank_0(tmp_path: Path) -> None:
+    with shards(1) as addrs:
+        p = subprocess.run(
+            [*PSAR, "train", "--arch", "ps", "--servers", addrs[0], "--rank", "1",
+             "--world-size", "2", "--timeout-s", "7", "--torch-threads", "1"],
+            capture_output=True, text=True, env=ENV, timeout=GUARD_S,
+        )  # fmt: skip
+    out = p.stdout + p.stderr
+    assert p.returncode not in (0, 2), out
+    assert (
+        f"waiting 5 s of --timeout-s 7 for the worker of rank 0 to initialise shard(s) 0 ({addrs[0]})"
+        in out
+    )
+    assert "the worker of rank 0 never initialised shard 0" in out
+
+
+def test_a_shard_without_a_job_says_so_and_stops_after_init_timeout() -> None:
+    p = subprocess.run(
+        [*PSAR, "server", "--bind", f"127.0.0.1:{free_port()}", "--data-port", "-1",
+         "--init-timeout-s", "2"],
+        capture_output=True, text=True, env=ENV, timeout=GUARD_S,
+    )  # fmt: skip
+    out = p.stdout + p.stderr
+    assert p.returncode == 1, out
+    assert "no job yet, waiting 2 s for rank 0's Init; exiting after --init-timeout-s 2" in out
+    assert "never initialised this shard within --init-timeout-s 2" in out

@@ -81,6 +81,7 @@ def test_old_torchrun_simulation_refuses_the_flag(tmp_path: Path) -> None:
     assert got.returncode == 2 and "--shutdown-timeout" in got.stderr
 
 
+@pytest.mark.slow
 def test_launch_runs_under_a_torchrun_without_shutdown_timeout(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -54,6 +54,7 @@ def diloco_runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return {"ps": ps, "ddp": ddp, "tmp": tmp}
 
 
+@pytest.mark.slow
 def test_ps_local_matches_ddp_local_per_outer_round(diloco_runs: dict) -> None:
     ps0, ddp = diloco_runs["ps"][0], diloco_runs["ddp"]
     assert len(ps0["losses"]) == len(ddp["losses"]) == STEPS

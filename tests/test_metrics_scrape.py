@@ -51,6 +51,7 @@ def wait_for(port: int, name: str, at_least: float, timeout: float = 120) -> str
         time.sleep(0.2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_ps_job_scraped_during_and_after(tmp_path, mode: str) -> None:
     shard_ports = [free_port(), free_port()]
@@ -68,7 +69,7 @@ def test_ps_job_scraped_during_and_after(tmp_path, mode: str) -> None:
                 args = [*PSAR, "train", "--arch", "ps", "--servers", ",".join(addrs),
                         "--rank", str(r), "--world-size", "2", "--mode", mode,
                         "--steps", str(STEPS), "--batch-size", str(BATCH), "--precision", "fp32",
-                        "--eval-batches", "0", "--log-every", "0", "--threads", "1",
+                        "--eval-batches", "0", "--log-every", "0", "--torch-threads", "1",
                         "--metrics-port", str(worker_ports[r]), "--metrics-linger-s", "60"]  # fmt: skip
                 if r == 1:
                     args += ["--slowdown", "4"]  # an uneven worker
@@ -113,6 +114,7 @@ def test_ps_job_scraped_during_and_after(tmp_path, mode: str) -> None:
         assert obs == STEPS
 
 
+@pytest.mark.slow
 def test_ddp_job_scraped(tmp_path) -> None:
     base = free_port()
     while not all(_port_free(base + i) for i in range(2)):
@@ -121,7 +123,7 @@ def test_ddp_job_scraped(tmp_path) -> None:
             "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
             "-m", "worker.cli", "train", "--arch", "allreduce", "--steps", str(STEPS),
             "--batch-size", str(BATCH), "--precision", "fp32", "--eval-batches", "0",
-            "--log-every", "0", "--threads", "1", "--slowdown", "2",
+            "--log-every", "0", "--torch-threads", "1", "--slowdown", "2",
             "--metrics-port", str(base), "--metrics-linger-s", "60"]  # fmt: skip
     log = open(tmp_path / "ddp.log", "w")  # noqa: SIM115
     p = subprocess.Popen(

@@ -94,9 +94,9 @@ def check_zoo(model: str, runs: dict) -> tuple[float, float]:
     return loss_rel, _max_rel_state(w_on, w_ddp)
 
 
-# The default run keeps models the issues found broken (an unused parameter,
-# BatchNorm, a functional read, dropout); the rest run with the slow tests.
-DEFAULT_ZOO = ("batchnorm", "dropout", "functional")  # the rest run with -m slow (CI runs both)
+# Every model of the zoo takes 30-50 s on 2 cores: all run with the slow tests (CI runs
+# them); the default run's PS == DDP check is tests/test_train_equivalence.py.
+DEFAULT_ZOO: tuple[str, ...] = ()
 
 
 @pytest.mark.parametrize(
@@ -124,6 +124,29 @@ def test_zoo_longer_sweep(tmp_path: Path, model: str, optim: str) -> None:
     runs = run_zoo(model, tmp_path, steps=40, extra=extra)
     loss_rel, state_rel = check_zoo(model, runs)
     print(f"zoo {model} {optim}: loss max rel {loss_rel:.2e}, state max rel {state_rel:.2e}")
+
+
+OPTIMIZERS = {
+    "sgd": ("--weight-decay", "0.01", "--nesterov"),  # momentum 0.9 from _args
+    "adamw": ("--optimizer", "adamw", "--lr", "0.01", "--weight-decay", "0.01"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optim", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("impl", ["fused", "foreach", "loop"])
+@pytest.mark.parametrize("model", ["sometimes", "batchnorm"])
+def test_zoo_each_optimizer_impl(tmp_path: Path, model: str, impl: str, optim: str) -> None:
+    """Issue #36: PS and DDP train the same bits under each --optimizer-impl (the shards
+    step slots in groups, a DDP rank whole parameters), SGD with Nesterov momentum and
+    weight decay and AdamW, on a model with a parameter some steps leave unused and one
+    with buffers; both report the implementation they ran."""
+    runs = run_zoo(model, tmp_path, steps=8, extra=(*OPTIMIZERS[optim], "--optimizer-impl", impl))
+    loss_rel, state_rel = check_zoo(model, runs)
+    print(f"zoo {model} {optim} {impl}: loss max rel {loss_rel:.2e}, state {state_rel:.2e}")
+    assert runs["ddp"][0][0]["optimizer_impl"] == impl
+    ps_report = runs["ps_overlap"][0][0]
+    assert {s["optimizer_impl"] for s in ps_report["shards"]} == {impl}
 
 
 # ---- the pull gate, alone (no processes: pure logic) -----------------------------------
@@ -188,6 +211,7 @@ def test_a_model_the_gate_cannot_see_into_is_reported() -> None:
     assert ungateable_reason(Functional()) == ""
 
 
+@pytest.mark.slow
 def test_local_mode_keeps_each_workers_buffers(tmp_path: Path) -> None:
     """--mode local with BatchNorm: the shards hold no buffer slots (pushes are
     pseudo-gradients of the parameters), each worker keeps its own running stats, as

@@ -118,7 +118,7 @@ def test_ps_job_across_namespaces(lan3, tmp_path) -> None:
         log = open(tmp_path / f"{name}.log", "w")  # noqa: SIM115 - closed by the child exit
         argv = [PY, "-m", "worker.cli", "train", "--arch", "ps", "--steps", str(STEPS),
                 "--batch-size", str(BATCH), "--precision", "fp32", "--eval-batches", "0",
-                "--log-every", "0", "--threads", "1", "--metrics-port", str(METRICS),
+                "--log-every", "0", "--torch-threads", "1", "--metrics-port", str(METRICS),
                 "--metrics-addr", host.addr, "--metrics-linger-s", "8",
                 "--report", str(tmp_path / "report-{rank}.json")]  # fmt: skip
         env = _env(JOB_COMPLETION_INDEX=str(rank), PSAR_WORLD_SIZE="2", PSAR_SERVERS=servers)
@@ -143,9 +143,13 @@ def test_ps_job_across_namespaces(lan3, tmp_path) -> None:
     reports = [json.loads((tmp_path / f"report-{r}.json").read_text()) for r in (0, 1)]
     assert [r["rank"] for r in reports] == [0, 1]
     assert all(r["steps"] == STEPS and r["world_size"] == 2 for r in reports)
+    # The shards are on another host: --early-pull's default turned it on for the job
+    # (no shard flag), and slots came back while pushes still streamed.
+    assert sum(s["early_pull_slots"] for s in reports[0]["shards"]) > 0
     print(f"netns PS job: {time.monotonic() - t0:.1f}s")
 
 
+@pytest.mark.slow
 def test_allreduce_job_across_namespaces(tmp_path) -> None:
     """`torchrun --rdzv-backend c10d` on two hosts, as deploy/slurm/allreduce.sbatch runs it."""
     reason = netns.unavailable_reason()
@@ -166,7 +170,7 @@ def test_allreduce_job_across_namespaces(tmp_path) -> None:
                     "--rdzv-conf", f"is_host={is_host}", "--local-addr", lan[name].addr,
                     "--max-restarts", "0", "-m", "worker.cli", "train", "--arch", "allreduce",
                     "--steps", str(STEPS), "--batch-size", str(BATCH), "--precision", "fp32",
-                    "--eval-batches", "0", "--log-every", "0", "--threads", "1",
+                    "--eval-batches", "0", "--log-every", "0", "--torch-threads", "1",
                     "--report", str(tmp_path / "report-{rank}.json")]  # fmt: skip
             env = _env(GLOO_SOCKET_IFNAME="eth0")
             procs.append(lan[name].popen(argv, stdout=log, stderr=log, env=env, cwd=ROOT))
@@ -201,3 +205,35 @@ def test_lan_helpers_shape_and_clean_up() -> None:
         assert lan["b"].run([PY, "-c", echo]).stdout.strip() == "1"
     left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert not names & {ln.split()[0] for ln in left.splitlines() if ln.strip()}
+
+
+def test_lan_hostnames_hosts_files_and_teardown_of_escaped_processes() -> None:
+    """lan(hostnames=True): each host has its name as hostname and an /etc/hosts naming
+    only itself; a process that left its process group (a daemon) is killed with the
+    namespaces, and their /etc/netns folders are removed."""
+    reason = netns.unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    with netns.lan(["alpha", "beta"], hostnames=True) as lan:
+        a = lan["alpha"]
+        assert a.run(["hostname"]).stdout.strip() == "alpha"
+        assert lan.hub.run(["hostname"]).stdout.strip() == "hub"
+        hosts = a.run(["cat", "/etc/hosts"]).stdout
+        assert f"{a.addr}\talpha" in hosts and "beta" not in hosts
+        lookup = "import socket, sys; print(socket.gethostbyname(sys.argv[1]))"
+        assert a.run([PY, "-c", lookup, "alpha"]).stdout.strip() == a.addr
+        assert a.run([PY, "-c", lookup, "beta"]).returncode != 0  # by address only
+        # A daemon: double fork, new session, so Host.kill_all does not reach it.
+        spawn = (
+            "import subprocess as s; print(s.Popen(['sleep', '300'], start_new_session=True,"
+            " stdout=s.DEVNULL, stderr=s.DEVNULL).pid)"
+        )
+        daemon = int(lan["beta"].run([PY, "-c", spawn]).stdout)
+        etc = [Path(netns.ETC_NETNS) / h.ns for h in lan.all_hosts()]
+        assert all(p.is_dir() for p in etc)
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{daemon}").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)  # killed; reaped by init
+    stat = Path(f"/proc/{daemon}/stat")
+    assert not stat.exists() or stat.read_text().split()[2] == "Z", "the daemon survived"
+    assert not any(p.exists() for p in etc)

@@ -49,6 +49,7 @@ RUNS = {
 SERVER = {"chunk-rounds": ["--chunk-rounds"]}  # the others: whole rounds (the default)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("num_shards", "names"),
     [
@@ -113,6 +114,7 @@ def _whole_vs_chunks(tmp_path, args: list[str]) -> tuple[dict, dict]:  # noqa: A
     return whole, chunks, early
 
 
+@pytest.mark.slow
 def test_per_chunk_rounds_undo_an_overflowing_round_and_keep_the_bits(tmp_path) -> None:
     """fp16 with an overflow injected at step 4 (rank 0): shards updating per chunk undo
     that round's early slots and skip it, exactly as whole-round shards skip it."""
@@ -320,6 +322,7 @@ def test_a_step_whose_pull_failed_midway_is_skipped_not_pushed() -> None:
         b.finish()
 
 
+@pytest.mark.slow
 def test_a_worker_whose_backward_fails_mid_push_exits_with_the_error(tmp_path) -> None:
     """Later layers' buckets are already streaming when the first layer's backward
     raises: the worker must exit non-zero with the error, not hang on its push threads."""

@@ -1,10 +1,10 @@
 """Waiting calls park instead of holding gRPC handler threads (issue #18, item 6).
 
 Under the sync grpc.server each sync-mode pull waiting for its round held one of the
-`--threads` handler threads: with as many waiting pulls as threads, Stats and the push
+`--rpc-threads` handler threads: with as many waiting pulls as threads, Stats and the push
 that would close the round timed out. The shard now serves with grpc.aio
 (ps/server/doors/aio_host.py) and a waiting Pull or GetJob(wait) parks on its event loop
-(ps/server/pulls/parking.py). Against a real shard on loopback with `--threads 16`:
+(ps/server/pulls/parking.py). Against a real shard on loopback with `--rpc-threads 16`:
 
 - 128 sync pulls wait for the round of a 129-worker job: Stats and Heartbeat still
   answer, worker 0's round-closing push completes, then all 128 pulls are served the

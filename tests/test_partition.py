@@ -66,7 +66,11 @@ def test_properties(params: list[tuple[str, int]], num_shards: int, chunk_elems:
     for name, numel in params:
         mine = [s for s in slots if s.param == name]
         assert all(s.numel * 4 <= chunk_bytes for s in mine)
-        assert len(mine) == -(-numel // chunk_elems)
+        per = chunk_elems - chunk_elems % 64 if chunk_elems >= 64 else chunk_elems
+        assert len(mine) == -(-numel // per)
+        # Cut at multiples of 64 elements (CHUNK_ALIGN): where a fused kernel's vector
+        # loop over the whole parameter would start a vector.
+        assert all(s.start % per == 0 for s in mine)
         assert [s.key for s in mine] == [f"{name}#{i}" for i in range(len(mine))]
     # Balance: greedy largest-first keeps the spread within the largest piece.
     load = bytes_per_shard(slots, num_shards)

@@ -10,7 +10,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from worker.plan import build_parser, main
-from worker.plan_model import DTYPE_BYTES, OPTIMIZER_STATES, PlanInputs, plan
+from worker.plan_model import PlanInputs, plan
+from worker.plan_types import DTYPE_BYTES, OPTIMIZER_STATES
 from worker.plan_units import (
     human_bytes,
     human_seconds,
@@ -46,7 +47,7 @@ def test_textbook_example_on_the_command_line(capsys: pytest.CaptureFixture[str]
     assert main(["--params", "500M", "--workers", "32"]) == 0
     out = capsys.readouterr().out
     assert "M = 2 GB" in out and "3.875 GB" in out
-    assert "8 GB" in out  # DDP memory: 4 + 4 + 2*4 bytes per parameter
+    assert "10 GB" in out  # DDP memory: 4 + 4 + 2*4 + 4 (buckets) bytes per parameter
 
 
 # --- formulas ---------------------------------------------------------------------------
@@ -91,15 +92,41 @@ def test_one_worker_allreduce_moves_nothing() -> None:
 @pytest.mark.parametrize("worker_weights", sorted(DTYPE_BYTES))
 @pytest.mark.parametrize("s", [1, 3, 4])
 def test_memory(optimizer: str, worker_weights: str, s: int) -> None:
-    p = 1_000_000
+    p, n = 1_000_000, 8
     k = {"sgd": 0, "sgd-momentum": 1, "adamw": 2}[optimizer]
-    r = plan(PlanInputs(p, 8, s, optimizer=optimizer, worker_weights=worker_weights))
-    assert r.allreduce.memory_per_worker.total == (4 + 4 + 4 * k) * p
+    r = plan(PlanInputs(p, n, s, optimizer=optimizer, worker_weights=worker_weights))
+    # fp32 weights, gradients, k states and DDP's flat fp32 buckets
+    assert r.allreduce.memory_per_worker.total == (4 + 4 + 4 * k + 4) * p
+    assert r.allreduce.memory_per_worker.buffers == 4 * p
     w = DTYPE_BYTES[worker_weights]
-    assert r.ps.memory_per_worker.total == 2 * w * p  # working weights + gradients
-    assert r.ps.memory_per_shard is not None
-    # fp32 masters + optimizer state, split over S (rounded up: the largest shard).
-    assert r.ps.memory_per_shard.total == pytest.approx((4 + 4 * k) * p / s, abs=2)
+    # working weights + gradients + a send buffer per slot in the wire dtype (fp32 here)
+    assert r.ps.memory_per_worker.total == (2 * w + 4) * p
+    shard = r.ps.memory_per_shard
+    assert shard is not None
+    held = -(-p // s)  # the largest shard
+    assert shard.fp32_masters == 4 * held and shard.optimizer_state == 4 * k * held
+    assert shard.gradients == (n + 1) * 4 * held  # fp32 wire: N staged pushes + their sum
+    assert shard.buffers == (0 if worker_weights == "fp32" else w * held)  # pull snapshot
+
+
+def test_shard_memory_of_an_exact_fp16_round_and_of_chunk_rounds() -> None:
+    p = 1_000_000
+    whole = plan(PlanInputs(p, 8, 2, wire_dtype="fp16", worker_weights="fp16",
+                            exact_fp16_sum=True)).ps  # fmt: skip
+    assert whole.memory_per_shard is not None
+    # int64 exact sum + its fp32 mean, whatever the number of workers
+    assert whole.memory_per_shard.gradients == 12 * p // 2
+    assert whole.memory_per_shard.buffers == 2 * p // 2  # fp16 snapshot for pulls
+    assert whole.memory_per_shard.total == (4 + 8 + 12 + 2) * p // 2
+    chunks = plan(PlanInputs(p, 8, 2, wire_dtype="fp16", worker_weights="fp16",
+                             early_pull=True, exact_fp16_sum=True)).ps  # fmt: skip
+    rank_order = plan(PlanInputs(p, 8, 2, wire_dtype="fp16", worker_weights="fp16")).ps
+    assert rank_order.memory_per_shard is not None  # the default: 8 pushes in fp32 + the sum
+    assert rank_order.memory_per_shard.gradients == (8 + 1) * 4 * p // 2
+    assert chunks.memory_per_shard is not None
+    # + undo copies of the master and its two moments, and a mean buffer per slot
+    assert chunks.memory_per_shard.buffers == (2 + 4 + 8 + 4) * p // 2
+    assert whole.memory_per_worker.total == (2 + 2 + 2) * p  # fp16 weights, grads, send
 
 
 def test_step_times_with_compute() -> None:
@@ -283,7 +310,8 @@ EXAMPLE = [
 def test_json_keys_and_values(capsys: pytest.CaptureFixture[str]) -> None:
     d = run_json(capsys, *EXAMPLE, "--compute-ms", "120")
     assert set(d) == {
-        "allreduce", "ps", "winner", "reason", "byteps_bound_seconds", "margin", "inputs"
+        "allreduce", "ps", "winner", "reason", "byteps_bound_seconds", "margin", "inputs",
+        "launch_command", "train_flags",
     }  # fmt: skip
     common = {
         "bytes_sent_per_worker_per_step",
@@ -305,9 +333,12 @@ def test_json_keys_and_values(capsys: pytest.CaptureFixture[str]) -> None:
     m = 1e9  # fp16
     assert d["allreduce"]["bytes_sent_per_worker_per_step"] == pytest.approx(2 * 31 / 32 * m)
     assert d["ps"]["bytes_received_per_shard_per_step"] == pytest.approx(32 * m / 4)
-    assert d["ps"]["memory_per_shard_bytes"] == 12 * 500_000_000 // 4
-    assert d["ps"]["memory_per_worker_bytes"] == 8 * 500_000_000
-    assert d["allreduce"]["memory_per_worker_bytes"] == 16 * 500_000_000
+    # AdamW, fp16 wire: masters 4 + moments 8 + 32 pushes staged in fp32 and their sum
+    # 4 x 33 (+ early pulls' undo copies 16) per parameter held; workers 4 + 4 + 2
+    shard = 12 + 4 * 33 + (16 if d["inputs"]["early_pull"] else 0)
+    assert d["ps"]["memory_per_shard_bytes"] == shard * 500_000_000 // 4
+    assert d["ps"]["memory_per_worker_bytes"] == 10 * 500_000_000
+    assert d["allreduce"]["memory_per_worker_bytes"] == 20 * 500_000_000
     assert d["winner"] == "allreduce"
     best = min(("allreduce", "ps"), key=lambda a: d[a]["step_seconds_overlap"])
     assert d["winner"] == best
@@ -575,7 +606,7 @@ def test_early_pull_flags_reach_the_model_and_bad_chunks_are_refused(capsys) -> 
             "--bandwidth", "1Gbit/s", "--json"]  # fmt: skip
     assert main([*argv, "--early-pull", "--chunk-mib", "0.125"]) == 0
     early = json.loads(capsys.readouterr().out)
-    assert main(argv) == 0
+    assert main([*argv, "--no-early-pull"]) == 0
     plain = json.loads(capsys.readouterr().out)
     assert early["winner"] == "ps" and plain["winner"] == "allreduce"
     assert early["ps"]["comm_seconds_per_step"] < plain["ps"]["comm_seconds_per_step"]
@@ -704,3 +735,51 @@ def test_cpu_flags_reach_the_model_and_bad_ones_are_refused(capsys) -> None:  # 
     with pytest.raises(SystemExit):
         main([*argv, "--cpu-cores", "2", "--worker-cpu-ms", "5"])
     assert "needs shared cores (--cpu-shared)" in capsys.readouterr().err
+
+
+# --- the launch command of the picked regime (issue #34) ------------------------------
+
+
+def _json(capsys, argv: list[str]) -> dict:  # noqa: ANN001
+    assert main([*argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize(
+    "argv, early",
+    [
+        (["--workers", "4", "--servers", "4", "--shard-hosts", "4"], True),
+        (["--workers", "4", "--servers", "4", "--shard-hosts", "0"], True),  # other workers' hosts
+        (["--workers", "1", "--servers", "2", "--shard-hosts", "0"], False),  # all on one host
+        (["--workers", "4", "--servers", "4", "--sync-every", "8"], False),  # local SGD
+    ],
+)
+def test_plan_models_psar_trains_own_early_pull_default(capsys, argv, early) -> None:  # noqa: ANN001
+    d = _json(capsys, ["--params", "20M", "--bandwidth", "1Gbit/s", *argv])
+    assert d["inputs"]["early_pull"] is early
+    # What the defaults give needs no flag in the printed command.
+    assert not {"--early-pull", "--no-early-pull"} & set(d["train_flags"])
+
+
+def test_the_launch_command_says_only_what_differs_from_the_defaults(capsys) -> None:  # noqa: ANN001
+    from worker.cli_parser import build_parser as psar_parser
+
+    base = ["--params", "20M", "--workers", "4", "--servers", "4", "--shard-hosts", "4",
+            "--bandwidth", "1Gbit/s", "--compute-ms", "100", "--chunk-mib", "0.5"]  # fmt: skip
+    for extra, arch in ((["--wire-dtype", "fp16"], "ps"), (["--no-early-pull"], "allreduce")):
+        d = _json(capsys, [*base, *extra])
+        assert d["winner"] == arch
+        cmd = d["launch_command"][-1]
+        assert f"--arch {arch}" in cmd
+        # Every flag of the command is one psar train knows, with a value it accepts.
+        ns = psar_parser().parse_args(["train", "--arch", arch, *d["train_flags"]])
+        assert ns.command == "train"
+    ps = _json(capsys, [*base, "--wire-dtype", "fp16"])
+    assert "--precision" in ps["train_flags"] and "fp16" in ps["train_flags"]
+    assert "--chunk-mib" in ps["train_flags"]  # not psar train's 4 MiB
+    assert ps["launch_command"][0].startswith("psar server --bind")
+    forced = _json(capsys, [*base, "--no-early-pull", "--optimizer", "sgd"])
+    assert forced["winner"] == "allreduce"
+    assert main([*base, "--wire-dtype", "fp16"]) == 0
+    text = capsys.readouterr().out
+    assert "launch (ps):" in text and text.rstrip().splitlines()[-1].startswith("ps wins")

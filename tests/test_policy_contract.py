@@ -34,6 +34,7 @@ from tests.ps_fixtures import (
     push,
     reference_weights,
     weights_digest,
+    without_speculation,
 )
 from trainkit.optim import LossScaleConfig
 
@@ -118,7 +119,7 @@ class PolicyContract(DecisionContract):
             assert already and not outcome.applied
             assert version == st.version == stats["version"]
         assert st.state_digest() == before
-        assert st.stats() == stats
+        assert without_speculation(st.stats()) == without_speculation(stats)
 
     @pytest.mark.parametrize("clock", [0, 2, 7])
     @pytest.mark.parametrize("retry", [False, True])
@@ -389,7 +390,8 @@ class TestSyncContract(PolicyContract):
         huge = {k: torch.full_like(t, 3e38) for k, t in grad_for(job, 0, 1).items()}
         with pytest.raises(InvalidArgument, match="non-finite"):
             push(st, worker=0, clock=1, base_version=0, grads=huge, loss_scale=0.5)
-        assert st.state_digest() == before and st.stats() == stats
+        assert st.state_digest() == before
+        assert without_speculation(st.stats()) == without_speculation(stats)
         outcome, _, _ = push(st, worker=0, clock=1, base_version=0, grads=grad_for(job, 0, 1))
         assert outcome.applied
 

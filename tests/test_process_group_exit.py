@@ -76,11 +76,13 @@ def _script(tmp: Path, leave: str) -> subprocess.CompletedProcess:
     return _torchrun(tmp, str(tmp / "rank.py"), leave)
 
 
+@pytest.mark.slow
 def test_end_process_group_leaves_cleanly_while_gloo_threads_lag(tmp_path: Path) -> None:
     p = _script(tmp_path, "end_process_group")
     assert p.returncode == 0, p.stdout[-3000:]
 
 
+@pytest.mark.slow
 def test_the_plain_ddp_baseline_leaves_cleanly_while_gloo_threads_lag(tmp_path: Path) -> None:
     p = _torchrun(tmp_path, "bench/baselines/plain_ddp.py", "--steps", "3", "--hidden", "64",
                   "--out", str(tmp_path))  # fmt: skip

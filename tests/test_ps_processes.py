@@ -20,6 +20,7 @@ def _digests(report: dict) -> list[str]:
     return [s["state_digest"] for s in report["shards"]]
 
 
+@pytest.mark.slow
 def test_sync_result_is_independent_of_arrival_order(tmp_path) -> None:
     # Same job twice; first worker 1 arrives last in every round, then worker 0 does.
     runs = []
@@ -51,6 +52,7 @@ def drift_runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_async_applies_every_push_and_measures_staleness(drift_runs: dict) -> None:
     reps, shard = drift_runs["async"]
     assert shard["updates_applied"] == 3 * 16  # every push applied on arrival
@@ -69,6 +71,7 @@ def test_ssp_bounds_the_clock_gap(drift_runs: dict) -> None:
     assert max(r["staleness"]["max"] for r in reps) <= (2 * 1 + 1) * (3 - 1)
 
 
+@pytest.mark.slow
 def test_sync_loss_scale_agrees_across_workers_and_overflow_skips(tmp_path) -> None:
     args = [*BASE, "--steps", "6", "--precision", "bf16", "--wire-dtype", "fp16",
             "--loss-scale-init-scale", "256", "--inject-overflow-step", "3",

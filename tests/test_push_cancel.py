@@ -7,8 +7,9 @@ push's `end` frame.
 - A push cancelled by its client at any point (after its header, after some pieces,
   after its last piece or verdict), without half-closing, leaves the shard's state
   digest (Stats.state_digest: masters, optimizer state, clocks, version) unchanged, in
-  sync and async, on both doors; the worker's next push of the same clock is then
-  applied as new (not "already applied").
+  sync (fp32, and fp16 summed exactly as it arrives: nothing of the cut push stays in
+  the round's sum) and async, on both doors; the worker's next push of the same clock
+  is then applied as new (not "already applied").
 - A data-plane push that stalls (a piece that never comes) does not make the same
   worker's push over gRPC wait for the stalled connection's deadline: the newer push
   supersedes it across doors (the stalled one is cut and applies nothing), as a newer
@@ -32,6 +33,7 @@ from typing import Any
 
 import grpc
 import pytest
+import torch
 
 from ps import framing as fr
 from ps._gen.psar.v1 import ps_pb2 as pb
@@ -96,7 +98,9 @@ class Shard:
 
 @contextlib.contextmanager
 def shard(mode: str, workers: int) -> Iterator[Shard]:
-    server, port, state = start_server(ServerConfig(bind="127.0.0.1:0", threads=8))
+    server, port, state = start_server(
+        ServerConfig(bind="127.0.0.1:0", threads=8, exact_fp16_sum=True)  # sync-fp16: the opt-in
+    )
     try:
         job = make_job(mode, num_workers=workers, optimizer="adamw")
         state.init(job, init_values(job))
@@ -109,9 +113,13 @@ def shard(mode: str, workers: int) -> Iterator[Shard]:
         stop_server(server)
 
 
-def chunks(s: Shard, worker: int, clock: int, verdict: bool) -> list[pb.PushChunk]:
-    h = header(worker, clock, verdict_follows=verdict)
-    out = push_chunks(h, grad_for(s.job, worker, clock), message_bytes=MESSAGE)
+def chunks(
+    s: Shard, worker: int, clock: int, verdict: bool, fp16: bool = False
+) -> list[pb.PushChunk]:
+    wire_dtype = {"dtype": pb.FLOAT16} if fp16 else {}
+    h = header(worker, clock, verdict_follows=verdict, **wire_dtype)
+    dtype = torch.float16 if fp16 else torch.float32
+    out = push_chunks(h, grad_for(s.job, worker, clock), dtype=dtype, message_bytes=MESSAGE)
     if verdict:
         out.append(pb.PushChunk(verdict=pb.PushVerdict(overflow=False)))
     return out
@@ -182,11 +190,13 @@ def data_push_cut(s: Shard, stream: list[pb.PushChunk], sent: int, pieces: int, 
 
 @pytest.mark.parametrize("cut", CUTS)
 @pytest.mark.parametrize("door", ["grpc", "data-fin", "data-reset"])
-@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("mode", ["sync", "sync-fp16", "async"])
 def test_a_cancelled_push_changes_nothing(mode: str, door: str, cut: str) -> None:
+    fp16 = mode.endswith("fp16")
+    mode = mode.removesuffix("-fp16")
     with shard(mode, workers=2) as s:
         before = s.digest()
-        stream = chunks(s, 0, 1, verdict=cut == "all+verdict")
+        stream = chunks(s, 0, 1, verdict=cut == "all+verdict", fp16=fp16)
         sent, pieces = cut_at(cut, stream)
         if door == "grpc":
             grpc_push_cancelled(s, stream, sent, pieces)
@@ -195,12 +205,15 @@ def test_a_cancelled_push_changes_nothing(mode: str, door: str, cut: str) -> Non
         until(s.spy.released, "the cut push let go of its worker")
         assert s.digest() == before, f"a push cut after {cut} changed the shard ({door})"
         assert s.state.clocks == [0, 0] and s.state.version == 0
+        if fp16 and cut != "header":  # its slots were summed as they came, then withdrawn
+            exact = s.state.policy.exact
+            assert exact is not None and not any(exact.counted.values())
         # The worker's push of the same clock is new, not a duplicate of the cut one.
-        reply = s.stub.Push(iter(chunks(s, 0, 1, verdict=False)), timeout=TIMEOUT)
+        reply = s.stub.Push(iter(chunks(s, 0, 1, verdict=False, fp16=fp16)), timeout=TIMEOUT)
         assert not reply.already_applied
         if mode == "sync":
             assert s.state.version == 0  # the round waits for worker 1
-            reply = s.stub.Push(iter(chunks(s, 1, 1, verdict=False)), timeout=TIMEOUT)
+            reply = s.stub.Push(iter(chunks(s, 1, 1, verdict=False, fp16=fp16)), timeout=TIMEOUT)
         assert reply.applied and s.state.version == 1
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -165,23 +166,32 @@ COMMON = ["--workload", "mlp", "--steps", "6", "--batch-size", "16", "--seed", "
           "--chunk-mib", "0.0625"]  # fmt: skip
 
 
+@pytest.mark.slow
 def test_a_paced_job_trains_the_bits_of_an_unpaced_one(tmp_path) -> None:  # noqa: ANN001
     """2 workers, 2 shards over the data plane with early pulls; the paced shards hold a
     push back as soon as it is 64 bytes ahead, i.e. at nearly every slot."""
     runs = {"unpaced": ["--push-lead-mib", "0"], "paced": ["--push-lead-mib", "0.00006"]}
     reports, stats = {}, {}
-    for name, lead in runs.items():
-        d = tmp_path / name
+
+    def run(name: str, d: Path) -> None:
         d.mkdir()
-        with shards(2, "--chunk-rounds", *lead) as addrs:
+        with shards(2, "--chunk-rounds", *runs[name]) as addrs:
             reports[name] = run_ps_workers(
                 addrs, 2, d, [*COMMON, "--early-pull", "--save", str(d / "w.pt")]
             )
             stats[name] = shard_stats(addrs)
+
+    run("unpaced", tmp_path / "unpaced")
     assert sum(s["push_paced_s"] for s in stats["unpaced"]) == 0
+    # Pacing holds a push only while the other worker's is behind it; on a loaded machine
+    # the two workers' pushes may not overlap in one short job, so up to three tries.
+    for attempt in range(3):
+        run("paced", tmp_path / f"paced{attempt}")
+        got = torch.load(tmp_path / f"paced{attempt}" / "w.pt", weights_only=True)
+        ref = torch.load(tmp_path / "unpaced" / "w.pt", weights_only=True)
+        assert all(torch.equal(ref[k], got[k]) for k in ref)  # held or not: the same bits
+        if sum(s["push_paced_s"] for s in stats["paced"]) > 0:
+            break
     assert sum(s["push_paced_s"] for s in stats["paced"]) > 0, "pacing never held a push"
-    ref = torch.load(tmp_path / "unpaced" / "w.pt", weights_only=True)
-    got = torch.load(tmp_path / "paced" / "w.pt", weights_only=True)
-    assert all(torch.equal(ref[k], got[k]) for k in ref)
     for r in range(2):
         assert reports["paced"][r]["losses"] == reports["unpaced"][r]["losses"]

@@ -14,7 +14,7 @@ from ps.errors import InvalidArgument
 from ps.headers import PullHeader, PushHeader
 from ps.job import Job
 from ps.partition import Slot, plan_slots
-from trainkit.optim import LossScaleConfig, OptimizerConfig
+from trainkit.optim import LossScaleConfig, OptimizerConfig, ParamGroup, StepOptions
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -65,6 +65,16 @@ JOBS = {
         slots=_slots(1, 0),
     ),
     "ssp": Job(mode="ssp", staleness=3, num_workers=8, num_shards=2, slots=_slots(2, 0)),
+    "own-optimizer-groups": Job(
+        optimizer=OptimizerConfig(name="adamw", lr=1.0),
+        slots=_slots(1, 0),
+        param_groups=(
+            ParamGroup(
+                params=("emb", "w"), lr=0.01, beta1=0.8, beta2=0.95, eps=1e-6, weight_decay=0.1
+            ),
+            ParamGroup(params=("b",), lr=0.0, amsgrad=True),
+        ),
+    ),
 }
 
 
@@ -94,6 +104,13 @@ PUSH_HEADERS = [
         dtype=torch.bfloat16,
         loss_scale=0.125,
         overflow=True,
+    ),
+    PushHeader(
+        worker=1,
+        clock=3,
+        base_version=2,
+        dtype=torch.float32,
+        options=StepOptions(lrs=(0.1, 0.0, 2.5e-4), clip_norm=1.0, grad_norm=3.25),
     ),
 ]
 
@@ -152,6 +169,21 @@ def test_pull_header_round_trip(header: PullHeader) -> None:
 def test_push_header_round_trip_any(**kw: object) -> None:
     h = PushHeader(**kw)  # type: ignore[arg-type]
     assert serde.push_header_from_pb(via_wire(serde.push_header_to_pb(h))) == h
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        pb.StepOptions(lrs=[0.1, float("nan")]),
+        pb.StepOptions(lrs=[-0.1]),
+        pb.StepOptions(clip_norm=float("inf")),
+        pb.StepOptions(clip_norm=1.0, grad_norm=-2.0),
+    ],
+)
+def test_bad_step_options_are_refused(options: pb.StepOptions) -> None:
+    m = pb.PushHeader(worker=0, clock=1, dtype=pb.FLOAT32, options=options)
+    with pytest.raises(InvalidArgument, match="step options"):
+        serde.push_header_from_pb(m)
 
 
 @pytest.mark.parametrize("field", ["clock", "base_version"])

@@ -16,6 +16,7 @@ COMMON = ["--workload", "recsys", "--workload-option", "rows=10000,1000",
           "--precision", "fp32", "--wire-dtype", "fp32"]  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("accum", [1, 2])
 def test_ps_sync_sparse_matches_ddp_dense_fp32(tmp_path, accum: int) -> None:  # noqa: ANN001
     # accum 1: a step's row gradients are the one micro-batch's, pushed as they are;
@@ -42,6 +43,7 @@ def test_ps_sync_sparse_matches_ddp_dense_fp32(tmp_path, accum: int) -> None:  #
     assert ps[0]["worker_param_bytes"] < 10000 * 8 * 4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("mode", "extra"),
     [("async", ["--sparse-optimizer", "adagrad"]), ("ssp", ["--sparse-optimizer", "lazy_adam"])],
@@ -57,6 +59,7 @@ def test_ps_async_ssp_sparse_train(tmp_path, mode: str, extra: list[str]) -> Non
         assert rep["sparse_bytes_pushed"] > 0
 
 
+@pytest.mark.slow
 def test_recsys_loss_falls_towards_its_floor() -> None:
     import re
 

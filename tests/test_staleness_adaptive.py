@@ -201,6 +201,7 @@ def test_bad_spec_on_the_wire_is_invalid_argument_and_installs_nothing(
         assert not stub.GetJob(pb.GetJobRequest(), timeout=TIMEOUT).initialized
 
 
+@pytest.mark.slow
 def test_async_workers_train_with_both_rules_on_real_processes(tmp_path: Path) -> None:
     """Real shards and workers: the flags reach every shard's job, training runs with
     stale gradients corrected, and every loss stays finite."""

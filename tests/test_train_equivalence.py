@@ -86,6 +86,7 @@ def test_one_ps_worker_matches_plain_training(tmp_path) -> None:
     assert _rel(rep["losses"], losses) <= 1e-5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", [pytest.param("bf16", marks=pytest.mark.slow), "fp16"])
 def test_low_precision_curves_agree_and_overflow_skips_same_step(tmp_path, precision: str) -> None:
     # A known overflow at step 4 (rank 0 only) must make every worker of both

@@ -79,9 +79,9 @@ def test_the_pool_steps_on_its_own_threads(monkeypatch: pytest.MonkeyPatch) -> N
     names: set[str] = set()
     step = stepper.SlotStepper._view_step
 
-    def spy(self, st, key, p):  # noqa: ANN001, ANN202
+    def spy(self, st, keys):  # noqa: ANN001, ANN202
         names.add(threading.current_thread().name)
-        return step(self, st, key, p)
+        return step(self, st, keys)
 
     monkeypatch.setattr(stepper.SlotStepper, "_view_step", spy)
     _run("async", "adamw", 2, clocks=1)

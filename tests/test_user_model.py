@@ -12,6 +12,7 @@ import torch
 
 from tests import procs
 from tests.procs import run_ps_workers, run_torchrun, shards
+from worker.workloads.loader import load_workload
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 USER = ["--workload", "tests.user_workloads:make_tricky", "--steps", "6", "--batch-size", "16",
@@ -24,6 +25,7 @@ def _importable(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(procs.ENV, "PYTHONPATH", ROOT)
 
 
+@pytest.mark.slow
 def test_awkward_user_model_trains_under_both(tmp_path) -> None:
     with shards(2) as addrs:
         ps = run_ps_workers(addrs, 2, tmp_path, [*USER, "--save", str(tmp_path / "ps.pt")])
@@ -71,3 +73,22 @@ def test_low_precision_worker_weights_halve_pull_bytes(tmp_path) -> None:
     saved = torch.load(tmp_path / "w.pt")
     assert all(v.dtype == torch.float32 for v in saved.values())  # the fp32 masters are saved
     np.testing.assert_allclose(half[0]["losses"], full[0]["losses"], rtol=0.05)
+
+
+@pytest.mark.slow  # about 14 s
+def test_low_precision_worker_initialises_the_masters_in_fp32(tmp_path) -> None:
+    """Rank 0 initialises the shards' fp32 masters from the model's fp32 values, before it
+    casts its own weights to bf16 (lr 1e-30: a step moves no weight by an ulp, so the
+    saved masters are the initial weights)."""
+    common = ["--workload", "mlp", "--steps", "1", "--batch-size", "4", "--precision", "bf16",
+              "--worker-weights", "bf16", "--optimizer", "sgd", "--momentum", "0", "--lr", "1e-30",
+              "--eval-batches", "0", "--save", str(tmp_path / "w.pt")]  # fmt: skip
+    with shards(1) as addrs:
+        run_ps_workers(addrs, 1, tmp_path, common)
+    saved = torch.load(tmp_path / "w.pt")
+    init = load_workload("mlp", 0, {}).model.state_dict()
+    assert set(saved) == set(init)
+    for k, v in init.items():
+        assert saved[k].dtype == torch.float32
+        assert torch.equal(saved[k], v), k  # not rounded to bf16 on the way
+        assert not torch.equal(v.to(torch.bfloat16).float(), v)  # (rounding would show)

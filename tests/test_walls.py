@@ -57,6 +57,7 @@ def loaded_after_importing(mods: list[str]) -> list[str]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("package", sorted(WALLS))
 def test_package_loads_nothing_across_its_wall(package: str) -> None:
     mods = modules_of(package)

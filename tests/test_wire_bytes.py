@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SHORT, LONG = 4, 24
 MODEL = ["--workload", "mlp", "--workload-option", "in_dim=256", "--workload-option",
          "hidden=512", "--batch-size", "16", "--precision", "fp32", "--eval-batches", "0",
-         "--log-every", "0", "--threads", "1"]  # fmt: skip
+         "--log-every", "0", "--torch-threads", "1"]  # fmt: skip
 TOLERANCE = (0.99, 1.06)
 """Interface bytes / reported payload bytes per step (measured 1.002-1.004: the veths
 carry large segments, so TCP/IP headers and ACKs add well under 1%)."""

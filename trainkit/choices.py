@@ -21,6 +21,10 @@ a worker decides its loop by them before it meets a shard, under --arch allreduc
 BUFFER_AVERAGING_MODES: tuple[str, ...] = ("sync",)
 """Modes whose rounds may average the model's buffers (--buffers average)."""
 
+CHUNK_ROUND_MODES: tuple[str, ...] = BUFFER_AVERAGING_MODES
+"""Modes whose rounds may be applied slot by slot, so workers may pull early (--early-pull;
+the shards' registry says the same of its modes: Mode.chunk_rounds)."""
+
 OUTER_OPTIMIZERS: tuple[str, ...] = ("sgd", "nesterov")
 """--mode local: the optimizer applied to the averaged pseudo-gradients (--outer-optimizer)."""
 
@@ -37,6 +41,11 @@ def check_mode(mode: str) -> None:
 def local_sgd(mode: str) -> bool:
     """Workers of `mode` take inner steps between pushes (--sync-every)."""
     return mode in LOCAL_SGD_MODES
+
+
+def chunk_rounds(mode: str) -> bool:
+    """`mode`'s rounds may be applied slot by slot (per-chunk rounds, early pulls)."""
+    return mode in CHUNK_ROUND_MODES
 
 
 def averages_buffers(mode: str) -> bool:

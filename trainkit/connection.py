@@ -31,7 +31,9 @@ class ConnectionConfig:
     """Deadlines, reconnection, TLS and the data plane of a worker's calls to the shards."""
 
     timeout_s: float = 60.0
-    """Deadline of calls that never wait on other workers (init, push)."""
+    """Deadline of calls that never wait on other workers (init, push), and how long a
+    worker of rank > 0 waits for rank 0 to initialise the shards (it says so every few
+    seconds, then exits non-zero naming rank 0)."""
     pull_timeout_s: float = 300.0
     """Deadline of a pull, which may wait for a sync round or the slowest SSP worker."""
     data_plane: str = "auto"

@@ -9,14 +9,21 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 OPTIMIZERS = ("sgd", "adamw")
 SCHEDULES = ("constant", "warmup_cosine")
+IMPLS = ("auto", "fused", "foreach", "loop")
+"""torch's implementations of an optimizer's step (`--optimizer-impl`): `fused` (one
+kernel per tensor doing the whole update), `foreach` (each elementwise op over a list of
+tensors), `loop` (torch's per-parameter path, foreach=False). They differ in the last bits
+(fused AdamW vs loop: ~2.4e-7), so both architectures build from the same choice."""
 
 
 @dataclass(kw_only=True)
@@ -47,8 +54,17 @@ class OptimizerConfig:
     """warmup_cosine: number of updates over which the cosine decays (0: use the run's steps)."""
     min_lr_ratio: float = 0.0
     """warmup_cosine: final learning rate as a fraction of lr."""
+    impl: str = "auto"
+    """torch's implementation of the step: auto | fused | foreach | loop. auto: fused
+    where this torch has the fused kernel of the optimizer for the device it runs on (the
+    shards' CPU, a DDP rank's device), else loop. PS and DDP train the same bits under
+    each choice; the choices differ from each other in the last bits."""
 
     def __post_init__(self) -> None:
+        if self.impl not in IMPLS:
+            raise ValueError(
+                f"--optimizer-impl: unknown {self.impl!r}; accepted: {', '.join(IMPLS)}"
+            )
         if self.name not in OPTIMIZERS:
             raise ValueError(
                 f"--optimizer: unknown {self.name!r}; accepted: {', '.join(OPTIMIZERS)}"
@@ -69,26 +85,144 @@ class OptimizerConfig:
             raise ValueError(f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
 
 
-def build_optimizer(params: Iterable[torch.Tensor], cfg: OptimizerConfig) -> torch.optim.Optimizer:
-    """The torch optimizer for `cfg` (torch's own implementation, never a re-implementation)."""
-    params = list(params)
-    if cfg.name == "sgd":
-        return torch.optim.SGD(
-            params,
-            lr=cfg.lr,
-            momentum=cfg.momentum,
-            nesterov=cfg.nesterov,
-            weight_decay=cfg.weight_decay,
-            foreach=False,
+_TORCH_CLASSES = {"sgd": "SGD", "adamw": "AdamW"}
+
+
+@functools.cache
+def has_fused(name: str, device_type: str) -> bool:
+    """Whether this torch has the fused kernel of optimizer `name` on `device_type`: one
+    step of a one-element parameter tried (a feature test, never a version check; cached)."""
+    if device_type == "cuda" and not torch.cuda.is_available():
+        return False
+    try:
+        p = torch.nn.Parameter(torch.zeros(1, device=device_type))
+        p.grad = torch.zeros(1, device=device_type)
+        getattr(torch.optim, _TORCH_CLASSES[name])([p], lr=0.1, fused=True).step()
+    except (RuntimeError, ValueError, TypeError, NotImplementedError):
+        return False
+    return True
+
+
+def resolve_impl(cfg: OptimizerConfig, device: torch.device | str) -> str:
+    """The implementation `cfg.impl` means for parameters on `device` (auto decided);
+    ValueError where fused is asked for and this torch has no such kernel there."""
+    device_type = torch.device(device).type
+    if cfg.impl == "auto":
+        return "fused" if has_fused(cfg.name, device_type) else "loop"
+    if cfg.impl == "fused" and not has_fused(cfg.name, device_type):
+        raise ValueError(
+            f"--optimizer-impl fused: torch {torch.__version__} has no fused {cfg.name} "
+            f"kernel for {device_type}; use --optimizer-impl auto, foreach or loop"
         )
+    return cfg.impl
+
+
+def impl_kwargs(impl: str) -> dict[str, bool]:
+    """torch's constructor arguments for a resolved implementation."""
+    return {"fused": True} if impl == "fused" else {"foreach": impl == "foreach"}
+
+
+def _first_momentum(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """torch's fused SGD steps its list as a first step (buffer = gradient) only when no
+    parameter of it has a momentum buffer yet, and fails on a None buffer otherwise: a
+    parameter with its first gradient while the others have buffers (a slot no push had
+    a gradient for until now, an unused parameter used at last) would crash the step.
+    Such a buffer starts as -0.0: the kernel's buffer x momentum + gradient is then the
+    gradient bit for bit (signed zeros included), torch's first step for it."""
+    for group in opt.param_groups:
+        with_grad = [p for p in group["params"] if p.grad is not None]
+        fresh = [p for p in with_grad if opt.state[p].get("momentum_buffer") is None]
+        if fresh and len(fresh) < len(with_grad):
+            for p in fresh:
+                opt.state[p]["momentum_buffer"] = torch.full_like(p, -0.0)
+
+
+def build_optimizer(params: Iterable[torch.Tensor], cfg: OptimizerConfig) -> torch.optim.Optimizer:
+    """The torch optimizer for `cfg` (torch's own implementation, never a re-implementation),
+    with the implementation `cfg.impl` resolves to on the parameters' device."""
+    params = list(params)
+    device = params[0].device if params else torch.device("cpu")
+    kw = impl_kwargs(resolve_impl(cfg, device))
+    if cfg.name == "sgd":
+        sgd = torch.optim.SGD(
+            params, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov,
+            weight_decay=cfg.weight_decay, **kw,
+        )  # fmt: skip
+        if kw.get("fused") and cfg.momentum:
+            sgd.register_step_pre_hook(_first_momentum)
+        return sgd
     return torch.optim.AdamW(
-        params,
-        lr=cfg.lr,
-        betas=(cfg.beta1, cfg.beta2),
-        eps=cfg.eps,
-        weight_decay=cfg.weight_decay,
-        foreach=False,
-    )
+        params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+        weight_decay=cfg.weight_decay, **kw,
+    )  # fmt: skip
+
+
+def optimizer_impl(optimizer: torch.optim.Optimizer) -> str:
+    """The implementation a built optimizer runs (reports, Stats)."""
+    d = optimizer.defaults
+    return "fused" if d.get("fused") else "foreach" if d.get("foreach") else "loop"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParamGroup:
+    """One parameter group of an optimizer with hyper-parameters of its own (torch's
+    `param_groups[i]`): what a user's own torch.optim optimizer ships to the shards
+    (worker/own_loop.py). SGD reads lr, momentum, dampening, nesterov and weight_decay;
+    AdamW lr, beta1, beta2, eps, weight_decay and amsgrad."""
+
+    params: tuple[str, ...]
+    """The names of the parameters in this group (model.named_parameters())."""
+    lr: float
+    momentum: float = 0.0
+    dampening: float = 0.0
+    nesterov: bool = False
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    amsgrad: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "params", tuple(str(n) for n in self.params))
+        numbers = ("lr", "momentum", "dampening", "weight_decay", "beta1", "beta2", "eps")
+        for name in numbers:
+            value = getattr(self, name)
+            if not math.isfinite(value) or value < 0:
+                raise ValueError(f"param group {name} must be a finite number >= 0, got {value}")
+        if not (self.beta1 < 1.0 and self.beta2 < 1.0):
+            raise ValueError(f"param group betas must be < 1, got ({self.beta1}, {self.beta2})")
+        if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
+            raise ValueError("param group: nesterov needs momentum > 0 and dampening 0")
+
+    def torch_options(self, name: str) -> dict[str, object]:
+        """This group's hyper-parameters as torch's optimizer `name` takes them."""
+        if name == "sgd":
+            return {
+                "lr": self.lr,
+                "momentum": self.momentum,
+                "dampening": self.dampening,
+                "nesterov": self.nesterov,
+                "weight_decay": self.weight_decay,
+            }
+        return {
+            "lr": self.lr,
+            "betas": (self.beta1, self.beta2),
+            "eps": self.eps,
+            "weight_decay": self.weight_decay,
+            "amsgrad": self.amsgrad,
+        }
+
+
+def build_grouped_optimizer(
+    name: str, groups: list[tuple[list[torch.Tensor], ParamGroup]]
+) -> torch.optim.Optimizer:
+    """torch's optimizer `name` (sgd | adamw) over these parameter groups, each with its
+    own hyper-parameters (foreach=False as build_optimizer: the same kernels as there)."""
+    if name not in OPTIMIZERS:
+        raise ValueError(f"optimizer {name!r}: accepted: {', '.join(OPTIMIZERS)}")
+    cls = torch.optim.SGD if name == "sgd" else torch.optim.AdamW
+    torch_groups = [{"params": list(ps), **g.torch_options(name)} for ps, g in groups]
+    return cls(torch_groups, foreach=False)
 
 
 def lr_factor(cfg: OptimizerConfig, updates: int) -> float:
@@ -172,6 +306,40 @@ class DynamicLossScale:
             self.clean_steps = 0
 
 
+MAX_GROUPS = 1024
+"""Parameter groups a job's optimizer may have (their learning rates travel in headers)."""
+
+
+@dataclass(frozen=True, slots=True)
+class StepOptions:
+    """What a worker's own loop says about one step (worker/own_loop.py), known when its
+    optimizer steps: in a push's header, or in the verdict of a push streamed during
+    backward. The default says nothing: the job's schedule, no clipping."""
+
+    lrs: tuple[float, ...] = ()
+    """Each parameter group's learning rate for this step; empty: the job's schedule."""
+    clip_norm: float = 0.0
+    """> 0: clip the update to this global L2 norm (docs/own-loop.md, "Clipping"): the shards
+    clip, and the DDP backend clips the averaged gradient."""
+    grad_norm: float = 0.0
+    """Modes without rounds: the L2 norm of the worker's whole unscaled gradient."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "lrs", tuple(float(x) for x in self.lrs))
+        if len(self.lrs) > MAX_GROUPS:
+            raise ValueError(f"step options: {len(self.lrs)} learning rates, at most {MAX_GROUPS}")
+        for name, values in (("lrs", self.lrs), ("clip_norm", (self.clip_norm, self.grad_norm))):
+            if any(not math.isfinite(v) or v < 0 for v in values):
+                raise ValueError(
+                    f"step options: {name} must be finite numbers >= 0, got {values}; "
+                    "a non-finite gradient norm is an overflow (send overflow=true)"
+                )
+
+    @property
+    def given(self) -> bool:
+        return bool(self.lrs) or self.clip_norm > 0
+
+
 # ---- staleness-aware updates (PS async / ssp; ps/server/modes/staleness.py applies them) ----
 
 
@@ -221,24 +389,32 @@ class StepAdjust:
     """Multiply every group's (scheduled) learning rate by this for this step."""
     momentum: float | None = None
     """SGD momentum / AdamW beta1 for this step (None: as configured)."""
+    momenta: tuple[float, ...] = ()
+    """Each group's momentum / beta1 for this step (overrides `momentum`; a user's own
+    optimizer with groups of their own momenta)."""
+    lrs: tuple[float, ...] = ()
+    """Each group's learning rate for this step, before lr_scale (the worker's own LR
+    scheduler, shipped with its push; worker/own_loop.py). Empty: the scheduled ones."""
 
 
 @contextlib.contextmanager
 def adjusted(optimizer: torch.optim.Optimizer, adjust: StepAdjust | None) -> Iterator[None]:
     """Run an optimizer step with `adjust` applied to its param groups, restored after
     (the scheduler and checkpoints see the configured values, never the adjusted ones)."""
-    if adjust is None or (adjust.lr_scale == 1.0 and adjust.momentum is None):
+    if adjust is None or (adjust.lr_scale == 1.0 and adjust.momentum is None and not adjust.lrs):
         yield
         return
     saved = [dict(g) for g in optimizer.param_groups]
+    lrs = adjust.lrs or tuple(g["lr"] for g in optimizer.param_groups)
+    momenta = adjust.momenta or (adjust.momentum,) * len(optimizer.param_groups)
     try:
-        for g in optimizer.param_groups:
-            g["lr"] = g["lr"] * adjust.lr_scale
-            if adjust.momentum is not None:
+        for g, lr, momentum in zip(optimizer.param_groups, lrs, momenta, strict=True):
+            g["lr"] = lr * adjust.lr_scale
+            if momentum is not None:
                 if "betas" in g:
-                    g["betas"] = (adjust.momentum, g["betas"][1])
+                    g["betas"] = (momentum, g["betas"][1])
                 else:
-                    g["momentum"] = adjust.momentum
+                    g["momentum"] = momentum
         yield
     finally:
         for g, old in zip(optimizer.param_groups, saved, strict=True):

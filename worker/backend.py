@@ -19,6 +19,7 @@ import torch
 if TYPE_CHECKING:  # annotations only: this module stays free of config/precision imports
     from typing import Self
 
+    from trainkit.optim import StepOptions
     from worker.config import TrainConfig
     from worker.precision import PrecisionPolicy
 
@@ -33,6 +34,10 @@ class StepOutcome:
     """Loss scale to use for the next step."""
     staleness: int | None = None
     """PS: staleness of this worker's gradient as the shards applied it (max over shards)."""
+    grad_norm: float | None = None
+    """With clipping: the L2 norm of the update's gradient before it was clipped (the
+    averaged gradient's for DDP and PS rounds; a PS push's own in modes without rounds);
+    None without clipping, or on a skipped step."""
     phases: dict[str, float] = field(default_factory=dict)
     """Seconds spent in communication phases this step (push, pull, wait, allreduce, optimizer)."""
     outer_round: bool = False
@@ -105,9 +110,14 @@ class Backend(Protocol):
         None when the data is done or `stop` (the worker then has left the job)."""
         ...
 
-    def setup(self, model: torch.nn.Module) -> torch.nn.Module:
+    def setup(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
+    ) -> torch.nn.Module:
         """Take the freshly built model (same seed everywhere); return the module to train.
-        Every rank starts from rank 0's weights."""
+        Every rank starts from rank 0's weights. `optimizer`: a user's own torch.optim
+        optimizer over the model's parameters (worker/own_loop.py), which the step then
+        runs (its class, its param groups' hyper-parameters, its state; its learning rates
+        come with each step's options); None: the one --optimizer configures."""
         ...
 
     def no_sync(self) -> contextlib.AbstractContextManager:
@@ -118,8 +128,16 @@ class Backend(Protocol):
         """The loss to call backward() on (multiplied by the loss scale, if any)."""
         ...
 
-    def step(self) -> StepOutcome:
-        """Combine this step's gradients across workers and update the weights."""
+    def step(self, options: StepOptions | None = None) -> StepOutcome:
+        """Combine this step's gradients across workers and update the weights. `options`
+        (a loop of the user's own): each param group's learning rate for this step and
+        the global norm to clip the update to; None: --clip-grad-norm, the schedule."""
+        ...
+
+    def remote_optimizer_state(self) -> dict[str, dict[str, torch.Tensor]] | None:
+        """With a user's own optimizer: its state where the shards hold it, by parameter
+        name, as torch's optimizer of that class holds it; None where the worker's own
+        optimizer object holds it (DDP steps it locally)."""
         ...
 
     def comm_bytes(self) -> dict[str, int]:

@@ -12,6 +12,7 @@ import argparse
 import ast
 import dataclasses
 import inspect
+import sys
 import textwrap
 import tomllib
 import typing
@@ -20,7 +21,7 @@ from typing import Any
 
 # Nested sections whose flags carry a prefix, and fields whose flag is renamed.
 PREFIXES = {"loss_scale": "loss-scale-"}
-RENAMES = {("optimizer", "name"): "optimizer"}
+RENAMES = {("optimizer", "name"): "optimizer", ("optimizer", "impl"): "optimizer-impl"}
 
 
 @cache
@@ -62,26 +63,56 @@ def _walk(cls: type, path: tuple[str, ...] = (), prefix: str = ""):
         if dataclasses.is_dataclass(t):
             yield from _walk(t, path + (f.name,), PREFIXES.get(f.name, ""))
             continue
+        own = getattr(cls, "FLAG_NAMES", {}).get(f.name)
+        if own is not None:  # a class's own name for its field's flag (one meaning a name)
+            yield path + (f.name,), own, t, f, field_docs(cls).get(f.name, "")
+            continue
         flag = RENAMES.get((path[-1] if path else "", f.name), prefix + f.name.replace("_", "-"))
         yield path + (f.name,), "--" + flag, t, f, field_docs(cls).get(f.name, "")
 
 
+def _aliased(action: type[argparse.Action], new: str) -> type[argparse.Action]:
+    """`action`, noting on stderr that an old flag name was used (it still works)."""
+
+    class Aliased(action):  # type: ignore[misc, valid-type]
+        def __call__(self, parser, namespace, values, option_string=None):  # noqa: ANN001, ANN204
+            if (
+                option_string is not None
+                and option_string != new
+                and option_string in (getattr(self, "old_names", ()))
+            ):
+                print(f"{parser.prog}: note: {option_string} is now {new} (the old name still "
+                      "works)", file=sys.stderr)  # fmt: skip
+            super().__call__(parser, namespace, values, option_string)
+
+    return Aliased
+
+
 def add_flags(parser: argparse.ArgumentParser, cls: type) -> None:
-    """Add one flag per leaf field of `cls` (defaults suppressed: only given flags parse)."""
+    """Add one flag per leaf field of `cls` (defaults suppressed: only given flags parse),
+    in the help groups `cls.HELP_GROUPS` names ({title: flags}; a flag in none goes to its
+    section's group), with the old names `cls.FLAG_ALIASES` gives ({flag: old names})."""
     seen: dict[str, tuple[str, ...]] = {}
-    groups: dict[tuple[str, ...], Any] = {}
+    groups: dict[Any, Any] = {}
+    titled = {
+        flag: title for title, flags in getattr(cls, "HELP_GROUPS", {}).items() for flag in flags
+    }
+    aliases = getattr(cls, "FLAG_ALIASES", {})
+    for title in getattr(cls, "HELP_GROUPS", {}):  # in the order the class gives them
+        groups[title] = parser.add_argument_group(title)
     for path, flag, t, f, doc in _walk(cls):
         if flag in seen:
             raise RuntimeError(f"flag {flag} generated twice ({seen[flag]} and {path})")
         seen[flag] = path
-        section = path[:-1]
+        section: Any = titled.get(flag, path[:-1])
         if section not in groups:
-            title = section[-1] if section else None
+            title = section if isinstance(section, str) else (section[-1] if section else None)
             groups[section] = parser.add_argument_group(title) if title else parser
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
         kw: dict[str, Any] = {"dest": ".".join(path), "default": argparse.SUPPRESS}
-        kw["help"] = f"{doc} (default: {default!r})" if doc else f"(default: {default!r})"
-        if t is bool:
+        shown = "auto" if default is None and t == bool | None else repr(default)
+        kw["help"] = f"{doc} (default: {shown})" if doc else f"(default: {shown})"
+        if t is bool or t == bool | None:  # None: auto, decided where it is used
             kw["action"] = argparse.BooleanOptionalAction
         elif typing.get_origin(t) is list:
             kw["action"] = "append"
@@ -89,12 +120,30 @@ def add_flags(parser: argparse.ArgumentParser, cls: type) -> None:
         else:
             kw["type"] = t
             kw["metavar"] = f.name.upper()
-        groups[section].add_argument(flag, **kw)
+        old = tuple(aliases.get(flag, ()))
+        if old:
+            kw["action"] = _aliased(_action_class(kw.get("action", "store")), flag)
+            kw["help"] += f" (old name: {', '.join(old)})"
+        action = groups[section].add_argument(flag, *old, **kw)
+        action.old_names = old  # type: ignore[attr-defined]
+
+
+def _action_class(action: str | type[argparse.Action]) -> type[argparse.Action]:
+    if isinstance(action, str):
+        return {"store": argparse._StoreAction, "append": argparse._AppendAction}[action]
+    return action
 
 
 def flag_names(cls: type) -> list[str]:
-    """Every flag generated for `cls`, in order (tests freeze this list)."""
+    """Every flag generated for `cls`, in order."""
     return [flag for _, flag, *_ in _walk(cls)]
+
+
+def accepted_flags(cls: type) -> list[str]:
+    """Every flag `cls`'s command accepts: its names and their old names (tests freeze
+    this list: users' scripts keep working)."""
+    aliases = getattr(cls, "FLAG_ALIASES", {})
+    return [name for flag in flag_names(cls) for name in (flag, *aliases.get(flag, ()))]
 
 
 def build(cls: type, args: argparse.Namespace, config_file: str | None = None) -> Any:

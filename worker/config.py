@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from trainkit.choices import (
     DEFAULT_MODE,
@@ -17,6 +18,7 @@ from trainkit.choices import (
     SPARSE_OPTIMIZERS,
     averages_buffers,
     check_mode,
+    chunk_rounds,
     local_sgd,
 )
 from trainkit.connection import ConnectionConfig
@@ -94,12 +96,15 @@ class PSConfig(ConnectionConfig):
     being pulled. Off: only the push overlaps (backward); step() waits for the whole pull.
     Where workers and shards share few cores the pulling thread takes its core from
     forward; --overlap-trial finds out (docs/results.md, step throughput)."""
-    early_pull: bool = False
-    """Sync: ask for each step's pull while its push is still streaming, so a slot comes
-    back as soon as the shards have applied it (shards with --chunk-rounds, over the data
-    plane); the link carries the pull while the rest of the push goes out. Same bits as
-    without. Where a shard cannot stream early it answers once the push is in
-    (docs/architectures.md, "Early pulls")."""
+    early_pull: bool | None = None
+    """Sync: every worker asks for each step's pull while its push still streams, so a
+    slot comes back as soon as the shards have applied it (they apply the job's rounds
+    slot by slot), over the data plane; the link carries the pull while the rest of the
+    push goes out. Same bits as without. A property of the job: rank 0 decides it and
+    carries it to every shard with Init, the other workers follow what the shards serve
+    (no shard flag has to agree). Default (auto): on where some shard is on another host
+    and the data plane may be used, off on one host, where it only costs CPU
+    (docs/architectures.md, "Early pulls"). --early-pull / --no-early-pull force it."""
     overlap_trial: int = 30
     """--overlap: after 5 warm-up steps, this many steps try push+pull overlap (if
     --pull-overlap), push only, and neither, in blocks of consecutive steps, twice over;
@@ -127,6 +132,12 @@ class PSConfig(ConnectionConfig):
             raise ValueError(f"--max-workers must be >= 0 (0: a fixed job), got {self.max_workers}")
         if self.buffers not in ("rank0", "average"):
             raise ValueError(f"--buffers: unknown {self.buffers!r}; accepted: rank0, average")
+        if self.early_pull and not chunk_rounds(self.mode):
+            raise ValueError(
+                f"--early-pull with --mode {self.mode}: early pulls stream the slots of a "
+                "round as they are applied, which only modes in rounds of every worker's "
+                "push have (--mode sync); drop --early-pull"
+            )
         if self.buffers == "average" and not averages_buffers(self.mode):
             raise ValueError(
                 f"--buffers average needs --mode sync (a round to average over), not {self.mode}"
@@ -253,6 +264,40 @@ class LocalConfig:
 class TrainConfig:
     """One worker of a training job (`psar train`)."""
 
+    FLAG_NAMES: ClassVar[dict[str, str]] = {"threads": "--torch-threads"}
+    """A flag name means one thing in every psar command: --torch-threads is torch's
+    threads, as in psar server (whose gRPC handler threads are --rpc-threads)."""
+    FLAG_ALIASES: ClassVar[dict[str, tuple[str, ...]]] = {"--torch-threads": ("--threads",)}
+    HELP_GROUPS: ClassVar[dict[str, tuple[str, ...]]] = {
+        "model and data": ("--workload", "--workload-option", "--steps", "--epochs",
+                           "--batch-size", "--grad-accum", "--seed", "--eval-batches",
+                           "--device", "--torch-threads", "--save"),
+        "optimizer": ("--optimizer", "--lr", "--momentum", "--nesterov", "--weight-decay",
+                      "--beta1", "--beta2", "--eps", "--schedule", "--warmup-steps",
+                      "--total-steps", "--min-lr-ratio", "--clip-grad-norm",
+                      "--optimizer-impl"),
+        "architecture": ("--arch", "--mode", "--staleness", "--sync-every",
+                         "--outer-optimizer", "--outer-lr", "--outer-momentum", "--backend",
+                         "--pg-timeout-s", "--bucket-cap-mb", "--find-unused-parameters"),
+        "ps": ("--servers", "--rank", "--world-size", "--staleness-lr",
+               "--delay-compensation", "--staleness-lr-power", "--dc-adaptive",
+               "--momentum-correction", "--chunk-mib", "--job-id", "--buffers", "--overlap",
+               "--bucket-mib", "--pull-overlap", "--early-pull", "--overlap-trial",
+               "--data-plane", "--sparse-optimizer", "--sparse-lr", "--sparse-eps",
+               "--sparse-wire-dtype"),
+        "precision": ("--precision", "--wire-dtype", "--worker-weights", "--loss-scale-enabled",
+                      "--loss-scale-init-scale", "--loss-scale-growth-factor",
+                      "--loss-scale-backoff-factor", "--loss-scale-growth-interval"),
+        "reliability": ("--timeout-s", "--pull-timeout-s", "--reconnect-timeout-s",
+                        "--checkpoint-dir", "--checkpoint-every", "--sigterm-exit-code"),
+        "security": ("--tls-ca", "--tls-cert", "--tls-key", "--tls-server-name",
+                     "--auth-token-file"),
+        "metrics": ("--report", "--run-dir", "--log-every", "--metrics-port", "--metrics-addr",
+                    "--metrics-linger-s"),
+        "benchmarks and tests": ("--slowdown", "--emulate-compute-ms", "--inject-overflow-step"),
+    }  # fmt: skip
+    """`psar train --help`'s sections (worker/cli_gen.py; tests/test_cli.py: every flag in one)."""
+
     arch: str = "ps"
     """Architecture: ps (parameter server) | allreduce (DDP under torchrun)."""
     workload: str = "mlp"
@@ -284,7 +329,8 @@ class TrainConfig:
     device: str = "auto"
     """auto (cuda:LOCAL_RANK if CUDA is present, else cpu) | cpu | cuda."""
     threads: int = 0
-    """torch compute threads per process (0: torch's default)."""
+    """torch compute threads of this process (--torch-threads, as in psar server; 0:
+    torch's default)."""
     save: str = ""
     """Write the final weights (a state_dict) here (rank 0)."""
     report: str = ""
@@ -301,6 +347,10 @@ class TrainConfig:
     """Address the /metrics endpoint binds to."""
     metrics_linger_s: float = 0.0
     """Keep /metrics up this many seconds after training, so a last scrape sees final counts."""
+    sigterm_exit_code: int = 143
+    """Exit code after SIGTERM (143 = 128 + 15, what torchrun and Kubernetes expect).
+    deploy/slurm/ps.sbatch gives 1: srun reports the highest code of a step's tasks, so the
+    workers Slurm stops after another one failed then never hide that failure's code."""
     slowdown: float = 1.0
     """Emulate a straggler: after each step's compute, sleep (slowdown - 1) x its measured
     compute time, so this worker runs that many times slower (1: off)."""
@@ -309,6 +359,11 @@ class TrainConfig:
     many ms (times --slowdown), so many workers share few cores honestly (0: off)."""
     inject_overflow_step: int = 0
     """Testing aid: rank 0 makes its gradient non-finite at this step (0: never)."""
+    clip_grad_norm: float = 0.0
+    """Clip each update to this global L2 norm, as torch.nn.utils.clip_grad_norm_ clips
+    the averaged gradient under DDP (0: off). ps sync: the shards clip the round's mean
+    by its norm over every shard; async/ssp: each push by its own gradient's norm
+    (docs/own-loop.md, "Clipping")."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     """The optimizer (applied on the shards for ps, on every rank for allreduce)."""
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
@@ -331,11 +386,28 @@ class TrainConfig:
         if self.steps < 1 and self.epochs <= 0:
             raise ValueError("--steps must be >= 1 (or give --epochs)")
         if self.epochs < 0 or self.eval_batches < 0 or self.log_every < 0 or self.threads < 0:
-            raise ValueError("--epochs, --eval-batches, --log-every and --threads must be >= 0")
+            raise ValueError(
+                "--epochs, --eval-batches, --log-every and --torch-threads must be >= 0"
+            )
         if self.emulate_compute_ms < 0:
             raise ValueError(f"--emulate-compute-ms must be >= 0, got {self.emulate_compute_ms}")
+        if not 0.0 <= self.clip_grad_norm < float("inf"):
+            raise ValueError(
+                f"--clip-grad-norm must be a finite number >= 0 (0: off), got {self.clip_grad_norm}"
+            )
+        if self.clip_grad_norm and self.local_sgd:
+            raise ValueError("--clip-grad-norm with --mode local: not supported; leave it out")
+        if self.clip_grad_norm and self.ps.early_pull:
+            raise ValueError(
+                "--clip-grad-norm with --early-pull: a round's update waits for its norm over "
+                "every shard, so nothing comes back early; leave --early-pull out"
+            )
         if self.slowdown < 1.0:
             raise ValueError(f"--slowdown must be >= 1 (1 means no slowdown), got {self.slowdown}")
+        if not 0 <= self.sigterm_exit_code <= 255:
+            raise ValueError(
+                f"--sigterm-exit-code must be in [0, 255], got {self.sigterm_exit_code}"
+            )
         if not 0 <= self.metrics_port < 65536:
             raise ValueError(f"--metrics-port must be in [0, 65535], got {self.metrics_port}")
         choices = {

@@ -4,6 +4,10 @@
 --servers/--rank/--world-size (and RANK, WORLD_SIZE, LOCAL_RANK). --arch allreduce runs
 torchrun (`python -m torch.distributed.run`) on a free MASTER_PORT, or, with --straggler,
 starts the ranks itself with torchrun's environment (torchrun gives all ranks one argv).
+`-- COMMAND ARGS` runs your own script once per worker instead of `psar train`, the way
+torchrun does (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT or PSAR_SERVERS), with
+PSAR_ARCH and PSAR_ARGS (--arch, --mode and the other train flags given to launch) for
+worker/own_loop.py's prepare().
 On Ctrl-C, SIGTERM, --timeout or any process failing, launch stops every process it
 started and their descendants (SIGTERM, SIGKILL after --grace: worker/supervisor.py, the
 supervisor bench/ runs its jobs through too) and says why in its last line. See
@@ -16,6 +20,7 @@ import argparse
 import contextlib
 import os
 import re
+import shlex
 import shutil
 import signal
 import sys
@@ -59,6 +64,8 @@ class LaunchSpec:
     out: TextIO | None = None  # children's prefixed lines (default: stdout)
     err: TextIO | None = None  # launch's own lines (default: stderr)
     pids: list[int] = field(default_factory=list)  # filled in: every process launch saw
+    command: list[str] = field(default_factory=list)
+    """After `--`: run this once per worker instead of `psar train` (a loop of your own)."""
 
 
 def _straggler(text: str) -> tuple[int, float]:
@@ -118,7 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
         "every worker finished;\nthe failing process's code; 124 on --timeout; 128+N on "
         "signal N; 2 on bad flags.\n\nexamples:\n  psar launch --arch ps --servers 2 "
         "--workers 4 --mode ssp --staleness 2 --steps 200\n  psar launch --arch allreduce "
-        "--workers 4 --precision fp32 --metrics-base-port 9100",
+        "--workers 4 --precision fp32 --metrics-base-port 9100\n  psar launch --arch ps "
+        "--mode sync --servers 2 --workers 2 -- python examples/own_loop.py\n    (your own "
+        "script, once per worker: docs/own-loop.md; train flags before -- reach it in "
+        "PSAR_ARGS)",
     )
     add_launch_flags(p)
     p.add_argument("--metrics-base-port", type=int, default=0, metavar="P",
@@ -133,17 +143,27 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse(argv: Sequence[str]) -> LaunchSpec:
-    args, rest = build_parser().parse_known_args(list(argv))
+    argv, command = list(argv), []
+    if "--" in argv:  # `-- COMMAND ARGS`: a script of the user's own, once per worker
+        argv, command = argv[: argv.index("--")], argv[argv.index("--") + 1 :]
+        if not command:
+            build_parser().error("nothing after --: give the command to run per worker")
+    args, rest = build_parser().parse_known_args(argv)
     args.straggler = dict(args.straggler)
     if args.servers == 0:
         args.servers = auto_servers(args.workers)
-    return LaunchSpec(**vars(args), train_args=rest)
+    return LaunchSpec(**vars(args), train_args=rest, command=command)
 
 
 def validate(spec: LaunchSpec) -> None:
     """Refuse bad flags before starting anything (train flags are parsed like `psar train`)."""
     if spec.arch == "allreduce" and spec.launcher == "torchrun" and spec.straggler:
         raise ValueError("--straggler needs the direct launcher (torchrun: same argv for all)")
+    if spec.command and local_sgd(spec.mode):
+        raise ValueError(
+            f"--mode {spec.mode} runs psar's own inner optimizer: a script of your own runs "
+            "under --mode sync, async or ssp"
+        )
     if bad := [r for r in spec.straggler if r >= spec.workers]:
         raise ValueError(f"--straggler {bad[0]}:...: rank must be < --workers {spec.workers}")
     if bad := [t.split("=")[0] for t in spec.train_args if t.split("=")[0] in _RESERVED]:
@@ -202,7 +222,8 @@ class _Job:
         self.deadline = time.monotonic() + (spec.timeout or float("inf"))
         self.host = "127.0.0.1" if spec.bind_host in ("0.0.0.0", "::", "") else spec.bind_host
         auto = spec.launcher == "auto" and spec.straggler
-        self.direct = spec.arch == "allreduce" and (spec.launcher == "direct" or bool(auto))
+        direct = spec.launcher == "direct" or bool(auto) or bool(spec.command)
+        self.direct = spec.arch == "allreduce" and direct
         self.sup = Supervisor(out=self.out, grace=spec.grace, relabel=_relabel, note=self.say,
                               pids=spec.pids)  # fmt: skip
 
@@ -241,11 +262,10 @@ class _Job:
 
     def _start_shards(self) -> None:
         s, p = self.spec, self.spec.metrics_base_port
-        # Workers pulling early get slots back only from shards that apply them per chunk.
-        chunks = ["--chunk-rounds"] if "--early-pull" in s.train_args else []
+        # No per-chunk flag: rank 0's Init tells the shards how the job's rounds run.
         for i in range(s.servers):
             cmd = [sys.executable, "-m", "worker.cli", "server", "--bind", f"{s.bind_host}:0",
-                   "--shard", str(i), *chunks, *self._metrics(p + i)]  # fmt: skip
+                   "--shard", str(i), *self._metrics(p + i)]  # fmt: skip
             # All on this host: `--torch-threads auto` splits the cores between them.
             self._spawn(f"shard{i}", "shard", i, cmd, {"PSAR_SHARDS_PER_HOST": str(s.servers)})
 
@@ -278,6 +298,11 @@ class _Job:
             slow = ["--slowdown", str(s.straggler[r])] if r in s.straggler else []
             cmd = [sys.executable, "-m", "worker.cli", "train", "--arch", s.arch, *train,
                    *_ps_flags(s, servers, r), *slow]  # fmt: skip
+            if s.command:  # a script of its own: its ranks and shards from the environment
+                mode = ["--mode", s.mode, "--staleness", str(s.staleness)] * (s.arch == "ps")
+                flags = ["--arch", s.arch, *train, *mode, *slow]
+                env.update({"PSAR_ARCH": s.arch, "PSAR_ARGS": shlex.join(flags)})
+                cmd = list(s.command)
             self._spawn(f"worker{r}", "worker", r, cmd, env)
         self.say(" ".join(f"{n}=pid {c.pid}" for n, c in self.sup.children.items()))
 

@@ -13,7 +13,9 @@ import sys
 from collections.abc import Callable, Sequence
 
 from worker.compare_repeats import positive_int
-from worker.plan_model import (
+from worker.plan_command import launch_lines, train_flags
+from worker.plan_model import PlanResult, plan
+from worker.plan_types import (
     DEFAULT_BUCKET_BYTES,
     DEFAULT_PS_CPU_RATE,
     DEFAULT_RING_CPU_RATE,
@@ -21,8 +23,6 @@ from worker.plan_model import (
     OPTIMIZER_STATES,
     ArchPlan,
     PlanInputs,
-    PlanResult,
-    plan,
 )
 from worker.plan_units import (
     human_bytes,
@@ -179,10 +179,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--early-pull",
-        action="store_true",
-        help="sync PS pipelined (psar train --early-pull with psar server --chunk-rounds): "
-        "each chunk is pulled back while later ones are pushed, so a NIC's two directions "
-        "work at once (default: push, then pull)",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="sync PS pipelined: each chunk is pulled back while later ones are pushed, so a "
+        "NIC's two directions work at once. Default: what psar train does by default, which "
+        "is on wherever a worker has a shard on another host (--shard-hosts >= 1, or more "
+        "than one worker), off for one worker with its shards on its own host; "
+        "--no-early-pull models push, then pull",
     )
     p.add_argument(
         "--chunk-mib",
@@ -235,6 +238,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def default_early_pull(args: argparse.Namespace) -> bool:
+    """psar train's --early-pull default for the planned layout (ps/client/locality.py: on
+    where some shard is on another host than the worker; sync only, not --sync-every)."""
+    hosts = args.servers if args.shard_hosts is None else args.shard_hosts  # None: K = S
+    remote = hosts > 0 or args.workers > 1
+    return remote and args.sync_every == 1
+
+
 def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
     """Map parsed flags onto the model's inputs."""
     return PlanInputs(
@@ -250,7 +261,7 @@ def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
         bucket_bytes=args.bucket,
         shard_hosts=args.shard_hosts,
         sync_every=args.sync_every,
-        early_pull=args.early_pull,
+        early_pull=default_early_pull(args) if args.early_pull is None else args.early_pull,
         chunk_bytes=max(1, int(args.chunk_mib * 2**20)),
         cpu_cores=args.cpu_cores,
         cpu_shared=args.cpu_shared,
@@ -378,7 +389,7 @@ def render_table(result: PlanResult) -> str:
     for label, a, p in rows:
         lines.append(f"  {label:<{w0}}  {a:>{w1}}  {p:>{w2}}".rstrip())
     # The verdict stays the last line (scripts read it); the bound goes just above it.
-    lines += ["", _bound_line(result), result.reason]
+    lines += ["", *launch_lines(result), "", _bound_line(result), result.reason]
     return "\n".join(lines)
 
 
@@ -392,7 +403,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(str(exc))
     result = plan(inputs)
     if args.json:
-        print(json.dumps(result.to_dict(), indent=2))
+        doc = result.to_dict()
+        doc["launch_command"] = [ln.strip() for ln in launch_lines(result)[1:]]
+        doc["train_flags"] = train_flags(inputs, result.winner)
+        print(json.dumps(doc, indent=2))
     else:
         print(render_table(result))
     return 0

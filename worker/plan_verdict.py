@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from worker.plan_units import human_bytes, human_seconds
 
 if TYPE_CHECKING:
-    from worker.plan_model import ArchPlan, PlanInputs
+    from worker.plan_types import ArchPlan, PlanInputs
 
 
 def _score(arch: ArchPlan) -> float:
@@ -98,8 +98,9 @@ def _comm_reason(inp: PlanInputs, ar: ArchPlan, ps: ArchPlan) -> str:
         f"({human_seconds(ps.worker_comm.bandwidth_seconds)} on the wire), while the ring's "
         f"sends and receives share the full-duplex links "
         f"({human_seconds(ar.worker_comm.bandwidth_seconds)}) and its {2 * (n - 1)} latency "
-        f"rounds cost only {human_seconds(ar.worker_comm.latency_seconds)} (psar train "
-        f"--early-pull with --chunk-rounds shards overlaps push and pull: psar plan --early-pull)"
+        f"rounds cost only {human_seconds(ar.worker_comm.latency_seconds)} (early pulls, "
+        f"psar train's default with shards on other hosts, overlap push and pull: psar plan "
+        f"without --no-early-pull)"
     )
 
 

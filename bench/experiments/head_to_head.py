@@ -53,7 +53,7 @@ def run_case(
     """One compare of `runs`, plus one of ps-async and ps-ssp per variant (LABEL, more
     train flags): its rows are named "ps-async LABEL", measured against the same sync."""
     common = ["--workload", workload, "--workers", str(workers), "--steps", str(steps),
-              "--batch-size", str(batch), "--timeout", str(timeout), "--threads", "1",
+              "--batch-size", str(batch), "--timeout", str(timeout), "--torch-threads", "1",
               "--log-every", "0", *(train_flags or [])]  # fmt: skip
     base_out = out / f"{workload}-w{workers}"
     docs = [("", _compare([*common, "--out", str(base_out), *(["--runs", runs] if runs else [])]))]

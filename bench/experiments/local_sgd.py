@@ -51,7 +51,7 @@ def _lm(args) -> list[str]:  # noqa: ANN001
         "--workload", "lm", *(x for o in opts for x in ("--workload-option", o)),
         "--steps", str(args.steps), "--batch-size", str(args.batch_size), "--seed", "0",
         "--optimizer", "adamw", "--lr", str(args.lr), "--precision", "fp32",
-        "--threads", "1", "--log-every", "0", "--eval-batches", "20",
+        "--torch-threads", "1", "--log-every", "0", "--eval-batches", "20",
     ]  # fmt: skip
 
 

@@ -80,7 +80,7 @@ class Setup:
         """`psar train` flags shared by every row."""
         opts = [x for k, v in self.model.items() for x in ("--workload-option", f"{k}={v}")]
         # One compute thread per CPU process: on 2 cores the shards and workers share them.
-        threads = ["--threads", "1"] if self.device == "cpu" else []
+        threads = ["--torch-threads", "1"] if self.device == "cpu" else []
         return ["--workload", "lm", *opts, "--batch-size", str(self.batch),
                 "--steps", str(self.steps), "--precision", self.precision,
                 "--optimizer", "adamw", "--lr", str(self.lr), "--device", self.device,

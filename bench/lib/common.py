@@ -44,7 +44,7 @@ PLAIN_DDP = ROOT / "bench" / "baselines" / "plain_ddp.py"
 REF_WORKLOAD = ["--workload", "mlp", "--workload-option", "in_dim=784",
                 "--workload-option", "hidden=1024"]  # fmt: skip
 REF_TRAIN = [*REF_WORKLOAD, "--batch-size", "128", "--optimizer", "sgd", "--momentum", "0.9",
-             "--lr", "0.05", "--precision", "fp32", "--threads", "1", "--log-every", "0",
+             "--lr", "0.05", "--precision", "fp32", "--torch-threads", "1", "--log-every", "0",
              "--eval-batches", "0"]  # fmt: skip
 _LISTEN = re.compile(r"listening on (\S+):(\d+)")
 

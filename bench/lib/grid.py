@@ -80,7 +80,8 @@ def ps_flags(early_pull: bool) -> tuple[list[str], list[str]]:
     push-then-pull."""
     if early_pull:
         return ["--chunk-rounds"], ["--early-pull"]
-    return [], []
+    # psar train pulls early by default wherever a shard is on another host: say no.
+    return [], ["--no-early-pull"]
 
 
 def shape(args: Any) -> tuple[int, float, int]:
@@ -97,7 +98,7 @@ def train_args(
     workload = ["--workload", "mlp", "--workload-option", f"in_dim={IN_DIM}",
                 "--workload-option", f"hidden={hidden}"]  # fmt: skip
     return [*workload, "--batch-size", str(batch), "--optimizer", "sgd", "--momentum",
-            "0.9", "--lr", "0.05", "--precision", "fp32", "--threads", "1", "--log-every", "0",
+            "0.9", "--lr", "0.05", "--precision", "fp32", "--torch-threads", "1", "--log-every", "0",
             "--eval-batches", "0", "--steps", str(steps),
             "--emulate-compute-ms", f"{compute_ms:g}"]  # fmt: skip
 
@@ -109,7 +110,7 @@ def plan_cell(n: int, s: int, k: int, mbit: float, latency_us: float, compute_ms
             "--shard-hosts", str(k), "--bandwidth", f"{mbit:g}Mbit/s",
             "--latency", f"{latency_us:.1f}us", "--optimizer", "sgd-momentum",
             "--wire-dtype", "fp32", "--compute-ms", f"{compute_ms:.3f}", "--json",
-            "--chunk-mib", str(chunk_mib), *(["--early-pull"] if early_pull else []),
+            "--chunk-mib", str(chunk_mib), "--early-pull" if early_pull else "--no-early-pull",
             *cpu_flags(cpu)]  # fmt: skip
     p = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=c.ROOT)
     if p.returncode != 0:

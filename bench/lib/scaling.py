@@ -27,7 +27,7 @@ MODEL = "mlp 784-1024-1024-10 (1,863,690 params, 7.45 MB fp32)"
 
 def measure(out: Path, *, workers: list[int], shards: list[int], compute_ms: float, batch: int,
             steps: int, timeout: float) -> dict[str, Any]:  # fmt: skip
-    train = [*c.REF_WORKLOAD, "--batch-size", str(batch), "--threads", "1",
+    train = [*c.REF_WORKLOAD, "--batch-size", str(batch), "--torch-threads", "1",
              "--precision", "fp32", "--log-every", "0", "--eval-batches", "0",
              "--emulate-compute-ms", str(compute_ms), "--steps", str(steps)]  # fmt: skip
     rows = []

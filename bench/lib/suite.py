@@ -90,10 +90,10 @@ def goals(docs: dict[str, dict]) -> list[str]:
             out[-1] += (f"; all sizes: worst {c.fmt(low['ratio_to_tcp'])} "
                         f"({c.fmt(low['payload_mib'])} MiB, {low['shards']} shard(s))")  # fmt: skip
     if d := docs.get("shard_update"):
-        worst = min((v for v in d["ratio_vs_torch_default"].values() if v is not None),
-                    default=None)  # fmt: skip
-        line("shard AdamW update / torch's default AdamW, worst thread count", worst,
-             ">= 0.5x", d["goal_met"])  # fmt: skip
+        ratios = d.get("ratio_vs_torch_fused", {})
+        worst = min((v for v in ratios.values() if v is not None), default=None)
+        line("shard AdamW update / torch's fused AdamW, worst thread count", worst,
+             ">= 0.9x", d["goal_met"])  # fmt: skip
     if d := docs.get("step_throughput"):
         names = {"ps_sync_over_plain_ddp": "psar ps-sync (1 shard) / plain DDP, 2 workers",
                  "ps_sync_over_rpc": "psar ps-sync (1 shard) / RPC-tutorial PS, 2 workers",

@@ -32,16 +32,20 @@ from typing import Any
 import torch
 
 from ps import auth
+from ps.client.backend_elastic import ElasticMixin, elastic_note
 from ps.client.backend_local import LocalMixin
 from ps.client.backend_overlap import OverlapMixin
+from ps.client.backend_own import OwnLoopMixin, OwnOptimizer
 from ps.client.backend_resync import _MAX_RESYNCS, ResyncMixin
 from ps.client.int_buffers import IntBuffers
+from ps.client.locality import resolve_early_pull
 from ps.client.psclient import ClientConfig, NeedsResync, PSClient
 from ps.headers import PullHeader
 from ps.job import Job, ModeTraits
 from ps.partition import Slot, bytes_per_shard, check_every_shard_holds_a_slot, plan_slots
+from trainkit.choices import chunk_rounds
 from trainkit.device_io import DeviceIO, state_to_host, to_host
-from trainkit.optim import DynamicLossScale, effective_loss_scale, with_run_length
+from trainkit.optim import DynamicLossScale, StepOptions, effective_loss_scale, with_run_length
 from trainkit.sparse_tables import release_tables
 from worker.backend import StepOutcome
 from worker.config import TrainConfig
@@ -51,7 +55,7 @@ from worker.recorder import NullWorkerRecorder, WorkerRecorder
 log = logging.getLogger("psar.ps")
 
 
-class PSBackend(OverlapMixin, ResyncMixin, LocalMixin):
+class PSBackend(OverlapMixin, ResyncMixin, LocalMixin, OwnLoopMixin, ElasticMixin):
     arch = "ps"
     reports_staleness = True  # async/ssp apply gradients to newer weights (sync: 0)
     per_rank_reports = True  # each worker is its own process with its own staleness/faults
@@ -120,32 +124,25 @@ class PSBackend(OverlapMixin, ResyncMixin, LocalMixin):
         self.rejoined = False
         self.traits: ModeTraits
         """How the shards' mode behaves (from GetJob, in setup)."""
-        self.deals_data = cfg.elastic
-        """An elastic job: shard 0 deals this worker's batches (docs/elastic.md)."""
-        self._data_plan: tuple[int, str] = (0, "")
-        """Elastic data, rank 0: (the job's batch ids, how ids map to samples)."""
-        self._deal: tuple[int, tuple[int, ...]] = (0, ())
-        """Elastic data: (clock, the batch ids of that push's steps), from shard 0's last
-        pull header (--mode local: the H inner steps of an outer round)."""
-        self._deal_used = 0
-        """--mode local: ids of the deal the inner steps took so far."""
-        self._join_clock = 0
-        """--join: the clock shard 0 said to register with (sync: the round after the
-        open one; async/ssp: the slowest live worker's)."""
-        self._given_rank = False
-        """--join without --rank: shard 0 gave this worker its rank."""
-        self.left_job = False
-        self.world_size_now = world_size
-        """The shards' live workers at the last pull (the job's size now)."""
+        self._init_elastic(cfg, world_size)
+        self.own: OwnOptimizer | None = None
+        """A worker's own loop: the user's optimizer the shards run (backend_own.py)."""
+        self._clip_total: float | None = None
+        """This step's round squared norm, sent with its pull (clipping in rounds)."""
 
     # ---- setup ----------------------------------------------------------------------
 
-    def setup(self, model: torch.nn.Module) -> torch.nn.Module:
+    def setup(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
+    ) -> torch.nn.Module:
+        if optimizer is not None and self.cfg.local_sgd:
+            raise ValueError(
+                "--mode local runs psar's own inner optimizer; a loop of your own runs under "
+                "--mode sync, async or ssp"
+            )
         self.io = DeviceIO(self.device)
         release_tables(model)  # the shards hold the sparse tables' rows (docs/sparse.md)
         model.to(self.device)
-        if self.precision.weights != torch.float32:
-            model.to(self.precision.weights)
         self.model = model
         from ps.client.sparse_worker import SparseSide  # sparse tables: docs/sparse.md
 
@@ -156,6 +153,8 @@ class PSBackend(OverlapMixin, ResyncMixin, LocalMixin):
             if p.requires_grad and p.is_floating_point() and n not in self.sparse.names
         ]
         self.params = dict(params)
+        if optimizer is not None:
+            self.own = OwnOptimizer.of(optimizer, self.params)
         # Buffers (BatchNorm running stats) live on the shards too, as slots that are
         # never stepped: rank 0's values (or the mean, --buffers average) come back with
         # every pull, as DDP broadcasts rank 0's before every forward. Local SGD keeps
@@ -174,6 +173,20 @@ class PSBackend(OverlapMixin, ResyncMixin, LocalMixin):
             chunk_bytes=chunk,
         )
         check_every_shard_holds_a_slot(self.slots, len(self.addresses), self.cfg.ps.chunk_mib)
+        # Early pulls (and the per-chunk rounds they need) are the job's: rank 0 proposes
+        # them, every worker follows what the shards then serve (below).
+        self.early_pull = resolve_early_pull(
+            self.cfg.ps.early_pull,
+            # A loop of its own (and clipping) sends the step's learning rates and clip
+            # when its optimizer steps, after backward: the shards apply whole rounds.
+            eligible=chunk_rounds(self.mode)
+            and not self.sparse
+            and not self.cfg.local_sgd
+            and self.own is None
+            and not self.cfg.clip_grad_norm,
+            data_plane=self.cfg.ps.data_plane,
+            addresses=self.addresses,
+        )
         jobs = self._jobs()
         ps = self.cfg.ps
         self.client = PSClient(
@@ -189,7 +202,7 @@ class PSBackend(OverlapMixin, ResyncMixin, LocalMixin):
         if self.rank == 0 and not self.cfg.ps.join:
             values = {s.key: to_host(self._view(s), torch.float32) for s in self.slots}
             try:
-                self.client.init(jobs, values)
+                self.client.init(jobs, values, self._init_state())
             except Exception as e:  # the waiting workers fail now, with this reason
                 self.client.report_init_failure(str(e))
                 raise
@@ -198,15 +211,23 @@ class PSBackend(OverlapMixin, ResyncMixin, LocalMixin):
                 "bytes per shard: %s",
                 ", ".join(f"{i}: {b / 2**20:.2f} MiB" for i, b in enumerate(per)),
             )
-        got = self.client.get_jobs(wait=True, timeout_s=self.cfg.ps.pull_timeout_s)
+            del values
+        # Low-precision worker weights only now: rank 0 initialised the fp32 masters from
+        # the model's own fp32 values (as DDP starts from them), sent from the parameters'
+        # memory, not from an fp32 copy beside fp16 ones (bench/lib/memory.py: that copy
+        # was a worker's peak, 6 bytes per parameter; now the fp32 model it was built in).
+        if self.precision.weights != torch.float32:
+            model.to(self.precision.weights)
+        got = self._await_jobs()
         if self.cfg.ps.join and got[0] is not None:
             jobs = self._enter_running_job(jobs, got[0])
         for i, (want, have) in enumerate(zip(jobs, got, strict=True)):
             if have is None:
                 raise RuntimeError(
-                    f"shard {i} ({self.addresses[i]}) was not initialised within "
-                    f"{self.cfg.ps.pull_timeout_s}s; is the worker of rank 0 running? (a shard "
-                    "restarted without --restore stays empty: rank 0 only initialises at start)"
+                    f"worker {self.rank}: the worker of rank 0 never initialised shard {i} "
+                    f"({self.addresses[i]}) within --timeout-s {self.cfg.ps.timeout_s:g}; is "
+                    "it running, with the same --servers? (a shard restarted without "
+                    "--restore stays empty: rank 0 only initialises at start)"
                 )
             if have.traits is None:
                 raise RuntimeError(
@@ -214,6 +235,10 @@ class PSBackend(OverlapMixin, ResyncMixin, LocalMixin):
                     "older psar?); run the same psar version on workers and shards"
                 )
             self.traits = have.traits
+            # Rank 0 decided the job's early pulls: every worker takes them from it.
+            want = dataclasses.replace(
+                want, early_pull=have.early_pull, chunk_rounds=have.chunk_rounds
+            )
             if have != want.served(have.traits):
                 raise RuntimeError(
                     f"shard {i} ({self.addresses[i]}) serves a different job (mode {have.mode}, "
@@ -223,7 +248,11 @@ class PSBackend(OverlapMixin, ResyncMixin, LocalMixin):
                 )
         io = self.io
         self._send = {s.key: io.host_buffer(s.numel, self.precision.wire) for s in self.slots}
-        self.early_pull = self.cfg.ps.early_pull and not self.sparse and not self.cfg.local_sgd
+        self.early_pull = got[0].early_pull if got else self.early_pull
+        asked = self.cfg.ps.early_pull
+        if self.rank == 0 or (asked is not None and asked != self.early_pull):
+            log.info("worker %d: early pulls %s (the job's)", self.rank,
+                     "on" if self.early_pull else "off")  # fmt: skip
         # On CPU, pulled bytes land straight in the parameters; on CUDA they land in
         # pinned host buffers and go to the device slot by slot (trainkit/device_io.py),
         # and so do early pulls (their slots may arrive while backward still runs).
@@ -241,6 +270,8 @@ class PSBackend(OverlapMixin, ResyncMixin, LocalMixin):
         self._pushed: int | None = None
         self._push_args: dict[str, Any] = {}
         self._setup_overlap(model)
+        # Its verdict waits for step(): the step's options travel with it.
+        self.buckets.hold_verdict = self.own is not None or bool(self.cfg.clip_grad_norm)
         self._resync(fresh=True)
         self.start_step = self.clock
         self.client.start_heartbeats()
@@ -250,68 +281,28 @@ class PSBackend(OverlapMixin, ResyncMixin, LocalMixin):
             self._setup_local()
         return model
 
-    def plan_data(self, total_batches: int, stream: str) -> None:
-        """Elastic data (Backend protocol): the job's batch ids, 0..total_batches-1, and how
-        the workers map ids to samples (`stream`: a job whose workers disagree is refused).
-        Rank 0 tells the shards with the job."""
-        self._data_plan = (total_batches, stream)
+    def _await_jobs(self) -> list[Job | None]:
+        """Every shard's job, once rank 0 has initialised them: waited for at most
+        --timeout-s, saying every few seconds what it waits for."""
+        bound = self.cfg.ps.timeout_s
+        shards = ", ".join(f"{i} ({a})" for i, a in enumerate(self.addresses))
 
-    def next_batches(self, *, stop: bool = False) -> list[int] | None:
-        """Elastic data (Backend protocol): the batch ids of the next step, dealt by shard
-        0 with the last pull; None when the job's data is all dealt or `stop` (SIGTERM:
-        leave after the step just done). Either way this worker leaves the job now: a
-        sync round no longer waits for it, and what it was dealt goes to the others."""
-        clock, ids = self._deal
-        mid_round = self.local is not None and 0 < self._deal_used < len(ids)
-        if (not stop or mid_round) and clock == self.clock + 1 and self._deal_used < len(ids):
-            if self.local is None:
-                return list(ids)  # a step whose push did not go out takes them again
-            # --mode local leaves at an outer round's end: its inner steps count.
-            take = ids[self._deal_used : self._deal_used + self.cfg.grad_accum]
-            self._deal_used += len(take)
-            return list(take)
-        if not self.left_job:
-            why = "asked to stop" if stop else "the job's data is all dealt"
-            log.info("worker %d: %s; leaving the job after step %d", self.rank, why, self.clock)
-            self._leave_job()
-        return None
-
-    def _leave_job(self) -> None:
-        self._await_pull()
-        self.client.leave()
-        self.left_job = True
-
-    def _enter_running_job(self, jobs: list[Job], served: Job) -> list[Job]:
-        """--join: the job's size, length, data and schedule are the ones rank 0 chose
-        (the shards hold them); without --rank, shard 0 gives this worker a free rank."""
-        if not served.elastic:
-            raise RuntimeError(
-                f"--join: the job on the shards keeps its {served.num_workers} workers; start "
-                "it with --max-workers N (every worker) to let workers join it"
+        def describe(seconds: float) -> str:
+            return (
+                f"worker {self.rank}: waiting {seconds:.0f} s of --timeout-s {bound:g} for "
+                f"the worker of rank 0 to initialise shard(s) {shards}"
             )
-        if self.rank < 0:
-            reply = self.client.join(self.instance)
-            self.rank, self._join_clock = reply["worker"], reply["clock"]
-            self._given_rank = True
-            log.info("worker %d: joined a job of %d live workers", self.rank, reply["live_workers"])
-        self.world_size = served.num_workers
-        keep = ("num_workers", "max_workers", "data_batches")
-        return [
-            dataclasses.replace(
-                job,
-                **{k: getattr(served, k) for k in keep},
-                optimizer=dataclasses.replace(
-                    job.optimizer, total_steps=served.optimizer.total_steps
-                ),
-            )
-            for job in jobs
-        ]
+
+        with self.client.waits.waiting(describe):
+            return self.client.get_jobs(wait=True, timeout_s=bound)
 
     def _jobs(self) -> list[Job]:
         opt = with_run_length(self.cfg.optimizer, self.total_steps)
         if self.cfg.local_sgd:  # the shards apply the outer optimizer
             opt = self._outer_config()
         data_batches, stream = self._data_plan if self.deals_data else (0, "")
+        if self.own is not None:  # the user's: its class, groups, and schedule of its own
+            opt = self.own.config
         return [
             Job(
                 mode=self.mode,
@@ -338,6 +329,13 @@ class PSBackend(OverlapMixin, ResyncMixin, LocalMixin):
                 data_batches=data_batches,
                 data_per_step=self.cfg.grad_accum * max(1, self.cfg.local.sync_every),
                 data_stream=stream,
+                param_groups=(
+                    self.own.groups_on([s for s in self.slots if s.shard == i])
+                    if self.own is not None
+                    else ()
+                ),
+                chunk_rounds=self.early_pull,
+                early_pull=self.early_pull,
             )
             for i in range(len(self.addresses))
         ]
@@ -366,9 +364,12 @@ class PSBackend(OverlapMixin, ResyncMixin, LocalMixin):
             return self.local.scale_loss(loss)  # the inner steps' own loss scale
         return loss * self.loss_scale if self.loss_scale != 1.0 else loss
 
-    def step(self) -> StepOutcome:
+    def step(self, options: StepOptions | None = None) -> StepOutcome:
         if self.local is not None:
             return self._local_step(self.local)
+        if options is None and self.cfg.clip_grad_norm:
+            options = StepOptions(clip_norm=self.cfg.clip_grad_norm)
+        options = self._step_options(options)
         t0 = time.perf_counter()
         # Pulled weights may overwrite the parameters only once the compute stream is
         # done with this step's backward (CUDA; None on a CPU).
@@ -376,7 +377,7 @@ class PSBackend(OverlapMixin, ResyncMixin, LocalMixin):
         fwd_wait = self.gate.take_waited()
         if self._push_future is None:
             self._start_push()  # no hook fired (overlap off, or no gradient at all)
-        finite = self.buckets.finish()
+        finite = self.buckets.finish(options)
         if self._poisoned:
             # A background pull failed after this step's forward had used part of its
             # weights: the gradient is of mixed weights. It is not pushed; the clock
@@ -391,6 +392,7 @@ class PSBackend(OverlapMixin, ResyncMixin, LocalMixin):
             "overflow": not finite,
             "absent": frozenset(self.buckets.absent),
             "int_buffers": self.int_buffers.values(),
+            "options": options,
         }
         self._pushed = None
         replies = None
@@ -427,6 +429,9 @@ class PSBackend(OverlapMixin, ResyncMixin, LocalMixin):
             self._seen_versions[i] = max(self._seen_versions[i], r.version)
         if finite:
             self.bytes_pushed += sum(b.numel() * b.element_size() for b in self._send.values())
+        # Clipping in rounds: every shard's part of the round's squared norm, the total
+        # then going with the pull (ps/server/update/clipping.py).
+        self._clip_total, grad_norm = self._round_total(options)
         t1 = time.perf_counter()
         self._tune_overlap(t1)  # the push has ended: pick the arm of what follows
         in_background = self.overlap_pull and self._arm[1] and self.clock < self.total_steps
@@ -453,6 +458,7 @@ class PSBackend(OverlapMixin, ResyncMixin, LocalMixin):
             skipped=skipped,
             loss_scale=self.loss_scale,
             staleness=staleness,
+            grad_norm=grad_norm,
             phases={
                 "push": t1 - t0,
                 "wait": wait,
@@ -478,7 +484,9 @@ class PSBackend(OverlapMixin, ResyncMixin, LocalMixin):
         self._await_pull()
         self.gate.settle_host()  # CUDA: the last copies out of the host buffers are done
         dtype = self.precision.weights
-        headers = self.client.pull(clock=self.clock, dtype=dtype, out=self._recv)
+        headers = self.client.pull(
+            clock=self.clock, dtype=dtype, out=self._recv, clip_total_sq=self._clip_total
+        )
         self._took_headers(headers)
         self.gate.loaded_all()
         # The shards answer only once the round/bound allows: time to the first reply
@@ -548,12 +556,3 @@ class PSBackend(OverlapMixin, ResyncMixin, LocalMixin):
         if not self.left_job:
             self.client.leave()
         self.client.close()
-
-
-def elastic_note(have: Job, want: Job) -> str:
-    """What differs in an elastic job's data, for the refusal's message."""
-    if have.data_stream != want.data_stream:
-        return f"; its data: {have.data_stream or 'cut per rank'}, this worker's: {want.data_stream or 'cut per rank'}"
-    if have.max_workers != want.max_workers:
-        return f"; --max-workers {have.max_workers} there, {want.max_workers} here"
-    return ""

@@ -34,6 +34,7 @@ class OverlapMixin:
     params: dict[str, torch.Tensor]
     clock: int
     rank: int
+    _clip_total: float | None
 
     def _setup_overlap(self, model: torch.nn.Module) -> None:
         ps = self.cfg.ps
@@ -160,6 +161,7 @@ class OverlapMixin:
             on_piece=self.gate.landed,
             early=early,
             cutter=p.cutters,
+            clip_total_sq=self._clip_total,  # clipping in rounds (backend_own.py)
         )
         p.fut.add_done_callback(ended)
         return p

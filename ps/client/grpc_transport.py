@@ -43,7 +43,7 @@ class GrpcTransport(Transport):
             try:
                 for part in parts:
                     if isinstance(part, Verdict):
-                        verdict = pb.PushVerdict(overflow=part.overflow, absent=part.absent)
+                        verdict = part.to_pb()
                         yield pb.PushChunk(verdict=verdict)
                     else:
                         data = pb.TensorData(

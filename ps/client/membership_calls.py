@@ -186,6 +186,8 @@ class MembershipCalls:
                 "data_dealt": r.data_dealt,
                 "data_returned": r.data_returned,
                 "data_remaining": r.data_remaining,
+                "optimizer_impl": r.optimizer_impl,
+                "gradient_bytes": r.gradient_bytes,
             }
 
         return self._each(one)

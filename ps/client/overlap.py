@@ -29,6 +29,7 @@ import torch
 
 from ps.partition import Slot
 from trainkit.device_io import DeviceIO, Event
+from trainkit.optim import StepOptions
 
 PushItem = tuple[Any, ...]
 """("data", slot key, element offset, 1-D tensor) or ("verdict", overflow, absent keys)."""
@@ -93,6 +94,11 @@ class PushBuckets:
         """True inside no_sync(): gradients only accumulate, nothing is pushed."""
         self.decide: Callable[[bool], bool] = lambda finite: finite
         """Last say on finiteness once every bucket is in (sparse row pushes go here)."""
+        self.hold_verdict = False
+        """The verdict waits for finish() (a worker's own loop: its step options, known
+        only when its optimizer steps, travel with it); the data still streams."""
+        self.options: StepOptions | None = None
+        """This step's options, sent with the verdict (set by finish())."""
 
         self.active = False
         self._handles: list[Any] = []
@@ -103,6 +109,7 @@ class PushBuckets:
         self._reset()
 
     def _reset(self) -> None:
+        self.options = None
         self._pending = list(self.sizes)
         self._filled = [False] * len(self.buckets)
         self._finite = True
@@ -196,7 +203,7 @@ class PushBuckets:
         event = self.io.stage_out(pieces, after=after) if pieces else None
         # On CUDA the verdict waits for the side stream's copies: finish() (in step())
         # takes it, so backward's hooks never block on the device.
-        last = all(self._filled) and not self.io.cuda
+        last = all(self._filled) and not self.io.cuda and not self.hold_verdict
         if last:
             self._decide()
         if event is not None:  # the copies are asynchronous: senders wait for them
@@ -213,7 +220,7 @@ class PushBuckets:
         self.verdict = not self.decide(self._finite)
         if self.verdict:  # overflow: the verdict goes first, no data after it
             for q in self._queues:
-                q.put(("verdict", True))
+                q.put(("verdict", True, (), self.options))
 
     def absent_on(self, shard: int) -> tuple[str, ...]:
         """This step's absent slots held by `shard`, in slot order."""
@@ -224,14 +231,16 @@ class PushBuckets:
     def _finish_queues(self) -> None:
         if not self.verdict:
             for i, q in enumerate(self._queues):
-                q.put(("verdict", False, self.absent_on(i)))
+                q.put(("verdict", False, self.absent_on(i), self.options))
         for q in self._queues:
             q.put(None)
         self._all_in.set()
 
-    def finish(self) -> bool:
+    def finish(self, options: StepOptions | None = None) -> bool:
         """After backward: fill what no hook filled (unused parameters, or no hooks at
-        all); returns whether the whole gradient is finite."""
+        all); returns whether the whole gradient is finite. `options`: the step's (with
+        hold_verdict, sent in the verdict)."""
+        self.options = options
         for b in range(len(self.buckets)):
             if not self._filled[b]:
                 self.fill(b)
@@ -274,13 +283,13 @@ class PushBuckets:
             if self._aborted:
                 return
             if self.verdict:
-                yield ("verdict", True)
+                yield ("verdict", True, (), self.options)
                 return
             for bucket in self.buckets:
                 for s in bucket:
                     if s.shard == shard:
                         yield ("data", s.key, 0, self.send[s.key])
-            yield ("verdict", False, self.absent_on(shard))
+            yield ("verdict", False, self.absent_on(shard), self.options)
             return
         q = self._queues[shard]
         while True:

@@ -39,13 +39,15 @@ from ps.client.errors import (
 )
 from ps.client.grpc_transport import GrpcTransport
 from ps.client.membership_calls import INIT_FAILED_PREFIX, InitFailed, MembershipCalls
+from ps.client.optimizer_calls import OptimizerCalls, StateBySlot, state_chunks
 from ps.client.overlap import PushItem
 from ps.client.tcp_transport import DataPlaneClient
 from ps.client.transport import PullStream
 from ps.grpc_limits import grpc_options
-from ps.headers import PullHeader, PushHeader
+from ps.headers import PullHeader, PushHeader, StepOptions
 from ps.job import Job
 from ps.partition import Slot
+from trainkit.waiting import Waits
 
 __all__ = ["ClientConfig", "InitFailed", "NeedsResync", "PSClient", "PSClientError"]
 
@@ -53,7 +55,7 @@ log = logging.getLogger("psar.client")
 T = TypeVar("T")
 
 
-class PSClient(DataPlaneCalls, MembershipCalls):
+class PSClient(DataPlaneCalls, MembershipCalls, OptimizerCalls):
     """Push/pull to a set of shards on behalf of one worker."""
 
     def __init__(self, addresses: Sequence[str], *, worker: int, cfg: ClientConfig | None = None):
@@ -88,6 +90,8 @@ class PSClient(DataPlaneCalls, MembershipCalls):
         self._pool = ThreadPoolExecutor(2 * len(self.addresses), thread_name_prefix="psar-client")
         self.slots_by_shard: list[list[Slot]] = [[] for _ in self.addresses]
         self.last_pull_wait_s = 0.0
+        self.waits = Waits(log)
+        """Long waits of this worker's calls, said while they last (trainkit/waiting.py)."""
         """Seconds the last pull waited for its first reply (sync barrier, SSP bound)."""
         self.incarnations = [0] * len(self.addresses)
         """Per shard, the incarnation this worker synchronised with (0: do not check)."""
@@ -202,6 +206,10 @@ class PSClient(DataPlaneCalls, MembershipCalls):
                 raise PSClientError(
                     i, self.addresses[i], grpc.StatusCode.CANCELLED, "cut short"
                 ) from None
+            except PSClientError as e:
+                if wait and e.code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    return None  # still not initialised when the wait ran out
+                raise
             self.lease_s = max(self.lease_s, reply.lease_s)
             if reply.initialized:
                 self._use_data_port(i, reply.data_port)
@@ -214,9 +222,15 @@ class PSClient(DataPlaneCalls, MembershipCalls):
 
         return self._each(one, on_resync=cut_short, cut_by=InitFailed)
 
-    def init(self, jobs: Sequence[Job], values: dict[str, torch.Tensor]) -> list[bool]:
-        """Initialise every shard (rank 0 does this). Returns, per shard, whether an
-        identical init had already been applied."""
+    def init(
+        self,
+        jobs: Sequence[Job],
+        values: dict[str, torch.Tensor],
+        opt_state: StateBySlot | None = None,
+    ) -> list[bool]:
+        """Initialise every shard (rank 0 does this), the optimizer starting from
+        `opt_state` where given. Returns, per shard, whether an identical init had
+        already been applied."""
 
         def one(i: int) -> bool:
             def chunks() -> Iterator[pb.InitChunk]:
@@ -225,6 +239,8 @@ class PSClient(DataPlaneCalls, MembershipCalls):
                     flat = values[s.key].detach().to(torch.float32).reshape(-1).contiguous()
                     for off, data in wire.iter_pieces(flat, self.cfg.message_bytes):
                         yield pb.InitChunk(data=pb.TensorData(key=s.key, offset=off, data=data))
+                mine = {s.key: (opt_state or {}).get(s.key, {}) for s in jobs[i].slots}
+                yield from state_chunks(mine, self.cfg.message_bytes)
 
             reply = self._retrying(
                 i,
@@ -252,6 +268,7 @@ class PSClient(DataPlaneCalls, MembershipCalls):
         items: Callable[[int, bool], Iterable[PushItem]] | None = None,
         absent: Collection[str] = (),
         int_buffers: dict[str, tuple[int, ...]] | None = None,
+        options: StepOptions | None = None,
     ) -> list[pb.PushReply]:
         """Push one gradient (flat tensors in `dtype`, keyed by slot) to every shard
         (or to `shards`; replies then come in that order).
@@ -265,7 +282,8 @@ class PSClient(DataPlaneCalls, MembershipCalls):
         `absent`: slots with no gradient this step (zeros in `grads`), named in each
         shard's header (a streamed push names them in its verdict item instead).
         `int_buffers`: the worker's integer buffers, in shard 0's header only
-        (ps/client/int_buffers.py).
+        (ps/client/int_buffers.py). `options`: the step's options (a worker's own loop),
+        in each header of a whole push (a streamed one sends them in its verdict item).
         """
 
         def source(i: int, again: bool) -> Iterable[PushItem]:
@@ -288,6 +306,7 @@ class PSClient(DataPlaneCalls, MembershipCalls):
                     verdict_follows=items is not None,
                     absent=tuple(s.key for s in self.slots_by_shard[i] if s.key in absent),
                     int_buffers=(int_buffers or {}) if i == 0 else {},
+                    options=options or StepOptions(),
                 )
                 msg = serde.push_header_to_pb(header)
                 msg.incarnation = self.incarnations[i]
@@ -314,6 +333,7 @@ class PSClient(DataPlaneCalls, MembershipCalls):
         on_piece: Callable[[str, int, int], None] | None = None,
         early: bool = False,
         cutter: list[Callable[[], None]] | None = None,
+        clip_total_sq: float | None = None,
     ) -> list[PullHeader]:
         """Pull every shard's (or `shards`') weights into `out` (flat tensors keyed by
         slot; any float dtype, converted on copy). Waits as the consistency mode requires.
@@ -323,7 +343,8 @@ class PSClient(DataPlaneCalls, MembershipCalls):
         early: the pull of `clock` asked while its push is still streaming; slots may
         land in `out` before the header, on_piece follows once they hold
         (ps/server/pulls/early.py). cutter: gets a function that cuts this pull short
-        (its calls raise), for a caller whose push failed under it."""
+        (its calls raise), for a caller whose push failed under it. clip_total_sq: the
+        round's squared norm over every shard (clipping in rounds: round_norm)."""
 
         waits = [0.0] * self.num_shards
         streams: dict[int, PullStream] = {}
@@ -338,6 +359,7 @@ class PSClient(DataPlaneCalls, MembershipCalls):
                     dtype=serde.dtype_to_pb(dtype),
                     incarnation=self.incarnations[i],
                     early=early,
+                    clip_total_sq=clip_total_sq,
                 )
                 if cut.is_set():
                     raise PSClientError(i, self.addresses[i], None, "cut short for a resync")
@@ -374,7 +396,20 @@ class PSClient(DataPlaneCalls, MembershipCalls):
 
         if cutter is not None:
             cutter.append(cut_short)
-        headers = self._each(one, shards, on_resync=cut_short)
+
+        def describe(seconds: float) -> str:
+            ids = range(self.num_shards) if shards is None else shards
+            pending = [f"{i} ({self.addresses[i]})" for i in ids if not waits[i]]
+            return (
+                f"worker {self.worker}: the pull of clock {clock} has waited {seconds:.0f} s "
+                f"for shard(s) {', '.join(pending) or '-'}: a round closes once every live "
+                f"worker has pushed (a bounded-staleness pull waits for the slowest), so a "
+                f"slow or gone worker holds it; failing after --pull-timeout-s "
+                f"{self.cfg.pull_timeout_s:g}"
+            )
+
+        with self.waits.waiting(describe):
+            headers = self._each(one, shards, on_resync=cut_short)
         self.last_pull_wait_s = max(waits)
         return headers
 
@@ -393,6 +428,7 @@ class PSClient(DataPlaneCalls, MembershipCalls):
 
     def close(self) -> None:
         self._beat_stop.set()
+        self.waits.close()
         self._pool.shutdown(wait=False)
         for t in [*self._grpc, *self._data]:
             if t is not None:

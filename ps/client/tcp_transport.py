@@ -121,7 +121,7 @@ class DataPlaneClient(Transport):
                 self._send(conn, pb.DataFrame(push_header=header), None, deadline)
                 for part in parts:
                     if isinstance(part, Verdict):
-                        verdict = pb.PushVerdict(overflow=part.overflow, absent=part.absent)
+                        verdict = part.to_pb()
                         self._send(conn, pb.DataFrame(verdict=verdict), None, deadline)
                         continue
                     piece = pb.DataPiece(key=part.key, offset=part.offset)

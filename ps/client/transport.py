@@ -30,11 +30,12 @@ from typing import Any, Protocol
 import grpc
 import torch
 
-from ps import wire
+from ps import serde, wire
 from ps._gen.psar.v1 import ps_pb2 as pb
 
 Item = tuple[Any, ...]
-"""A push item: ("data", key, offset, tensor) or ("verdict", overflow[, absent keys])."""
+"""A push item: ("data", key, offset, tensor) or ("verdict", overflow[, absent keys[,
+step options (ps.headers.StepOptions)]])."""
 
 
 class TransportError(grpc.RpcError):
@@ -68,6 +69,11 @@ class Verdict:
     overflow: bool
     absent: tuple[str, ...] = ()
     """Slots of this shard with no gradient this step (their data was zeros)."""
+    options: pb.StepOptions | None = None
+    """The step's options (a worker's own loop: learning rates, clipping), if any."""
+
+    def to_pb(self) -> pb.PushVerdict:
+        return pb.PushVerdict(overflow=self.overflow, absent=self.absent, options=self.options)
 
 
 class Incoming(Protocol):
@@ -232,9 +238,15 @@ def push_parts(
             for start in range(0, len(view), per):
                 yield Piece(key, offset + start // itemsize, view[start : start + per])
         elif item[0] == "verdict":
-            yield Verdict(bool(item[1]), tuple(item[2]) if len(item) > 2 else ())
+            absent = tuple(item[2]) if len(item) > 2 else ()
+            options = item[3] if len(item) > 3 and item[3] is not None else None
+            yield Verdict(bool(item[1]), absent, _options_pb(options))
         else:
             raise ValueError(f"push item must be ('data', ...) or ('verdict', ...): {item[0]!r}")
+
+
+def _options_pb(options: Any) -> pb.StepOptions | None:
+    return serde.options_to_pb(options) if options is not None and options.given else None
 
 
 def tensor_bytes(t: torch.Tensor, want: torch.dtype | None) -> memoryview:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import ClassVar
 
 from ps import wire
 from ps.grpc_limits import DEFAULT_MAX_MESSAGE_BYTES
@@ -21,10 +22,27 @@ SHARDS_PER_HOST_ENV = "PSAR_SHARDS_PER_HOST"
 class ServerConfig:
     """One parameter-server shard."""
 
+    FLAG_NAMES: ClassVar[dict[str, str]] = {"threads": "--rpc-threads"}
+    """A flag name means one thing in every psar command: --torch-threads is torch's threads
+    (here and in psar train), so the gRPC handler threads are --rpc-threads."""
+    FLAG_ALIASES: ClassVar[dict[str, tuple[str, ...]]] = {"--rpc-threads": ("--threads",)}
+    HELP_GROUPS: ClassVar[dict[str, tuple[str, ...]]] = {
+        "shard": ("--bind", "--shard", "--rpc-threads", "--torch-threads", "--message-bytes",
+                  "--max-message-bytes", "--chunk-rounds", "--exact-fp16-sum", "--push-lead-mib"),
+        "data plane": ("--data-port", "--data-idle-s", "--data-max-conns-per-peer",
+                       "--data-tls-records", "--data-sealed-records"),
+        "reliability": ("--lease-s", "--join-grace-s", "--checkpoint-dir", "--checkpoint-every",
+                        "--checkpoint-interval", "--checkpoint-keep", "--restore",
+                        "--restore-or-fresh", "--init-timeout-s", "--drain-timeout-s"),
+        "security": ("--tls-cert", "--tls-key", "--tls-ca", "--auth-token-file"),
+        "metrics": ("--metrics-port", "--metrics-addr"),
+    }  # fmt: skip
+    """`psar server --help`'s sections (worker/cli_gen.py; tests/test_cli.py: every flag in one)."""
+
     bind: str = "127.0.0.1:50051"
     """HOST:PORT to listen on (port 0 picks a free one; 0.0.0.0 listens on every interface)."""
     threads: int = 64
-    """gRPC handler threads. A pull waiting for its round (sync barrier, SSP) holds none:
+    """gRPC handler threads (--rpc-threads). A pull waiting for its round (sync barrier, SSP) holds none:
     it parks on the server's event loop (ps/server/pulls/parking.py)."""
     message_bytes: int = wire.DEFAULT_MESSAGE_BYTES
     """Bytes of tensor data per streamed message (~1 MiB streams fastest here)."""
@@ -64,6 +82,11 @@ class ServerConfig:
     restore_or_fresh: bool = False
     """With --restore: start an empty shard when every checkpoint of this shard is damaged,
     instead of refusing to start (workers must then be restarted: the job begins again)."""
+    init_timeout_s: float = 3600.0
+    """A shard with no job says every 30 s that it waits for the worker of rank 0's Init,
+    and exits 1 if none came within this many seconds (a job whose workers never started,
+    or a wrong --servers list); 0: wait for ever. A shard restored from a checkpoint has
+    its job already."""
     drain_timeout_s: float = 10.0
     """On SIGTERM, wait up to this long for the sync round in flight before the final
     checkpoint."""
@@ -76,13 +99,23 @@ class ServerConfig:
     auth_token_file: str = ""
     """Refuse calls without `authorization: Bearer <the token in this file>`."""
     chunk_rounds: bool = False
-    """sync: apply the optimizer to each slot as soon as every worker's piece of it is in,
-    while later slots still arrive (undone if the round is skipped or a push refused;
-    ps/server/modes/sync_chunks.py). Bit-identical results either way. Off by default: the undo copy
-    of each slot's master and optimizer state costs about what the early update hides
-    (measured in docs/architectures.md)."""
+    """Not needed any more: per-chunk rounds (sync: each slot stepped as soon as every
+    worker's piece of it is in, undone if the round is skipped; same bits) are a property
+    of the job, which rank 0's Init carries (workers with --early-pull ask for them). With
+    this flag the shard applies them to every sync job, also one that does not ask
+    (workers from before jobs carried them)."""
+    exact_fp16_sum: bool = False
+    """sync, fp16 pushes: add each push's slots into one int64 fixed-point accumulator per
+    slot as they arrive (exact: the same bits whatever the arrival order; 12 bytes per
+    parameter whatever the number of workers, plus 2 per push while it streams; each
+    slot's mean converted once all its pushes are in, so the close mostly steps;
+    ps/server/modes/exact_sum.py). Off: every worker's push is staged in fp32 and the
+    round summed in rank order at its close (the behaviour before issue #36). fp32 and
+    bf16 pushes are summed in rank order either way (DDP's bits). An opt-in for now: the
+    hostile campaign (tests/test_hostile.py, sync) still finds a shard with it refusing
+    pushes its in-process mirror accepts."""
     push_lead_mib: float = 2.0
-    """With --chunk-rounds, on the data plane: read a worker's push at most this many MiB
+    """Per-chunk rounds, on the data plane: read a worker's push at most this many MiB
     ahead of the slowest push of the same round still streaming; the rest waits in TCP's
     buffers, so workers sharing a shard host's NIC keep in step and every slot's round
     closes as early as it can (TCP alone lets one push run far ahead and the pulls pile up
@@ -117,8 +150,13 @@ class ServerConfig:
             raise ValueError(
                 f"--bind: expected HOST:PORT (e.g. 127.0.0.1:50051), got {self.bind!r}"
             )
+        if not 0 <= self.init_timeout_s < float("inf"):
+            raise ValueError(
+                f"--init-timeout-s must be a number of seconds >= 0 (0: wait for ever), "
+                f"got {self.init_timeout_s}"
+            )
         if self.threads < 2:
-            raise ValueError(f"--threads must be >= 2, got {self.threads}")
+            raise ValueError(f"--rpc-threads must be >= 2, got {self.threads}")
         if not 1024 <= self.message_bytes <= self.max_message_bytes // 2:
             raise ValueError("--message-bytes must be in [1024, max_message_bytes / 2]")
         if not -1 <= self.data_port < 65536:

@@ -9,10 +9,12 @@ a final checkpoint is written. docs/reliability.md describes all of it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import threading
+import time
 from concurrent import futures
 from typing import Any
 
@@ -29,6 +31,7 @@ from ps.server.membership.leases import Reaper
 from ps.server.shard import ShardState
 from ps.server.update.stepper import apply_torch_threads
 from trainkit.roles import resolve_shard
+from trainkit.waiting import Waits
 
 log = logging.getLogger("psar.server")
 
@@ -53,6 +56,7 @@ def build_state(cfg: ServerConfig, metrics: Any = None) -> ShardState:
         join_grace_s=cfg.join_grace_s,
         checkpoints=manager,
         chunk_rounds=cfg.chunk_rounds,
+        exact_fp16_sum=cfg.exact_fp16_sum,
         update_threads=cfg.update_threads(),
         push_lead_bytes=int(cfg.push_lead_mib * (1 << 20)),
     )
@@ -106,7 +110,7 @@ def start_server(
 ) -> tuple[ShardServer, int, ShardState]:
     """Start a shard's gRPC server; returns (server, bound port, state). Non-blocking.
 
-    The server is grpc.aio with --threads handler threads (ps/server/doors/aio_host.py): calls
+    The server is grpc.aio with --rpc-threads handler threads (ps/server/doors/aio_host.py): calls
     that wait (Pull, GetJob(wait)) park on its event loop and hold none of them.
     The server's health service is reachable as `server.psar_health` (ps/server/doors/health.py),
     its data plane (None when off) as `server.psar_dataplane` (ps/server/doors/dataplane.py).
@@ -119,20 +123,27 @@ def start_server(
         interceptors.append(auth.TokenServerInterceptor(token, state.metrics))
     server = ShardServer(
         futures.ThreadPoolExecutor(max_workers=cfg.threads, thread_name_prefix="psar-shard"),
-        options=grpc_options(cfg.max_message_bytes),
+        # No SO_REUSEPORT: gRPC sets it by default, and a second shard started on a port
+        # in use (a stale one, a typo in a launch script) would then share it silently.
+        options=[*grpc_options(cfg.max_message_bytes), ("grpc.so_reuseport", 0)],
         interceptors=interceptors,
     )
     servicer = SparseServicer(state)
     servicer.executor = server.executor
     pb_grpc.add_ParameterServerServicer_to_server(servicer, server)
     health = ShardHealth(server)
-    if cfg.tls_cert:
-        creds = auth.server_credentials(cfg.tls_cert, cfg.tls_key, cfg.tls_ca)
-        port = server.add_secure_port(cfg.bind, creds)
-    else:
-        port = server.add_insecure_port(cfg.bind)
+    try:
+        if cfg.tls_cert:
+            creds = auth.server_credentials(cfg.tls_cert, cfg.tls_key, cfg.tls_ca)
+            port = server.add_secure_port(cfg.bind, creds)
+        else:
+            port = server.add_insecure_port(cfg.bind)
+    except RuntimeError:  # grpc.aio raises where the sync server returned 0
+        port = 0
     if port == 0:
-        raise OSError(f"could not bind {cfg.bind}; is the port in use?")
+        with contextlib.suppress(Exception):
+            server.stop(grace=None)
+        raise OSError(f"could not bind {cfg.bind}; is the port in use? (--bind)")
     dataplane: DataPlaneServer | None = None
     if cfg.data_port >= 0:
         # Under TLS the data plane is TLS with the same files (and the same token).
@@ -169,7 +180,10 @@ def serve(cfg: ServerConfig) -> int:
     cfg.shard = resolve_shard(cfg.shard, os.environ)
     apply_torch_threads(cfg.torch_threads)  # one torch thread unless 0 (update/stepper.py)
     metrics = _make_metrics(cfg)
-    server, port, state = start_server(cfg, metrics=metrics)
+    try:
+        server, port, state = start_server(cfg, metrics=metrics)
+    except OSError as e:  # say which shard: a job's shards share one output
+        raise OSError(f"shard {cfg.shard}: {e}") from None
     host = cfg.bind.rpartition(":")[0]
     scheme = "TLS" if cfg.tls_cert else "plaintext"
     log.info("psar shard %d listening on %s:%d (%s)", cfg.shard, host, port, scheme)
@@ -181,14 +195,46 @@ def serve(cfg: ServerConfig) -> int:
     stop = threading.Event()
 
     def _on_signal(signum: int, _frame: object) -> None:
-        log.info("signal %d: draining", signum)
+        log.info("shard %d: %s, draining", cfg.shard, signal.Signals(signum).name)
         stop.set()
 
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
-    stop.wait()
+    code = 0 if _await_job(state, cfg, stop) else 1
+    if code == 0:
+        stop.wait()
     shutdown(server, state, cfg.drain_timeout_s)
-    return 0
+    log.info("shard %d: drained and stopped", cfg.shard)
+    return code
+
+
+def _await_job(state: ShardState, cfg: ServerConfig, stop: threading.Event) -> bool:
+    """Until the first Init (or a stop): a line every 30 s saying the shard waits for it.
+    False when --init-timeout-s passed without one."""
+    bound = cfg.init_timeout_s
+    waits = Waits(log, first_after_s=min(30.0, bound or 30.0), every_s=30.0)
+    limit = f"; exiting after --init-timeout-s {bound:g}" if bound else ""
+
+    def describe(seconds: float) -> str:
+        return f"shard {cfg.shard}: no job yet, waiting {seconds:.0f} s for rank 0's Init{limit}"
+
+    started = time.monotonic()
+    try:
+        with waits.waiting(describe):
+            while not state.initialized and not stop.is_set():
+                if bound and time.monotonic() - started >= bound:
+                    log.error(
+                        "shard %d: the worker of rank 0 never initialised this shard within "
+                        "--init-timeout-s %g; is rank 0 running, with this shard in its "
+                        "--servers? stopping",
+                        cfg.shard,
+                        bound,
+                    )
+                    return False
+                stop.wait(0.5)
+    finally:
+        waits.close()
+    return True
 
 
 def stop_server(server: ShardServer, grace: float | None = None) -> None:

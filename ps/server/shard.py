@@ -43,9 +43,10 @@ from ps.server.modes import BUILTIN, Modes
 from ps.server.pulls.pulls import Pulls
 from ps.server.state import ShardData
 from ps.server.update.buffers import IntBufferLog
+from ps.server.update.opt_state import StateValue, load_state, read_state
 from ps.server.update.stepper import SlotStepper
 from ps.server.update.updates import Updates
-from trainkit.optim import StepAdjust
+from trainkit.optim import StepAdjust, optimizer_impl, resolve_impl
 
 __all__ = ["ShardState"]
 
@@ -66,6 +67,7 @@ class ShardState(ShardData):
         chunk_rounds: bool = False,
         update_threads: int = 1,
         push_lead_bytes: int = 0,
+        exact_fp16_sum: bool = False,
     ) -> None:
         super().__init__(
             modes=modes,
@@ -75,6 +77,7 @@ class ShardState(ShardData):
             checkpoints=checkpoints,
             chunk_rounds=chunk_rounds,
             push_lead_bytes=push_lead_bytes,
+            exact_fp16_sum=exact_fp16_sum,
         )
         self.updates = Updates(
             self,
@@ -109,9 +112,15 @@ class ShardState(ShardData):
 
     # ---- the job ------------------------------------------------------------------------
 
-    def init(self, job: Job, values: dict[str, torch.Tensor]) -> bool:
-        """Install the job and the initial fp32 values. Returns True if an identical job
-        was already installed (a retried init), raises if a different one was."""
+    def init(
+        self,
+        job: Job,
+        values: dict[str, torch.Tensor],
+        opt_state: list[StateValue] | None = None,
+    ) -> bool:
+        """Install the job and the initial fp32 values (and the optimizer's state to start
+        from, if any: a resumed user loop). Returns True if an identical job was already
+        installed (a retried init), raises if a different one was."""
         with self.cond:
             if self.check_job(job):
                 return True
@@ -130,18 +139,25 @@ class ShardState(ShardData):
                         f"init slot {quote(key)}: expected {numel[key]} fp32 elements, got "
                         f"{t.numel()} {t.dtype}"
                     )
-            if job.elastic and self.chunk_rounds and job.traits is not None and job.traits.rounds:
+            chunked = job.chunk_rounds or self.chunk_rounds
+            if job.elastic and chunked and job.traits is not None and job.traits.rounds:
                 raise InvalidArgument(
-                    "an elastic job (--max-workers) on a shard with --chunk-rounds: its "
+                    "an elastic job (--max-workers) with per-chunk rounds: its "
                     "early per-slot steps cannot scale a round's learning rate by the "
-                    "workers in it; start the shards without --chunk-rounds (and the "
-                    "workers without --early-pull)"
+                    "workers in it; start the shards without --chunk-rounds and rank 0 "
+                    "with --no-early-pull"
                 )
+            try:  # masters live on the CPU: fused only where this torch has the kernel
+                resolve_impl(job.optimizer, "cpu")
+            except ValueError as e:
+                raise InvalidArgument(f"this shard cannot run the job's optimizer: {e}") from None
             masters = {
                 s.key: torch.nn.Parameter(values[s.key].detach().clone().reshape(-1))
                 for s in job.slots
             }
             self.updates.install(job, masters)
+            if opt_state:
+                load_state(self.optimizer, masters, opt_state)
             self.live = set(range(job.num_workers))
             self.clocks = [0] * job.capacity
             self.ledger = ledger_for(job)
@@ -180,6 +196,13 @@ class ShardState(ShardData):
         self.metrics.set_loss_scale(self.loss_scale.scale)
         self.metrics.set_version(self.version)
         self.cond.notify_all()
+
+    def optimizer_state(self) -> list[StateValue]:
+        """Every slot's optimizer state now (copies), as of the last closed round."""
+        with self.cond:
+            self.require_job()
+            self.updates.policy.settle(self.updates)
+            return read_state(self.optimizer, self.masters)
 
     def wait_initialized(self, timeout: float | None) -> bool:
         """Block until initialised (or the timeout passes); returns whether it is."""
@@ -226,6 +249,8 @@ class ShardState(ShardData):
                 "data_dealt": self.ledger.dealt if self.ledger is not None else 0,
                 "data_returned": self.ledger.given_back if self.ledger is not None else 0,
                 "data_remaining": self.ledger.remaining() if self.ledger is not None else 0,
+                "optimizer_impl": optimizer_impl(self.optimizer) if self.job else "",
+                "gradient_bytes": self.intake.gradient_bytes(),
             }
 
     def state_digest(self) -> str:

@@ -7,7 +7,7 @@ change it, each its own part, under `cond` (every change is followed by
 | fields | written by (ps/server/...) |
 |---|---|
 | job, numel, masters, optimizer, scheduler, loss_scale, policy | shard.py (init), update/updates.py (install), durability/durability.py (restore, rollback) |
-| version, rounds, skipped_rounds, last_round_skipped, updates_applied, dropped_nonfinite, staleness_counts | update/updates.py |
+| version, rounds, skipped_rounds, last_round_skipped, updates_applied, dropped_nonfinite, staleness_counts, step_options, held, round_norms | update/updates.py (step_options: set by intake/intake.py as it hands a push over) |
 | clocks, int_buffers, push_paced_s | intake/intake.py (clocks: also membership/membership.py on register, durability/durability.py) |
 | live, left, expired, joining, instances, leases, lease_expirations, rejoins, joins, leaves, reserved, ledger | membership/membership.py (ledger: made by shard.py's init, consumed by intake/intake.py, restored by durability/durability.py) |
 | incarnation, restores, restored_step, restored_pending, draining | durability/durability.py (incarnation: also shard.py's init) |
@@ -28,11 +28,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ps.errors import FailedPrecondition
+from ps.headers import StepOptions
 from ps.job import Job, ModeTraits
 from ps.server.membership.leases import LeaseTable
 from ps.server.membership.ledger import DataLedger
 from ps.server.metrics.recorder import ShardRecorder
 from ps.server.update.buffers import IntBufferLog
+from ps.server.update.clipping import HeldRound, RoundNorms
 from trainkit.optim import DynamicLossScale
 
 if TYPE_CHECKING:
@@ -54,6 +56,7 @@ class ShardData:
         checkpoints: CheckpointManager | None,
         chunk_rounds: bool,
         push_lead_bytes: int,
+        exact_fp16_sum: bool = False,
     ) -> None:
         self.cond = threading.Condition()
         """The shard's lock; every state change is made holding it."""
@@ -66,6 +69,9 @@ class ShardData:
         self.chunk_rounds = chunk_rounds
         """sync: apply each slot as soon as every worker's piece of it is in
         (ps/server/modes/sync_chunks.py); results are bit-identical either way."""
+        self.exact_fp16_sum = exact_fp16_sum
+        """sync: sum a round's fp16 pushes exactly as they arrive, in an int64 accumulator
+        per slot (ps/server/modes/exact_sum.py), not staged per worker."""
         self.push_lead_bytes = push_lead_bytes
         """Per-chunk rounds, data plane: read a push at most this far ahead of the slowest
         push of its round still streaming (ps/server/intake/pacing.py); 0: no pacing."""
@@ -86,6 +92,13 @@ class ShardData:
         self.updates_applied = 0
         self.dropped_nonfinite = 0
         self.staleness_counts: Counter[int] = Counter()
+        self.step_options = StepOptions()
+        """The step options of the push handed to the rule last (a worker's own loop: its
+        learning rates, clipping); the update it makes or closes takes them."""
+        self.held: HeldRound | None = None
+        """A round's update held for its global norm (ps/server/update/clipping.py)."""
+        self.round_norms = RoundNorms()
+        """This shard's parts of recent rounds' squared norms (RoundNorm)."""
         # ---- workers ----------------------------------------------------------------------
         self.clocks: list[int] = []
         self.max_clock_gap = 0

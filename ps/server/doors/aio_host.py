@@ -1,10 +1,10 @@
 """A shard's gRPC server: grpc.aio on an event-loop thread, with a synchronous surface.
 
 Why aio: under the sync grpc.server every call holds a pool thread until it returns, so
-`--threads` pulls waiting for their sync round left none for Stats or for the push that
+`--rpc-threads` pulls waiting for their sync round left none for Stats or for the push that
 closes the round (issue #18). grpc.aio runs coroutine handlers on its loop (a waiting
 Pull or GetJob parks there, ps/server/pulls/parking.py) and every plain handler in the
-`migration_thread_pool`, unchanged: that pool is `--threads` threads, as before.
+`migration_thread_pool`, unchanged: that pool is `--rpc-threads` threads, as before.
 
 A message gRPC cannot decode is refused INVALID_ARGUMENT by the handler (`guard`), not
 grpc.aio's UNKNOWN: bad input gets a clear status.
@@ -169,7 +169,7 @@ class ShardServer:
         interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     ) -> None:
         self.executor = executor
-        """The --threads pool: plain handlers, and the short locked steps of parked calls."""
+        """The --rpc-threads pool: plain handlers, and the short locked steps of parked calls."""
         self.loop = server_loop()
 
         async def make() -> grpc.aio.Server:  # an aio server belongs to the loop it is made on

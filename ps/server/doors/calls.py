@@ -15,6 +15,7 @@ import torch
 from ps import serde
 from ps._gen.psar.v1 import ps_pb2 as pb
 from ps.errors import InvalidArgument
+from ps.server.pulls.parking import in_pool
 from ps.server.shard import ShardState
 
 
@@ -49,8 +50,9 @@ class PushCall:
 
         self.piece(key, offset, len(data), read_into, lambda _n: data)
 
-    def verdict(self, overflow: bool, absent: tuple[str, ...] = ()) -> None:
-        self.intake.add_verdict(self.ticket, overflow, absent)
+    def verdict(self, msg: pb.PushVerdict) -> None:
+        options = serde.options_from_pb(msg.options) if msg.HasField("options") else None
+        self.intake.add_verdict(self.ticket, msg.overflow, tuple(msg.absent), options)
 
     def misplaced(self, kind: str | None) -> NoReturn:
         raise InvalidArgument(
@@ -82,6 +84,20 @@ def _pull_args(req: pb.PullRequest, timeout: float | None) -> tuple[torch.dtype,
     return dtype, clock, wait
 
 
+def _release_held(state: ShardState, req: pb.PullRequest) -> None:
+    """A pull that brings its round's total squared norm (clipping in rounds) applies the
+    round's held update first (ps/server/update/clipping.py)."""
+    if req.HasField("clip_total_sq"):
+        clock = serde.check_count("pull clock", req.clock)
+        state.pulls.release_held(clock, req.clip_total_sq, incarnation=req.incarnation)
+
+
+def round_norm_args(req: pb.RoundNormRequest, timeout: float | None) -> tuple[int, float]:
+    clock = serde.check_count("round clock", req.clock)
+    wait = serde.wait_seconds("RoundNorm timeout", serde.MAX_WAIT_S if timeout is None else timeout)
+    return clock, wait
+
+
 def _pull_head(state: ShardState, header: Any) -> pb.PullHeader:
     head = serde.pull_header_to_pb(header)
     head.incarnation = state.incarnation
@@ -95,6 +111,7 @@ def start_pull(
     the incarnation it was served at) and the pieces (key, offset, bytes) to send. This
     one holds the calling thread while it waits; the gRPC door uses start_pull_parked."""
     dtype, clock, wait = _pull_args(req, timeout)
+    _release_held(state, req)
     header, pieces = state.pulls.pull(
         req.worker, clock, dtype, wait, incarnation=req.incarnation, views=views
     )
@@ -113,6 +130,7 @@ def start_pull_early(
     ("piece", key, offset, bytes) items, then ("header", pb.PullHeader) with early_void
     set, then the rest. Refusals raise at the first next(), before anything is sent."""
     dtype, clock, wait = _pull_args(req, timeout)
+    _release_held(state, req)
     items = state.pulls.pull_early(
         req.worker, clock, dtype, wait, incarnation=req.incarnation, views=views, alive=alive
     )
@@ -130,6 +148,7 @@ async def start_pull_parked(
 ) -> tuple[pb.PullHeader, list[tuple[str, int, Any]]]:
     """start_pull on the event loop: a pull that has to wait holds no thread meanwhile."""
     dtype, clock, wait = _pull_args(req, timeout)
+    await in_pool(executor, _release_held, state, req)  # it may step: off the event loop
     header, pieces = await state.pulls.pull_parked(
         req.worker,
         clock,

@@ -249,7 +249,7 @@ class _Connection:
                     if kind == "piece":
                         self._piece(call, frame.piece, plen)
                     elif kind == "verdict":
-                        call.verdict(frame.verdict.overflow, tuple(frame.verdict.absent))
+                        call.verdict(frame.verdict)
                     else:
                         call.misplaced(kind)
                 except PSError as e:

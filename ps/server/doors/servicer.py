@@ -4,7 +4,7 @@ No logic lives here (thin servicers, serde at the edge): every decision is made 
 ps/server/shard.py and the mode modules (ps/server/modes/), which tests drive without a socket.
 
 The server is grpc.aio (ps/server/doors/aio_host.py): most handlers are plain functions run in
-the --threads pool as they always were; the ones that wait (Pull, GetJob(wait)) are
+the --rpc-threads pool as they always were; the ones that wait (Pull, GetJob(wait)) are
 coroutines that park on the event loop (ps/server/pulls/parking.py) and hold no thread.
 
 A push and a pull arrive through two doors, this servicer and the TCP data plane
@@ -38,9 +38,10 @@ from ps.errors import (
     quote,
 )
 from ps.server.doors.aio_host import Undecodable
-from ps.server.doors.calls import PushCall, start_pull_parked
+from ps.server.doors.calls import PushCall, round_norm_args, start_pull_parked
 from ps.server.pulls.parking import wait_until
 from ps.server.shard import ShardState
+from ps.server.update.opt_state import StateCollector
 
 
 class StreamBroken(InvalidArgument):
@@ -181,7 +182,12 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
                 )
             values = {k: torch.empty(n) for k, n in numel.items()}
             filled = dict.fromkeys(numel, 0)
+            opt_state = StateCollector(numel)
             for msg in request_iterator:
+                if msg.WhichOneof("kind") == "state":
+                    st = msg.state
+                    opt_state.add(st.slot, st.name, st.numel, st.offset, st.scalar, st.data)
+                    continue
                 if msg.WhichOneof("kind") != "data":
                     raise InvalidArgument("Init: only one header allowed", reason="malformed")
                 d = msg.data
@@ -205,7 +211,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
                 raise InvalidArgument(
                     f"Init: slot {quote(short[0])} incomplete ({len(short)} short)"
                 )
-            already = self.state.init(job, values)
+            already = self.state.init(job, values, opt_state.done())
             return pb.InitReply(already_initialized=already, master_bytes=self.state.master_bytes)
         except PSError as e:
             self._fail(context, "Init", e)
@@ -287,7 +293,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
                 if kind == "data":
                     call.piece_bytes(msg.data.key, msg.data.offset, msg.data.data)
                 elif kind == "verdict":
-                    call.verdict(msg.verdict.overflow, tuple(msg.verdict.absent))
+                    call.verdict(msg.verdict)
                 else:
                     call.misplaced(kind)
             require_clean_end(context, "Push")
@@ -307,7 +313,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         self, request: pb.PullRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[Any]:
         # async: a pull waiting for its round parks on the event loop (ps/server/pulls/parking.py)
-        # instead of holding one of the --threads handler threads.
+        # instead of holding one of the --rpc-threads handler threads.
         t0 = time.monotonic()
         try:
             head, pieces = await start_pull_parked(
@@ -321,6 +327,42 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         for key, offset, data in pieces:
             yield pb.PullChunk(data=pb.TensorData(key=key, offset=offset, data=data))
         self.metrics.rpc_observed("Pull", time.monotonic() - t0)
+
+    async def RoundNorm(
+        self, request: pb.RoundNormRequest, context: grpc.aio.ServicerContext
+    ) -> Any:
+        # async: waits for its round as a pull does, parked (no handler thread held).
+        t0 = time.monotonic()
+        try:
+            clock, wait = round_norm_args(request, context.time_remaining())
+            part, skipped = await self.state.pulls.round_norm_parked(
+                request.worker,
+                clock,
+                wait,
+                incarnation=request.incarnation,
+                executor=self.executor,
+            )
+            return pb.RoundNormReply(
+                sq_norm=part, skipped=skipped, incarnation=self.state.incarnation
+            )
+        except PSError as e:
+            await context.abort(e.code, bound_details(e.args[0]))
+        finally:
+            self.metrics.rpc_observed("RoundNorm", time.monotonic() - t0)
+
+    def OptimizerState(
+        self, request: pb.OptimizerStateRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.StateChunk]:
+        try:
+            values = self.state.optimizer_state()
+        except PSError as e:
+            self._fail(context, "OptimizerState", e)
+            return
+        for v in values:
+            flat = v.value.reshape(-1).contiguous()
+            for off, data in serde.wire.iter_pieces(flat, self.state.message_bytes):
+                yield pb.StateChunk(slot=v.slot, name=v.name, numel=flat.numel(), offset=off,
+                                    data=data, scalar=v.value.dim() == 0)  # fmt: skip
 
     def Leave(self, request: pb.LeaveRequest, context: grpc.ServicerContext) -> Any:
         try:

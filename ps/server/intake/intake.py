@@ -24,10 +24,11 @@ from typing import Any
 import torch
 
 from ps.errors import DeadlineExceeded, Unavailable
-from ps.headers import PushHeader, PushOutcome
+from ps.headers import PushHeader, PushOutcome, StepOptions
 from ps.server.intake import pacing
 from ps.server.intake.pieces import (
     PushTicket,
+    add_exact,
     add_piece,
     add_piece_streamed,
     add_verdict,
@@ -39,6 +40,7 @@ from ps.server.intake.pieces import (
     unscale_slot,
     zero_absent,
 )
+from ps.server.intake.scratch import ExactStaging, ScratchPool
 from ps.server.intake.takeover import InFlightPushes
 from ps.server.membership.membership import Membership, Restored
 from ps.server.modes.base import StagedPush
@@ -56,6 +58,10 @@ class Intake:
         self.updates = updates
         self._staging: dict[int, dict[str, torch.Tensor]] = {}
         """Per worker, the buffers its pushes land in (reused push after push)."""
+        self._raw_staging: dict[int, dict[str, torch.Tensor]] = {}
+        """Per worker, its model buffers' slots when its pushes go into an exact sum."""
+        self.scratch = ScratchPool()
+        """One-slot buffers a push into an exact sum lands in (ps/server/intake/scratch.py)."""
         self._worker_locks: dict[int, threading.Lock] = {}
         self._pacing = 0
         """Pushes waiting in pace_push now: a completed or dropped slot wakes the shard's
@@ -67,6 +73,15 @@ class Intake:
     def forget(self) -> None:
         """The state was replaced (restore, rollback): fresh staging buffers from now on."""
         self._staging.clear()
+        self._raw_staging.clear()
+
+    def gradient_bytes(self) -> int:
+        """Bytes this shard holds for gradients in flight: every worker's staging, the
+        scratch pool and the update rule's own (an exact sum's accumulators)."""
+        staged = [*self._staging.values(), *self._raw_staging.values()]
+        held = sum(t.numel() * t.element_size() for s in staged for t in s.values())
+        policy = self.data.policy
+        return held + self.scratch.allocated + (policy.gradient_bytes() if policy else 0)
 
     # ---- the header --------------------------------------------------------------------
 
@@ -79,6 +94,8 @@ class Intake:
             job = d.require_job()
             check_header(header, job.capacity)
             check_int_buffers(job, header.int_buffers)
+            if header.options.given:
+                self.updates.take_options(header.options, check_only=True)
             self.members.check_incarnation(incarnation)
             self._check_draining(header.clock)
             lock = self._worker_locks.setdefault(header.worker, threading.Lock())
@@ -96,26 +113,44 @@ class Intake:
                         self.updates, header.worker, header.clock, header.base_version
                     )
                 self.members.touch(header.worker)
-                staging = self._staging.get(header.worker)
-                if staging is None:
-                    staging = {k: torch.empty(n) for k, n in d.numel.items()}
-                    self._staging[header.worker] = staging
+                exact = None
+                if not duplicate and not header.overflow:
+                    exact = policy.exact_sum(self.updates, header)
+                staging = self._staging_for(header.worker, exact is not None)
                 ticket = PushTicket(
                     header=header,
                     staging=staging,
+                    exact=exact,
                     duplicate=duplicate,
                     lock=lock,
                     incarnation=d.incarnation,
                     absent=check_absent(d.numel, header.absent),
                     raw=d.buffer_keys,
                 )
-                if policy.applies_chunks:
+                if policy.applies_chunks or exact is not None:
                     ticket.on_drop = self._push_dropped
+                if policy.applies_chunks:
                     policy.push_started(self.updates, ticket)
         except BaseException:
             lock.release()
             raise
         return ticket
+
+    def _staging_for(self, worker: int, exact: bool) -> dict[str, torch.Tensor] | ExactStaging:
+        """Where `worker`'s push lands: its own fp32 copy of every slot, or (a push into
+        an exact sum) one-slot scratch from the pool, its own copy of the buffers only."""
+        d = self.data
+        if exact:
+            raw = self._raw_staging.get(worker)
+            if raw is None:
+                raw = {k: torch.empty(d.numel[k]) for k in d.buffer_keys}
+                self._raw_staging[worker] = raw
+            return ExactStaging(self.scratch, d.numel, raw)
+        staging = self._staging.get(worker)
+        if staging is None:
+            staging = {k: torch.empty(n) for k, n in d.numel.items()}
+            self._staging[worker] = staging
+        return staging
 
     def _check_draining(self, clock: int) -> None:
         """Draining: only pushes that finish the sync round already in flight get in."""
@@ -175,8 +210,12 @@ class Intake:
 
     def _slot_done(self, ticket: PushTicket, key: str) -> None:
         """A slot of a push is complete: unscale it now, while later slots still stream
-        (off the round's critical path), and tell a per-chunk policy."""
-        unscale_slot(ticket, key)
+        (off the round's critical path), or add it to the round's exact sum; and tell a
+        per-chunk policy."""
+        if ticket.exact is not None:
+            add_exact(ticket, key)
+        else:
+            unscale_slot(ticket, key)
         if self.updates.policy.applies_chunks:
             d = self.data
             with d.cond:
@@ -186,15 +225,38 @@ class Intake:
                     d.cond.notify_all()  # a paced push behind this one may go on
 
     def _push_dropped(self, ticket: PushTicket) -> None:
+        """A push ends without being accepted: a per-chunk policy undoes what it applied
+        early, then an exact sum subtracts what the push added (nothing of it stays)."""
         with self.data.cond:
-            self.updates.policy.push_dropped(self.updates, ticket)
+            if self.updates.policy.applies_chunks:
+                self.updates.policy.push_dropped(self.updates, ticket)
+            if ticket.exact is not None:
+                ticket.exact.withdraw(ticket.header.worker, ticket.header.clock)
             if self._pacing:
                 self.data.cond.notify_all()  # it no longer holds paced pushes back
 
-    def add_verdict(self, ticket: PushTicket, overflow: bool, absent: tuple[str, ...] = ()) -> None:
+    def add_verdict(
+        self,
+        ticket: PushTicket,
+        overflow: bool,
+        absent: tuple[str, ...] = (),
+        options: StepOptions | None = None,
+    ) -> None:
         """The finiteness verdict of a push that streamed during backward (and the
-        slots it had no gradient for, known only then)."""
-        add_verdict(ticket, overflow, check_absent(self.data.numel, absent))
+        slots it had no gradient for, known only then; and its step options, known
+        only when the worker's optimizer steps)."""
+        if options is not None and options.given:
+            with self.data.cond:
+                self.updates.take_options(options, check_only=True)
+        named = check_absent(self.data.numel, absent)
+        add_verdict(ticket, overflow, named)
+        ticket.options = options
+        if ticket.exact is not None and named and not overflow:
+            # Their bytes (zeros) are in the sum already: counted as absent now.
+            h = ticket.header
+            ticket.exact.name_absent(h.worker, h.clock, named - ticket.raw)
+            for k in named:
+                ticket.unscaled[k] = True
         if overflow and self.updates.policy.applies_chunks:
             with self.data.cond:  # the round will be skipped: nothing of it may stay applied
                 self.updates.policy.push_dropped(self.updates, ticket)
@@ -219,8 +281,11 @@ class Intake:
                 h.overflow = True  # data already staged is ignored, like a header overflow
             if not h.overflow:
                 check_complete(d.numel, ticket)
-                zero_absent(ticket)
+                if ticket.exact is None:  # an exact sum counted them as zeros already
+                    zero_absent(ticket)
             grads = ticket.staging
+            if isinstance(grads, ExactStaging):
+                grads = dict(grads.raw)  # the gradients are in the round's exact sum
             if not h.overflow and not unscale_rest(ticket):
                 with d.cond:  # sync refuses it; async/ssp drop and count it below
                     self.updates.policy.nonfinite_unflagged(self.updates, h.worker)
@@ -254,6 +319,9 @@ class Intake:
                 ):
                     d.int_buffers.put(h.clock, h.worker, h.int_buffers)
                 ticket.accepted = True
+                self.updates.take_options(ticket.options or h.options)
+                if ticket.exact is not None:  # what it added stays: its scratch may go
+                    ticket.exact.accept(h.worker, h.clock)
                 outcome = policy.accept(self.updates, staged)
                 d.metrics.push_accepted()
                 d.cond.notify_all()

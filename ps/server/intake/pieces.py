@@ -7,7 +7,7 @@ each raises a ps.errors exception before any byte lands in the master weights.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,8 +15,10 @@ import torch
 
 from ps import wire
 from ps.errors import InvalidArgument, NotFound, quote
-from ps.headers import PushHeader
-from trainkit.finite import all_finite
+from ps.headers import PushHeader, StepOptions
+from ps.server.intake.scratch import ExactStaging
+from ps.server.modes.exact_sum import ExactSum
+from trainkit.finite import all_finite, all_finite_readonly
 
 
 @dataclass
@@ -24,7 +26,7 @@ class PushTicket:
     """An in-flight push: its header, where its bytes go, and how much has arrived."""
 
     header: PushHeader
-    staging: dict[str, torch.Tensor]
+    staging: MutableMapping[str, torch.Tensor]
     received: dict[str, int] = field(default_factory=dict)
     bytes_in: int = 0
     duplicate: bool = False
@@ -46,9 +48,14 @@ class PushTicket:
     stepped (DDP's find_unused_parameters semantics, docs/architectures.md)."""
     paced_s: float = 0.0
     """Seconds the shard held this push back to keep it in step (ps/server/intake/pacing.py)."""
+    options: StepOptions | None = None
+    """A streamed push's step options, from its verdict (None: the header's)."""
     on_drop: Callable[[PushTicket], None] | None = None
     """Called on release of a push that was never accepted (refused, cut off, or a
     duplicate), before its worker may push again (per-chunk rounds undo with it)."""
+    exact: ExactSum | None = None
+    """The round's exact sum this fp16 push's slots are added to as each arrives whole
+    (its staging is then an ExactStaging: ps/server/intake/scratch.py); None: staged."""
 
     @property
     def overflow(self) -> bool:
@@ -59,8 +66,10 @@ class PushTicket:
         if self.lock is not None:
             try:
                 if not self.accepted and self.on_drop is not None:
-                    self.on_drop(self)
+                    self.on_drop(self)  # an exact sum subtracts it (from its scratch)
             finally:
+                if isinstance(self.staging, ExactStaging):
+                    self.staging.close()  # its scratch buffers go back to the pool
                 self.lock.release()
                 self.lock = None
 
@@ -206,6 +215,27 @@ def check_complete(numel: dict[str, int], ticket: PushTicket) -> None:
 def slot_complete(numel: dict[str, int], ticket: PushTicket, key: str) -> bool:
     """Has the last piece of slot `key` of this (data-carrying) push just arrived?"""
     return not ticket.duplicate and ticket.received.get(key, 0) == numel[key] > 0
+
+
+def add_exact(ticket: PushTicket, key: str) -> None:
+    """A complete slot of a push into an exact round: checked finite, then added to the
+    round's sum (a slot the header named absent counts as zeros, whatever came). Its
+    scratch stays with the push until it ends (a push not accepted is subtracted again
+    from it). `unscaled` records whether it was finite."""
+    exact, h = ticket.exact, ticket.header
+    assert exact is not None
+    if key in ticket.raw:  # a buffer's value: kept in the worker's staging for the close
+        ticket.unscaled[key] = True
+        return
+    if key in ticket.absent:
+        exact.add_zeros(h.worker, h.clock, key)
+        ticket.unscaled[key] = True
+        return
+    values = ticket.staging[key]
+    finite = all_finite_readonly([values])
+    ticket.unscaled[key] = finite
+    if finite:
+        exact.add(h.worker, h.clock, key, values)
 
 
 def unscale_slot(ticket: PushTicket, key: str) -> None:

@@ -36,7 +36,9 @@ from ps.server.modes.rows import RowPolicy, RowsOnArrival
 from ps.server.modes.view import ShardView
 
 if TYPE_CHECKING:
+    from ps.headers import PushHeader
     from ps.server.intake.pieces import PushTicket
+    from ps.server.modes.exact_sum import ExactSum
 
 
 @dataclass(slots=True)
@@ -108,6 +110,16 @@ class UpdatePolicy(ABC):
     def nonfinite_unflagged(self, view: ShardView, worker: int) -> None:  # noqa: B027
         """A push holds inf/nan without the overflow flag: raise to refuse it; returning
         lets the shard drop it as an overflow (counted)."""
+
+    def exact_sum(self, view: ShardView, header: PushHeader) -> ExactSum | None:
+        """The exact sum a data push's slots go into as they arrive (sync rounds of fp16
+        pushes, ps/server/modes/exact_sum.py), or None: staged per worker (everything
+        else). Called under the lock once the header passed check_push; may refuse it."""
+        return None
+
+    def gradient_bytes(self) -> int:
+        """Bytes of gradients the rule holds itself (an exact sum's accumulators)."""
+        return 0
 
     def round_in_flight(self) -> bool:
         """Some worker has pushed for a round that has not closed (draining waits for it)."""

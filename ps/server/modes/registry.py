@@ -22,8 +22,13 @@ class RuleOptions:
     """What the shard's own flags say about the rules it makes."""
 
     chunk_rounds: bool = False
-    """psar server --chunk-rounds: a rule in rounds may apply each slot as soon as every
-    worker's piece of it is in (the sync mode's per-chunk variant; same bits)."""
+    """psar server --chunk-rounds: a rule in rounds applies each slot as soon as every
+    worker's piece of it is in (the sync mode's per-chunk variant; same bits) even for a
+    job that does not ask for it (workers from before jobs carried it). A job asks with
+    Job.chunk_rounds; a shard needs no flag for that."""
+    exact_fp16_sum: bool = True
+    """psar server --exact-fp16-sum: a sync round of fp16 pushes is summed exactly as they
+    arrive (ps/server/modes/exact_sum.py); off: staged per worker, summed in rank order."""
 
 
 def no_options(job: Job) -> None:
@@ -44,6 +49,9 @@ class Mode:
     rejoining), sent to the workers with the job."""
     rule: Callable[[Job, RuleOptions], UpdatePolicy]
     """A fresh update rule for a job of this mode (a restore or rollback makes another)."""
+    chunk_rounds: bool = False
+    """Its rule has a per-chunk variant (Job.chunk_rounds): a job asking for per-chunk
+    rounds in a mode without one is refused at Init, naming why."""
     configure: Callable[[Job], object] = field(default=no_options)
     """Read and check the job's knobs this mode reads, its configuration (what it returns
     is not kept; a ValueError naming what is wrong: the shard refuses the job with it,
@@ -87,6 +95,13 @@ class Modes:
         """`job` as a shard holds it: its mode known, its configuration checked, with the
         mode's traits (Job.served). Raises InvalidArgument otherwise."""
         mode = self.get(job.mode)
+        if job.chunk_rounds and not mode.chunk_rounds:
+            raise InvalidArgument(
+                f"the job asks for per-chunk rounds (--early-pull), which --mode {job.mode} "
+                "does not have (its updates do not come in rounds of every worker's push): "
+                "use --mode sync, or run without --early-pull",
+                reason="malformed",
+            )
         try:
             mode.configure(job)
         except ValueError as e:

@@ -6,10 +6,15 @@ ps/server/modes/local.py."""
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
+import torch
+
 from ps.errors import FailedPrecondition, InvalidArgument
-from ps.headers import PushOutcome
+from ps.headers import PushHeader, PushOutcome
 from ps.job import Job
 from ps.server.modes.base import StagedPush, UpdatePolicy
+from ps.server.modes.exact_sum import ExactSum
 from ps.server.modes.rows import RowRounds
 from ps.server.modes.view import ShardView
 from trainkit.optim import StepAdjust
@@ -18,16 +23,24 @@ from trainkit.optim import StepAdjust
 class SyncPolicy(UpdatePolicy):
     """One averaged update per round; a round closes when every live worker has pushed once.
 
-    The mean is summed in worker-rank order in fp32, so the result does not depend on
-    arrival order. A round with any overflow flag is skipped on every shard.
+    The mean is summed in worker-rank order in fp32 (DDP's bits), or, for a round of fp16
+    pushes with `exact_fp16`, exactly as the pushes arrive (ps/server/modes/exact_sum.py):
+    either way the result does not depend on arrival order. A round with any overflow flag
+    is skipped on every shard.
     """
 
     holds_gradients = True
     pull_views = True
     rows = RowRounds()
 
-    def __init__(self) -> None:
+    def __init__(self, exact_fp16: bool = False) -> None:
         self.pending: dict[int, StagedPush] = {}
+        self.exact_fp16 = exact_fp16
+        """Sum rounds of fp16 pushes exactly as they arrive (psar server --exact-fp16-sum)."""
+        self.exact: ExactSum | None = None
+        """The exact sum (made at the first fp16 round, reused round after round)."""
+        self.kind: str | None = None
+        """How the open round sums: "exact" or "ordered", set by its first data push."""
 
     def check_push(self, view: ShardView, worker: int, clock: int, base_version: int) -> None:
         open_round = view.rounds + 1
@@ -73,19 +86,58 @@ class SyncPolicy(UpdatePolicy):
     def round_in_flight(self) -> bool:
         return bool(self.pending)
 
+    def exact_sum(self, view: ShardView, header: PushHeader) -> ExactSum | None:
+        exact = self.exact_fp16 and header.dtype == torch.float16
+        kind = "exact" if exact else "ordered"
+        if self.kind is None:
+            self.kind = kind
+        elif self.kind != kind:
+            if self.kind == "exact":
+                raise FailedPrecondition(
+                    f"sync round {view.rounds + 1} sums fp16 gradients exactly (its first "
+                    f"push was fp16); this push is {header.dtype}: every worker must push "
+                    "in the same dtype (--wire-dtype)",
+                    reason="bad_dtype",
+                )
+            return None  # fp16 into a round an fp32/bf16 push opened: staged, rank order
+        if not exact:
+            return None
+        if self.exact is None:
+            skip = view.buffer_keys
+            self.exact = ExactSum({k: p.numel() for k, p in view.masters.items() if k not in skip})
+        self.exact.open(view.rounds + 1, header.loss_scale, len(view.live))
+        return self.exact
+
+    def gradient_bytes(self) -> int:
+        return self.exact.nbytes() if self.exact is not None else 0
+
     def _maybe_close(self, view: ShardView) -> None:
         if not self.pending or not view.live.issubset(self.pending):
             return
         pushes = [self.pending[w] for w in sorted(self.pending)]
         self.pending = {}
-        self._close(view, pushes)
+        exact = self.exact if self.kind == "exact" else None
+        self.kind = None
+        if exact is not None:  # withdraws a push still in flight (its worker left)
+            exact.close({p.worker for p in pushes})  # nothing lands any more; reset below
+        try:
+            self._close(view, pushes, exact)
+        finally:
+            if exact is not None:
+                exact.reset()
 
-    def _close(self, view: ShardView, pushes: list[StagedPush]) -> None:
+    def _close(self, view: ShardView, pushes: list[StagedPush], exact: ExactSum | None) -> None:
         """Every live worker has pushed (`pushes`, in rank order): apply or skip."""
         if any(p.overflow for p in pushes):
             view.skip_round("overflow")
             return
         buffers = view.buffer_values([p.grads for p in pushes])  # before the sum below
+        if exact is not None:
+            view.set_buffers(buffers)
+            adjust = self.round_adjust(view.job, len(pushes))
+            means = exact_means(view, exact, buffers)
+            view.apply_update(means, staleness=[0] * len(pushes), adjust=adjust)
+            return
         # Sum in place into the lowest rank's staging buffers (they are consumed by this
         # round), always in rank order: the bits never depend on arrival order.
         total = pushes[0].grads
@@ -111,6 +163,19 @@ class SyncPolicy(UpdatePolicy):
         if job is None or not job.elastic or n == job.num_workers:
             return None
         return StepAdjust(lr_scale=n / job.num_workers)
+
+
+def exact_means(view: ShardView, exact: ExactSum, skip: Collection[str]) -> dict[str, torch.Tensor]:
+    """The round's fp32 mean of every slot some worker had a gradient for (not `skip`:
+    buffers), converted from the exact sum on the update threads."""
+    keys = [k for k in view.masters if k not in skip and k in exact.numel and not exact.unused(k)]
+    means: dict[str, torch.Tensor] = {}
+
+    def one(key: str) -> None:
+        means[key] = exact.mean(key)
+
+    view.step_each(keys, one)
+    return means
 
 
 def unused_by_all(pushes: list[StagedPush]) -> frozenset[str]:

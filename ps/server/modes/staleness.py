@@ -40,15 +40,19 @@ def step_adjust(job: Job, staleness: int) -> StepAdjust | None:
     """How one async/ssp step of a gradient `staleness` updates old differs from the
     configured optimizer (None: not at all)."""
     lr_scale = staleness_lr_factor(staleness) ** job.staleness_lr_power if job.staleness_lr else 1.0
-    momentum = None
+    momentum, momenta = None, ()
+    adamw = job.optimizer.name == "adamw"
     if job.momentum_correction and job.num_workers > 1:
-        configured = (
-            job.optimizer.beta1 if job.optimizer.name == "adamw" else job.optimizer.momentum
-        )
+        configured = job.optimizer.beta1 if adamw else job.optimizer.momentum
         momentum = async_momentum(configured, job.num_workers)
+        # A user's own optimizer (Job.param_groups): each group's own, corrected.
+        momenta = tuple(
+            async_momentum(g.beta1 if adamw else g.momentum, job.num_workers)
+            for g in job.param_groups
+        )
     if lr_scale == 1.0 and momentum is None:
         return None
-    return StepAdjust(lr_scale=lr_scale, momentum=momentum)
+    return StepAdjust(lr_scale=lr_scale, momentum=momentum, momenta=momenta)
 
 
 MEAN_SQ_DECAY = 0.95

@@ -2,7 +2,8 @@
 pushed once (the parameter server's bulk-synchronous mode; DDP's semantics, bit for bit).
 
 The mode is this module: its traits, its rule (ps/server/modes/rounds.py's SyncPolicy;
-with `psar server --chunk-rounds` the per-chunk variant, ps/server/modes/sync_chunks.py,
+with per-chunk rounds, which the job asks for (Job.chunk_rounds, rank 0's --early-pull)
+or `psar server --chunk-rounds` forces, the per-chunk variant, ps/server/modes/sync_chunks.py,
 bit-identical) and its configuration (the job's buffers_average and its shard-owned loss
 scale, which the traits say)."""
 
@@ -24,7 +25,10 @@ TRAITS = ModeTraits(
 
 
 def _rule(job: Job, options: RuleOptions) -> UpdatePolicy:
-    return ChunkedSyncPolicy() if options.chunk_rounds else SyncPolicy()
+    exact = options.exact_fp16_sum
+    if job.chunk_rounds or options.chunk_rounds:
+        return ChunkedSyncPolicy(exact_fp16=exact)
+    return SyncPolicy(exact)
 
 
-MODE = Mode(name="sync", traits=TRAITS, rule=_rule)
+MODE = Mode(name="sync", traits=TRAITS, rule=_rule, chunk_rounds=True)

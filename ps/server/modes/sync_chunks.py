@@ -27,7 +27,9 @@ whenever a slot is applied, undone, or the round closes.
 
 Results are bit-identical to the whole-round update: the same fp32 operations per
 element, in the same worker-rank order (torch.add(a, b, out=) is a.add_(b)), and torch's
-SGD/AdamW (foreach=False here) step each parameter on its own either way.
+SGD/AdamW (every implementation) step each parameter on its own either way. A round of
+fp16 pushes summed exactly (ps/server/modes/exact_sum.py) takes each slot's mean from the
+exact sum instead, into the slot's own buffer here (the sum stays whole for a redo).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import torch
 
 from ps.server.intake import pacing
 from ps.server.modes.base import StagedPush
+from ps.server.modes.exact_sum import ExactSum
 from ps.server.modes.rounds import SyncPolicy, unused_by_all
 
 if TYPE_CHECKING:
@@ -52,8 +55,8 @@ class ChunkedSyncPolicy(SyncPolicy):
 
     applies_chunks = True
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, exact_fp16: bool = False) -> None:
+        super().__init__(exact_fp16)
         self.tickets: dict[int, PushTicket] = {}
         """This round's data-carrying push of each worker (kept once accepted)."""
         self.applied: dict[str, tuple[int, ...]] = {}
@@ -103,12 +106,14 @@ class ChunkedSyncPolicy(SyncPolicy):
         if key in view.buffer_keys:
             return  # a buffer's value, taken when the round closes (never stepped)
         workers = self._workers(view)
-        sources = []
+        sources: list | None = []
         for w in workers:
             t = self.tickets.get(w)
             if t is None or not t.unscaled.get(key, False) or t.verdict:
                 return  # not in yet, non-finite (refused at its end), or overflowing
             sources.append(t.staging)
+        if self.kind == "exact":
+            sources = None  # every worker's slot is in the exact sum
         with self._wake:
             self._queue.append((self._gen, key, workers, sources))
             if self._thread is None:
@@ -181,26 +186,31 @@ class ChunkedSyncPolicy(SyncPolicy):
 
     # ---- closing the round ----------------------------------------------------------
 
-    def _close(self, view: ShardView, pushes: list[StagedPush]) -> None:
+    def _close(self, view: ShardView, pushes: list[StagedPush], exact: ExactSum | None) -> None:
         try:
-            self._close_round(view, pushes)
+            self._close_round(view, pushes, exact)
         finally:
             self._notify()  # view.rounds has moved on (or the round was skipped)
 
-    def _close_round(self, view: ShardView, pushes: list[StagedPush]) -> None:
+    def _close_round(
+        self, view: ShardView, pushes: list[StagedPush], exact: ExactSum | None
+    ) -> None:
         workers = tuple(p.worker for p in pushes)
         self.tickets.clear()
         if any(p.overflow for p in pushes):
             self._undo(view)
             view.skip_round("overflow")
             return
-        sources = [p.grads for p in pushes]
+        sources: list | None = [p.grads for p in pushes]
         # A slot some push had no gradient for was applied early from bytes the verdict
         # then declared zeros (the shard zeroed them since): redo it from the zeros; a
         # slot no push used is only restored, never stepped (docs/architectures.md).
         absent = frozenset().union(*(p.absent for p in pushes))
         unused = unused_by_all(pushes)
         buffers = view.buffer_values(sources)
+        if exact is not None:  # the exact sum says which slots no worker used
+            sources = None
+            unused = frozenset(k for k in view.masters if k in exact.numel and exact.unused(k))
         with self._apply_lock:  # waits for an update in progress; drops queued ones
             self._gen += 1
             redo: dict[str, bool] = {}  # slots still to apply -> taken with other workers
@@ -229,8 +239,19 @@ class ChunkedSyncPolicy(SyncPolicy):
         and any that pushed and then left."""
         return tuple(sorted(view.live | self.pending.keys()))
 
-    def _apply(self, view: ShardView, key: str, sources: list[dict[str, torch.Tensor]]) -> None:
-        """Mean of the sources' slot in rank order (as SyncPolicy sums), one step on it."""
+    def _apply(
+        self, view: ShardView, key: str, sources: list[dict[str, torch.Tensor]] | None
+    ) -> None:
+        """Mean of the sources' slot in rank order (as SyncPolicy sums), or of the exact
+        sum (sources None), one step on it."""
+        if sources is None:
+            assert self.exact is not None
+            grad = self._sums.get(key)
+            if grad is None:
+                grad = self._sums[key] = torch.empty(self.exact.numel[key])
+            view.step_slot(key, self.exact.mean(key, out=grad))
+            self.writes[key] += 1
+            return
         if len(sources) == 1:
             grad = sources[0][key]
         else:

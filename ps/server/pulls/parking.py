@@ -2,7 +2,7 @@
 
 A sync-mode pull waits for its round to close, an SSP pull for the slowest worker,
 GetJob(wait) for rank 0's Init. Each waited on the shard's condition in a gRPC handler
-thread, so `--threads` waiting calls starved everything else (Stats, the push that would
+thread, so `--rpc-threads` waiting calls starved everything else (Stats, the push that would
 close the round). Now such a call is an asyncio coroutine on the server's loop
 (ps/server/doors/aio_host.py): it registers a predicate here and awaits an asyncio.Event.
 

@@ -18,7 +18,7 @@ from ps.headers import PullHeader
 from ps.job import Job
 from ps.server.membership.membership import Membership
 from ps.server.pulls.early import ALIVE_EVERY_S, EarlyItem, check_alive, next_applied
-from ps.server.pulls.parking import Wake, in_pool, parking_of
+from ps.server.pulls.parking import Wake, in_pool, parking_of, wait_until
 from ps.server.state import ShardData
 from ps.server.update.updates import Updates
 
@@ -192,6 +192,76 @@ class Pulls:
         self.data.metrics.bytes_sent(sum(len(p[2]) for p in pieces))
         return header, pieces
 
+    # ---- clipping in rounds: a round's part of the squared norm (RoundNorm) -------------
+
+    def round_norm(
+        self, worker: int, clock: int, timeout: float, *, incarnation: int = 0
+    ) -> tuple[float, bool]:
+        """This shard's part of round `clock`'s squared norm and whether the round was
+        skipped (ps/server/update/clipping.py), once every push of the round is in: this
+        holds the calling thread while it waits (round_norm_parked does not)."""
+        d = self.data
+        started = time.monotonic()
+        with d.cond:
+            _, inc = self.admit(worker, clock, torch.float32, incarnation)
+            d.cond.wait_for(self._norm_ready(clock, inc), timeout)
+            return self._norm_answer(worker, clock, inc, started)
+
+    async def round_norm_parked(
+        self,
+        worker: int,
+        clock: int,
+        timeout: float,
+        *,
+        incarnation: int = 0,
+        executor: Executor | None = None,
+    ) -> tuple[float, bool]:
+        """round_norm for an asyncio server: a wait parks, holding no thread."""
+        d = self.data
+        started = time.monotonic()
+        deadline = started + timeout
+
+        def admit() -> int:
+            with d.cond:
+                return self.admit(worker, clock, torch.float32, incarnation)[1]
+
+        inc = await in_pool(executor, admit)
+        ready = self._norm_ready(clock, inc)
+        while not await wait_until(d, ready, max(0.0, deadline - time.monotonic()), executor):
+            if time.monotonic() >= deadline:
+                break
+
+        def answer() -> tuple[float, bool]:
+            with d.cond:
+                return self._norm_answer(worker, clock, inc, started)
+
+        return await in_pool(executor, answer)
+
+    def _norm_ready(self, clock: int, inc: int) -> Callable[[], bool]:
+        d = self.data
+        return lambda: self.updates.round_norm(clock) is not None or d.incarnation != inc
+
+    def _norm_answer(self, worker: int, clock: int, inc: int, started: float) -> tuple[float, bool]:
+        """Under the lock, once the wait ended: the part, or why not."""
+        self.members.check_incarnation(inc)
+        got = self.updates.round_norm(clock)
+        if got is None:
+            d = self.data
+            raise DeadlineExceeded(
+                f"RoundNorm by worker {worker} for round {clock} waited "
+                f"{time.monotonic() - started:.1f}s: round {d.rounds}, worker clocks "
+                f"{d.clocks}, live {sorted(d.live)}. A worker is slow or gone; raise "
+                "--pull-timeout or check the slowest worker"
+            )
+        return got
+
+    def release_held(self, clock: int, total_sq: float, *, incarnation: int = 0) -> None:
+        """A pull brought round `clock`'s total squared norm: apply the round's held update
+        clipped, if this shard still holds it (ps/server/update/clipping.py)."""
+        with self.data.cond:
+            self.members.check_incarnation(incarnation)
+            self.updates.release_held(clock, total_sq)
+
     def admit(
         self,
         worker: int,
@@ -227,7 +297,11 @@ class Pulls:
             return (
                 self.updates.policy.pull_ready(self.updates, worker, clock)
                 or self.data.incarnation != inc
-                or (self.data.draining and not self.updates.policy.round_in_flight())
+                or (
+                    self.data.draining
+                    and not self.updates.policy.round_in_flight()
+                    and self.data.held is None  # a round held for its norm is in flight
+                )
             )
 
         return ready

@@ -1,22 +1,30 @@
 """The shard's optimizer update on several cores (`psar server --torch-threads N|auto`).
 
-A pool of threads steps the shard's slots, each thread running torch single-threaded,
-rather than one optimizer.step() with torch's intra-op threads. Why (bench/shard_update.py,
-bench/README.md has the figures): the shard's optimizer is torch's per-parameter AdamW/SGD
-(foreach=False, for bit-identity with DDP), a chain of about ten elementwise ops per slot,
-each of which wakes and joins torch's OpenMP team once; when a core is busy with other
-work (gRPC threads, the data plane, workers on the same host) every join waits for it, and
-the step got ten times slower with two intra-op threads on the 2-core test machine. Slots
-handed out one at a time to a pool (torch releases the GIL inside each op) need no join
-until the last slot, and copies elsewhere in the shard stay on one torch thread, the fastest
-here for them.
+The shard's optimizer is torch's, built from the job's optimizer configuration with the
+implementation it names (trainkit/optim.py: fused by default where torch has the kernel,
+else foreach or the per-parameter loop). A whole update steps the slots in **groups**:
+with one thread, one group of every slot (one `optimizer.step()`: for fused, one kernel
+call over the list); with N threads, the slots are dealt into about 2N groups of nearly
+equal size, each group a view optimizer over its slots (sharing the shard optimizer's
+state and taking its hyperparameters, learning rate included, before each step), stepped
+on a pool of N threads with torch on one thread each. Why a pool and not torch's own
+intra-op threads (bench/shard_update.py, bench/README.md): every op joins torch's OpenMP
+team once, and when a core is busy with other work (gRPC threads, the data plane, workers
+on the same host) every join waits for it; groups handed to a pool (torch releases the GIL
+inside each kernel) join once, at the end, and copies elsewhere in the shard stay on one
+torch thread, the fastest here for them. Twice as many groups as threads so a thread
+slowed by another process does not hold the update's tail.
 
-Bit for bit the same as one thread: each slot is stepped by torch's own optimizer code
-(a per-slot optimizer built by trainkit.optim.build_optimizer, sharing the shard
-optimizer's state dict and taking its hyperparameters, learning rate included, before each
-step), and torch's per-parameter optimizers compute each parameter on its own: the same
-elementwise ops on the same values. A slot is one call either way, so even where a
-vectorised and a scalar path round differently, the same elements take the same path.
+Bit for bit the same whatever the grouping or threads: torch's SGD/AdamW compute each
+element from that element's own values, in every implementation (fused, foreach, loop),
+so which list a slot is stepped in changes nothing (tests/test_update_threads.py). One
+caveat, from torch's fused kernels: a vectorised loop and a scalar tail may round
+differently (fused SGD), so a slot cut inside a parameter must start at a multiple of the
+vector width to equal a DDP rank stepping the whole parameter: ps/partition.py keeps
+chunks at multiples of 64 elements.
+
+Per-chunk rounds step one slot at a time (`step_slot`, from the rule's applier or the pool
+through `each`): one slot is one group of its own.
 
 The stepper also measures the update: wall seconds spent stepping, committed with the
 parameters of each finished update (`commit`), so Stats and /metrics report parameters/s.
@@ -51,13 +59,21 @@ def apply_torch_threads(setting: str) -> None:
         torch.set_num_threads(1)
 
 
+#: Groups per pool thread: a thread slowed by other work hands the rest to the others.
+GROUPS_PER_THREAD = 2
+
+
 class SlotStepper:
     """Steps a shard's slots on `threads` threads; accounts the update's time."""
 
     def __init__(self, threads: int = 1) -> None:
         self.threads = max(1, int(threads))
         self._pool: ThreadPoolExecutor | None = None
-        self._views: dict[str, tuple[torch.Tensor, torch.optim.Optimizer]] = {}
+        self._views: dict[tuple[str, ...], tuple[list[torch.Tensor], torch.optim.Optimizer]] = {}
+        """Slot keys of a group -> (its masters when built, its view optimizer)."""
+        self._groups: tuple[tuple[str, ...], ...] = ()
+        self._grouped: list[torch.Tensor] = []
+        """The masters `_groups` was dealt for (replaced by a restore: dealt again)."""
         self._lock = threading.Lock()
         self._local = threading.local()
         self._pending_s = 0.0
@@ -70,7 +86,7 @@ class SlotStepper:
 
     def step_all(self, st: ShardData, adjust: StepAdjust | None = None) -> None:
         """One optimizer step of every slot; each master's .grad is already set. `adjust`
-        changes this step's lr / momentum (async/ssp staleness-aware updates); the per-slot
+        changes this step's lr / momentum (async/ssp staleness-aware updates); the group
         optimizers take the adjusted values from the shard optimizer's group."""
         t0 = time.perf_counter()
         with adjusted(st.optimizer, adjust):
@@ -88,7 +104,7 @@ class SlotStepper:
         p.grad = grad
         try:
             if self.threads > 1 and len(st.optimizer.param_groups) == 1:
-                self._view_step(st, key, p)
+                self._view_step(st, (key,))
             else:
                 _step_one(st.optimizer, p)
         finally:
@@ -154,27 +170,47 @@ class SlotStepper:
         finally:
             self._local.batched = False
 
-    def _run(self, st: ShardData) -> None:
-        """Step every slot (grads set) on the pool, largest first so the tail is short."""
-        for key, p in st.masters.items():
-            self._view(st, key, p)  # built here: the pool threads only read the cache
-        pool = self._get_pool()
-        items = sorted(st.masters.items(), key=lambda kv: -kv[1].numel())
-        _wait_all([pool.submit(self._view_step, st, k, p) for k, p in items])
+    def groups(self, st: ShardData) -> tuple[tuple[str, ...], ...]:
+        """The slots dealt into about GROUPS_PER_THREAD x threads groups of nearly equal
+        size (largest slot first onto the lightest group), largest group first."""
+        masters = list(st.masters.values())
+        if len(masters) != len(self._grouped) or any(
+            a is not b for a, b in zip(masters, self._grouped, strict=True)
+        ):
+            n = max(1, min(len(masters), self.threads * GROUPS_PER_THREAD))
+            bins: list[list[str]] = [[] for _ in range(n)]
+            load = [0] * n
+            for key, p in sorted(st.masters.items(), key=lambda kv: -kv[1].numel()):
+                i = min(range(n), key=lambda b: (load[b], b))
+                bins[i].append(key)
+                load[i] += p.numel()
+            order = sorted(range(n), key=lambda b: -load[b])
+            self._groups = tuple(tuple(bins[b]) for b in order if bins[b])
+            self._grouped = masters
+        return self._groups
 
-    def _view(self, st: ShardData, key: str, p: torch.Tensor) -> torch.optim.Optimizer:
-        """The per-slot optimizer of `key` (rebuilt when the masters were replaced)."""
-        cached = self._views.get(key)
-        if cached is not None and cached[0] is p:
+    def _run(self, st: ShardData) -> None:
+        """Step every group (grads set) on the pool, largest first so the tail is short."""
+        groups = self.groups(st)
+        for keys in groups:
+            self._view(st, keys)  # built here: the pool threads only read the cache
+        pool = self._get_pool()
+        _wait_all([pool.submit(self._view_step, st, keys) for keys in groups])
+
+    def _view(self, st: ShardData, keys: tuple[str, ...]) -> torch.optim.Optimizer:
+        """The view optimizer of the slots `keys` (rebuilt when the masters were replaced)."""
+        params = [st.masters[k] for k in keys]
+        cached = self._views.get(keys)
+        if cached is not None and all(a is b for a, b in zip(cached[0], params, strict=True)):
             return cached[1]
         assert st.job is not None
-        view = build_optimizer([p], st.job.optimizer)
-        self._views[key] = (p, view)
+        view = build_optimizer(params, st.job.optimizer)
+        self._views[keys] = (params, view)
         return view
 
-    def _view_step(self, st: ShardData, key: str, p: torch.Tensor) -> None:
+    def _view_step(self, st: ShardData, keys: tuple[str, ...]) -> None:
         main = st.optimizer
-        view = self._view(st, key, p)
+        view = self._view(st, keys)
         view.state = main.state  # shared: checkpoints and digests read the shard's optimizer
         _sync_hyper(main.param_groups[0], view.param_groups[0])
         view.step()

@@ -11,18 +11,29 @@ a checkpoint falls due) is the membership's and the durability's: `on_round_clos
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable, Mapping, Set
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ps.errors import InvalidArgument
+from ps.headers import StepOptions
 from ps.job import Job
 from ps.server.metrics.recorder import ShardRecorder
 from ps.server.modes.registry import RuleOptions
 from ps.server.state import ShardData
+from ps.server.update import clipping
 from ps.server.update.buffers import round_buffers
+from ps.server.update.clipping import HeldRound, RoundNorms
 from ps.server.update.stepper import SlotStepper
-from trainkit.optim import DynamicLossScale, StepAdjust, build_optimizer, build_scheduler
+from trainkit.optim import (
+    DynamicLossScale,
+    StepAdjust,
+    build_grouped_optimizer,
+    build_optimizer,
+    build_scheduler,
+)
 
 if TYPE_CHECKING:
     from ps.server.modes import UpdatePolicy
@@ -57,12 +68,14 @@ class Updates:
         d.numel = {s.key: s.numel for s in job.slots}
         if d.policy is not None:
             d.policy.close()
-        d.policy = d.modes.rule(job, RuleOptions(chunk_rounds=d.chunk_rounds))
-        d.optimizer = build_optimizer(masters.values(), job.optimizer)
+        options = RuleOptions(chunk_rounds=d.chunk_rounds, exact_fp16_sum=d.exact_fp16_sum)
+        d.policy = d.modes.rule(job, options)
+        d.optimizer = _optimizer(job, masters)
         # The schedule after the optimizer: building it sets the group's lr to the
         # schedule's start (a restore then loads the saved param group over it).
         d.scheduler = build_scheduler(d.optimizer, job.optimizer)
         d.loss_scale = DynamicLossScale(job.loss_scale)
+        d.step_options, d.held, d.round_norms = StepOptions(), None, RoundNorms()
 
     @property
     def policy(self) -> UpdatePolicy:
@@ -116,7 +129,55 @@ class Updates:
         step's learning-rate scale / momentum (async/ssp, ps/server/modes/staleness.py). A slot
         missing from `grads` (no gradient: an unused parameter) is not stepped at all:
         torch's optimizers skip a parameter whose .grad is None, state and weight decay
-        included, as they do for a DDP parameter no rank used."""
+        included, as they do for a DDP parameter no rank used.
+
+        The step options of the push that made (or closed) this update apply: its
+        learning rates, and clipping by the global norm (ps/server/update/clipping.py): a
+        round's update is then held until a worker's pull brings the norm's total
+        (release_held), a push's is scaled by its worker's own norm."""
+        opts = self.data.step_options
+        if opts.lrs:
+            adjust = dataclasses.replace(adjust or StepAdjust(), lrs=opts.lrs)
+        if opts.clip_norm > 0 and self.data.traits.rounds:
+            part = clipping.sq_norm(grads)
+            self.data.held = HeldRound(
+                self.data.rounds + 1, grads, staleness, adjust, opts.clip_norm, part
+            )
+            return
+        if opts.clip_norm > 0:
+            clipping.scale_(grads, clipping.clip_coef(opts.clip_norm, opts.grad_norm))
+        self._step(grads, staleness, adjust)
+
+    def round_norm(self, clock: int) -> tuple[float, bool] | None:
+        """This shard's part of round `clock`'s squared norm and whether the round was
+        skipped, once known (None: the round's pushes are not all in yet)."""
+        d = self.data
+        if d.held is not None and d.held.round == clock:
+            return d.held.sq_norm, False
+        if d.rounds < clock:
+            return None
+        part = d.round_norms.get(clock)
+        return (part, False) if part is not None else (0.0, True)
+
+    def release_held(self, clock: int, total_sq: float) -> None:
+        """A pull brought round `clock`'s squared norm over every shard: apply its held
+        update clipped (a no-op once applied: every worker's pull brings the total)."""
+        held = self.data.held
+        if held is None or held.round != clock:
+            return
+        try:
+            norm = clipping.total_norm(total_sq)
+        except ValueError as e:
+            raise InvalidArgument(str(e), reason="malformed") from None
+        self.data.held = None
+        self.data.round_norms.put(clock, held.sq_norm)
+        clipping.scale_(held.grads, clipping.clip_coef(held.clip_norm, norm))
+        self._step(held.grads, held.staleness, held.adjust)
+        self.data.cond.notify_all()
+
+    def _step(
+        self, grads: dict[str, torch.Tensor], staleness: list[int], adjust: StepAdjust | None
+    ) -> None:
         masters = self.data.masters
         for key, p in masters.items():
             p.grad = grads.get(key)
@@ -174,6 +235,28 @@ class Updates:
         self.data.metrics.nonfinite_dropped()
         self.data.metrics.push_rejected("nonfinite")
 
+    def take_options(self, options: StepOptions, *, check_only: bool = False) -> None:
+        """The push about to be handed to the rule says this of its step (its update, or
+        the round it closes, takes it); refused where the job cannot honour it (checked
+        as soon as they arrive: check_only)."""
+        d = self.data
+        job = d.require_job()
+        groups = max(1, len(job.param_groups))
+        if options.lrs and len(options.lrs) != groups:
+            raise InvalidArgument(
+                f"step options: {len(options.lrs)} learning rates for an optimizer of "
+                f"{groups} parameter groups; send one per group, in group order",
+                reason="malformed",
+            )
+        if options.given and self.policy.applies_chunks:
+            raise InvalidArgument(
+                "step options (learning rates, clipping) apply to whole updates, but this "
+                "shard applies rounds chunk by chunk (--chunk-rounds): start it without",
+                reason="malformed",
+            )
+        if not check_only:
+            d.step_options = options
+
     def _close_round(self, skipped: bool) -> None:
         d = self.data
         d.rounds += 1
@@ -182,3 +265,17 @@ class Updates:
         d.metrics.set_loss_scale(d.loss_scale.scale)
         d.restored_pending = False
         self._on_round_closed()
+
+
+def _optimizer(job: Job, masters: dict[str, torch.nn.Parameter]) -> torch.optim.Optimizer:
+    """The masters' optimizer: one group of job.optimizer, or the job's param groups
+    (buffer slots, never stepped, in group 0)."""
+    if not job.param_groups:
+        return build_optimizer(masters.values(), job.optimizer)
+    group = job.group_of()
+    members: list[list[torch.Tensor]] = [[] for _ in job.param_groups]
+    for key, p in masters.items():
+        members[group[key]].append(p)
+    return build_grouped_optimizer(
+        job.optimizer.name, list(zip(members, job.param_groups, strict=True))
+    )

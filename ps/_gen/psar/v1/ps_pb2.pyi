@@ -94,7 +94,7 @@ class SlotSpec(_message.Message):
     def __init__(self, key: _Optional[str] = ..., param: _Optional[str] = ..., start: _Optional[int] = ..., numel: _Optional[int] = ...) -> None: ...
 
 class OptimizerSpec(_message.Message):
-    __slots__ = ("name", "lr", "momentum", "nesterov", "weight_decay", "beta1", "beta2", "eps", "schedule", "warmup_steps", "total_steps", "min_lr_ratio")
+    __slots__ = ("name", "lr", "momentum", "nesterov", "weight_decay", "beta1", "beta2", "eps", "schedule", "warmup_steps", "total_steps", "min_lr_ratio", "impl")
     NAME_FIELD_NUMBER: _ClassVar[int]
     LR_FIELD_NUMBER: _ClassVar[int]
     MOMENTUM_FIELD_NUMBER: _ClassVar[int]
@@ -107,6 +107,7 @@ class OptimizerSpec(_message.Message):
     WARMUP_STEPS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_STEPS_FIELD_NUMBER: _ClassVar[int]
     MIN_LR_RATIO_FIELD_NUMBER: _ClassVar[int]
+    IMPL_FIELD_NUMBER: _ClassVar[int]
     name: str
     lr: float
     momentum: float
@@ -119,7 +120,8 @@ class OptimizerSpec(_message.Message):
     warmup_steps: int
     total_steps: int
     min_lr_ratio: float
-    def __init__(self, name: _Optional[str] = ..., lr: _Optional[float] = ..., momentum: _Optional[float] = ..., nesterov: _Optional[bool] = ..., weight_decay: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ..., schedule: _Optional[str] = ..., warmup_steps: _Optional[int] = ..., total_steps: _Optional[int] = ..., min_lr_ratio: _Optional[float] = ...) -> None: ...
+    impl: str
+    def __init__(self, name: _Optional[str] = ..., lr: _Optional[float] = ..., momentum: _Optional[float] = ..., nesterov: _Optional[bool] = ..., weight_decay: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ..., schedule: _Optional[str] = ..., warmup_steps: _Optional[int] = ..., total_steps: _Optional[int] = ..., min_lr_ratio: _Optional[float] = ..., impl: _Optional[str] = ...) -> None: ...
 
 class LossScaleSpec(_message.Message):
     __slots__ = ("enabled", "init_scale", "growth_factor", "backoff_factor", "growth_interval")
@@ -136,7 +138,7 @@ class LossScaleSpec(_message.Message):
     def __init__(self, enabled: _Optional[bool] = ..., init_scale: _Optional[float] = ..., growth_factor: _Optional[float] = ..., backoff_factor: _Optional[float] = ..., growth_interval: _Optional[int] = ...) -> None: ...
 
 class JobSpec(_message.Message):
-    __slots__ = ("mode", "staleness", "num_workers", "optimizer", "loss_scale", "shard_index", "num_shards", "slots", "job_id", "sync_every", "staleness_lr", "delay_compensation", "momentum_correction", "staleness_lr_power", "dc_adaptive", "buffer_slots", "buffers_average", "int_buffers", "mode_name", "mode_options", "traits", "max_workers", "data_batches", "data_per_step", "data_stream")
+    __slots__ = ("mode", "staleness", "num_workers", "optimizer", "loss_scale", "shard_index", "num_shards", "slots", "job_id", "sync_every", "staleness_lr", "delay_compensation", "momentum_correction", "staleness_lr_power", "dc_adaptive", "buffer_slots", "buffers_average", "int_buffers", "mode_name", "mode_options", "traits", "param_groups", "chunk_rounds", "early_pull", "max_workers", "data_batches", "data_per_step", "data_stream")
     class ModeOptionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -165,6 +167,9 @@ class JobSpec(_message.Message):
     MODE_NAME_FIELD_NUMBER: _ClassVar[int]
     MODE_OPTIONS_FIELD_NUMBER: _ClassVar[int]
     TRAITS_FIELD_NUMBER: _ClassVar[int]
+    PARAM_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    EARLY_PULL_FIELD_NUMBER: _ClassVar[int]
     MAX_WORKERS_FIELD_NUMBER: _ClassVar[int]
     DATA_BATCHES_FIELD_NUMBER: _ClassVar[int]
     DATA_PER_STEP_FIELD_NUMBER: _ClassVar[int]
@@ -190,11 +195,48 @@ class JobSpec(_message.Message):
     mode_name: str
     mode_options: _containers.ScalarMap[str, float]
     traits: ModeTraits
+    param_groups: _containers.RepeatedCompositeFieldContainer[ParamGroupSpec]
+    chunk_rounds: bool
+    early_pull: bool
     max_workers: int
     data_batches: int
     data_per_step: int
     data_stream: str
-    def __init__(self, mode: _Optional[_Union[Mode, str]] = ..., staleness: _Optional[int] = ..., num_workers: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., loss_scale: _Optional[_Union[LossScaleSpec, _Mapping]] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., slots: _Optional[_Iterable[_Union[SlotSpec, _Mapping]]] = ..., job_id: _Optional[str] = ..., sync_every: _Optional[int] = ..., staleness_lr: _Optional[bool] = ..., delay_compensation: _Optional[float] = ..., momentum_correction: _Optional[bool] = ..., staleness_lr_power: _Optional[float] = ..., dc_adaptive: _Optional[bool] = ..., buffer_slots: _Optional[_Iterable[str]] = ..., buffers_average: _Optional[bool] = ..., int_buffers: _Optional[_Iterable[_Union[IntBufferSpec, _Mapping]]] = ..., mode_name: _Optional[str] = ..., mode_options: _Optional[_Mapping[str, float]] = ..., traits: _Optional[_Union[ModeTraits, _Mapping]] = ..., max_workers: _Optional[int] = ..., data_batches: _Optional[int] = ..., data_per_step: _Optional[int] = ..., data_stream: _Optional[str] = ...) -> None: ...
+    def __init__(self, mode: _Optional[_Union[Mode, str]] = ..., staleness: _Optional[int] = ..., num_workers: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., loss_scale: _Optional[_Union[LossScaleSpec, _Mapping]] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., slots: _Optional[_Iterable[_Union[SlotSpec, _Mapping]]] = ..., job_id: _Optional[str] = ..., sync_every: _Optional[int] = ..., staleness_lr: _Optional[bool] = ..., delay_compensation: _Optional[float] = ..., momentum_correction: _Optional[bool] = ..., staleness_lr_power: _Optional[float] = ..., dc_adaptive: _Optional[bool] = ..., buffer_slots: _Optional[_Iterable[str]] = ..., buffers_average: _Optional[bool] = ..., int_buffers: _Optional[_Iterable[_Union[IntBufferSpec, _Mapping]]] = ..., mode_name: _Optional[str] = ..., mode_options: _Optional[_Mapping[str, float]] = ..., traits: _Optional[_Union[ModeTraits, _Mapping]] = ..., param_groups: _Optional[_Iterable[_Union[ParamGroupSpec, _Mapping]]] = ..., chunk_rounds: _Optional[bool] = ..., early_pull: _Optional[bool] = ..., max_workers: _Optional[int] = ..., data_batches: _Optional[int] = ..., data_per_step: _Optional[int] = ..., data_stream: _Optional[str] = ...) -> None: ...
+
+class ParamGroupSpec(_message.Message):
+    __slots__ = ("params", "lr", "momentum", "dampening", "nesterov", "weight_decay", "beta1", "beta2", "eps", "amsgrad")
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    LR_FIELD_NUMBER: _ClassVar[int]
+    MOMENTUM_FIELD_NUMBER: _ClassVar[int]
+    DAMPENING_FIELD_NUMBER: _ClassVar[int]
+    NESTEROV_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_DECAY_FIELD_NUMBER: _ClassVar[int]
+    BETA1_FIELD_NUMBER: _ClassVar[int]
+    BETA2_FIELD_NUMBER: _ClassVar[int]
+    EPS_FIELD_NUMBER: _ClassVar[int]
+    AMSGRAD_FIELD_NUMBER: _ClassVar[int]
+    params: _containers.RepeatedScalarFieldContainer[str]
+    lr: float
+    momentum: float
+    dampening: float
+    nesterov: bool
+    weight_decay: float
+    beta1: float
+    beta2: float
+    eps: float
+    amsgrad: bool
+    def __init__(self, params: _Optional[_Iterable[str]] = ..., lr: _Optional[float] = ..., momentum: _Optional[float] = ..., dampening: _Optional[float] = ..., nesterov: _Optional[bool] = ..., weight_decay: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ..., amsgrad: _Optional[bool] = ...) -> None: ...
+
+class StepOptions(_message.Message):
+    __slots__ = ("lrs", "clip_norm", "grad_norm")
+    LRS_FIELD_NUMBER: _ClassVar[int]
+    CLIP_NORM_FIELD_NUMBER: _ClassVar[int]
+    GRAD_NORM_FIELD_NUMBER: _ClassVar[int]
+    lrs: _containers.RepeatedScalarFieldContainer[float]
+    clip_norm: float
+    grad_norm: float
+    def __init__(self, lrs: _Optional[_Iterable[float]] = ..., clip_norm: _Optional[float] = ..., grad_norm: _Optional[float] = ...) -> None: ...
 
 class IntBufferSpec(_message.Message):
     __slots__ = ("name", "numel")
@@ -217,12 +259,14 @@ class InitHeader(_message.Message):
     def __init__(self, job: _Optional[_Union[JobSpec, _Mapping]] = ...) -> None: ...
 
 class InitChunk(_message.Message):
-    __slots__ = ("header", "data")
+    __slots__ = ("header", "data", "state")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
     header: InitHeader
     data: TensorData
-    def __init__(self, header: _Optional[_Union[InitHeader, _Mapping]] = ..., data: _Optional[_Union[TensorData, _Mapping]] = ...) -> None: ...
+    state: StateChunk
+    def __init__(self, header: _Optional[_Union[InitHeader, _Mapping]] = ..., data: _Optional[_Union[TensorData, _Mapping]] = ..., state: _Optional[_Union[StateChunk, _Mapping]] = ...) -> None: ...
 
 class InitReply(_message.Message):
     __slots__ = ("already_initialized", "master_bytes")
@@ -269,7 +313,7 @@ class GetJobReply(_message.Message):
     def __init__(self, initialized: _Optional[bool] = ..., job: _Optional[_Union[JobSpec, _Mapping]] = ..., version: _Optional[int] = ..., incarnation: _Optional[int] = ..., rounds: _Optional[int] = ..., lease_s: _Optional[float] = ..., data_port: _Optional[int] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("worker", "clock", "base_version", "dtype", "loss_scale", "overflow", "retry", "incarnation", "verdict_follows", "absent", "int_buffers")
+    __slots__ = ("worker", "clock", "base_version", "dtype", "loss_scale", "overflow", "retry", "incarnation", "verdict_follows", "absent", "int_buffers", "options")
     class IntBuffersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -288,6 +332,7 @@ class PushHeader(_message.Message):
     VERDICT_FOLLOWS_FIELD_NUMBER: _ClassVar[int]
     ABSENT_FIELD_NUMBER: _ClassVar[int]
     INT_BUFFERS_FIELD_NUMBER: _ClassVar[int]
+    OPTIONS_FIELD_NUMBER: _ClassVar[int]
     worker: int
     clock: int
     base_version: int
@@ -299,15 +344,18 @@ class PushHeader(_message.Message):
     verdict_follows: bool
     absent: _containers.RepeatedScalarFieldContainer[str]
     int_buffers: _containers.MessageMap[str, IntValues]
-    def __init__(self, worker: _Optional[int] = ..., clock: _Optional[int] = ..., base_version: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., loss_scale: _Optional[float] = ..., overflow: _Optional[bool] = ..., retry: _Optional[bool] = ..., incarnation: _Optional[int] = ..., verdict_follows: _Optional[bool] = ..., absent: _Optional[_Iterable[str]] = ..., int_buffers: _Optional[_Mapping[str, IntValues]] = ...) -> None: ...
+    options: StepOptions
+    def __init__(self, worker: _Optional[int] = ..., clock: _Optional[int] = ..., base_version: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., loss_scale: _Optional[float] = ..., overflow: _Optional[bool] = ..., retry: _Optional[bool] = ..., incarnation: _Optional[int] = ..., verdict_follows: _Optional[bool] = ..., absent: _Optional[_Iterable[str]] = ..., int_buffers: _Optional[_Mapping[str, IntValues]] = ..., options: _Optional[_Union[StepOptions, _Mapping]] = ...) -> None: ...
 
 class PushVerdict(_message.Message):
-    __slots__ = ("overflow", "absent")
+    __slots__ = ("overflow", "absent", "options")
     OVERFLOW_FIELD_NUMBER: _ClassVar[int]
     ABSENT_FIELD_NUMBER: _ClassVar[int]
+    OPTIONS_FIELD_NUMBER: _ClassVar[int]
     overflow: bool
     absent: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, overflow: _Optional[bool] = ..., absent: _Optional[_Iterable[str]] = ...) -> None: ...
+    options: StepOptions
+    def __init__(self, overflow: _Optional[bool] = ..., absent: _Optional[_Iterable[str]] = ..., options: _Optional[_Union[StepOptions, _Mapping]] = ...) -> None: ...
 
 class PushChunk(_message.Message):
     __slots__ = ("header", "data", "verdict")
@@ -336,18 +384,62 @@ class PushReply(_message.Message):
     def __init__(self, applied: _Optional[bool] = ..., already_applied: _Optional[bool] = ..., dropped_nonfinite: _Optional[bool] = ..., version: _Optional[int] = ..., staleness: _Optional[int] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("worker", "clock", "dtype", "incarnation", "early")
+    __slots__ = ("worker", "clock", "dtype", "incarnation", "early", "clip_total_sq")
     WORKER_FIELD_NUMBER: _ClassVar[int]
     CLOCK_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     EARLY_FIELD_NUMBER: _ClassVar[int]
+    CLIP_TOTAL_SQ_FIELD_NUMBER: _ClassVar[int]
     worker: int
     clock: int
     dtype: DType
     incarnation: int
     early: bool
-    def __init__(self, worker: _Optional[int] = ..., clock: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., incarnation: _Optional[int] = ..., early: _Optional[bool] = ...) -> None: ...
+    clip_total_sq: float
+    def __init__(self, worker: _Optional[int] = ..., clock: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., incarnation: _Optional[int] = ..., early: _Optional[bool] = ..., clip_total_sq: _Optional[float] = ...) -> None: ...
+
+class RoundNormRequest(_message.Message):
+    __slots__ = ("worker", "clock", "incarnation")
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    CLOCK_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    worker: int
+    clock: int
+    incarnation: int
+    def __init__(self, worker: _Optional[int] = ..., clock: _Optional[int] = ..., incarnation: _Optional[int] = ...) -> None: ...
+
+class RoundNormReply(_message.Message):
+    __slots__ = ("sq_norm", "skipped", "incarnation")
+    SQ_NORM_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    sq_norm: float
+    skipped: bool
+    incarnation: int
+    def __init__(self, sq_norm: _Optional[float] = ..., skipped: _Optional[bool] = ..., incarnation: _Optional[int] = ...) -> None: ...
+
+class OptimizerStateRequest(_message.Message):
+    __slots__ = ("worker",)
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    worker: int
+    def __init__(self, worker: _Optional[int] = ...) -> None: ...
+
+class StateChunk(_message.Message):
+    __slots__ = ("slot", "name", "numel", "offset", "data", "scalar")
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    NUMEL_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    SCALAR_FIELD_NUMBER: _ClassVar[int]
+    slot: str
+    name: str
+    numel: int
+    offset: int
+    data: bytes
+    scalar: bool
+    def __init__(self, slot: _Optional[str] = ..., name: _Optional[str] = ..., numel: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., scalar: _Optional[bool] = ...) -> None: ...
 
 class PullHeader(_message.Message):
     __slots__ = ("version", "rounds", "loss_scale", "last_round_skipped", "skipped_rounds", "dtype", "clock_gap", "incarnation", "early_void", "int_buffers", "batches", "data_done", "live_workers")
@@ -427,7 +519,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("version", "rounds", "updates_applied", "skipped_rounds", "dropped_nonfinite", "live_workers", "loss_scale", "worker_clocks", "max_clock_gap", "staleness_histogram", "master_bytes", "state_digest", "incarnation", "restores", "restored_step", "lease_expirations", "rejoins", "checkpoints_written", "last_checkpoint_step", "live_worker_ids", "draining", "chunks_applied_early", "chunk_undos", "update_params_per_s", "early_pull_slots", "early_pull_voids", "push_paced_s", "joins", "leaves", "data_dealt", "data_returned", "data_remaining")
+    __slots__ = ("version", "rounds", "updates_applied", "skipped_rounds", "dropped_nonfinite", "live_workers", "loss_scale", "worker_clocks", "max_clock_gap", "staleness_histogram", "master_bytes", "state_digest", "incarnation", "restores", "restored_step", "lease_expirations", "rejoins", "checkpoints_written", "last_checkpoint_step", "live_worker_ids", "draining", "chunks_applied_early", "chunk_undos", "update_params_per_s", "early_pull_slots", "early_pull_voids", "push_paced_s", "optimizer_impl", "gradient_bytes", "joins", "leaves", "data_dealt", "data_returned", "data_remaining")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     UPDATES_APPLIED_FIELD_NUMBER: _ClassVar[int]
@@ -455,6 +547,8 @@ class StatsReply(_message.Message):
     EARLY_PULL_SLOTS_FIELD_NUMBER: _ClassVar[int]
     EARLY_PULL_VOIDS_FIELD_NUMBER: _ClassVar[int]
     PUSH_PACED_S_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_IMPL_FIELD_NUMBER: _ClassVar[int]
+    GRADIENT_BYTES_FIELD_NUMBER: _ClassVar[int]
     JOINS_FIELD_NUMBER: _ClassVar[int]
     LEAVES_FIELD_NUMBER: _ClassVar[int]
     DATA_DEALT_FIELD_NUMBER: _ClassVar[int]
@@ -487,12 +581,14 @@ class StatsReply(_message.Message):
     early_pull_slots: int
     early_pull_voids: int
     push_paced_s: float
+    optimizer_impl: str
+    gradient_bytes: int
     joins: int
     leaves: int
     data_dealt: int
     data_returned: int
     data_remaining: int
-    def __init__(self, version: _Optional[int] = ..., rounds: _Optional[int] = ..., updates_applied: _Optional[int] = ..., skipped_rounds: _Optional[int] = ..., dropped_nonfinite: _Optional[int] = ..., live_workers: _Optional[int] = ..., loss_scale: _Optional[float] = ..., worker_clocks: _Optional[_Iterable[int]] = ..., max_clock_gap: _Optional[int] = ..., staleness_histogram: _Optional[_Iterable[int]] = ..., master_bytes: _Optional[int] = ..., state_digest: _Optional[str] = ..., incarnation: _Optional[int] = ..., restores: _Optional[int] = ..., restored_step: _Optional[int] = ..., lease_expirations: _Optional[int] = ..., rejoins: _Optional[int] = ..., checkpoints_written: _Optional[int] = ..., last_checkpoint_step: _Optional[int] = ..., live_worker_ids: _Optional[_Iterable[int]] = ..., draining: _Optional[bool] = ..., chunks_applied_early: _Optional[int] = ..., chunk_undos: _Optional[int] = ..., update_params_per_s: _Optional[float] = ..., early_pull_slots: _Optional[int] = ..., early_pull_voids: _Optional[int] = ..., push_paced_s: _Optional[float] = ..., joins: _Optional[int] = ..., leaves: _Optional[int] = ..., data_dealt: _Optional[int] = ..., data_returned: _Optional[int] = ..., data_remaining: _Optional[int] = ...) -> None: ...
+    def __init__(self, version: _Optional[int] = ..., rounds: _Optional[int] = ..., updates_applied: _Optional[int] = ..., skipped_rounds: _Optional[int] = ..., dropped_nonfinite: _Optional[int] = ..., live_workers: _Optional[int] = ..., loss_scale: _Optional[float] = ..., worker_clocks: _Optional[_Iterable[int]] = ..., max_clock_gap: _Optional[int] = ..., staleness_histogram: _Optional[_Iterable[int]] = ..., master_bytes: _Optional[int] = ..., state_digest: _Optional[str] = ..., incarnation: _Optional[int] = ..., restores: _Optional[int] = ..., restored_step: _Optional[int] = ..., lease_expirations: _Optional[int] = ..., rejoins: _Optional[int] = ..., checkpoints_written: _Optional[int] = ..., last_checkpoint_step: _Optional[int] = ..., live_worker_ids: _Optional[_Iterable[int]] = ..., draining: _Optional[bool] = ..., chunks_applied_early: _Optional[int] = ..., chunk_undos: _Optional[int] = ..., update_params_per_s: _Optional[float] = ..., early_pull_slots: _Optional[int] = ..., early_pull_voids: _Optional[int] = ..., push_paced_s: _Optional[float] = ..., optimizer_impl: _Optional[str] = ..., gradient_bytes: _Optional[int] = ..., joins: _Optional[int] = ..., leaves: _Optional[int] = ..., data_dealt: _Optional[int] = ..., data_returned: _Optional[int] = ..., data_remaining: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("worker",)

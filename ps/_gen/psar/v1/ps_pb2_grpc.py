@@ -89,6 +89,16 @@ class ParameterServerStub:
                 request_serializer=psar_dot_v1_dot_ps__pb2.RollbackRequest.SerializeToString,
                 response_deserializer=psar_dot_v1_dot_ps__pb2.RollbackReply.FromString,
                 _registered_method=True)
+        self.RoundNorm = channel.unary_unary(
+                '/psar.v1.ParameterServer/RoundNorm',
+                request_serializer=psar_dot_v1_dot_ps__pb2.RoundNormRequest.SerializeToString,
+                response_deserializer=psar_dot_v1_dot_ps__pb2.RoundNormReply.FromString,
+                _registered_method=True)
+        self.OptimizerState = channel.unary_stream(
+                '/psar.v1.ParameterServer/OptimizerState',
+                request_serializer=psar_dot_v1_dot_ps__pb2.OptimizerStateRequest.SerializeToString,
+                response_deserializer=psar_dot_v1_dot_ps__pb2.StateChunk.FromString,
+                _registered_method=True)
         self.CreateTables = channel.unary_unary(
                 '/psar.v1.ParameterServer/CreateTables',
                 request_serializer=psar_dot_v1_dot_ps__pb2.CreateTablesRequest.SerializeToString,
@@ -180,6 +190,18 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RoundNorm(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def OptimizerState(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def CreateTables(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -261,6 +283,16 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Rollback,
                     request_deserializer=psar_dot_v1_dot_ps__pb2.RollbackRequest.FromString,
                     response_serializer=psar_dot_v1_dot_ps__pb2.RollbackReply.SerializeToString,
+            ),
+            'RoundNorm': grpc.unary_unary_rpc_method_handler(
+                    servicer.RoundNorm,
+                    request_deserializer=psar_dot_v1_dot_ps__pb2.RoundNormRequest.FromString,
+                    response_serializer=psar_dot_v1_dot_ps__pb2.RoundNormReply.SerializeToString,
+            ),
+            'OptimizerState': grpc.unary_stream_rpc_method_handler(
+                    servicer.OptimizerState,
+                    request_deserializer=psar_dot_v1_dot_ps__pb2.OptimizerStateRequest.FromString,
+                    response_serializer=psar_dot_v1_dot_ps__pb2.StateChunk.SerializeToString,
             ),
             'CreateTables': grpc.unary_unary_rpc_method_handler(
                     servicer.CreateTables,
@@ -580,6 +612,60 @@ class ParameterServer:
             '/psar.v1.ParameterServer/Rollback',
             psar_dot_v1_dot_ps__pb2.RollbackRequest.SerializeToString,
             psar_dot_v1_dot_ps__pb2.RollbackReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RoundNorm(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/psar.v1.ParameterServer/RoundNorm',
+            psar_dot_v1_dot_ps__pb2.RoundNormRequest.SerializeToString,
+            psar_dot_v1_dot_ps__pb2.RoundNormReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OptimizerState(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/psar.v1.ParameterServer/OptimizerState',
+            psar_dot_v1_dot_ps__pb2.OptimizerStateRequest.SerializeToString,
+            psar_dot_v1_dot_ps__pb2.StateChunk.FromString,
             options,
             channel_credentials,
             insecure,

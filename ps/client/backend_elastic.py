@@ -1,0 +1,119 @@
+"""PSBackend's part for elastic jobs (docs/elastic.md): joining a running job (--join: shard
+0 gives a free rank; the job's size, length and data are the ones on the shards), the
+batch ids shard 0 deals with each pull (the data follows membership), and leaving the job
+once its data is dealt or the worker was told to stop (SIGTERM).
+
+A mixin of ps/client/backend.py's PSBackend, which provides the client, rank, clock,
+local SGD state, pulls and the worker's config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+from ps.job import Job
+
+log = logging.getLogger("psar.ps")
+
+
+class ElasticMixin:
+    """Needs PSBackend's cfg, client, rank, clock, local, instance, world_size and
+    _await_pull."""
+
+    cfg: Any
+    client: Any
+    rank: int
+    clock: int
+    local: Any
+    instance: str
+    world_size: int
+
+    _await_pull: Any  # OverlapMixin's
+
+    def _init_elastic(self, cfg: Any, world_size: int) -> None:
+        """The elastic state, empty (PSBackend's constructor)."""
+        self.deals_data = cfg.elastic
+        """An elastic job: shard 0 deals this worker's batches (docs/elastic.md)."""
+        self._data_plan: tuple[int, str] = (0, "")
+        """Elastic data, rank 0: (the job's batch ids, how ids map to samples)."""
+        self._deal: tuple[int, tuple[int, ...]] = (0, ())
+        """Elastic data: (clock, the batch ids of that push's steps), from shard 0's last
+        pull header (--mode local: the H inner steps of an outer round)."""
+        self._deal_used = 0
+        """--mode local: ids of the deal the inner steps took so far."""
+        self._join_clock = 0
+        """--join: the clock shard 0 said to register with (sync: the round after the
+        open one; async/ssp: the slowest live worker's)."""
+        self._given_rank = False
+        """--join without --rank: shard 0 gave this worker its rank."""
+        self.left_job = False
+        self.world_size_now = world_size
+        """The shards' live workers at the last pull (the job's size now)."""
+
+    def plan_data(self, total_batches: int, stream: str) -> None:
+        """Elastic data (Backend protocol): the job's batch ids, 0..total_batches-1, and how
+        the workers map ids to samples (`stream`: a job whose workers disagree is refused).
+        Rank 0 tells the shards with the job."""
+        self._data_plan = (total_batches, stream)
+
+    def next_batches(self, *, stop: bool = False) -> list[int] | None:
+        """Elastic data (Backend protocol): the batch ids of the next step, dealt by shard
+        0 with the last pull; None when the job's data is all dealt or `stop` (SIGTERM:
+        leave after the step just done). Either way this worker leaves the job now: a
+        sync round no longer waits for it, and what it was dealt goes to the others."""
+        clock, ids = self._deal
+        mid_round = self.local is not None and 0 < self._deal_used < len(ids)
+        if (not stop or mid_round) and clock == self.clock + 1 and self._deal_used < len(ids):
+            if self.local is None:
+                return list(ids)  # a step whose push did not go out takes them again
+            # --mode local leaves at an outer round's end: its inner steps count.
+            take = ids[self._deal_used : self._deal_used + self.cfg.grad_accum]
+            self._deal_used += len(take)
+            return list(take)
+        if not self.left_job:
+            why = "asked to stop" if stop else "the job's data is all dealt"
+            log.info("worker %d: %s; leaving the job after step %d", self.rank, why, self.clock)
+            self._leave_job()
+        return None
+
+    def _leave_job(self) -> None:
+        self._await_pull()
+        self.client.leave()
+        self.left_job = True
+
+    def _enter_running_job(self, jobs: list[Job], served: Job) -> list[Job]:
+        """--join: the job's size, length, data and schedule are the ones rank 0 chose
+        (the shards hold them); without --rank, shard 0 gives this worker a free rank."""
+        if not served.elastic:
+            raise RuntimeError(
+                f"--join: the job on the shards keeps its {served.num_workers} workers; start "
+                "it with --max-workers N (every worker) to let workers join it"
+            )
+        if self.rank < 0:
+            reply = self.client.join(self.instance)
+            self.rank, self._join_clock = reply["worker"], reply["clock"]
+            self._given_rank = True
+            log.info("worker %d: joined a job of %d live workers", self.rank, reply["live_workers"])
+        self.world_size = served.num_workers
+        keep = ("num_workers", "max_workers", "data_batches")
+        return [
+            dataclasses.replace(
+                job,
+                **{k: getattr(served, k) for k in keep},
+                optimizer=dataclasses.replace(
+                    job.optimizer, total_steps=served.optimizer.total_steps
+                ),
+            )
+            for job in jobs
+        ]
+
+
+def elastic_note(have: Job, want: Job) -> str:
+    """What differs in an elastic job's data, for the refusal's message."""
+    if have.data_stream != want.data_stream:
+        return f"; its data: {have.data_stream or 'cut per rank'}, this worker's: {want.data_stream or 'cut per rank'}"
+    if have.max_workers != want.max_workers:
+        return f"; --max-workers {have.max_workers} there, {want.max_workers} here"
+    return ""

@@ -1,0 +1,225 @@
+"""Your own training loop on psar: one call, `prepare(model, optimizer)`, and the loop runs
+under `--arch ps` or `--arch allreduce` unchanged (docs/own-loop.md).
+
+    from worker.own_loop import prepare
+
+    run = prepare(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), seed=0)
+    sampler = DistributedSampler(data, num_replicas=run.world_size, rank=run.rank,
+                                 seed=0, drop_last=True)
+    sched = torch.optim.lr_scheduler.StepLR(run.optimizer, 100)
+    for x, y in DataLoader(data, batch_size=32, sampler=sampler, drop_last=True):
+        run.optimizer.zero_grad()
+        run.backward(F.cross_entropy(run.model(x), y))
+        run.clip_grad_norm_(1.0)
+        run.optimizer.step()
+        sched.step()
+    run.finish()
+
+The architecture is chosen where psar train's is: `--arch` in PSAR_ARGS (every `psar
+train` flag may go there; `psar launch ... -- python train.py` sets it), else PSAR_ARCH,
+else ps where PSAR_SERVERS names shards and allreduce otherwise. Ranks come from the
+launcher's environment (torchrun, Slurm, Kubernetes, psar launch: docs/launch-contract.md).
+This module never asks which architecture runs: it builds the backend as the loop does
+(worker/loop.py) and speaks the Backend protocol (worker/backend.py) only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shlex
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from trainkit.optim import StepOptions
+from trainkit.seeding import seed_process
+from trainkit.user_optim import current_lrs
+from worker.backend import Backend, StepOutcome
+from worker.config import TrainConfig
+from worker.loop import make_backend, resolve_ranks
+from worker.own_optimizer import distributed
+from worker.precision import pick_device, resolve
+from worker.recorder import NullWorkerRecorder
+from worker.supervisor import free_port
+
+logger = logging.getLogger("psar.own_loop")
+
+DEFAULTS = ("--precision", "fp32", "--no-pull-overlap")
+"""What a loop of its own starts from before PSAR_ARGS and `args`: fp32 (a DDP script's
+precision unless it autocasts; run.autocast() follows --precision), and the weights in
+place when step() returns, as under DDP (--pull-overlap lets the next forward start while
+they land: then read parameters outside forward only after run.finish())."""
+
+UNKNOWN_LENGTH = 1 << 40
+"""The run's length when prepare() is not told it (total_steps)."""
+
+
+def config_of(args: Sequence[str] = (), env: Mapping[str, str] | None = None) -> TrainConfig:
+    """The TrainConfig of a loop of its own: DEFAULTS, then PSAR_ARGS (shell words), then
+    `args`, parsed as `psar train` parses its flags; the architecture as the module
+    docstring says."""
+    from worker import cli_gen, cli_parser  # the CLI machinery, only when configuring
+
+    env = os.environ if env is None else env
+    # The shards the launcher named, from `env` (the config itself reads os.environ).
+    servers = ["--servers", env["PSAR_SERVERS"]] if env.get("PSAR_SERVERS") else []
+    argv = [*DEFAULTS, *servers, *shlex.split(env.get("PSAR_ARGS", "")), *args]
+    if "--arch" not in argv and not any(a.startswith("--arch=") for a in argv):
+        arch = env.get("PSAR_ARCH", "").strip() or (
+            "ps" if env.get("PSAR_SERVERS") else "allreduce"
+        )
+        argv = ["--arch", arch, *argv]
+    parser = cli_parser.build_parser()
+    try:
+        parsed = parser.parse_args(["train", *argv])
+    except SystemExit:
+        raise ValueError(
+            f"PSAR_ARGS / args {argv!r}: not `psar train` flags (see `psar train --help`)"
+        ) from None
+    return cli_gen.build(TrainConfig, parsed, parsed.config)
+
+
+class OwnLoop:
+    """What prepare() returns: everything a loop of its own needs (module docstring)."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        module: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        names: dict[int, str],
+        cfg: TrainConfig,
+        local_rank: int,
+    ) -> None:
+        """`optimizer`: the user's, set up on `backend`; `names`: id(parameter) -> its
+        name in the model."""
+        self.backend = backend
+        self.model = module
+        """The module to train: forward through it (DDP-wrapped under allreduce)."""
+        self.optimizer = distributed(optimizer, self._step, backend.remote_optimizer_state, names)
+        """Your optimizer's class, sharing your param groups: step() does the
+        architecture's work (worker/own_optimizer.py)."""
+        self.cfg = cfg
+        self.rank = backend.rank
+        """This worker's rank, 0..world_size-1: give it to your data sampler."""
+        self.world_size = backend.world_size
+        self.local_rank = local_rank
+        self.device = backend.device
+        """Where the model lives (cuda:LOCAL_RANK with --device auto and a GPU)."""
+        self.arch = backend.arch
+        """'ps' or 'allreduce', for your logs (your loop need not look at it)."""
+        self.mode = backend.mode
+        self.last_step: StepOutcome | None = None
+        """The outcome of the last optimizer step: skipped, loss_scale, staleness (ps),
+        grad_norm (with clipping: the norm before clipping)."""
+        self._clip = 0.0
+        self._finished = False
+
+    # ---- the step ---------------------------------------------------------------------
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """loss.backward(), scaled by the loss scale where the precision needs one (fp16);
+        the optimizer's step unscales. Use it instead of loss.backward()."""
+        self.backend.scale_loss(loss).backward()
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> None:
+        """Clip this step's update to a global L2 norm of `max_norm`, as
+        torch.nn.utils.clip_grad_norm_ clips the averaged gradient under DDP. It takes
+        effect in optimizer.step() (under ps the shards clip; docs/own-loop.md,
+        "Clipping"); the norm before clipping is then run.last_step.grad_norm."""
+        if norm_type != 2.0:
+            raise ValueError(f"clip_grad_norm_: only the L2 norm (norm_type=2), got {norm_type}")
+        if not 0 < max_norm < float("inf"):
+            raise ValueError(
+                f"clip_grad_norm_: max_norm must be a finite number > 0, got {max_norm}"
+            )
+        self._clip = float(max_norm)
+
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        """Accumulate gradients without communicating: backward of every micro-batch but
+        the last under it (DDP's no_sync; under ps nothing is pushed)."""
+        return self.backend.no_sync()
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """Autocast to the compute dtype --precision picks (fp32: none)."""
+        return self.backend.precision.autocast()
+
+    def _step(self) -> None:
+        options = StepOptions(lrs=current_lrs(self.optimizer), clip_norm=self._clip)
+        self._clip = 0.0
+        self.last_step = self.backend.step(options)
+
+    # ---- the end ----------------------------------------------------------------------
+
+    def finish(self) -> None:
+        """Leave the job (ps: the shards stop waiting for this worker; allreduce: the
+        process group ends). Call it once, after the last step; `with prepare(...)` does."""
+        if not self._finished:
+            self._finished = True
+            self.backend.finish()
+
+    def __enter__(self) -> OwnLoop:
+        return self
+
+    def __exit__(self, kind: object, exc: object, tb: object) -> None:
+        if exc is not None:
+            with contextlib.suppress(Exception):
+                self.backend.abort()
+            return
+        self.finish()
+
+
+def prepare(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    seed: int | None = None,
+    args: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+    total_steps: int | None = None,
+) -> OwnLoop:
+    """Put your model and your own optimizer on the architecture the environment names.
+
+    model: built the same way on every rank (rank 0's weights are the ones trained);
+    load a checkpoint into it and into the optimizer before calling this.
+    optimizer: any torch.optim optimizer over model's parameters under allreduce; under
+    ps the shards run it, so torch.optim.SGD or AdamW (any number of param groups with
+    hyper-parameters of their own; another class is refused before any shard is asked).
+    seed: seeds torch, random and numpy from (seed, rank) once the model is placed, as
+    `psar train --seed` does (default: --seed from PSAR_ARGS, else 0).
+    args: more `psar train` flags (after PSAR_ARGS). total_steps: the run's length, if
+    known (ps: the overlap trial fits in it)."""
+    env = dict(os.environ if env is None else env)
+    cfg = config_of(args, env)
+    if cfg.elastic:  # the shards deal batch ids, which only psar train's loop reads
+        raise ValueError(
+            "--max-workers / --join (an elastic job, docs/elastic.md) need psar train's own "
+            "loop, which trains on the batches shard 0 deals; run prepare() without them"
+        )
+    rank, world, local_rank = resolve_ranks(cfg, env)
+    if world == 1 and "MASTER_ADDR" not in os.environ:  # a lone process: its own group
+        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(free_port())
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    device = pick_device(cfg.device, local_rank)
+    precision = resolve(device, cfg.precision, cfg.wire_dtype, cfg.worker_weights)
+    backend = make_backend(
+        cfg,
+        precision,
+        rank=rank,
+        world_size=world,
+        total_steps=total_steps or UNKNOWN_LENGTH,
+        metrics=NullWorkerRecorder(),
+        find_unused_parameters=cfg.ddp.find_unused_parameters,
+    )
+    names = {id(p): n for n, p in model.named_parameters()}
+    logger.info("rank %d/%d: %s (%s), a loop of its own", rank, world, backend.arch, backend.mode)
+    module = backend.setup(model, optimizer)
+    # Dropout and other draws during training: the same run after run, and the same for
+    # rank r under either architecture (trainkit/seeding.py), as psar train does.
+    seed_process(cfg.seed if seed is None else seed, rank)
+    return OwnLoop(backend, module, optimizer, names, cfg, local_rank)

@@ -1,0 +1,91 @@
+"""The optimizer a loop of the user's own gets back from worker/own_loop.py's prepare().
+
+Like Horovod's DistributedOptimizer, it is an instance of a subclass of the user's own
+optimizer class (`DistributedSGD` for torch.optim.SGD), sharing the user's param groups
+and state: `isinstance(opt, torch.optim.SGD)` holds, torch's LR schedulers take it, and a
+scheduler changing `param_groups[i]["lr"]` changes what the next step ships. Only what
+the architecture does differently is overridden:
+
+- step(): the backend's step (DDP: the averaged gradient, a local step; PS: the push,
+  the shards' step with each group's current learning rate, the pull);
+- state_dict(): under PS the state is read from the shards, in torch's format (a file
+  saved under one architecture loads under the other);
+- load_state_dict() and add_param_group(): refused once prepared (the shards took the
+  groups and state with the job: load the state into your optimizer before prepare()).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+_LOAD_FIRST = (
+    "load the optimizer's state into your own optimizer before prepare() (the same under "
+    "both architectures: under --arch ps the shards take it with the job)"
+)
+
+
+class _Distributed:
+    """The overrides, placed before the user's optimizer class in the subclass."""
+
+    _psar_step: Callable[[], Any]
+    _psar_state: Callable[[], dict[str, dict[str, torch.Tensor]] | None]
+    _psar_names: dict[int, str]
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """The architecture's step (see the module docstring); returns closure's loss."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._psar_step()
+        return loss
+
+    def state_dict(self) -> dict[str, Any]:
+        remote = self._psar_state()
+        if remote is None:
+            return super().state_dict()  # type: ignore[misc]
+        own = self.state  # type: ignore[attr-defined]
+        held = dict(own)
+        own.clear()
+        for group in self.param_groups:  # type: ignore[attr-defined]
+            for p in group["params"]:
+                values = remote.get(self._psar_names[id(p)])
+                if values:
+                    own[p] = {k: v.to(p.device) for k, v in values.items()}
+        try:
+            return super().state_dict()  # type: ignore[misc]
+        finally:
+            own.clear()
+            own.update(held)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        raise RuntimeError(f"load_state_dict after prepare(): {_LOAD_FIRST}")
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        raise RuntimeError(
+            "add_param_group after prepare(): the job's groups are fixed; add the group to "
+            "your optimizer before prepare()"
+        )
+
+
+def distributed(
+    optimizer: torch.optim.Optimizer,
+    step: Callable[[], Any],
+    remote_state: Callable[[], dict[str, dict[str, torch.Tensor]] | None],
+    names: dict[int, str],
+) -> torch.optim.Optimizer:
+    """The user's optimizer as prepare() returns it (module docstring): a new object of a
+    subclass of its class sharing its param groups, state and defaults. `step()` runs
+    the architecture's step; `remote_state()` is the state where the shards hold it
+    (None: here); `names`: id(parameter) -> its name in the model."""
+    base = type(optimizer)
+    cls = type(f"Distributed{base.__name__}", (_Distributed, base), {"__module__": __name__})
+    out = cls.__new__(cls)
+    out.__dict__.update(optimizer.__dict__)  # the same param_groups, state and defaults
+    out._psar_step = step
+    out._psar_state = remote_state
+    out._psar_names = names
+    return out
