@@ -279,7 +279,7 @@ class TrainConfig:
         "architecture": ("--arch", "--mode", "--staleness", "--sync-every",
                          "--outer-optimizer", "--outer-lr", "--outer-momentum", "--backend",
                          "--pg-timeout-s", "--bucket-cap-mb", "--find-unused-parameters"),
-        "ps": ("--servers", "--rank", "--world-size", "--staleness-lr",
+        "ps": ("--servers", "--rank", "--world-size", "--max-workers", "--join", "--staleness-lr",
                "--delay-compensation", "--staleness-lr-power", "--dc-adaptive",
                "--momentum-correction", "--chunk-mib", "--job-id", "--buffers", "--overlap",
                "--bucket-mib", "--pull-overlap", "--early-pull", "--overlap-trial",
