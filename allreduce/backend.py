@@ -175,6 +175,7 @@ class DDPBackend:
             self.scaler.load_state_dict(resume["scaler"])
             self.start_step = self.steps_done = self._saved_step = int(resume["step"])
             log.info("rank %d resumed from step %d", self.rank, self.start_step)
+            self._rebase(int(resume.get("world", self.world_size)))
         self.loss_scale = self.scaler.get_scale() if self.scaler.is_enabled() else 1.0
         return self.ddp
 
@@ -268,6 +269,30 @@ class DDPBackend:
             )
         return snap
 
+    def _rebase(self, saved_world: int) -> None:
+        """A checkpoint written by a world of another size (torchrun --nnodes MIN:MAX
+        restarted the job with more or fewer nodes): step s of a world of W trains batches
+        s*W .. (s+1)*W-1 of the epoch's permutation (worker/data.py ShardedBatches), so
+        this world continues at the step that reaches the same place, rounded down (a
+        batch or two trained again rather than skipped). Rank 0 saves that step at once,
+        and drops the checkpoints numbered past it (in the old world's steps), so the
+        newest checkpoint is always in the current world's steps."""
+        if saved_world == self.world_size:
+            return
+        old = self.start_step
+        self.start_step = self.steps_done = old * saved_world // self.world_size
+        log.info(
+            "rank %d: the checkpoint of step %d is a world of %d's; this world of %d "
+            "continues at its step %d, the same place in the data",
+            self.rank, old, saved_world, self.world_size, self.start_step,
+        )  # fmt: skip
+        self._saved_step = -1
+        self._save()
+        self._saved_step = self.start_step
+        for step, path in list_checkpoints(self.cfg.ddp.checkpoint_dir):
+            if step > self.start_step and self.rank == 0:
+                path.unlink(missing_ok=True)
+
     def _save(self) -> None:
         if self.rank != 0 or self.steps_done == self._saved_step:
             return
@@ -276,6 +301,7 @@ class DDPBackend:
         snap = {
             "format": 1,
             "step": self.steps_done,
+            "world": self.world_size,  # the steps' unit: a world of another size rebases
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),

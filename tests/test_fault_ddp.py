@@ -53,3 +53,48 @@ def test_relaunched_ddp_job_resumes_from_the_newest_checkpoint(tmp_path) -> None
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
         f"ddp-{s:012d}.pt" for s in (6, 9, 12)
     ]
+
+
+def run_world(tmp, nproc: int, steps: int) -> list[dict]:
+    """psar train --arch allreduce on `nproc` ranks for --steps `steps` from the shared
+    checkpoint folder; each rank's step log lines (rank, step)."""
+    run = tmp / f"run-{nproc}-{steps}"
+    args = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+        "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+        "-m", "worker.cli", "train", "--arch", "allreduce", "--torch-threads", "1",
+        "--log-every", "0", "--workload", "mlp", "--batch-size", "16", "--precision", "fp32",
+        "--eval-batches", "0", "--steps", str(steps), "--checkpoint-dir", str(tmp / "ckpt"),
+        "--checkpoint-every", str(EVERY), "--run-dir", str(run),
+    ]  # fmt: skip
+    p = subprocess.run(args, capture_output=True, text=True, env=ENV, timeout=240)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+    return [
+        {"rank": int(f.stem.rsplit("rank", 1)[1]), "world": nproc, **json.loads(line)}
+        for f in sorted(run.glob("steps-allreduce-rank*.jsonl"))
+        for line in f.read_text().splitlines()
+    ]
+
+
+@pytest.mark.slow
+def test_a_world_of_another_size_continues_at_the_same_place_in_the_data(tmp_path) -> None:
+    """torchrun --nnodes MIN:MAX restarts a job with more or fewer ranks: the checkpoint's
+    step is rebased to the new world's steps, so no batch of the epoch is skipped or
+    trained twice (2 ranks, then 1, then 2 again)."""
+    from worker.data import ShardedBatches
+
+    first = run_world(tmp_path, 2, 6)  # checkpoint of step 6: batches 0..11
+    alone = run_world(tmp_path, 1, 20)  # continues at step 12 (6 x 2 / 1): batches 12..19
+    assert min(x["step"] for x in alone) == 13
+    names = sorted(p.name for p in (tmp_path / "ckpt").iterdir())  # 12 was saved, then pruned
+    assert names == [f"ddp-{s:012d}.pt" for s in (15, 18, 20)]
+    assert load(tmp_path / "ckpt" / names[-1])["world"] == 1
+    again = run_world(tmp_path, 2, 16)  # continues at step 10 (20 x 1 / 2): batches 20..31
+    assert min(x["step"] for x in again) == 11
+    assert max(int(n[4:16]) for n in os.listdir(tmp_path / "ckpt")) == 16
+    trained: list[int] = []
+    for x in first + alone + again:
+        cut = ShardedBatches(range(4096), batch_size=16, rank=x["rank"],
+                             world_size=x["world"], seed=0)  # fmt: skip
+        trained += cut.indices(x["step"] - 1).tolist()
+    assert len(trained) == len(set(trained)) == 32 * 16  # every batch of 0..31 once
