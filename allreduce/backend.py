@@ -287,13 +287,14 @@ class DDPBackend:
             self.rank, old, saved_world, self.world_size, self.start_step,
         )  # fmt: skip
         self._saved_step = -1
-        self._save()
+        self._save(prune=False)  # written before any is dropped: never none on disk
         self._saved_step = self.start_step
-        for step, path in list_checkpoints(self.cfg.ddp.checkpoint_dir):
-            if step > self.start_step and self.rank == 0:
-                path.unlink(missing_ok=True)
+        if self.rank == 0:
+            for step, path in list_checkpoints(self.cfg.ddp.checkpoint_dir):
+                if step > self.start_step:
+                    path.unlink(missing_ok=True)
 
-    def _save(self) -> None:
+    def _save(self, *, prune: bool = True) -> None:
         if self.rank != 0 or self.steps_done == self._saved_step:
             return
         folder = Path(self.cfg.ddp.checkpoint_dir)
@@ -311,7 +312,7 @@ class DDPBackend:
         atomic_save(state_to_host(snap), folder / f"ddp-{self.steps_done:012d}.pt")
         self._saved_step = self.steps_done
         self.checkpoints_written += 1
-        for _, old in list_checkpoints(str(folder))[:-_KEEP]:
+        for _, old in list_checkpoints(str(folder))[:-_KEEP] if prune else []:
             old.unlink(missing_ok=True)
 
     def report_extras(self) -> dict[str, Any]:

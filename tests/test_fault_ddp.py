@@ -89,7 +89,12 @@ def test_a_world_of_another_size_continues_at_the_same_place_in_the_data(tmp_pat
     names = sorted(p.name for p in (tmp_path / "ckpt").iterdir())  # 12 was saved, then pruned
     assert names == [f"ddp-{s:012d}.pt" for s in (15, 18, 20)]
     assert load(tmp_path / "ckpt" / names[-1])["world"] == 1
-    again = run_world(tmp_path, 2, 16)  # continues at step 10 (20 x 1 / 2): batches 20..31
+    # 2 ranks again: step 20 of 1 rank is their step 10, saved at once, and the 1-rank
+    # checkpoints numbered past it dropped (--steps 10: nothing left to train).
+    assert run_world(tmp_path, 2, 10) == []
+    assert os.listdir(tmp_path / "ckpt") == [f"ddp-{10:012d}.pt"]
+    assert load(tmp_path / "ckpt" / f"ddp-{10:012d}.pt")["world"] == 2
+    again = run_world(tmp_path, 2, 16)  # continues at step 10: batches 20..31
     assert min(x["step"] for x in again) == 11
     assert max(int(n[4:16]) for n in os.listdir(tmp_path / "ckpt")) == 16
     trained: list[int] = []
