@@ -398,6 +398,11 @@ def test_dashboard_refers_only_to_existing_metrics():
     assert any("psar_worker_observed_staleness_bucket" in e for e in exprs)
     assert any("histogram_quantile" in e and "barrier_wait" in e for e in exprs)
     assert any("histogram_quantile" in e and "ssp_wait" in e for e in exprs)
+    # Elastic jobs (docs/elastic.md): world size and membership changes.
+    [panel] = [p for p in dash["panels"] if p["title"] == "World size and membership changes"]
+    world = [t["expr"] for t in panel["targets"]]
+    assert any("psar_ps_live_workers" in e for e in world)
+    assert any("psar_ps_membership_changes_total" in e and "change" in e for e in world)
 
 
 def test_prometheus_configs_parse():
