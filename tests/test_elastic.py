@@ -165,3 +165,34 @@ def test_sigterm_before_the_first_step_leaves_without_training(tmp_path: Path) -
             job.close()
     logs = steps_taken(tmp_path)
     assert logs[1] == [] and sorted(i for x in logs[0] for i in x["batches"]) == list(range(12))
+
+
+def test_a_joiner_waits_for_room_in_a_full_job(tmp_path: Path) -> None:
+    """A worker started to replace one that is going (a killed one's lease still runs,
+    a stopped one still finishes its step) waits for its rank instead of failing."""
+    args = [
+        "--world-size",
+        "2",
+        "--max-workers",
+        "2",
+        "--steps",
+        "300",
+        "--emulate-compute-ms",
+        "40",
+    ]
+    with shard_set(1, tmp_path, *LEASE) as (shard,):
+        addr = shard.address
+        job = Job([addr], tmp_path, args)
+        try:
+            job.start("w0", "--rank", "0")
+            job.start("w1", "--rank", "1")
+            wait_until(lambda: min(stats([addr])[0]["worker_clocks"]) >= 2, 180, "both train")
+            job.start("j", "--join")
+            wait_until(lambda: "waiting (up to --timeout-s" in job.log("j"), 120, "j waits")
+            assert stats([addr])[0]["joins"] == 0
+            job.signal("w1", signal.SIGTERM)  # it leaves after its step: rank 1 is free
+            assert job.wait("w1") == 0 and job.wait("j") == 0 and job.wait("w0") == 0
+        finally:
+            job.close()
+    report = json.loads((tmp_path / "report-j.json").read_text())
+    assert report["rank"] == 1 and not report["stopped"] and report["steps"] > 0

@@ -145,12 +145,19 @@ class PSJob(_Job):
         self.workers.append(name)
 
     def settled(self) -> bool:
-        """Every live worker has trained a step."""
+        """Every live worker has trained a step, and the shards' live set is the live
+        workers (a killed worker's lease has run out: its rank is free again)."""
         for w in self._live():
             logs = list((self.out / "run" / w).glob("steps-ps-rank*.jsonl"))
             if not logs or not logs[0].read_text().strip():
                 return False
-        return True
+        return self._stats()["live_workers"] == len(self._live())
+
+    def _stats(self) -> dict[str, Any]:
+        from ps.client.psclient import ClientConfig, PSClient
+
+        with PSClient([self.addr], worker=0, cfg=ClientConfig(timeout_s=5)) as client:
+            return client.stats()[0]
 
     def progress(self) -> float:
         ids: set[int] = set()
@@ -161,10 +168,7 @@ class PSJob(_Job):
         return len(ids) / self.args.batches
 
     def final(self) -> dict[str, Any]:
-        from ps.client.psclient import ClientConfig, PSClient
-
-        with PSClient([self.addr], worker=0, cfg=ClientConfig(timeout_s=5)) as client:
-            st = client.stats()[0]
+        st = self._stats()
         w0 = _reports(self.out / "run" / "w0", "report.json")  # in the job from start to end
         return {"consumed_ids": st["data_dealt"] - st["data_returned"],
                 "val_loss": _val_loss(w0), "restarts": 0,

@@ -11,8 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from typing import Any
 
+import grpc
+
+from ps.client.errors import PSClientError
 from ps.job import Job
 
 log = logging.getLogger("psar.ps")
@@ -83,6 +87,24 @@ class ElasticMixin:
         self.client.leave()
         self.left_job = True
 
+    def _join_when_room(self) -> dict[str, Any]:
+        """Shard 0's Join, waiting up to --timeout-s while the job holds its --max-workers
+        workers (a killed worker's rank is free once its lease runs out; a worker started
+        to replace it should wait for that, not fail)."""
+        bound = self.cfg.ps.timeout_s
+        deadline = time.monotonic() + bound
+        said = 0.0
+        while True:
+            try:
+                return self.client.join(self.instance)
+            except PSClientError as e:
+                if e.code != grpc.StatusCode.RESOURCE_EXHAUSTED or time.monotonic() > deadline:
+                    raise
+                if time.monotonic() - said > 10:
+                    log.info("--join: %s; waiting (up to --timeout-s %g)", e.details, bound)
+                    said = time.monotonic()
+                time.sleep(0.5)
+
     def _enter_running_job(self, jobs: list[Job], served: Job) -> list[Job]:
         """--join: the job's size, length, data and schedule are the ones rank 0 chose
         (the shards hold them); without --rank, shard 0 gives this worker a free rank."""
@@ -92,7 +114,7 @@ class ElasticMixin:
                 "it with --max-workers N (every worker) to let workers join it"
             )
         if self.rank < 0:
-            reply = self.client.join(self.instance)
+            reply = self._join_when_room()
             self.rank, self._join_clock = reply["worker"], reply["clock"]
             self._given_rank = True
             log.info("worker %d: joined a job of %d live workers", self.rank, reply["live_workers"])
