@@ -88,12 +88,12 @@ def test_time_lost_is_the_stall_after_an_event_and_the_work_thrown_away() -> Non
 
 @pytest.mark.slow
 def test_the_schedule_end_to_end_for_both_architectures(tmp_path: Path) -> None:
-    doc = _bench("bench.elastic", "--quick", "--batches", "120", "--compute-ms", "60",
+    doc = _bench("bench.elastic", "--quick", "--batches", "240", "--compute-ms", "200",
                  "--no-fixed", "--out", str(tmp_path), timeout=900)  # fmt: skip
     for arch in ("ps", "allreduce"):
         row = doc[arch]
         assert {"seconds", "samples_lost", "samples_repeated"} <= set(row)
-        assert row["seconds"] > 0 and row["samples_planned"] == 120 * 8
+        assert row["seconds"] > 0 and row["samples_planned"] == 240 * 8
         assert [e["event"] for e in row["events"]] == ["start 2", *doc["schedule"][1:]]
     assert doc["ps"]["samples_lost"] == 0 and doc["ps"]["samples_repeated"] == 0
     assert doc["allreduce"]["restarts"] >= 4  # every change restarted the torchrun job

@@ -24,6 +24,7 @@ from typing import Any
 from bench.lib import common as c
 from worker.supervisor import descendants
 
+_SHORT = "the epoch ran out before the schedule did; give more --batches or --compute-ms"
 RANK_SCRIPT = Path(__file__).resolve().parent / "elastic_rank.py"
 VAL_FRACTION = 0.1
 
@@ -83,6 +84,8 @@ class _Job:
 
     def kill(self, name: str) -> None:
         """SIGKILL the worker and every process it started (a machine gone)."""
+        if self.sup.children[name].poll() is not None:
+            raise RuntimeError(f"{self.arch}: {name} ended before its SIGKILL: {_SHORT}")
         pids = [self._pid(name), *descendants([self._pid(name)])]
         for pid in pids:
             try:
@@ -93,6 +96,8 @@ class _Job:
 
     def stop(self, name: str) -> None:
         """SIGTERM: a preemption notice."""
+        if self.sup.children[name].poll() is not None:
+            raise RuntimeError(f"{self.arch}: {name} ended before its SIGTERM: {_SHORT}")
         os.kill(self._pid(name), signal.SIGTERM)
         self.stopped.add(name)
 
@@ -108,7 +113,7 @@ class _Job:
             if rc not in (None, 0) and w not in self.killed | self.stopped:
                 raise c.ProcessError(f"{self.arch} {w} exited {rc}:\n{self.sup.tail(w)}")
         if not self._live():
-            raise RuntimeError(f"{self.arch}: every worker ended while {what}")
+            raise RuntimeError(f"{self.arch}: every worker ended while {what}: {_SHORT}")
         if time.time() > end_by:
             raise TimeoutError(f"{self.arch}: timed out {what}")
 
