@@ -327,6 +327,12 @@ def test_bad_pushes_are_refused_saying_what_to_do() -> None:
     h = PushHeader(worker=1, clock=1, base_version=0, dtype=torch.float16, loss_scale=1.0)
     with pytest.raises(FailedPrecondition, match="scale by the loss scale of your last pull"):
         st.intake.begin_push(h, lock_timeout=5)
+    # A loss scale so small that fp16 values unscaled by it could overflow fp32 (the
+    # mean converted at the close would be inf; the hostile sync campaign, seed 36).
+    for tiny in (2.0**-113, 1e-45, 5e-324):
+        h = PushHeader(worker=1, clock=1, base_version=0, dtype=torch.float16, loss_scale=tiny)
+        with pytest.raises(InvalidArgument, match="below 2\\^-112"):
+            st.intake.begin_push(h, lock_timeout=5)
     # Another dtype than the round's.
     h = PushHeader(worker=1, clock=1, base_version=0, dtype=torch.float32, loss_scale=SCALE)
     with pytest.raises(FailedPrecondition, match="every worker must push in the same dtype"):
@@ -477,10 +483,10 @@ def test_a_worker_that_leaves_mid_push_is_withdrawn_at_the_close() -> None:
                        torch.cat([p.detach() for p in two.masters.values()]))  # fmt: skip
 
 
-def _push(st: ShardState, w: int, grads: dict[str, torch.Tensor], **kw: object) -> None:
+def _push(st: ShardState, w: int, grads: dict[str, torch.Tensor]) -> None:
     """`w`'s whole push of round 1 in its grads' dtype (fp16 or fp32), accepted."""
     dtype = next(iter(grads.values())).dtype
-    h = PushHeader(worker=w, clock=1, base_version=0, dtype=dtype, **{"loss_scale": SCALE, **kw})  # type: ignore[arg-type]
+    h = PushHeader(worker=w, clock=1, base_version=0, dtype=dtype, loss_scale=SCALE)
     t = st.intake.begin_push(h, lock_timeout=5)
     try:
         for _, key, off, data in _pieces(w, grads):
