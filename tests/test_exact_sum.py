@@ -60,7 +60,6 @@ def _grads(job: Job, workers: int, seed: int = 0) -> list[dict[str, torch.Tensor
 
 
 def _shard(job: Job, **kw: object) -> ShardState:
-    kw.setdefault("exact_fp16_sum", True)  # an opt-in (psar server --exact-fp16-sum)
     st = ShardState(**kw)  # type: ignore[arg-type]
     g = torch.Generator().manual_seed(7)
     st.init(job, {s.key: torch.randn(s.numel, generator=g) for s in job.slots})
@@ -412,7 +411,7 @@ def test_a_restore_or_rollback_mid_round_drops_the_partial_sum(tmp_path: Path) -
     _round(st, b, [0, 1, 2], clock=2)
     _round(st, c, [0, 1], clock=3)  # worker 2 has not pushed round 3: half summed
     assert st.policy.exact is not None and st.policy.exact.counted
-    back = ShardState(exact_fp16_sum=True)
+    back = ShardState()
     back.durability.restore(step, snap)
     assert st.durability.rollback(max_round=1)["rolled_back"]
     for shard in (back, st):

@@ -21,7 +21,9 @@ is accepted the slot's fp16 bytes stay where they landed (the push's scratch): a
 is not accepted (refused, non-finite, cut off, superseded, cancelled, or its worker gone
 when the round closes) is subtracted again from those bytes, and integer subtraction
 undoes integer addition exactly, so the sum is bit for bit what it was before the push
-began. A round skipped (overflow) or replaced (restore, rollback) drops all.
+began; nor does it keep deciding how its round sums (exact or rank order) and at which
+loss scale, if it was the round's first (SyncPolicy.under_way, rounds.py). A round skipped
+(overflow) or replaced (restore, rollback) drops all.
 
 The close's work is the step: a slot's mean is converted (into a 4-byte-per-parameter
 fp32 buffer of its own) the moment its sum has every live worker in, so with the last
