@@ -82,6 +82,44 @@ def check_rule(name: str) -> str:
     return name
 
 
+def resolve_rule(
+    rule: str,
+    *,
+    staleness_lr: bool = False,
+    staleness_lr_power: float = 1.0,
+    delay_compensation: float = 0.0,
+    dc_adaptive: bool = False,
+    momentum_correction: bool = True,
+) -> str:
+    """The rule a job applies, given --staleness-rule and the older flags that are now its
+    aliases: any setting of the fixed rule (--staleness-lr, --staleness-lr-power,
+    --delay-compensation, --dc-adaptive) selects fixed; --no-momentum-correction alone
+    selects none (the optimizer as configured), unless the rule is fixed, whose own setting
+    it is. `rule` adaptive is the default, so an alias overrides it; any other rule an
+    alias contradicts is refused (ValueError)."""
+    check_rule(rule)
+    aliases = [
+        flag
+        for flag, given in (
+            ("--staleness-lr", staleness_lr),
+            ("--staleness-lr-power", staleness_lr_power != 1.0),
+            ("--delay-compensation", delay_compensation != 0.0),
+            ("--dc-adaptive", dc_adaptive),
+        )
+        if given
+    ]
+    want = "fixed" if aliases else ("none" if not momentum_correction else None)
+    if want is None or rule == want or (rule == "fixed" and not aliases):
+        return rule  # fixed without the momentum rule: its own field says so
+    if rule != "adaptive":
+        given = aliases[0] if aliases else "--no-momentum-correction"
+        raise ValueError(
+            f"{given} is an alias that selects --staleness-rule {want}; it contradicts "
+            f"--staleness-rule {rule}: give one of them"
+        )
+    return want
+
+
 @functools.lru_cache(maxsize=4096)
 def _edge(momentum: float, delay: int) -> float:
     n = delay + 2
