@@ -188,6 +188,8 @@ class _Push:
     base: Mapping[str, torch.Tensor] | None
     """The weights it was computed on (None: not held, so no secant with it)."""
     applied_at: int
+    squares: dict[str, float]
+    """|g|^2 per slot (the next push's coherence needs it again)."""
 
 
 def _mix(a: float, b: float, decay: float) -> float:
@@ -201,7 +203,7 @@ def compensate_(
     diagonal Fisher proxy), lambda = h |drift|^2 / sum(v drift^2): the correction's
     curvature along the drift is the secant's h (v None or 0 along it: h drift)."""
     d2 = drift * drift
-    along = float((mean_sq * d2).sum()) if mean_sq is not None else 0.0
+    along = float(torch.dot(mean_sq.flatten(), d2.flatten())) if mean_sq is not None else 0.0
     if along > 0:
         return g.addcmul_(mean_sq, drift, value=h * float(d2.sum()) / along)  # type: ignore[arg-type]
     return g.add_(drift, alpha=h)
@@ -269,7 +271,7 @@ class AdaptiveRule:
             s.applied = c
             scales += c
             if self.adamw:
-                w = float(g.pow(2).sum())
+                w = float(torch.dot(g.reshape(-1), g.reshape(-1)))
                 weighted, total = weighted + c * w, total + w
             else:
                 g.mul_(c)
@@ -292,6 +294,9 @@ class AdaptiveRule:
                 s.mean_sq = (g * g).mul_(1.0 - STAT_DECAY)  # from zeros, as DC-ASGD-a
             else:
                 s.mean_sq.mul_(STAT_DECAY).addcmul_(g, g, value=1.0 - STAT_DECAY)
+        # Dot products rather than elementwise temporaries: the shard runs this per push.
+        flat = {key: g.detach().reshape(-1) for key, g in grads.items()}
+        squares = {key: float(torch.dot(f, f)) for key, f in flat.items()}
         prev = self.prev
         if prev is not None:
             lo, hi = sorted((prev.base_version, base_version))
@@ -301,20 +306,20 @@ class AdaptiveRule:
                 and lo != hi
                 and not lo <= prev.applied_at < hi
             )
-            for key, g in grads.items():
+            for key, f in flat.items():
                 pg = prev.grads.get(key)
                 if pg is None:
                     continue
+                pf = pg.reshape(-1)
                 s = self.slots[key]
-                s.coherence_num = _mix(
-                    s.coherence_num, float(torch.dot(g.flatten(), pg.flatten())), STAT_DECAY
-                )
-                sq = 0.5 * float(g.pow(2).sum() + pg.pow(2).sum())
+                s.coherence_num = _mix(s.coherence_num, float(torch.dot(f, pf)), STAT_DECAY)
+                sq = 0.5 * (squares[key] + prev.squares[key])
                 s.coherence_den = _mix(s.coherence_den, sq, STAT_DECAY)
                 if secant and key in prev.base:  # type: ignore[operator]
                     assert w_base is not None and prev.base is not None
-                    db = w_base[key] - prev.base[key]
-                    s.secant_num = _mix(s.secant_num, float(((g - pg) * db).sum()), STAT_DECAY)
-                    s.secant_den = _mix(s.secant_den, float(db.pow(2).sum()), STAT_DECAY)
+                    db = (w_base[key] - prev.base[key]).reshape(-1)
+                    num = float(torch.dot(f, db)) - float(torch.dot(pf, db))
+                    s.secant_num = _mix(s.secant_num, num, STAT_DECAY)
+                    s.secant_den = _mix(s.secant_den, float(torch.dot(db, db)), STAT_DECAY)
         clones = {k: g.detach().clone() for k, g in grads.items()}
-        self.prev = _Push(clones, base_version, w_base, version)
+        self.prev = _Push(clones, base_version, w_base, version, squares)
