@@ -55,12 +55,14 @@ class ServerConfig:
     shard: int = -1
     """Shard index for logs and metrics (default: env PSAR_SHARD, a StatefulSet pod
     ordinal, SLURM_PROCID, else 0)."""
-    torch_threads: str = "1"
-    """Threads of the shard's optimizer update: N | auto | 0. N > 1: a pool of N threads
-    steps the slots, bit-identical to one (ps/server/update/stepper.py); torch itself keeps one
-    thread, the fastest for the shard's copies (1 MiB: 0.12 ms vs 0.63 ms with its default).
-    auto: the cores this process may use divided by the shards on this host (env
-    PSAR_SHARDS_PER_HOST, else 1), at least 1. 0: torch's default threads, no pool."""
+    torch_threads: str = "auto"
+    """Threads of the shard's optimizer update: auto | N | 0. auto (the default, issue #36):
+    the cores this process may use divided by the shards on this host (env
+    PSAR_SHARDS_PER_HOST, which `psar launch` sets; else 1), at least 1. N > 1: a pool of
+    N threads steps the slots, bit-identical to one (ps/server/update/stepper.py); torch
+    itself keeps one thread, the fastest for the shard's copies (1 MiB: 0.12 ms vs 0.63 ms
+    with its default). Shards sharing a host with workers started by hand: give 1 (or
+    set PSAR_SHARDS_PER_HOST). 0: torch's default threads, no pool."""
     lease_s: float = DEFAULT_LEASE_S
     """A worker not heard from for this long leaves the live set (workers heartbeat every
     lease_s / 3)."""
