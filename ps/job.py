@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from ps.partition import Slot
 from trainkit.choices import DEFAULT_MODE, averages_buffers, local_sgd
 from trainkit.optim import LossScaleConfig, OptimizerConfig, ParamGroup
+from trainkit.staleness_rules import resolve_rule
 
 MAX_INT_BUFFER_ELEMENTS = 4096
 """Integer buffer elements a job may carry in its headers (counters are scalars)."""
@@ -88,11 +89,16 @@ class Job:
     """local: inner steps each worker takes between pushes (H; every push is then a
     pseudo-gradient and `optimizer` is the outer optimizer). 0 for every other mode."""
 
+    staleness_rule: str = "adaptive"
+    """async/ssp: how a stale gradient is applied (trainkit/staleness_rules.py): adaptive
+    (the default), fixed (the fields below), momentum (the momentum rule alone) or none.
+    A spec without the field (written before it existed) reads fixed: what its shards
+    applied."""
     staleness_lr: bool = False
-    """async/ssp: apply a gradient `staleness` updates old with lr / (1 + staleness)
+    """async/ssp, rule fixed: apply a gradient `staleness` updates old with lr / (1 + staleness)
     (Zhang et al., "Staleness-aware Async-SGD", IJCAI 2016; ps/server/modes/staleness.py)."""
     delay_compensation: float = 0.0
-    """async/ssp: DC-ASGD's lambda (Zheng et al., ICML 2017): each gradient g is applied as
+    """async/ssp, rule fixed: DC-ASGD's lambda (Zheng et al., ICML 2017): each gradient g is applied as
     g + lambda * g * g * (w_now - w_base); 0 disables it."""
     staleness_lr_power: float = 1.0
     """async/ssp with staleness_lr: the lr scale is (1 / (1 + staleness)) ** this (0.5:
@@ -219,6 +225,15 @@ class Job:
                 "--dc-adaptive scales DC-ASGD's lambda: give its lambda0 with "
                 "--delay-compensation LAMBDA0 (> 0)"
             )
+        # The fixed rule's fields select it over the default, as the CLI's aliases do.
+        self.staleness_rule = resolve_rule(
+            self.staleness_rule,
+            staleness_lr=self.staleness_lr,
+            staleness_lr_power=self.staleness_lr_power,
+            delay_compensation=self.delay_compensation,
+            dc_adaptive=self.dc_adaptive,
+            momentum_correction=self.momentum_correction,
+        )
         if self.num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {self.num_workers}")
         if self.max_workers and self.max_workers < self.num_workers:

@@ -165,6 +165,7 @@ def job_to_pb(job: Job) -> pb.JobSpec:
         buffer_slots=list(job.buffer_slots),
         buffers_average=job.buffers_average,
         int_buffers=[pb.IntBufferSpec(name=n, numel=k) for n, k in job.int_buffers],
+        staleness_rule=job.staleness_rule,
         staleness_lr=job.staleness_lr,
         delay_compensation=job.delay_compensation,
         momentum_correction=job.momentum_correction,
@@ -206,6 +207,9 @@ def job_from_pb(spec: pb.JobSpec) -> Job:
             buffer_slots=tuple(spec.buffer_slots),
             buffers_average=spec.buffers_average,
             int_buffers=tuple((b.name, b.numel) for b in spec.int_buffers),
+            # A spec without the field (older clients, checkpoints) reads "": fixed, the
+            # rule its fields below describe, as those shards applied them.
+            staleness_rule=spec.staleness_rule or "fixed",
             staleness_lr=spec.staleness_lr,
             delay_compensation=spec.delay_compensation,
             momentum_correction=spec.momentum_correction,

@@ -39,6 +39,7 @@ from ps.client.client_config import ClientConfig
 from ps.client.psclient import PSClient
 from ps.job import Job
 from ps.partition import plan_slots
+from ps.server.config import ServerConfig
 from ps.server.shard import ShardState
 from tests.fault_procs import Shard
 from tests.hostile_wire import MAX_MESSAGE
@@ -125,8 +126,13 @@ class HostileShard:
         token: str = "",
         certs: Path | None = None,
         sealed: bool = False,
+        exact_fp16_sum: bool = ServerConfig.exact_fp16_sum,
     ) -> None:
         self.tmp = tmp
+        self.exact_fp16_sum = exact_fp16_sum
+        """The shard's --exact-fp16-sum (sync rounds of fp16 pushes summed exactly as they
+        arrive); its mirror sums the same way."""
+        extra = (*extra, "--exact-fp16-sum" if exact_fp16_sum else "--no-exact-fp16-sum")
         self.job = hostile_job(mode)
         self.values = init_values(self.job, seed=3)
         self.token = token
@@ -165,7 +171,8 @@ class HostileShard:
         reply = self.stub.GetJob(pb.GetJobRequest(), timeout=TIMEOUT)
         self.data_port = reply.data_port
         self.incarnation = reply.incarnation
-        self.mirror = ShardState(lease_s=3600, join_grace_s=3600)
+        self.mirror = ShardState(lease_s=3600, join_grace_s=3600,
+                                 exact_fp16_sum=self.exact_fp16_sum)  # fmt: skip
         self.mirror.init(self.job, {k: v.clone() for k, v in self.values.items()})
         self.mirror.incarnation = self.incarnation  # pushes may name the real one
         self._log_seen = len(self.proc.output())
@@ -237,6 +244,16 @@ class HostileShard:
             return self.mirror.rounds + 1, self.mirror.version
         return self.mirror.clocks[worker] + 1, self.mirror.version
 
+    def round_wire(self) -> tuple[torch.dtype, float]:
+        """(dtype, loss scale) a valid push into the open round carries: fp32 unscaled,
+        or, once an fp16 push into a round summed exactly was accepted, fp16 at that
+        push's loss scale (such a round refuses other dtypes and scales)."""
+        policy = self.mirror.policy
+        exact = getattr(policy, "exact", None)
+        if getattr(policy, "kind", None) == "exact" and exact is not None and exact.scale:
+            return torch.float16, exact.scale
+        return torch.float32, 1.0
+
     def pull_clock(self, worker: int) -> int:
         """A clock `worker` may pull at without waiting."""
         return self.mirror.rounds if self.job.mode == "sync" else self.mirror.clocks[worker]
@@ -288,6 +305,7 @@ def gradient(job: Job, rng: random.Random) -> dict[str, torch.Tensor]:
 
 
 DTYPES = {pb.FLOAT32: torch.float32, pb.FLOAT16: torch.float16, pb.BFLOAT16: torch.bfloat16}
+WIRE_OF = {t: w for w, t in DTYPES.items()}
 
 
 def valid_push(s: HostileShard, worker: int, rng: random.Random) -> list[pb.PushChunk]:

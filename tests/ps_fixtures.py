@@ -71,7 +71,11 @@ def make_job(
     mode_options: dict[str, float] | None = None,
     chunk_rounds: bool = False,
     early_pull: bool = False,
+    staleness_rule: str = "fixed",
 ) -> Job:
+    """A job for a shard under test. `staleness_rule` fixed (its fields at their defaults:
+    the momentum rule alone) is what the by-hand expectations here compute
+    (applied_optimizer); tests/test_staleness_rule_wiring.py asks for adaptive."""
     opt = optimizer if isinstance(optimizer, OptimizerConfig) else optimizer_config(optimizer)
     if sync_every is None:  # --mode local needs H; the shard's behaviour does not depend on it
         sync_every = 4 if mode == "local" else 0
@@ -89,6 +93,7 @@ def make_job(
         mode_options=mode_options or {},
         chunk_rounds=chunk_rounds,
         early_pull=early_pull,
+        staleness_rule=staleness_rule,
     )
 
 

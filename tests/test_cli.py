@@ -31,7 +31,7 @@ TRAIN_FLAGS = [
     "--tls-cert", "--tls-key", "--tls-server-name", "--auth-token-file", "--sparse-optimizer",
     "--sparse-lr", "--sparse-eps", "--sparse-wire-dtype", "--checkpoint-dir", "--checkpoint-every",
     "--sync-every", "--outer-optimizer", "--outer-lr", "--outer-momentum",
-    "--staleness-lr", "--delay-compensation", "--momentum-correction",
+    "--staleness-rule", "--staleness-lr", "--delay-compensation", "--momentum-correction",
     "--staleness-lr-power", "--dc-adaptive", "--sigterm-exit-code",
 ]  # fmt: skip
 SERVER_FLAGS = ["--bind", "--threads", "--message-bytes", "--max-message-bytes",

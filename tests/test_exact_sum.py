@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from ps import wire
-from ps.errors import FailedPrecondition, InvalidArgument
+from ps.errors import FailedPrecondition, InvalidArgument, PSError
 from ps.headers import PushHeader
 from ps.job import Job
 from ps.partition import plan_slots
@@ -60,7 +60,6 @@ def _grads(job: Job, workers: int, seed: int = 0) -> list[dict[str, torch.Tensor
 
 
 def _shard(job: Job, **kw: object) -> ShardState:
-    kw.setdefault("exact_fp16_sum", True)  # an opt-in (psar server --exact-fp16-sum)
     st = ShardState(**kw)  # type: ignore[arg-type]
     g = torch.Generator().manual_seed(7)
     st.init(job, {s.key: torch.randn(s.numel, generator=g) for s in job.slots})
@@ -327,6 +326,12 @@ def test_bad_pushes_are_refused_saying_what_to_do() -> None:
     h = PushHeader(worker=1, clock=1, base_version=0, dtype=torch.float16, loss_scale=1.0)
     with pytest.raises(FailedPrecondition, match="scale by the loss scale of your last pull"):
         st.intake.begin_push(h, lock_timeout=5)
+    # A loss scale so small that fp16 values unscaled by it could overflow fp32 (the
+    # mean converted at the close would be inf; the hostile sync campaign, seed 36).
+    for tiny in (2.0**-113, 1e-45, 5e-324):
+        h = PushHeader(worker=1, clock=1, base_version=0, dtype=torch.float16, loss_scale=tiny)
+        with pytest.raises(InvalidArgument, match="below 2\\^-112"):
+            st.intake.begin_push(h, lock_timeout=5)
     # Another dtype than the round's.
     h = PushHeader(worker=1, clock=1, base_version=0, dtype=torch.float32, loss_scale=SCALE)
     with pytest.raises(FailedPrecondition, match="every worker must push in the same dtype"):
@@ -406,7 +411,7 @@ def test_a_restore_or_rollback_mid_round_drops_the_partial_sum(tmp_path: Path) -
     _round(st, b, [0, 1, 2], clock=2)
     _round(st, c, [0, 1], clock=3)  # worker 2 has not pushed round 3: half summed
     assert st.policy.exact is not None and st.policy.exact.counted
-    back = ShardState(exact_fp16_sum=True)
+    back = ShardState()
     back.durability.restore(step, snap)
     assert st.durability.rollback(max_round=1)["rolled_back"]
     for shard in (back, st):
@@ -475,3 +480,66 @@ def test_a_worker_that_leaves_mid_push_is_withdrawn_at_the_close() -> None:
         t.release()  # its push ends after the close: refused at its end, changes nothing
     assert torch.equal(torch.cat([p.detach() for p in st.masters.values()]),
                        torch.cat([p.detach() for p in two.masters.values()]))  # fmt: skip
+
+
+def _push(st: ShardState, w: int, grads: dict[str, torch.Tensor]) -> None:
+    """`w`'s whole push of round 1 in its grads' dtype (fp16 or fp32), accepted."""
+    dtype = next(iter(grads.values())).dtype
+    h = PushHeader(worker=w, clock=1, base_version=0, dtype=dtype, loss_scale=SCALE)
+    t = st.intake.begin_push(h, lock_timeout=5)
+    try:
+        for _, key, off, data in _pieces(w, grads):
+            st.intake.add_data(t, key, off, data)
+        st.intake.finish_push(t)
+    finally:
+        t.release()
+
+
+def _refused_first(st: ShardState, how: str, grads: dict[str, torch.Tensor]) -> None:
+    """Worker 1's push opens round 1 and is not accepted, `how`."""
+    keys = list(grads)
+    dtype = torch.float32 if how == "fp32 cut" else torch.float16
+    scale = 2 * SCALE if how == "other scale" else SCALE
+    absent = ("nope#0",) if how == "unknown absent" else ()
+    h = PushHeader(worker=1, clock=1, base_version=0, dtype=dtype, loss_scale=scale,
+                   absent=absent)  # fmt: skip
+    if how == "unknown absent":
+        with pytest.raises(PSError, match="absent slot 'nope#0' is not on this shard"):
+            st.intake.begin_push(h, lock_timeout=5)
+        return
+    t = st.intake.begin_push(h, lock_timeout=5)
+    try:
+        pieces = _pieces(1, {k: grads[k].to(dtype) for k in keys[:2]})
+        for _, key, off, data in pieces:
+            st.intake.add_data(t, key, off, data)
+        if how == "bad piece":  # refused mid-stream, as the hostile campaign's push was
+            with pytest.raises(InvalidArgument, match="expected"):
+                st.intake.add_data(t, keys[2], 1, b"\0\0")
+    finally:
+        t.release()  # never finished: not accepted
+
+
+@pytest.mark.parametrize("how", ["cut", "bad piece", "other scale", "unknown absent", "fp32 cut"])
+def test_a_refused_first_push_does_not_decide_how_its_round_sums(how: str) -> None:
+    """Issue #36 item 3 (the hostile sync campaign, seed 1809): the first push of a round
+    decides whether it sums exactly (fp16) or in rank order (fp32, bf16), and the exact
+    sum's loss scale. One that is then not accepted (cut off, refused mid-stream or at
+    its header, scaled otherwise) must decide nothing: the round's honest pushes, in
+    another dtype or scale, are accepted and give the bits of a shard that never saw it.
+    (Before the fix its dtype and scale stayed, and the honest pushes were refused
+    FAILED_PRECONDITION, or an fp16 round was summed in rank order.)"""
+    job = _job(3)  # 3: the rank-order fp32 sum rounds twice, the exact sum once
+    grads = _grads(job, 3)
+    if how in ("cut", "bad piece", "unknown absent"):  # then a round of fp32 pushes
+        grads = [{k: (v.float() * SCALE).clamp(-1e4, 1e4) for k, v in g.items()} for g in grads]
+    clean, st = _shard(job), _shard(job)
+    _refused_first(st, how, grads[1])
+    assert st.version == 0 and st.state_digest() == clean.state_digest()
+    ordered = _shard(job, exact_fp16_sum=False)
+    for s in (st, clean, ordered):
+        for w in (0, 1, 2):
+            _push(s, w, grads[w])
+        assert s.version == 1
+    assert st.state_digest() == clean.state_digest()
+    if how == "fp32 cut":  # the round was summed exactly, as an fp16 round is
+        assert ordered.state_digest() != st.state_digest()

@@ -162,7 +162,18 @@ SCENARIOS: dict[str, Scenario] = {
     ),
     "local": Scenario(mode="local", optimizer="outer", job={"sync_every": 4}),
     "sparse-sync": Scenario(mode="sync", table="adagrad", shards=2),
-    "sparse-async": Scenario(mode="async", table="lazy_adam", shards=2, order=_interleaved),
+    "sparse-async": Scenario(
+        mode="async",
+        table="lazy_adam",
+        shards=2,
+        order=_interleaved,
+        job={"staleness_rule": "fixed"},  # recorded before adaptive became the default
+    ),
+    # The default rule of async/ssp since issue #34 (trainkit/staleness_rules.py).
+    "async-adaptive": Scenario(mode="async", order=_skewed, buffers=True),
+    "ssp-adaptive": Scenario(
+        mode="ssp", order=_interleaved, optimizer="adamw", job={"staleness": 1}
+    ),
 }
 
 
@@ -384,6 +395,8 @@ def _ckpt_job(mode: str) -> Job:
         buffer_slots=tuple(s.key for s in slots if s.param == "bn.mean"),
         int_buffers=((INT_BUFFER, 1),),
         delay_compensation=0.2 if mode == "async" else 0.0,
+        # Written before --staleness-rule: a spec without it reads fixed (ps/serde.py).
+        staleness_rule="fixed",
     )
 
 

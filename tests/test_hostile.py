@@ -29,6 +29,7 @@ from ps import auth
 from ps import framing as fr
 from ps._gen.psar.v1 import ps_pb2 as pb
 from ps._gen.psar.v1 import ps_pb2_grpc as pb_grpc
+from ps.wire import iter_pieces
 from tests import hostile as h
 from tests import hostile_wire as w
 from tests.ps_fixtures import init_chunks
@@ -146,13 +147,17 @@ class Campaign:
         s = self.s
         worker = s.fresh_worker(worker)
         clock, version = s.next_push(worker)
-        grads = h.gradient(s.job, self.rng)
+        dtype, scale = s.round_wire()
+        # Values that fit fp16 whatever the round's scale (an accepted fuzzed push may
+        # have set one as large as 1e300): gradients of tiny magnitude, finite on the wire.
+        fits = min(scale, 1024.0)
+        grads = {k: (t * fits).to(dtype) for k, t in h.gradient(s.job, self.rng).items()}
         with s.client(worker, door) as c:
             c.get_jobs(wait=False)
-            (reply,) = c.push(clock=clock, base_versions=[version], dtype=torch.float32,
-                              grads=grads)  # fmt: skip
+            (reply,) = c.push(clock=clock, base_versions=[version], dtype=dtype, grads=grads,
+                              loss_scale=scale)  # fmt: skip
         head = pb.PushHeader(worker=worker, clock=clock, base_version=version,
-                             dtype=pb.FLOAT32, loss_scale=1.0)  # fmt: skip
+                             dtype=h.WIRE_OF[dtype], loss_scale=scale)  # fmt: skip
         items = [("piece", pb.TensorData(key=k, offset=0), t.numpy().tobytes())
                  for k, t in grads.items()]  # fmt: skip
         assert w.replay_push(s.mirror, head, items)
@@ -231,6 +236,38 @@ def test_hostile_smoke_both_doors(tmp_path: Path) -> None:
             sock.close()
 
 
+def test_refused_first_pushes_leave_an_exact_round_open_to_any_dtype(tmp_path: Path) -> None:
+    """Issue #36 item 3, shrunk from the sync campaign (seed 1809): the first push of a
+    sync round, fp16 into the exact sum, is refused mid-stream (gRPC: a piece at the
+    wrong offset) or cut before its end (data plane, another loss scale). Each must leave
+    no trace, also not the round's dtype or scale: the workers' fp32 pushes that follow
+    land as on the mirror (before the fix: FAILED_PRECONDITION, "sums fp16 gradients
+    exactly")."""
+    with h.hostile_shard(tmp_path, mode="sync", exact_fp16_sum=True) as s:
+        c = Campaign(s, "exact-first-refused", 36)
+        for scale, door in ((1024.0, "grpc"), (8.0, "tcp")):
+            head = pb.PushHeader(worker=1, clock=1, base_version=0, dtype=pb.FLOAT16,
+                                 loss_scale=scale, incarnation=s.incarnation)  # fmt: skip
+            chunks = [pb.PushChunk(header=head)]
+            for key, t in h.gradient(s.job, c.rng).items():
+                flat = (t * scale).half()
+                for off, data in iter_pieces(flat, h.PIECE_BYTES):
+                    chunks.append(pb.PushChunk(data=pb.TensorData(key=key, offset=off, data=data)))
+            if door == "grpc":
+                chunks[-1].data.offset += 1  # refused there, the slots before it summed
+                raw = [m.SerializeToString() for m in chunks]
+                code = _code(lambda raw=raw: c.push_call(iter(raw), timeout=h.TIMEOUT))
+                assert code == SC.INVALID_ARGUMENT, code
+            else:
+                frames = w.push_frames(chunks, s.token)[:-1]  # every slot, then no end
+                code = h.refusal(s.exchange(w.encode_frames(frames)))
+            c.check(f"fp16 push via {door} not accepted", code, False, False)
+        c.control(0, "grpc")  # fp32: round 1 sums in rank order after all
+        c.control(1, "tcp")
+        assert s.mirror.version == 1
+        assert_clean(c.t)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("wire", ["tls", "sealed"])
 def test_hostile_smoke_secured_wires(tmp_path: Path, certs: Path, wire: str) -> None:  # noqa: F811
@@ -254,10 +291,14 @@ def test_hostile_grpc_fuzz(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_hostile_sync_fuzz_both_doors(tmp_path: Path) -> None:
+@pytest.mark.parametrize("exact", [True, False], ids=["exact-fp16-sum", "rank-order"])
+def test_hostile_sync_fuzz_both_doors(tmp_path: Path, exact: bool) -> None:
     """Sync rounds (pushes held until both workers' are in, verdicts that skip a round):
-    pushes and Inits only, since a sync pull at a later clock waits by design."""
-    with h.hostile_shard(tmp_path, mode="sync") as s:
+    pushes and Inits only, since a sync pull at a later clock waits by design. fp16
+    rounds summed exactly as they arrive (the default) and in rank order
+    (--no-exact-fp16-sum); seed 1809 found a refused push deciding how its round sums
+    (issue #36)."""
+    with h.hostile_shard(tmp_path, mode="sync", exact_fp16_sum=exact) as s:
         mix = {"grpc_push": 5, "grpc_init": 1, "data_push": 5}
         assert_clean(run_fuzz(s, "sync-fuzz", seed=1809, n=1000, weights=mix))
 

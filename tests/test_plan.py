@@ -120,8 +120,10 @@ def test_shard_memory_of_an_exact_fp16_round_and_of_chunk_rounds() -> None:
     assert whole.memory_per_shard.total == (4 + 8 + 12 + 2) * p // 2
     chunks = plan(PlanInputs(p, 8, 2, wire_dtype="fp16", worker_weights="fp16",
                              early_pull=True, exact_fp16_sum=True)).ps  # fmt: skip
-    rank_order = plan(PlanInputs(p, 8, 2, wire_dtype="fp16", worker_weights="fp16")).ps
-    assert rank_order.memory_per_shard is not None  # the default: 8 pushes in fp32 + the sum
+    rank_order = plan(PlanInputs(p, 8, 2, wire_dtype="fp16", worker_weights="fp16",
+                                 exact_fp16_sum=False)).ps  # fmt: skip
+    # --no-exact-fp16-sum: 8 pushes staged in fp32 + their sum
+    assert rank_order.memory_per_shard is not None
     assert rank_order.memory_per_shard.gradients == (8 + 1) * 4 * p // 2
     assert chunks.memory_per_shard is not None
     # + undo copies of the master and its two moments, and a mean buffer per slot
@@ -333,10 +335,13 @@ def test_json_keys_and_values(capsys: pytest.CaptureFixture[str]) -> None:
     m = 1e9  # fp16
     assert d["allreduce"]["bytes_sent_per_worker_per_step"] == pytest.approx(2 * 31 / 32 * m)
     assert d["ps"]["bytes_received_per_shard_per_step"] == pytest.approx(32 * m / 4)
-    # AdamW, fp16 wire: masters 4 + moments 8 + 32 pushes staged in fp32 and their sum
-    # 4 x 33 (+ early pulls' undo copies 16) per parameter held; workers 4 + 4 + 2
-    shard = 12 + 4 * 33 + (16 if d["inputs"]["early_pull"] else 0)
+    # AdamW, fp16 wire: masters 4 + moments 8 + the exact sum 8 and mean 4 (+ early
+    # pulls' undo copies 16) per parameter held; workers 4 + 4 + 2 (fp32 weights)
+    shard = 24 + (16 if d["inputs"]["early_pull"] else 0)
     assert d["ps"]["memory_per_shard_bytes"] == shard * 500_000_000 // 4
+    # psar server --no-exact-fp16-sum: 32 pushes staged in fp32 and their sum, 4 x 33
+    off = run_json(capsys, *EXAMPLE, "--compute-ms", "120", "--no-exact-fp16-sum")
+    assert off["ps"]["memory_per_shard_bytes"] == (shard - 12 + 4 * 33) * 500_000_000 // 4
     assert d["ps"]["memory_per_worker_bytes"] == 10 * 500_000_000
     assert d["allreduce"]["memory_per_worker_bytes"] == 20 * 500_000_000
     assert d["winner"] == "allreduce"

@@ -98,9 +98,7 @@ class Shard:
 
 @contextlib.contextmanager
 def shard(mode: str, workers: int) -> Iterator[Shard]:
-    server, port, state = start_server(
-        ServerConfig(bind="127.0.0.1:0", threads=8, exact_fp16_sum=True)  # sync-fp16: the opt-in
-    )
+    server, port, state = start_server(ServerConfig(bind="127.0.0.1:0", threads=8))
     try:
         job = make_job(mode, num_workers=workers, optimizer="adamw")
         state.init(job, init_values(job))

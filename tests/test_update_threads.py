@@ -140,7 +140,8 @@ def _parse(*argv: str) -> ServerConfig:
 
 def test_flag_accepts_numbers_and_auto(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("os.sched_getaffinity", lambda _pid: set(range(12)))
-    assert _parse().update_threads() == 1  # default: as before
+    assert _parse().torch_threads == "auto"  # the default: sized from the host's cores
+    assert _parse().update_threads({}) == 12
     assert _parse("--torch-threads", "6").update_threads() == 6
     assert _parse("--torch-threads", "0").update_threads() == 1  # torch's own threads
     auto = _parse("--torch-threads", "AUTO")

@@ -23,6 +23,7 @@ from trainkit.choices import (
 )
 from trainkit.connection import ConnectionConfig
 from trainkit.optim import LossScaleConfig, OptimizerConfig
+from trainkit.staleness_rules import resolve_rule
 from worker.precision import check_weights_dtype
 
 ARCHS = ("ps", "allreduce")
@@ -59,24 +60,32 @@ class PSConfig(ConnectionConfig):
     job's other flags as its first workers got them."""
     staleness: int = 1
     """ssp: no worker runs more than this many clocks ahead of the slowest live worker."""
+    staleness_rule: str = "adaptive"
+    """async/ssp: how the shards apply a gradient computed on weights that moved since:
+    adaptive | fixed | momentum | none. adaptive (the default): per slot, from what the
+    shard observes (the staleness, the curvature along the weights' motion, the
+    gradient's signal-to-noise, the step size, the workers), between sync's movement per
+    sample and lr / sqrt(1 + staleness), with delay compensation (docs/staleness-rule.md);
+    fixed: the momentum rule plus --staleness-lr / --delay-compensation as given;
+    momentum: the momentum rule alone (momentum - (1 - 1/N)); none: the optimizer as
+    configured."""
     staleness_lr: bool = False
-    """async/ssp: the shards apply a gradient `staleness` updates old with
-    lr / (1 + staleness) (Zhang et al., "Staleness-aware Async-SGD", IJCAI 2016)."""
+    """Alias (kept for scripts): selects --staleness-rule fixed, whose shards apply a
+    gradient `staleness` updates old with lr / (1 + staleness) (Zhang et al., IJCAI 2016)."""
     delay_compensation: float = 0.0
-    """async/ssp: DC-ASGD's LAMBDA (Zheng et al., ICML 2017): the shards apply each
-    gradient g as g + LAMBDA * g * g * (w_now - w_base), w_base the weights the worker
-    computed it on (the shards keep them: up to one copy per worker); 0: off."""
+    """Alias: selects --staleness-rule fixed with DC-ASGD's LAMBDA (Zheng et al., ICML
+    2017): g + LAMBDA * g * g * (w_now - w_base), w_base the weights the worker computed
+    it on (the shards keep them: up to one copy per worker); 0: off."""
     staleness_lr_power: float = 1.0
-    """async/ssp with --staleness-lr: the shards scale lr by (1 / (1 + staleness)) ** P;
-    0.5 (lr / sqrt(1 + staleness)) came closest to sync on the LM (docs/results.md)."""
+    """Alias: selects --staleness-rule fixed; with --staleness-lr the shards scale lr by
+    (1 / (1 + staleness)) ** P."""
     dc_adaptive: bool = False
-    """async/ssp with --delay-compensation LAMBDA0: DC-ASGD-a (Zheng et al. 2017), the
-    shards use lambda = LAMBDA0 / sqrt(v) per element, v a moving mean (0.95) of g * g."""
+    """Alias: selects --staleness-rule fixed; with --delay-compensation LAMBDA0, DC-ASGD-a
+    (Zheng et al. 2017): lambda = LAMBDA0 / sqrt(v) per element, v a moving mean of g * g."""
     momentum_correction: bool = True
-    """async/ssp with N > 1 workers: the shards apply max(0, --momentum - (1 - 1/N)) as
-    momentum (AdamW: --beta1), since asynchrony itself adds about 1 - 1/N (Mitliagkas et
-    al., "Asynchrony begets momentum", 2016; docs/architectures.md). --no-momentum-correction:
-    as given."""
+    """--staleness-rule fixed: the shards apply max(0, --momentum - (1 - 1/N)) as momentum
+    (AdamW: --beta1), since asynchrony itself adds about 1 - 1/N (Mitliagkas et al. 2016).
+    --no-momentum-correction alone is an alias of --staleness-rule none (as configured)."""
     chunk_mib: float = 4.0
     """Tensors larger than this (MiB of fp32) are cut into chunks spread over shards."""
     job_id: str = "psar"
@@ -142,6 +151,7 @@ class PSConfig(ConnectionConfig):
             raise ValueError(
                 f"--buffers average needs --mode sync (a round to average over), not {self.mode}"
             )
+        self._resolve_staleness_aliases()
         if not 0.0 < self.staleness_lr_power <= 4.0:
             raise ValueError(
                 "--staleness-lr-power must be in (0, 4] (the exponent of 1 / (1 + staleness); "
@@ -186,6 +196,18 @@ class PSConfig(ConnectionConfig):
             if not sep or not host or not port.isdigit():
                 raise ValueError(f"--servers: {a!r} is not HOST:PORT")
         return addrs
+
+    def _resolve_staleness_aliases(self) -> None:
+        """The fixed rule's flags select it; --no-momentum-correction alone selects none
+        (trainkit/staleness_rules.py resolve_rule: the one place that decides)."""
+        self.staleness_rule = resolve_rule(
+            self.staleness_rule,
+            staleness_lr=self.staleness_lr,
+            staleness_lr_power=self.staleness_lr_power,
+            delay_compensation=self.delay_compensation,
+            dc_adaptive=self.dc_adaptive,
+            momentum_correction=self.momentum_correction,
+        )
 
 
 @dataclass(kw_only=True)
@@ -279,7 +301,8 @@ class TrainConfig:
         "architecture": ("--arch", "--mode", "--staleness", "--sync-every",
                          "--outer-optimizer", "--outer-lr", "--outer-momentum", "--backend",
                          "--pg-timeout-s", "--bucket-cap-mb", "--find-unused-parameters"),
-        "ps": ("--servers", "--rank", "--world-size", "--max-workers", "--join", "--staleness-lr",
+        "ps": ("--servers", "--rank", "--world-size", "--max-workers", "--join",
+               "--staleness-rule", "--staleness-lr",
                "--delay-compensation", "--staleness-lr-power", "--dc-adaptive",
                "--momentum-correction", "--chunk-mib", "--job-id", "--buffers", "--overlap",
                "--bucket-mib", "--pull-overlap", "--early-pull", "--overlap-trial",

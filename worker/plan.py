@@ -188,6 +188,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-early-pull models push, then pull",
     )
     p.add_argument(
+        "--exact-fp16-sum",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="sync, --wire-dtype fp16: the shards sum each round exactly as pushes arrive "
+        "(psar server's default: 12 bytes of round gradient per parameter held, whatever "
+        "the number of workers); --no-exact-fp16-sum models psar server --no-exact-fp16-sum "
+        "(every worker's push staged in fp32 until the round closes: 4(N+1) bytes)",
+    )
+    p.add_argument(
         "--chunk-mib",
         default=4.0,
         type=_flag_type(_positive_mib, "chunk-mib"),
@@ -263,6 +272,7 @@ def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
         sync_every=args.sync_every,
         early_pull=default_early_pull(args) if args.early_pull is None else args.early_pull,
         chunk_bytes=max(1, int(args.chunk_mib * 2**20)),
+        exact_fp16_sum=args.exact_fp16_sum,
         cpu_cores=args.cpu_cores,
         cpu_shared=args.cpu_shared,
         ps_cpu_bytes_per_second=args.ps_cpu_gbps * 1e9,

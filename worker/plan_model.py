@@ -153,7 +153,7 @@ def ps_worker_memory(params: int, weights: str, wire: str) -> Memory:
 
 
 def ps_shard_memory(params: int, workers: int, servers: int, states: int, wire: str,
-                    weights: str, chunk_rounds: bool, exact: bool = False) -> Memory:  # fmt: skip
+                    weights: str, chunk_rounds: bool, exact: bool = True) -> Memory:  # fmt: skip
     """The largest of S shards in a sync job: fp32 masters and optimizer state; the
     round's gradient (fp16 on the wire with `exact`: an int64 exact sum and its fp32 mean; else every
     worker's push staged in fp32 and their fp32 sum); a snapshot of the masters in the

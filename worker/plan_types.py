@@ -55,9 +55,10 @@ class PlanInputs:
     """Sync PS pipelined (psar train --early-pull: the job asks its shards for per-chunk rounds): each slot
     is pulled back while later ones are still pushed, so a NIC's two directions work at
     once and the pull ends one chunk after the push."""
-    exact_fp16_sum: bool = False
+    exact_fp16_sum: bool = True
     """Shards summing fp16 rounds exactly as pushes arrive (psar server --exact-fp16-sum,
-    an opt-in): 12 bytes of round gradient per parameter held instead of 4(N+1)."""
+    the default; --no-exact-fp16-sum: off): 12 bytes of round gradient per parameter held
+    instead of 4(N+1)."""
     chunk_bytes: int = 4 * 2**20
     """A slot on the wire at most (psar train --chunk-mib): with early_pull, the pull's
     last chunk can start only once its push has ended."""

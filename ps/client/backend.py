@@ -314,6 +314,7 @@ class PSBackend(OverlapMixin, ResyncMixin, LocalMixin, OwnLoopMixin, ElasticMixi
                 num_shards=len(self.addresses),
                 slots=[s for s in self.slots if s.shard == i],
                 job_id=self.cfg.ps.job_id,
+                staleness_rule=self.cfg.ps.staleness_rule,
                 staleness_lr=self.cfg.ps.staleness_lr,
                 delay_compensation=self.cfg.ps.delay_compensation,
                 momentum_correction=self.cfg.ps.momentum_correction,

@@ -55,12 +55,14 @@ class ServerConfig:
     shard: int = -1
     """Shard index for logs and metrics (default: env PSAR_SHARD, a StatefulSet pod
     ordinal, SLURM_PROCID, else 0)."""
-    torch_threads: str = "1"
-    """Threads of the shard's optimizer update: N | auto | 0. N > 1: a pool of N threads
-    steps the slots, bit-identical to one (ps/server/update/stepper.py); torch itself keeps one
-    thread, the fastest for the shard's copies (1 MiB: 0.12 ms vs 0.63 ms with its default).
-    auto: the cores this process may use divided by the shards on this host (env
-    PSAR_SHARDS_PER_HOST, else 1), at least 1. 0: torch's default threads, no pool."""
+    torch_threads: str = "auto"
+    """Threads of the shard's optimizer update: auto | N | 0. auto (the default, issue #36):
+    the cores this process may use divided by the shards on this host (env
+    PSAR_SHARDS_PER_HOST, which `psar launch` sets; else 1), at least 1. N > 1: a pool of
+    N threads steps the slots, bit-identical to one (ps/server/update/stepper.py); torch
+    itself keeps one thread, the fastest for the shard's copies (1 MiB: 0.12 ms vs 0.63 ms
+    with its default). Shards sharing a host with workers started by hand: give 1 (or
+    set PSAR_SHARDS_PER_HOST). 0: torch's default threads, no pool."""
     lease_s: float = DEFAULT_LEASE_S
     """A worker not heard from for this long leaves the live set (workers heartbeat every
     lease_s / 3)."""
@@ -104,16 +106,18 @@ class ServerConfig:
     of the job, which rank 0's Init carries (workers with --early-pull ask for them). With
     this flag the shard applies them to every sync job, also one that does not ask
     (workers from before jobs carried them)."""
-    exact_fp16_sum: bool = False
+    exact_fp16_sum: bool = True
     """sync, fp16 pushes: add each push's slots into one int64 fixed-point accumulator per
     slot as they arrive (exact: the same bits whatever the arrival order; 12 bytes per
     parameter whatever the number of workers, plus 2 per push while it streams; each
     slot's mean converted once all its pushes are in, so the close mostly steps;
     ps/server/modes/exact_sum.py). Off: every worker's push is staged in fp32 and the
-    round summed in rank order at its close (the behaviour before issue #36). fp32 and
-    bf16 pushes are summed in rank order either way (DDP's bits). An opt-in for now: the
-    hostile campaign (tests/test_hostile.py, sync) still finds a shard with it refusing
-    pushes its in-process mirror accepts."""
+    round summed in rank order at its close (--no-exact-fp16-sum: the behaviour before
+    issue #36). fp32 and bf16 pushes are summed in rank order either way (DDP's bits). A
+    round summed exactly takes fp16 pushes at one loss scale only: an fp32/bf16 push, or
+    one at another scale, is refused (FAILED_PRECONDITION) once an fp16 push of the round
+    is in (workers of one job push in one --wire-dtype), and a scale below 2^-112 always
+    (INVALID_ARGUMENT: fp16 values unscaled by it may overflow fp32)."""
     push_lead_mib: float = 2.0
     """Per-chunk rounds, on the data plane: read a worker's push at most this many MiB
     ahead of the slowest push of the same round still streaming; the rest waits in TCP's

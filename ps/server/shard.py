@@ -67,7 +67,7 @@ class ShardState(ShardData):
         chunk_rounds: bool = False,
         update_threads: int = 1,
         push_lead_bytes: int = 0,
-        exact_fp16_sum: bool = False,
+        exact_fp16_sum: bool = True,
     ) -> None:
         super().__init__(
             modes=modes,

@@ -56,7 +56,7 @@ class ShardData:
         checkpoints: CheckpointManager | None,
         chunk_rounds: bool,
         push_lead_bytes: int,
-        exact_fp16_sum: bool = False,
+        exact_fp16_sum: bool = True,
     ) -> None:
         self.cond = threading.Condition()
         """The shard's lock; every state change is made holding it."""

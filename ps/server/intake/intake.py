@@ -113,8 +113,11 @@ class Intake:
                         self.updates, header.worker, header.clock, header.base_version
                     )
                 self.members.touch(header.worker)
-                exact = None
-                if not duplicate and not header.overflow:
+                absent = check_absent(d.numel, header.absent)
+                # Last of the checks: the first data push of a sync round decides how it
+                # sums, and must undo that if it is not accepted (on_drop below).
+                exact, asked = None, not duplicate and not header.overflow
+                if asked:
                     exact = policy.exact_sum(self.updates, header)
                 staging = self._staging_for(header.worker, exact is not None)
                 ticket = PushTicket(
@@ -124,10 +127,11 @@ class Intake:
                     duplicate=duplicate,
                     lock=lock,
                     incarnation=d.incarnation,
-                    absent=check_absent(d.numel, header.absent),
+                    absent=absent,
                     raw=d.buffer_keys,
+                    asked=asked,
                 )
-                if policy.applies_chunks or exact is not None:
+                if policy.applies_chunks or asked:
                     ticket.on_drop = self._push_dropped
                 if policy.applies_chunks:
                     policy.push_started(self.updates, ticket)
@@ -226,12 +230,16 @@ class Intake:
 
     def _push_dropped(self, ticket: PushTicket) -> None:
         """A push ends without being accepted: a per-chunk policy undoes what it applied
-        early, then an exact sum subtracts what the push added (nothing of it stays)."""
+        early, then an exact sum subtracts what the push added, and the rule forgets
+        what the push decided about its round (nothing of it stays)."""
         with self.data.cond:
-            if self.updates.policy.applies_chunks:
-                self.updates.policy.push_dropped(self.updates, ticket)
+            policy = self.updates.policy
+            if policy.applies_chunks:
+                policy.push_dropped(self.updates, ticket)
             if ticket.exact is not None:
                 ticket.exact.withdraw(ticket.header.worker, ticket.header.clock)
+            if ticket.asked and ticket.incarnation == self.data.incarnation:
+                policy.push_not_accepted(self.updates, ticket.header.worker)
             if self._pacing:
                 self.data.cond.notify_all()  # it no longer holds paced pushes back
 

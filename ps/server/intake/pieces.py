@@ -56,6 +56,10 @@ class PushTicket:
     exact: ExactSum | None = None
     """The round's exact sum this fp16 push's slots are added to as each arrives whole
     (its staging is then an ExactStaging: ps/server/intake/scratch.py); None: staged."""
+    asked: bool = False
+    """The update rule's exact_sum was asked about this push (a data push, not a
+    duplicate): the first such push of a sync round decides how the round sums, and
+    takes that back if it ends unaccepted (UpdatePolicy.push_not_accepted)."""
 
     @property
     def overflow(self) -> bool:

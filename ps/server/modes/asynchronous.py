@@ -3,7 +3,8 @@ parameter server); its staleness (versions since the worker's pull) is recorded,
 step is staleness-aware (ps/server/modes/staleness.py).
 
 The mode is this module: its traits, its rule and its configuration (the job's
-staleness_lr, staleness_lr_power, delay_compensation, dc_adaptive, momentum_correction)."""
+staleness_rule, and the fixed rule's staleness_lr, staleness_lr_power, delay_compensation,
+dc_adaptive, momentum_correction)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from ps.headers import PushOutcome
 from ps.job import Job, ModeTraits
 from ps.server.modes.base import StagedPush, UpdatePolicy
 from ps.server.modes.registry import Mode, RuleOptions
-from ps.server.modes.staleness import ServedWeights, step_adjust
+from ps.server.modes.staleness import AdaptiveStep, ServedWeights, needs_bases, step_adjust
 from ps.server.modes.view import ShardView
 
 TRAITS = ModeTraits(
@@ -27,11 +28,12 @@ TRAITS = ModeTraits(
 class AsyncPolicy(UpdatePolicy):
     """Every push is applied on arrival as its own optimizer step; staleness is recorded.
 
-    Each step is staleness-aware (ps/server/modes/staleness.py): the momentum rule for
-    asynchrony (on by default), and on request lr / (1 + staleness) and DC-ASGD."""
+    Each step is staleness-aware (ps/server/modes/staleness.py): the job's
+    --staleness-rule, adaptive by default."""
 
     def __init__(self) -> None:
         self.bases = ServedWeights()
+        self.adaptive: AdaptiveStep | None = None
 
     def check_push(self, view: ShardView, worker: int, clock: int, base_version: int) -> None:
         if base_version > view.version:
@@ -47,18 +49,23 @@ class AsyncPolicy(UpdatePolicy):
             view.drop_nonfinite()
             return PushOutcome(applied=False, dropped_nonfinite=True, staleness=staleness)
         assert view.job is not None
-        if view.job.delay_compensation:
-            self.bases.compensate(view, push.worker, push.base_version, push.grads)
-        view.apply_update(
-            push.grads, staleness=[staleness], adjust=step_adjust(view.job, staleness)
-        )
+        if view.job.staleness_rule == "adaptive":
+            self.adaptive = self.adaptive or AdaptiveStep(view.job)
+            adjust = self.adaptive.adjust(
+                view, self.bases, push.worker, push.base_version, push.grads
+            )
+        else:
+            if view.job.delay_compensation:
+                self.bases.compensate(view, push.worker, push.base_version, push.grads)
+            adjust = step_adjust(view.job, staleness)
+        view.apply_update(push.grads, staleness=[staleness], adjust=adjust)
         return PushOutcome(applied=True, dropped_nonfinite=False, staleness=staleness)
 
     def pull_ready(self, view: ShardView, worker: int, clock: int) -> bool:
         return True
 
     def served(self, view: ShardView, worker: int) -> None:
-        if view.job is not None and view.job.delay_compensation:
+        if view.job is not None and needs_bases(view.job):
             self.bases.served(view, worker)
 
     def on_leave(self, view: ShardView, worker: int) -> None:

@@ -117,6 +117,11 @@ class UpdatePolicy(ABC):
         else). Called under the lock once the header passed check_push; may refuse it."""
         return None
 
+    def push_not_accepted(self, view: ShardView, worker: int) -> None:  # noqa: B027
+        """`worker`'s push that `exact_sum` was asked about ended without being accepted
+        (refused, cut off, superseded): whatever it decided about its round must go with
+        it (under the lock)."""
+
     def gradient_bytes(self) -> int:
         """Bytes of gradients the rule holds itself (an exact sum's accumulators)."""
         return 0

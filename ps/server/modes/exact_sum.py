@@ -21,7 +21,9 @@ is accepted the slot's fp16 bytes stay where they landed (the push's scratch): a
 is not accepted (refused, non-finite, cut off, superseded, cancelled, or its worker gone
 when the round closes) is subtracted again from those bytes, and integer subtraction
 undoes integer addition exactly, so the sum is bit for bit what it was before the push
-began. A round skipped (overflow) or replaced (restore, rollback) drops all.
+began; nor does it keep deciding how its round sums (exact or rank order) and at which
+loss scale, if it was the round's first (SyncPolicy.under_way, rounds.py). A round skipped
+(overflow) or replaced (restore, rollback) drops all.
 
 The close's work is the step: a slot's mean is converted (into a 4-byte-per-parameter
 fp32 buffer of its own) the moment its sum has every live worker in, so with the last
@@ -44,6 +46,11 @@ from ps.errors import FailedPrecondition, InvalidArgument, quote
 
 UNIT = 2.0**24
 """fp16 value * UNIT is an integer (fp16's smallest subnormal is 2^-24)."""
+MIN_SCALE = 2.0**-112
+"""The smallest loss scale a round summed exactly takes: fp16's largest value unscaled by
+it still fits fp32 (65504 x 2^112 < 3.4e38), so the mean converted at the close is finite.
+Staged in rank order, a push unscaled past fp32's range is refused as non-finite; here the
+sum is converted only after the pushes were accepted, so the header is refused instead."""
 
 
 class ExactSum:
@@ -87,6 +94,13 @@ class ExactSum:
         """A data push of round `round_` began with `loss_scale` (under the shard lock),
         `expected` workers live: the first opens the round; the others must carry the
         same scale."""
+        if not loss_scale >= MIN_SCALE:
+            raise InvalidArgument(
+                f"loss_scale {loss_scale} is below 2^-112: fp16 gradients unscaled by it may "
+                "not fit fp32, and the round's exact fp16 sum would be non-finite; scale by "
+                "the loss scale of your last pull (a scale this small means the run diverged)",
+                reason="malformed",
+            )
         with self._meta:
             if self.round != round_:
                 self._reset(round_)

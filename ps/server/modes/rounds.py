@@ -41,6 +41,12 @@ class SyncPolicy(UpdatePolicy):
         """The exact sum (made at the first fp16 round, reused round after round)."""
         self.kind: str | None = None
         """How the open round sums: "exact" or "ordered", set by its first data push."""
+        self.under_way: set[int] = set()
+        """Workers whose data push of the open round began and has neither been accepted
+        nor ended unaccepted: with the accepted ones (`pending`) they hold the round to
+        `kind` and its exact sum to its loss scale. When none is left (every push that
+        decided them was refused, cut off or superseded), the next push decides afresh:
+        a refused push leaves no trace (issue #36, the hostile sync campaign)."""
 
     def check_push(self, view: ShardView, worker: int, clock: int, base_version: int) -> None:
         open_round = view.rounds + 1
@@ -58,6 +64,7 @@ class SyncPolicy(UpdatePolicy):
             )
 
     def accept(self, view: ShardView, push: StagedPush) -> PushOutcome:
+        self.under_way.discard(push.worker)
         self.pending[push.worker] = push
         self._maybe_close(view)
         return PushOutcome(applied=True, dropped_nonfinite=False, staleness=0)
@@ -87,26 +94,36 @@ class SyncPolicy(UpdatePolicy):
         return bool(self.pending)
 
     def exact_sum(self, view: ShardView, header: PushHeader) -> ExactSum | None:
+        if self.kind is not None and not self.pending and not self.under_way:
+            # Whatever decided the round's kind (and its exact sum's scale) ended
+            # unaccepted: the round is as if no push had begun.
+            self.kind = None
+            if self.exact is not None:
+                self.exact.reset(view.rounds + 1)
         exact = self.exact_fp16 and header.dtype == torch.float16
         kind = "exact" if exact else "ordered"
-        if self.kind is None:
-            self.kind = kind
-        elif self.kind != kind:
-            if self.kind == "exact":
-                raise FailedPrecondition(
-                    f"sync round {view.rounds + 1} sums fp16 gradients exactly (its first "
-                    f"push was fp16); this push is {header.dtype}: every worker must push "
-                    "in the same dtype (--wire-dtype)",
-                    reason="bad_dtype",
-                )
-            return None  # fp16 into a round an fp32/bf16 push opened: staged, rank order
-        if not exact:
+        if self.kind == "exact" and kind != "exact":
+            raise FailedPrecondition(
+                f"sync round {view.rounds + 1} sums fp16 gradients exactly (its first "
+                f"push was fp16); this push is {header.dtype}: every worker must push "
+                "in the same dtype (--wire-dtype)",
+                reason="bad_dtype",
+            )
+        if self.kind == "ordered" or not exact:
+            # fp32/bf16, or fp16 into a round an fp32/bf16 push opened: staged, rank order
+            self.kind = "ordered"
+            self.under_way.add(header.worker)
             return None
         if self.exact is None:
             skip = view.buffer_keys
             self.exact = ExactSum({k: p.numel() for k, p in view.masters.items() if k not in skip})
-        self.exact.open(view.rounds + 1, header.loss_scale, len(view.live))
+        self.exact.open(view.rounds + 1, header.loss_scale, len(view.live))  # may refuse
+        self.kind = "exact"
+        self.under_way.add(header.worker)
         return self.exact
+
+    def push_not_accepted(self, view: ShardView, worker: int) -> None:
+        self.under_way.discard(worker)
 
     def gradient_bytes(self) -> int:
         return self.exact.nbytes() if self.exact is not None else 0
@@ -118,6 +135,7 @@ class SyncPolicy(UpdatePolicy):
         self.pending = {}
         exact = self.exact if self.kind == "exact" else None
         self.kind = None
+        self.under_way.clear()  # a push still streaming (its worker left) is refused at its end
         if exact is not None:  # withdraws a push still in flight (its worker left)
             exact.close({p.worker for p in pushes})  # nothing lands any more; reset below
         try:

@@ -1,9 +1,18 @@
-"""Staleness-aware updates of the async and ssp policies (issue #17, item 5).
+"""Staleness-aware updates of the async and ssp policies (issues #17 and #34).
 
 An async/ssp shard applies each push as its own optimizer step, on weights that moved
-since the worker computed the gradient (its *staleness*, ps/server/modes/base.py). Three
-corrections, all decided here from the job and used only by AsyncPolicy / SSPPolicy
-(ps/server/modes/asynchronous.py, ssp.py):
+since the worker computed the gradient (its *staleness*, ps/server/modes/base.py). The
+job's `staleness_rule` (--staleness-rule) decides how, here, for AsyncPolicy / SSPPolicy
+only (ps/server/modes/asynchronous.py, ssp.py):
+
+- **adaptive** (the default): trainkit/staleness_rules.py's AdaptiveRule, fed from the
+  shard (`AdaptiveStep`): per slot, from the staleness, the curvature along the weights'
+  motion, the gradient's coherence and the scheduled lr; with delay compensation on the
+  weights each worker was served (ServedWeights below). Its statistics are not
+  checkpointed: a restored shard (a new policy) starts them afresh.
+- **momentum**: the momentum rule below, alone. **none**: the optimizer as configured.
+- **fixed**: the momentum rule (unless --no-momentum-correction) and the corrections the
+  job's fields ask for, as issue #17 built them:
 
 - **Momentum rule** (`Job.momentum_correction`, on by default): asynchrony with N workers
   acts as an implicit momentum of about 1 - 1/N (Mitliagkas et al., "Asynchrony begets
@@ -30,19 +39,29 @@ from typing import TYPE_CHECKING
 import torch
 
 from trainkit.optim import StepAdjust, async_momentum, delay_compensate_, staleness_lr_factor
+from trainkit.staleness_rules import AdaptiveRule
 
 if TYPE_CHECKING:
     from ps.job import Job
     from ps.server.modes.view import ShardView
 
 
+def needs_bases(job: Job) -> bool:
+    """Whether the shard keeps the weights it served each worker (ServedWeights)."""
+    return job.staleness_rule == "adaptive" or bool(job.delay_compensation)
+
+
 def step_adjust(job: Job, staleness: int) -> StepAdjust | None:
     """How one async/ssp step of a gradient `staleness` updates old differs from the
-    configured optimizer (None: not at all)."""
-    lr_scale = staleness_lr_factor(staleness) ** job.staleness_lr_power if job.staleness_lr else 1.0
+    configured optimizer under the rules fixed, momentum and none (None: not at all)."""
+    fixed = job.staleness_rule == "fixed"
+    lr_scale = 1.0
+    if fixed and job.staleness_lr:
+        lr_scale = staleness_lr_factor(staleness) ** job.staleness_lr_power
     momentum, momenta = None, ()
     adamw = job.optimizer.name == "adamw"
-    if job.momentum_correction and job.num_workers > 1:
+    correct = job.staleness_rule == "momentum" or (fixed and job.momentum_correction)
+    if correct and job.num_workers > 1:
         configured = job.optimizer.beta1 if adamw else job.optimizer.momentum
         momentum = async_momentum(configured, job.num_workers)
         # A user's own optimizer (Job.param_groups): each group's own, corrected.
@@ -53,6 +72,43 @@ def step_adjust(job: Job, staleness: int) -> StepAdjust | None:
     if lr_scale == 1.0 and momentum is None:
         return None
     return StepAdjust(lr_scale=lr_scale, momentum=momentum, momenta=momenta)
+
+
+class AdaptiveStep:
+    """The adaptive rule of one async/ssp shard: its statistics, fed push by push."""
+
+    def __init__(self, job: Job) -> None:
+        adamw = job.optimizer.name == "adamw"
+        self.rule = AdaptiveRule(
+            num_workers=job.num_workers,
+            momentum=job.optimizer.beta1 if adamw else job.optimizer.momentum,
+            adamw=adamw,
+        )
+        # A user's own optimizer: each param group's momentum under the momentum rule
+        # (the adaptive rule's statistics are per slot; its momentum is the first group's).
+        self.momenta = tuple(
+            async_momentum(g.beta1 if adamw else g.momentum, job.num_workers)
+            for g in job.param_groups
+        )
+
+    def adjust(
+        self, view: ShardView, bases: ServedWeights, worker: int, base_version: int,
+        grads: dict[str, torch.Tensor],
+    ) -> StepAdjust:  # fmt: skip
+        """Compensate and scale `grads` in place (under the lock, before the step)."""
+        adjust = self.rule.adjust(
+            grads,
+            staleness=view.version - base_version,
+            version=view.version,
+            lr=float(view.optimizer.param_groups[0]["lr"]),
+            w_now=view.masters,
+            w_base=bases.base(view, worker, base_version),
+        )
+        if self.momenta:
+            adjust = StepAdjust(
+                lr_scale=adjust.lr_scale, momentum=adjust.momentum, momenta=self.momenta
+            )
+        return adjust
 
 
 MEAN_SQ_DECAY = 0.95
@@ -114,9 +170,8 @@ class ServedWeights:
                 self.mean_sq[key] = mean_square_update(self.mean_sq.get(key), g)
         if not lam or base_version == view.version:
             return  # nothing moved since the worker's pull: no correction
-        base = self.copies.get(base_version) if self.base_of.get(worker) == base_version else None
+        base = self.base(view, worker, base_version)
         if base is None:
-            self.missing += 1
             return
         for key, g in grads.items():
             w_now = view.masters[key].detach()
@@ -124,6 +179,16 @@ class ServedWeights:
                 dc_adaptive_(g, lam, self.mean_sq[key], w_now, base[key])
             else:
                 delay_compensate_(g, lam, w_now, base[key])
+
+    def base(
+        self, view: ShardView, worker: int, base_version: int
+    ) -> dict[str, torch.Tensor] | None:
+        """The weights `worker` computed this push on (None, counted: no longer held)."""
+        held = self.base_of.get(worker) == base_version
+        base = self.copies.get(base_version) if held else None
+        if base is None:
+            self.missing += 1
+        return base
 
     def _evict(self) -> None:
         keep = set(self.base_of.values())
