@@ -173,6 +173,7 @@ def test_sigterm_before_the_first_step_leaves_without_training(tmp_path: Path) -
     assert logs[1] == [] and sorted(i for x in logs[0] for i in x["batches"]) == list(range(12))
 
 
+@pytest.mark.slow
 def test_a_joiner_waits_for_room_in_a_full_job(tmp_path: Path) -> None:
     """A worker started to replace one that is going (a killed one's lease still runs,
     a stopped one still finishes its step) waits for its rank instead of failing."""
