@@ -171,7 +171,10 @@ def start_server(
     server.psar_health = health  # type: ignore[attr-defined]
     server.psar_dataplane = dataplane  # type: ignore[attr-defined]
     if getattr(state, "_reaper", None) is None:
-        state._reaper = Reaper(state.members, period=min(1.0, state.leases.lease_s / 4))  # type: ignore[attr-defined]
+        # The sweep's period is what a killed worker costs beyond its lease (issue #37's
+        # goal: a kill costs at most the lease); a sweep is a scan of the live workers.
+        period = min(0.2, state.leases.lease_s / 10)
+        state._reaper = Reaper(state.members, period=period)  # type: ignore[attr-defined]
     return server, port, state
 
 
