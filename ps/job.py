@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from ps.partition import Slot
 from trainkit.choices import DEFAULT_MODE, averages_buffers, local_sgd
 from trainkit.optim import LossScaleConfig, OptimizerConfig, ParamGroup
-from trainkit.staleness_rules import resolve_rule
+from trainkit.staleness_rules import rule_of
 
 MAX_INT_BUFFER_ELEMENTS = 4096
 """Integer buffer elements a job may carry in its headers (counters are scalars)."""
@@ -226,14 +226,7 @@ class Job:
                 "--delay-compensation LAMBDA0 (> 0)"
             )
         # The fixed rule's fields select it over the default, as the CLI's aliases do.
-        self.staleness_rule = resolve_rule(
-            self.staleness_rule,
-            staleness_lr=self.staleness_lr,
-            staleness_lr_power=self.staleness_lr_power,
-            delay_compensation=self.delay_compensation,
-            dc_adaptive=self.dc_adaptive,
-            momentum_correction=self.momentum_correction,
-        )
+        self.staleness_rule = rule_of(self)
         if self.num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {self.num_workers}")
         if self.max_workers and self.max_workers < self.num_workers:

@@ -50,6 +50,7 @@ import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -118,6 +119,30 @@ def resolve_rule(
             f"--staleness-rule {rule}: give one of them"
         )
     return want
+
+
+class RuleSettings(Protocol):
+    """The fields --staleness-rule and its aliases set (ps.job.Job, worker.config.PSConfig)."""
+
+    staleness_rule: str
+    staleness_lr: bool
+    staleness_lr_power: float
+    delay_compensation: float
+    dc_adaptive: bool
+    momentum_correction: bool
+
+
+def rule_of(settings: RuleSettings) -> str:
+    """resolve_rule over an object holding the flags' fields by their names (the job,
+    psar train's PS configuration): both resolve the aliases the same way."""
+    return resolve_rule(
+        settings.staleness_rule,
+        staleness_lr=settings.staleness_lr,
+        staleness_lr_power=settings.staleness_lr_power,
+        delay_compensation=settings.delay_compensation,
+        dc_adaptive=settings.dc_adaptive,
+        momentum_correction=settings.momentum_correction,
+    )
 
 
 @functools.lru_cache(maxsize=4096)

@@ -23,7 +23,7 @@ from trainkit.choices import (
 )
 from trainkit.connection import ConnectionConfig
 from trainkit.optim import LossScaleConfig, OptimizerConfig
-from trainkit.staleness_rules import resolve_rule
+from trainkit.staleness_rules import rule_of
 from worker.precision import check_weights_dtype
 
 ARCHS = ("ps", "allreduce")
@@ -151,7 +151,8 @@ class PSConfig(ConnectionConfig):
             raise ValueError(
                 f"--buffers average needs --mode sync (a round to average over), not {self.mode}"
             )
-        self._resolve_staleness_aliases()
+        # The fixed rule's flags select it; --no-momentum-correction alone selects none.
+        self.staleness_rule = rule_of(self)
         if not 0.0 < self.staleness_lr_power <= 4.0:
             raise ValueError(
                 "--staleness-lr-power must be in (0, 4] (the exponent of 1 / (1 + staleness); "
@@ -196,18 +197,6 @@ class PSConfig(ConnectionConfig):
             if not sep or not host or not port.isdigit():
                 raise ValueError(f"--servers: {a!r} is not HOST:PORT")
         return addrs
-
-    def _resolve_staleness_aliases(self) -> None:
-        """The fixed rule's flags select it; --no-momentum-correction alone selects none
-        (trainkit/staleness_rules.py resolve_rule: the one place that decides)."""
-        self.staleness_rule = resolve_rule(
-            self.staleness_rule,
-            staleness_lr=self.staleness_lr,
-            staleness_lr_power=self.staleness_lr_power,
-            delay_compensation=self.delay_compensation,
-            dc_adaptive=self.dc_adaptive,
-            momentum_correction=self.momentum_correction,
-        )
 
 
 @dataclass(kw_only=True)
