@@ -346,5 +346,13 @@ class AdaptiveRule:
                     num = float(torch.dot(f, db)) - float(torch.dot(pf, db))
                     s.secant_num = _mix(s.secant_num, num, STAT_DECAY)
                     s.secant_den = _mix(s.secant_den, float(torch.dot(db, db)), STAT_DECAY)
-        clones = {k: g.detach().clone() for k, g in grads.items()}
-        self.prev = _Push(clones, base_version, w_base, version, squares)
+        # This push becomes the previous one: into the last one's buffers (read above, no
+        # longer needed), not a fresh copy of every slot per push.
+        held = prev.grads if prev is not None else {}
+        kept = {}
+        for k, g in grads.items():
+            buf = held.get(k)
+            kept[k] = (
+                buf.copy_(g) if buf is not None and buf.shape == g.shape else g.detach().clone()
+            )
+        self.prev = _Push(kept, base_version, w_base, version, squares)
