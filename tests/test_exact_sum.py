@@ -543,3 +543,44 @@ def test_a_refused_first_push_does_not_decide_how_its_round_sums(how: str) -> No
     assert st.state_digest() == clean.state_digest()
     if how == "fp32 cut":  # the round was summed exactly, as an fp16 round is
         assert ordered.state_digest() != st.state_digest()
+
+
+def test_a_slot_is_applied_early_only_once_every_workers_part_is_in_the_sum() -> None:
+    """Per-chunk rounds (CI, stop 39): worker 0's slot was marked finite before its add
+    reached the exact sum, and worker 1 completing the same slot in that gap had the
+    slot stepped from worker 1's gradient alone (the close kept it). Forced here: worker
+    1's last piece of the slot lands, and the early update runs, inside worker 0's add."""
+    job = _job(2)
+    grads = _grads(job, 2, seed=3)
+    whole = _shard(job)
+    _round(whole, grads, [0, 1])
+    st = _shard(job, chunk_rounds=True)
+    key = job.slots[0].key
+    tickets = {w: st.intake.begin_push(_header(w, 1, 0), lock_timeout=5) for w in (0, 1)}
+    last = {w: [p for p in _pieces(w, grads[w]) if p[1] == key][-1] for w in (0, 1)}
+    try:
+        for w, k, off, data in _pieces(1, grads[1]):
+            if (w, k, off, data) != last[1]:
+                st.intake.add_data(tickets[1], k, off, data)
+        exact = st.policy.exact
+        assert exact is not None
+        real_add = exact.add
+
+        def add(worker: int, round_: int, k: str, values: torch.Tensor) -> None:
+            if worker == 0 and k == key:  # the gap: worker 1's slot completes now
+                _, _, off1, data1 = last[1]
+                st.intake.add_data(tickets[1], key, off1, data1)
+                st.policy.quiesce()  # any early update it queued has run
+            real_add(worker, round_, k, values)
+
+        exact.add = add  # type: ignore[method-assign]
+        for _, k, off, data in _pieces(0, grads[0]):
+            st.intake.add_data(tickets[0], k, off, data)
+        for w in (0, 1):
+            st.intake.finish_push(tickets[w])
+    finally:
+        for t in tickets.values():
+            t.release()
+    st.policy.quiesce()
+    assert st.policy.chunks_early > 0  # the other slots were applied early
+    assert st.state_digest() == whole.state_digest()

@@ -237,9 +237,12 @@ def add_exact(ticket: PushTicket, key: str) -> None:
         return
     values = ticket.staging[key]
     finite = all_finite_readonly([values])
-    ticket.unscaled[key] = finite
     if finite:
         exact.add(h.worker, h.clock, key, values)
+    # Only now: a per-chunk round applies a slot early once every worker's is marked
+    # finite, and must find each of them in the sum (another worker's slot may complete
+    # on another thread between the check and the add).
+    ticket.unscaled[key] = finite
 
 
 def unscale_slot(ticket: PushTicket, key: str) -> None:

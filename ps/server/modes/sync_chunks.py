@@ -113,6 +113,9 @@ class ChunkedSyncPolicy(SyncPolicy):
                 return  # not in yet, non-finite (refused at its end), or overflowing
             sources.append(t.staging)
         if self.kind == "exact":
+            assert self.exact is not None
+            if not set(workers) <= self.exact.counted.get(key, set()):
+                return  # a worker's part is not in the sum yet: its own completion queues
             sources = None  # every worker's slot is in the exact sum
         with self._wake:
             self._queue.append((self._gen, key, workers, sources))
