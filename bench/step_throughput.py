@@ -5,7 +5,8 @@ In one process tree and one run, on the reference workload (MLP 784-1024-1024-10
 128 per worker, SGD momentum, fp32, one compute thread per process) with each worker
 count: psar `--arch ps --mode sync` with 1 and 2 shards (defaults: overlap on, the TCP
 data plane), the same with 1 shard and `--no-overlap`, with `psar server
---chunk-rounds` (per-chunk rounds) and with `--data-plane grpc` (what each
+--chunk-rounds` (per-chunk rounds), with `--data-plane grpc` and with
+`--data-shm-mib 0` (the data plane's bytes in the socket, not shared memory: what each
 contributes), psar `--arch allreduce`, a plain DDP script
 (bench/baselines/plain_ddp.py), a plain RPC parameter server written the PyTorch RPC
 tutorial's way (bench/baselines/rpc_ps.py), and a no-communication run (plain_ddp.py
@@ -62,15 +63,16 @@ from bench.lib import memory
 
 CONFIGS = ("plain-ddp", "psar-allreduce", "psar-ps-sync-1", "psar-ps-sync-2",
            "psar-ps-sync-1-no-overlap", "psar-ps-sync-1-chunk-rounds",
-           "psar-ps-sync-1-grpc", "rpc-ps")  # fmt: skip
+           "psar-ps-sync-1-grpc", "psar-ps-sync-1-no-shm", "rpc-ps")  # fmt: skip
 #: Rows `--runs` may add to the default ones.
-EXTRA_CONFIGS = ("rpc-ps-async",)
+EXTRA_CONFIGS = ("rpc-ps-async", "psar-ps-sync-1-early-pull")
 NO_COMM = "no-comm"
 BASELINE = "plain-ddp"
 # Run folder prefix of each psar PS configuration (their step logs carry phases).
 PS_DIRS = {"psar-ps-sync-1": "ps1", "psar-ps-sync-2": "ps2",
            "psar-ps-sync-1-no-overlap": "ps1-plain", "psar-ps-sync-1-grpc": "ps1-grpc",
-           "psar-ps-sync-1-chunk-rounds": "ps1-chunks"}  # fmt: skip
+           "psar-ps-sync-1-chunk-rounds": "ps1-chunks", "psar-ps-sync-1-no-shm": "ps1-noshm",
+           "psar-ps-sync-1-early-pull": "ps1-early"}  # fmt: skip
 EXPOSED = ("push", "wait", "pull")
 TLS_CONFIGS = ("psar-ps-sync-1-tls", "psar-ps-sync-1-tls-grpc")
 PS_DIRS.update({"psar-ps-sync-1-tls": "ps1-tls", "psar-ps-sync-1-tls-grpc": "ps1-tls-grpc"})
@@ -153,6 +155,18 @@ def measure(
         ),
         "psar-ps-sync-1-grpc": lambda i: run_ps(
             d / f"ps1-grpc-{i}", workers, 1, steps, timeout, "--data-plane", "grpc"
+        ),
+        "psar-ps-sync-1-no-shm": lambda i: run_ps(
+            d / f"ps1-noshm-{i}", workers, 1, steps, timeout, "--data-shm-mib", "0"
+        ),
+        "psar-ps-sync-1-early-pull": lambda i: run_ps(
+            d / f"ps1-early-{i}",
+            workers,
+            1,
+            steps,
+            timeout,
+            "--early-pull",
+            server=("--chunk-rounds",),
         ),
         "rpc-ps": lambda i: run_rpc(d / f"rpc-{i}", workers, steps, timeout),
         "rpc-ps-async": lambda i: run_rpc(d / f"rpca-{i}", workers, steps, timeout, "async"),

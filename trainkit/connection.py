@@ -40,6 +40,11 @@ class ConnectionConfig:
     """Where tensor bytes travel: tcp (the shards' TCP data plane; TLS when --tls-* is
     given), grpc, or auto (tcp where the shard offers it, else grpc). Control stays on
     gRPC."""
+    data_shm_mib: float = 32.0
+    """Data plane to a shard on this host, without TLS: a shared-memory segment of this
+    many MiB per connection (a sealed memfd, ps/shm.py) carries the tensor bytes instead of
+    the socket, one copy on each end (docs/dataplane.md, "Shared memory"). Pages are
+    touched only as a call's pieces fill it; pieces past it go in the socket. 0: off."""
     # -- faults and security (docs/reliability.md) --
     reconnect_timeout_s: float = 120.0
     """Keep retrying an unreachable shard (restarting, --restore) for this long."""
@@ -56,6 +61,11 @@ class ConnectionConfig:
         if not (self.timeout_s > 0 and self.pull_timeout_s > 0):
             raise ValueError("--timeout-s and --pull-timeout-s must be > 0")
         check_data_plane(self.data_plane, self.tls)
+        if not 0 <= self.data_shm_mib <= 2048:
+            raise ValueError(
+                f"--data-shm-mib must be in [0, 2048] (0: no shared memory), got "
+                f"{self.data_shm_mib}"
+            )
 
     @property
     def tls(self) -> bool:

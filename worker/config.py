@@ -295,7 +295,7 @@ class TrainConfig:
                "--delay-compensation", "--staleness-lr-power", "--dc-adaptive",
                "--momentum-correction", "--chunk-mib", "--job-id", "--buffers", "--overlap",
                "--bucket-mib", "--pull-overlap", "--early-pull", "--overlap-trial",
-               "--data-plane", "--sparse-optimizer", "--sparse-lr", "--sparse-eps",
+               "--data-plane", "--data-shm-mib", "--sparse-optimizer", "--sparse-lr", "--sparse-eps",
                "--sparse-wire-dtype"),
         "precision": ("--precision", "--wire-dtype", "--worker-weights", "--loss-scale-enabled",
                       "--loss-scale-init-scale", "--loss-scale-growth-factor",

@@ -75,6 +75,7 @@ class DataPlaneCalls:
                 max_frame_bytes=self.cfg.data_frame_bytes,
                 ssl_context=self._data_tls(),
                 server_name=self.cfg.tls_server_name,
+                shm_bytes=int(self.cfg.data_shm_mib * (1 << 20)),
             )
         self._data_ports[shard] = port
 

@@ -33,8 +33,9 @@ from typing import Any, NoReturn
 import grpc
 
 from ps import framing as fr
-from ps import sealed
+from ps import sealed, shm
 from ps._gen.psar.v1 import ps_pb2 as pb
+from ps.client.locality import is_this_host
 from ps.client.transport import Incoming, Piece, PullStream, Transport, TransportError, Verdict
 
 DEFAULT_MAX_FRAME_BYTES = 4 << 20
@@ -62,12 +63,20 @@ def client_ssl_context(ca: str = "", cert: str = "", key: str = "") -> ssl.SSLCo
 
 
 class _Conn:
-    __slots__ = ("sock", "scratch", "cancelled")
+    __slots__ = ("sock", "scratch", "cancelled", "segment")
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self.scratch = fr.Scratch()
         self.cancelled = False
+        self.segment: shm.Segment | None = None
+        """The shared-memory segment the shard attached to (ps/shm.py), if any."""
+
+    def close(self) -> None:
+        self.sock.close()
+        if self.segment is not None:
+            self.segment.close()
+            self.segment = None
 
 
 class DataPlaneClient(Transport):
@@ -84,6 +93,7 @@ class DataPlaneClient(Transport):
         ssl_context: ssl.SSLContext | None = None,
         server_name: str = "",
         seal_records: bool = True,
+        shm_bytes: int = 0,
     ) -> None:
         if not 0 < port < 65536:
             raise ValueError(f"data-plane port must be in [1, 65535], got {port}")
@@ -99,6 +109,10 @@ class DataPlaneClient(Transport):
         self.seal_records = seal_records
         """Under TLS, offer the shard sealed records after the hello (ps/sealed.py); only a
         shard started with --data-sealed-records agrees, the others keep TLS records."""
+        self.shm_bytes = shm_bytes if ssl_context is None and shm.available() else 0
+        """Offer each connection a shared-memory segment of this many bytes when the shard
+        is on this host (ps/shm.py; never under TLS); 0: every byte in the socket."""
+        self._local: bool | None = None
         self._idle: list[_Conn] = []
         self._busy: set[_Conn] = set()
         self._lock = threading.Lock()
@@ -116,6 +130,8 @@ class DataPlaneClient(Transport):
         deadline = time.monotonic() + timeout_s
         conn = self._acquire(deadline)
         reusable = False
+        if conn.segment is not None:
+            conn.segment.begin()
         try:
             try:
                 self._send(conn, pb.DataFrame(push_header=header), None, deadline)
@@ -124,8 +140,7 @@ class DataPlaneClient(Transport):
                         verdict = part.to_pb()
                         self._send(conn, pb.DataFrame(verdict=verdict), None, deadline)
                         continue
-                    piece = pb.DataPiece(key=part.key, offset=part.offset)
-                    self._send(conn, pb.DataFrame(piece=piece), part.data, deadline)
+                    self._send_piece(conn, part, deadline)
                     self._refused_early(conn, deadline)
                 self._send(conn, pb.DataFrame(end=pb.DataEnd()), None, deadline)
             except DataPlaneError as e:
@@ -139,6 +154,21 @@ class DataPlaneClient(Transport):
             return frame.push_reply
         finally:
             self._release(conn, reusable)
+
+    def _send_piece(self, conn: _Conn, part: Piece, deadline: float) -> None:
+        """One pushed piece: into the connection's segment where it fits (the frame says
+        where), else in the frame."""
+        if conn.segment is not None:
+            view = memoryview(part.data).cast("B")
+            at = conn.segment.put(view)
+            if at is not None:
+                piece = pb.DataPiece(
+                    key=part.key, offset=part.offset, shm_at=at, shm_bytes=len(view)
+                )
+                self._send(conn, pb.DataFrame(piece=piece), None, deadline)
+                return
+        piece = pb.DataPiece(key=part.key, offset=part.offset)
+        self._send(conn, pb.DataFrame(piece=piece), part.data, deadline)
 
     def open_pull(self, req: pb.PullRequest, *, timeout_s: float) -> PullStream:
         deadline = time.monotonic() + timeout_s
@@ -164,7 +194,7 @@ class DataPlaneClient(Transport):
             self._closed = True
             idle, self._idle = self._idle, []
         for c in idle:
-            c.sock.close()
+            c.close()
         self.cancel_all()
 
     def __enter__(self) -> DataPlaneClient:
@@ -203,7 +233,7 @@ class DataPlaneClient(Transport):
             if reusable and not conn.cancelled and not self._closed:
                 self._idle.append(conn)
                 return
-        conn.sock.close()
+        conn.close()
 
     def _connect(self, deadline: float) -> _Conn:
         timeout = min(self.connect_timeout_s, deadline - time.monotonic())
@@ -225,20 +255,43 @@ class DataPlaneClient(Transport):
             sock.close()
             raise
         conn = _Conn(sock)
+        segment = self._new_segment()
         try:
             share = sealed.new_share() if self._offer_seal() else b""
             hello = pb.DataHello(token=self.token, version=fr.VERSION, seal_share=share)
+            if segment is not None:
+                hello.shm_path, hello.shm_nonce = segment.path, segment.nonce
             self._send(conn, pb.DataFrame(hello=hello), None, deadline)
             frame = self._recv_frame(conn, deadline, "hello")
             if frame.WhichOneof("kind") != "status" or frame.status.code != 0:
                 self._unexpected(frame, "status OK")
             if share and frame.status.seal_share:
                 conn.sock = self._seal(conn.sock, share, bytes(frame.status.seal_share), deadline)
+            if segment is not None and frame.status.shm:
+                segment.offered()
+                conn.segment, segment = segment, None
         except BaseException:
-            conn.sock.close()
+            conn.close()
             sock.close()
             raise
+        finally:
+            if segment is not None:  # not offered, or the shard did not attach
+                segment.close()
         return conn
+
+    def _new_segment(self) -> shm.Segment | None:
+        """A segment to offer, where the shard is on this host (decided once)."""
+        if not self.shm_bytes:
+            return None
+        if self._local is None:
+            self._local = is_this_host(self.host)
+        if not self._local:
+            return None
+        try:
+            return shm.Segment.create(self.shm_bytes)
+        except OSError:  # no memfd here (or no memory for one): the socket will do
+            self.shm_bytes = 0
+            return None
 
     def _offer_seal(self) -> bool:
         return self.ssl_context is not None and self.seal_records and sealed.available()
@@ -381,7 +434,7 @@ class _TcpPull(PullStream):
         if kind != "piece":
             self._reusable = kind == "status"
             c._unexpected(frame, "piece or pull_header")
-        return _SocketPiece(self, frame.piece.key, frame.piece.offset, plen)
+        return self._piece(frame.piece, plen)
 
     def next_piece(self) -> Incoming | None:
         c = self._client
@@ -392,7 +445,22 @@ class _TcpPull(PullStream):
             return None
         if kind != "piece":
             c._unexpected(frame, "piece")
-        return _SocketPiece(self, frame.piece.key, frame.piece.offset, plen)
+        return self._piece(frame.piece, plen)
+
+    def _piece(self, piece: pb.DataPiece, plen: int) -> Incoming:
+        if not piece.shm_bytes:
+            return _SocketPiece(self, piece.key, piece.offset, plen)
+        segment = self._conn.segment
+        try:
+            if segment is None or plen:
+                raise ValueError("a payload too" if plen else "no segment on this connection")
+            data = segment.get(piece.shm_at, piece.shm_bytes)
+        except ValueError as e:
+            raise DataPlaneError(
+                SC.INTERNAL,
+                f"data plane of {self._client.address}: bad shared-memory piece: {e}",
+            ) from None
+        return _SegmentPiece(piece.key, piece.offset, data, segment, piece.shm_at)
 
     def read_into(self, view: memoryview) -> None:
         c = self._client
@@ -424,3 +492,21 @@ class _SocketPiece:
 
     def read(self) -> memoryview:
         return self._pull.read(self.nbytes)
+
+
+class _SegmentPiece:
+    """A pulled piece whose bytes lie in the connection's shared-memory segment."""
+
+    __slots__ = ("key", "offset", "nbytes", "_data", "_segment", "_at")
+
+    def __init__(
+        self, key: str, offset: int, data: memoryview, segment: shm.Segment, at: int
+    ) -> None:
+        self.key, self.offset, self.nbytes, self._data = key, offset, len(data), data
+        self._segment, self._at = segment, at
+
+    def read_into(self, view: memoryview) -> None:
+        self._segment.copy_out(self._at, self.nbytes, view)
+
+    def read(self) -> memoryview:
+        return self._data

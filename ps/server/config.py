@@ -30,7 +30,7 @@ class ServerConfig:
         "shard": ("--bind", "--shard", "--rpc-threads", "--torch-threads", "--message-bytes",
                   "--max-message-bytes", "--chunk-rounds", "--exact-fp16-sum", "--push-lead-mib"),
         "data plane": ("--data-port", "--data-idle-s", "--data-max-conns-per-peer",
-                       "--data-tls-records", "--data-sealed-records"),
+                       "--data-shm", "--data-tls-records", "--data-sealed-records"),
         "reliability": ("--lease-s", "--join-grace-s", "--checkpoint-dir", "--checkpoint-every",
                         "--checkpoint-interval", "--checkpoint-keep", "--restore",
                         "--restore-or-fresh", "--init-timeout-s", "--drain-timeout-s"),
@@ -143,6 +143,11 @@ class ServerConfig:
     data plane in psar's own sealed records (AES-GCM in 1 MiB records under keys agreed
     inside TLS) instead of TLS's 16 KiB records, for less CPU per byte. Read the threat
     model first (docs/sealed-records.md): it is not TLS on the wire."""
+    data_shm: bool = True
+    """Data plane without TLS: attach to the shared-memory segment a worker on this host
+    offers in its hello (a sealed memfd, ps/shm.py), so tensor bytes go through memory, not
+    the socket: one copy on each end and no TCP stack (docs/dataplane.md, "Shared
+    memory"). --no-data-shm keeps every byte in the socket."""
     data_max_conns_per_peer: int = 256
     """Data-plane connections one peer address may hold at once; more are refused with
     RESOURCE_EXHAUSTED (a worker keeps ~2 per shard: raise it for many workers per host)."""

@@ -159,6 +159,7 @@ def start_server(
                 max_conns_per_peer=cfg.data_max_conns_per_peer,
                 ssl_context=tls,
                 seal_records=cfg.data_sealed_records,
+                shm=cfg.data_shm,
             )
         except OSError as e:
             raise OSError(

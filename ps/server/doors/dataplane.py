@@ -72,6 +72,7 @@ class DataPlaneServer:
         max_conns_per_peer: int = DEFAULT_MAX_CONNS_PER_PEER,
         ssl_context: ssl.SSLContext | None = None,
         seal_records: bool = False,
+        shm: bool = True,
     ) -> None:
         if not (idle_s > 0 and frame_s > 0 and max_conns_per_peer >= 1):
             raise ValueError("data plane: idle_s, frame_s > 0 and max_conns_per_peer >= 1")
@@ -86,6 +87,9 @@ class DataPlaneServer:
         """Under TLS, agree to carry a connection in sealed records after its hello when
         the worker asks (ps/sealed.py; opt-in, --data-sealed-records); else, the default,
         standard TLS records throughout."""
+        self.shm = shm
+        """Attach to a worker's shared-memory segment when it offers one (same host, no
+        TLS; ps/shm.py): its tensor bytes then skip the socket (psar server --no-data-shm)."""
         self._per_peer: dict[str, int] = {}
         self._counts = dict.fromkeys(STAT_KEYS, 0)
         host = host.strip("[]")
@@ -275,6 +279,7 @@ def start_dataplane(
     max_conns_per_peer: int = DEFAULT_MAX_CONNS_PER_PEER,
     ssl_context: ssl.SSLContext | None = None,
     seal_records: bool = False,
+    shm: bool = True,
 ) -> DataPlaneServer:
     """Listen on the host of `bind` (HOST:PORT of the gRPC server) at `port` (0: free)."""
     host = bind.rpartition(":")[0]
@@ -289,10 +294,11 @@ def start_dataplane(
         max_conns_per_peer=max_conns_per_peer,
         ssl_context=ssl_context,
         seal_records=seal_records,
+        shm=shm,
     ).start()
 
 
-STAT_KEYS = ("accepted", "sealed", "buffered_bytes", "peak_buffered_bytes", "pushes", "pulls",
+STAT_KEYS = ("accepted", "sealed", "shm", "shm_refused", "buffered_bytes", "peak_buffered_bytes", "pushes", "pulls",
              "superseded", "idle_closed", "deadline_closed", "refused_peer_cap")  # fmt: skip
 
 __all__ = ["DataPlaneServer", "server_ssl_context", "start_dataplane"]

@@ -13,7 +13,7 @@ from typing import Any, Protocol
 import grpc
 
 from ps import framing as fr
-from ps import sealed, serde
+from ps import sealed, serde, shm
 from ps._gen.psar.v1 import ps_pb2 as pb
 from ps.errors import InvalidArgument, PSError, bound_details
 from ps.server.doors.calls import PushCall, start_pull, start_pull_early
@@ -34,6 +34,7 @@ class Listener(Protocol):
     idle_s: float
     frame_s: float
     seal_records: bool
+    shm: bool
 
     def _count(self, key: str, n: int = 1) -> None: ...
     def _supersede(self, worker: int, conn: _Connection) -> None: ...
@@ -62,6 +63,8 @@ class _Connection:
         self.clock = fr.FrameClock(idle, server.frame_s)
         self.superseded = False
         self.greeted = False
+        self.segment: shm.Segment | None = None
+        """The worker's shared-memory segment, once attached (ps/shm.py)."""
 
     def run(self) -> None:
         try:
@@ -129,6 +132,9 @@ class _Connection:
             )
         except OSError:
             pass  # reset by the worker, or closed by shutdown
+        finally:
+            if self.segment is not None:
+                self.segment.close()
 
     def _read(self) -> tuple[pb.DataFrame, int]:
         return fr.read_header(
@@ -200,8 +206,24 @@ class _Connection:
             )
         if hello.seal_share and self.server.seal_records:
             self._seal(bytes(hello.seal_share))
+        elif hello.shm_path and self._attach(hello.shm_path, bytes(hello.shm_nonce)):
+            self._send(pb.DataFrame(status=pb.DataStatus(code=0, shm=True)))
         else:
             self._status(grpc.StatusCode.OK, "")
+
+    def _attach(self, path: str, nonce: bytes) -> bool:
+        """The worker's shared-memory segment, where this shard may and can attach: a
+        segment refused is not an error (another host, another PID namespace), the
+        connection keeps the socket."""
+        if not self.server.shm or self.server.tls:
+            return False
+        try:
+            self.segment = shm.Segment.attach(path, nonce)
+        except shm.SegmentRefused:
+            self.server._count("shm_refused")
+            return False
+        self.server._count("shm")
+        return True
 
     def _seal(self, worker_share: bytes) -> None:
         """Answer OK with the shard's share, close TLS, go on in sealed records."""
@@ -277,6 +299,9 @@ class _Connection:
             waited = self.state.intake.pace_push(call.ticket, piece.offset)
             if waited and self.clock.deadline is not None:
                 self.clock.deadline += waited  # the shard's delay, not the sender's
+        if piece.shm_bytes:
+            self._shm_piece(call, piece, plen)
+            return
         deadline = self.clock.deadline
         read_into = lambda view: fr.recv_exact(self.sock, view, deadline=deadline)  # noqa: E731
         read = lambda n: fr.recv_payload(self.sock, n, self.scratch, deadline)  # noqa: E731
@@ -285,6 +310,41 @@ class _Connection:
         except PSError:
             self._discard(plen)  # nothing was read yet
             raise
+
+    def _shm_piece(self, call: PushCall, piece: pb.DataPiece, plen: int) -> None:
+        """A pushed piece whose bytes lie in the connection's segment: copied out of it
+        straight into the staging buffer (fp32), checked like any piece first."""
+        if plen:
+            self._discard(plen)
+        if self.segment is None or plen:
+            raise InvalidArgument(
+                "a piece names shared-memory bytes but "
+                + ("also carries a payload" if plen else "this connection has no segment")
+                + ": send its bytes in the frame",
+                reason="malformed",
+            )
+        segment, at = self.segment, piece.shm_at
+        try:
+            data = segment.get(at, piece.shm_bytes)
+        except ValueError as e:
+            raise InvalidArgument(f"{e}: send its bytes in the frame", reason="malformed") from None
+
+        def read_into(view: memoryview) -> None:
+            segment.copy_out(at, len(data), view)
+
+        call.piece(piece.key, piece.offset, len(data), read_into, lambda _n: data)
+
+    def _send_piece(self, key: str, offset: int, data: Any) -> None:
+        """A pulled piece: into the worker's segment where it fits (the frame then says
+        where), else in the frame."""
+        if self.segment is not None:
+            view = memoryview(data).cast("B")
+            at = self.segment.put(view)
+            if at is not None:
+                piece = pb.DataPiece(key=key, offset=offset, shm_at=at, shm_bytes=len(view))
+                self._send(pb.DataFrame(piece=piece))
+                return
+        self._send(pb.DataFrame(piece=pb.DataPiece(key=key, offset=offset)), data)
 
     def _refuse(self, e: PSError) -> bool:
         self.metrics.push_rejected(e.reason)
@@ -295,6 +355,8 @@ class _Connection:
 
     def _pull(self, req: pb.DataPullRequest) -> None:
         t0 = time.monotonic()
+        if self.segment is not None:
+            self.segment.begin()
         self.server._count("pulls")
         try:
             # Finite, >= 0, capped (inf or 1e10 used to overflow Condition.wait and kill
@@ -307,7 +369,7 @@ class _Connection:
                 head, pieces = start_pull(self.state, req.request, timeout, views=True)
                 self._send(pb.DataFrame(pull_header=head))
                 for key, offset, data in pieces:
-                    self._send(pb.DataFrame(piece=pb.DataPiece(key=key, offset=offset)), data)
+                    self._send_piece(key, offset, data)
                 self._send(pb.DataFrame(end=pb.DataEnd()))
         except PSError as e:
             self._status(e.code, e.args[0])
@@ -326,5 +388,5 @@ class _Connection:
                 self._send(pb.DataFrame(pull_header=item[1]))
             else:
                 _, key, offset, data = item
-                self._send(pb.DataFrame(piece=pb.DataPiece(key=key, offset=offset)), data)
+                self._send_piece(key, offset, data)
         self._send(pb.DataFrame(end=pb.DataEnd()))

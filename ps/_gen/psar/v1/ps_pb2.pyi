@@ -791,22 +791,30 @@ class PushTablesReply(_message.Message):
     def __init__(self, replies: _Optional[_Iterable[_Union[PushRowsReply, _Mapping]]] = ...) -> None: ...
 
 class DataHello(_message.Message):
-    __slots__ = ("token", "version", "seal_share")
+    __slots__ = ("token", "version", "seal_share", "shm_path", "shm_nonce")
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     SEAL_SHARE_FIELD_NUMBER: _ClassVar[int]
+    SHM_PATH_FIELD_NUMBER: _ClassVar[int]
+    SHM_NONCE_FIELD_NUMBER: _ClassVar[int]
     token: str
     version: int
     seal_share: bytes
-    def __init__(self, token: _Optional[str] = ..., version: _Optional[int] = ..., seal_share: _Optional[bytes] = ...) -> None: ...
+    shm_path: str
+    shm_nonce: bytes
+    def __init__(self, token: _Optional[str] = ..., version: _Optional[int] = ..., seal_share: _Optional[bytes] = ..., shm_path: _Optional[str] = ..., shm_nonce: _Optional[bytes] = ...) -> None: ...
 
 class DataPiece(_message.Message):
-    __slots__ = ("key", "offset")
+    __slots__ = ("key", "offset", "shm_at", "shm_bytes")
     KEY_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
+    SHM_AT_FIELD_NUMBER: _ClassVar[int]
+    SHM_BYTES_FIELD_NUMBER: _ClassVar[int]
     key: str
     offset: int
-    def __init__(self, key: _Optional[str] = ..., offset: _Optional[int] = ...) -> None: ...
+    shm_at: int
+    shm_bytes: int
+    def __init__(self, key: _Optional[str] = ..., offset: _Optional[int] = ..., shm_at: _Optional[int] = ..., shm_bytes: _Optional[int] = ...) -> None: ...
 
 class DataEnd(_message.Message):
     __slots__ = ()
@@ -821,14 +829,16 @@ class DataPullRequest(_message.Message):
     def __init__(self, request: _Optional[_Union[PullRequest, _Mapping]] = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
 class DataStatus(_message.Message):
-    __slots__ = ("code", "details", "seal_share")
+    __slots__ = ("code", "details", "seal_share", "shm")
     CODE_FIELD_NUMBER: _ClassVar[int]
     DETAILS_FIELD_NUMBER: _ClassVar[int]
     SEAL_SHARE_FIELD_NUMBER: _ClassVar[int]
+    SHM_FIELD_NUMBER: _ClassVar[int]
     code: int
     details: str
     seal_share: bytes
-    def __init__(self, code: _Optional[int] = ..., details: _Optional[str] = ..., seal_share: _Optional[bytes] = ...) -> None: ...
+    shm: bool
+    def __init__(self, code: _Optional[int] = ..., details: _Optional[str] = ..., seal_share: _Optional[bytes] = ..., shm: _Optional[bool] = ...) -> None: ...
 
 class DataFrame(_message.Message):
     __slots__ = ("hello", "push_header", "piece", "verdict", "end", "pull_request", "pull_header", "push_reply", "status")

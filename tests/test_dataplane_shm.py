@@ -1,0 +1,209 @@
+"""The data plane's shared-memory segments (ps/shm.py): real shards, real sockets, real memfds.
+
+- Pushes and pulls through a segment leave a shard byte-identical to one fed through the
+  socket, and pull the same weights; pieces that do not fit the segment go in the socket
+  in the same call; a shard started with --no-data-shm, or offered a segment under TLS
+  (tests/test_dataplane_tls.py covers TLS), keeps the socket.
+- A worker's hello naming anything but a sealed memfd of this host with its nonce (a file
+  path, an unsealed memfd, a wrong nonce) is not attached: the connection keeps the socket.
+- A piece naming shared-memory bytes that are not there (no segment, outside it, with a
+  payload too) is refused INVALID_ARGUMENT saying what to do, and the shard is untouched.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import grpc
+import pytest
+import torch
+
+from ps import framing as fr
+from ps import shm
+from ps._gen.psar.v1 import ps_pb2 as pb
+from ps.client.tcp_transport import DataPlaneClient, DataPlaneError
+from ps.shm import Segment, SegmentRefused
+from tests.ps_fixtures import grad_for, weights_digest
+from tests.test_dataplane import END, header, items, pull_into, read_frame
+from tests.test_dataplane_bounds import live
+
+pytestmark = pytest.mark.skipif(not shm.available(), reason="no sealed memfds here")
+SC = grpc.StatusCode
+TIMEOUT = 10.0
+
+
+def _train(c: DataPlaneClient, s, dtype: int = pb.FLOAT32) -> dict[str, torch.Tensor]:  # noqa: ANN001
+    """Two workers, two sync rounds through `c`; the weights worker 0 pulls last."""
+    tdt = torch.float16 if dtype == pb.FLOAT16 else torch.float32
+    out: dict[str, torch.Tensor] = {}
+    for clock in (1, 2):
+        for w in (0, 1):
+            its = items(grad_for(s.job, w, clock), tdt)
+            h = header(w, clock, s.state.version, dtype=dtype, verdict_follows=True)
+            r = c.push(h, [*its, ("verdict", False)], timeout_s=TIMEOUT)
+            assert r.applied
+        _, out = pull_into(c, s.job, 0, clock)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [pb.FLOAT32, pb.FLOAT16])
+def test_a_segment_gives_the_bits_of_the_socket(dtype: int) -> None:
+    with live() as a, live() as b:
+        with DataPlaneClient("127.0.0.1", a.port) as plain:
+            wa = _train(plain, a, dtype)
+        with DataPlaneClient("127.0.0.1", b.port, shm_bytes=1 << 20, max_frame_bytes=256) as c:
+            wb = _train(c, b, dtype)
+            seg = c._idle[0].segment
+            assert seg is not None and any(seg.view[shm.HEADER : shm.HEADER + 256])
+        assert a.dp.stats()["shm"] == 0
+        assert b.dp.stats()["shm"] >= 1
+        assert a.state.state_digest() == b.state.state_digest()
+        for k in wa:
+            assert torch.equal(wa[k], wb[k]), k
+
+
+def test_pieces_past_the_segment_go_in_the_socket() -> None:
+    with live() as a, live() as b:
+        with DataPlaneClient("127.0.0.1", a.port, max_frame_bytes=64) as plain:
+            wa = _train(plain, a)
+        with DataPlaneClient("127.0.0.1", b.port, shm_bytes=200, max_frame_bytes=64) as c:
+            wb = _train(c, b)
+            conn = c._idle[0]
+            assert conn.segment is not None and conn.segment.size == shm.HEADER + 200
+        assert b.dp.stats()["shm"] >= 1
+        assert a.state.state_digest() == b.state.state_digest()
+        assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_a_shard_with_no_data_shm_keeps_the_socket() -> None:
+    with live(data_shm=False) as s:
+        with DataPlaneClient("127.0.0.1", s.port, shm_bytes=1 << 20) as c:
+            _train(c, s)
+            assert all(conn.segment is None for conn in c._idle)
+        assert s.dp.stats()["shm"] == 0
+
+
+def _hello(port: int, path: str, nonce: bytes) -> tuple[socket.socket, pb.DataStatus]:
+    sock = socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT)
+    hello = pb.DataHello(version=fr.VERSION, shm_path=path, shm_nonce=nonce)
+    sock.sendall(fr.encode(pb.DataFrame(hello=hello)))
+    return sock, read_frame(sock).status
+
+
+def test_only_a_sealed_memfd_of_this_host_with_its_nonce_is_attached(tmp_path) -> None:  # noqa: ANN001
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"x" * 4096)
+    unsealed = os.memfd_create("unsealed", os.MFD_CLOEXEC)
+    os.ftruncate(unsealed, 4096)
+    good = Segment.create(4096)
+    try:
+        offers = [
+            (str(victim), b"0" * 16),  # a file path: never opened
+            ("/proc/self/fd/0", b"0" * 16),  # the shard's own stdin, say
+            (f"/proc/{os.getpid()}/fd/{unsealed}", b"0" * 16),  # not sealed
+            (good.path, b"1" * 16),  # the wrong nonce
+            (good.path, good.nonce[:8]),  # a short one
+            (f"/proc/{os.getpid()}/fd/99999", good.nonce),  # not there (another host)
+        ]
+        with live() as s:
+            for path, nonce in offers:
+                sock, status = _hello(s.port, path, nonce)
+                sock.close()
+                assert status.code == 0 and not status.shm, path
+            assert victim.read_bytes() == b"x" * 4096
+            assert s.dp.stats()["shm"] == 0
+            sock, status = _hello(s.port, good.path, good.nonce)
+            sock.close()
+            assert status.code == 0 and status.shm
+    finally:
+        os.close(unsealed)
+        good.close()
+
+
+@pytest.mark.parametrize(
+    ("with_segment", "at", "nbytes", "payload", "words"),
+    [
+        (False, shm.HEADER, 16, 0, ("no segment", "in the frame")),
+        (True, 0, 16, 0, ("outside the shared segment",)),  # over the nonce
+        (True, shm.HEADER + 4096 - 8, 16, 0, ("outside the shared segment",)),
+        (True, shm.HEADER, 16, 16, ("also carries a payload",)),
+    ],
+    ids=["no-segment", "over-the-header", "past-the-end", "payload-too"],
+)
+def test_a_piece_naming_bytes_that_are_not_there_is_refused(
+    with_segment: bool, at: int, nbytes: int, payload: int, words: tuple[str, ...]
+) -> None:
+    seg = Segment.create(4096)
+    try:
+        with live() as s:
+            before = weights_digest(s.state)
+            if with_segment:
+                sock, status = _hello(s.port, seg.path, seg.nonce)
+                assert status.shm
+            else:
+                sock, status = _hello(s.port, "", b"")
+                assert not status.shm
+            key = s.job.slots[0].key
+            bad = pb.DataFrame(piece=pb.DataPiece(key=key, shm_at=at, shm_bytes=nbytes))
+            frames = fr.encode(pb.DataFrame(push_header=header(0, 1))) + fr.encode(bad, payload)
+            sock.sendall(frames + b"\0" * payload + fr.encode(END))
+            reply = read_frame(sock)
+            sock.close()
+            assert reply.status.code == SC.INVALID_ARGUMENT.value[0], reply
+            for w in words:
+                assert w in reply.status.details, reply.status.details
+            assert weights_digest(s.state) == before
+            assert s.state.version == 0
+    finally:
+        seg.close()
+
+
+def test_segment_places_pieces_and_checks_bounds() -> None:
+    seg = Segment.create(256)
+    try:
+        assert bytes(seg.view[: shm.NONCE_BYTES]) == seg.nonce
+        a = seg.put(memoryview(b"a" * 10))
+        b = seg.put(memoryview(b"b" * 100))
+        assert (a, b) == (shm.HEADER, shm.HEADER + shm.ALIGN)
+        assert bytes(seg.get(b, 100)) == b"b" * 100
+        assert seg.put(memoryview(b"c" * 200)) is None  # does not fit what is left
+        seg.begin()
+        assert seg.put(memoryview(b"c" * 200)) == shm.HEADER
+        with pytest.raises(ValueError, match="outside"):
+            seg.get(shm.HEADER + 200, 57)
+        with pytest.raises(SegmentRefused, match="not /proc"):
+            Segment.attach("/dev/shm/x", seg.nonce)
+    finally:
+        seg.close()
+
+
+def test_a_worker_whose_shard_cannot_attach_keeps_the_socket(monkeypatch) -> None:  # noqa: ANN001
+    """The shard is on this host but cannot open the worker's /proc path (another PID
+    namespace, say): the hello's OK says no segment, and training goes on in the socket."""
+    with live() as s:
+        monkeypatch.setattr(Segment, "create", _elsewhere(Segment.create))
+        with DataPlaneClient("127.0.0.1", s.port, shm_bytes=1 << 20) as c:
+            _train(c, s)
+            assert all(conn.segment is None for conn in c._idle)
+        assert s.dp.stats()["shm_refused"] >= 1
+
+
+def _elsewhere(create):  # noqa: ANN001, ANN202
+    def make(nbytes: int) -> Segment:
+        seg = create(nbytes)
+        seg.path = "/proc/999999999/fd/3"
+        return seg
+
+    return make
+
+
+def test_a_refused_shm_push_is_reported_to_the_client() -> None:
+    """Through the client: a shard's refusal of a push sent through the segment keeps
+    its code and words (here: a slot that is not on the shard)."""
+    with live() as s, DataPlaneClient("127.0.0.1", s.port, shm_bytes=1 << 20) as c:
+        h = header(0, 1)
+        with pytest.raises(DataPlaneError) as e:
+            c.push(h, [("data", "nope", 0, torch.zeros(4))], timeout_s=TIMEOUT)
+        assert e.value.code() == SC.NOT_FOUND
+        assert s.state.version == 0
