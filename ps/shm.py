@@ -19,10 +19,14 @@ or in another PID namespace, finds no such segment and the connection keeps the 
 and never opens a file the worker names anywhere else. Segments are offered only without
 TLS: under TLS the user asked for the bytes to travel encrypted.
 
-Within a segment each call (push or pull) writes from its start, pieces one after another
-at 64-byte boundaries; a piece that does not fit what is left goes in the socket as before.
-One call at a time runs on a connection, and a call ends only once its receiver has read
-every piece, so the next call may write from the start again.
+A segment is a ring. Each call (push or pull) numbers its bytes from 0 (`shm_at` in a
+frame is that number; the piece lies at HEADER + shm_at mod the ring's size, never
+across its end, 64-byte aligned), and its receiver, once it has copied a piece out,
+stores how far it has read at CONSUMED. The sender places a piece only where the
+receiver has read what was there; a piece with no room now goes in the socket as before,
+so nobody ever waits on the other. One call at a time runs on a connection, and the
+sender of the next call starts the numbering (and CONSUMED) from 0 again. Memory is then
+at most the ring's size per connection, whatever the model's.
 """
 
 from __future__ import annotations
@@ -32,13 +36,17 @@ import mmap
 import os
 import re
 import stat
+import struct
 import sys
 
 import torch
 
 HEADER = 64
-"""Bytes at the segment's start: the nonce (then unused)."""
+"""Bytes at the segment's start: the nonce, CONSUMED, then unused."""
 NONCE_BYTES = 16
+CONSUMED = 16
+"""Where the receiver of the call in flight stores (u64) how far it has read."""
+_U64 = struct.Struct("<Q")
 ALIGN = 64
 MAX_BYTES = 1 << 31
 """The largest segment a shard attaches to."""
@@ -77,7 +85,11 @@ class Segment:
         """/proc/PID/fd/FD while the worker's fd is open (offered in its hello)."""
         self.nonce = nonce
         self._fd: int | None = fd if path else None
-        self.used = HEADER
+        self.ring = size - HEADER
+        self.head = 0
+        """The sender's next byte number in the call in flight."""
+        self.placed = 0
+        """Bytes this end has placed in the segment (all calls)."""
 
     @classmethod
     def create(cls, nbytes: int) -> Segment:
@@ -138,37 +150,54 @@ class Segment:
     # ---- one call's pieces -------------------------------------------------------------
 
     def begin(self) -> None:
-        """A new call: its pieces are written from the start."""
-        self.used = HEADER
+        """The sender's new call: its bytes are numbered from 0, nothing read yet."""
+        self.head = 0
+        _U64.pack_into(self.view, CONSUMED, 0)
 
     def put(self, data: memoryview) -> int | None:
-        """Copy `data` (bytes) in after the call's earlier pieces; its place, or None when
-        it does not fit what is left (send it in the socket)."""
+        """Copy `data` (bytes) in after the call's earlier pieces; its number (`shm_at`),
+        or None when the receiver has not yet read the room it needs (send it in the
+        socket)."""
         n = len(data)
-        at = self.used
-        if at + n > self.size:
+        head = self.head
+        if (head % self.ring) + n > self.ring:  # never across the end: start at the ring's
+            head += self.ring - head % self.ring
+        if head + n - _U64.unpack_from(self.view, CONSUMED)[0] > self.ring:
             return None
-        copy(self.bytes[at : at + n], data, self.view[at : at + n])
-        self.used = -(-(at + n) // ALIGN) * ALIGN
-        return at
+        pos = HEADER + head % self.ring
+        copy(self.bytes[pos : pos + n], data, self.view[pos : pos + n])
+        self.head = -(-(head + n) // ALIGN) * ALIGN
+        self.placed += n
+        return head
 
     def copy_out(self, at: int, n: int, dst: memoryview) -> None:
-        """The `n` bytes at `at` into `dst` (bytes, writable); ValueError as `get`."""
-        src = self.get(at, n)
+        """Piece `at` (`n` bytes) into `dst` (bytes, writable), then read past it;
+        ValueError as `get`."""
+        pos = self._pos(at, n)
         if len(dst) != n:
             raise ValueError(f"{n} bytes in the segment for a {len(dst)}-byte destination")
         if n:
-            torch.frombuffer(dst, dtype=torch.uint8).copy_(self.bytes[at : at + n])
-        del src
+            torch.frombuffer(dst, dtype=torch.uint8).copy_(self.bytes[pos : pos + n])
+        self.consumed(at, n)
 
     def get(self, at: int, n: int) -> memoryview:
-        """The `n` bytes at `at`; ValueError when they are not inside the pieces' area."""
-        if not (HEADER <= at and n >= 0 and at + n <= self.size):
+        """Piece `at`'s `n` bytes, valid until `consumed`; ValueError when they are not
+        inside the ring."""
+        pos = self._pos(at, n)
+        return self.view[pos : pos + n]
+
+    def consumed(self, at: int, n: int) -> None:
+        """The receiver has read piece `at`: the sender may write over it."""
+        _U64.pack_into(self.view, CONSUMED, at + n)
+
+    def _pos(self, at: int, n: int) -> int:
+        pos = HEADER + at % self.ring if self.ring else HEADER
+        if not (0 <= at and 0 <= n and pos + n <= self.size):
             raise ValueError(
-                f"piece at {at} (+{n} bytes) is outside the shared segment's pieces "
-                f"[{HEADER}, {self.size})"
+                f"piece {at} (+{n} bytes) does not lie inside the shared segment's ring "
+                f"of {self.ring} bytes"
             )
-        return self.view[at : at + n]
+        return pos
 
     def close(self) -> None:
         self.offered()

@@ -12,8 +12,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
+from collections.abc import Iterator
+from typing import Any
 
 import grpc
 import pytest
@@ -23,10 +26,30 @@ from ps import framing as fr
 from ps import shm
 from ps._gen.psar.v1 import ps_pb2 as pb
 from ps.client.tcp_transport import DataPlaneClient, DataPlaneError
+from ps.partition import plan_slots
+from ps.server.config import ServerConfig
+from ps.server.serve import start_server, stop_server
 from ps.shm import Segment, SegmentRefused
-from tests.ps_fixtures import grad_for, weights_digest
+from tests.ps_fixtures import grad_for, init_values, make_job, weights_digest
 from tests.test_dataplane import END, header, items, pull_into, read_frame
-from tests.test_dataplane_bounds import live
+from tests.test_dataplane_bounds import Live
+
+# A model of 23,010 parameters (92 KB in fp32): many pieces, many laps of a small ring.
+SLOTS = plan_slots([("w", 20000), ("b", 3000), ("c", 10)], 1)
+
+
+@contextlib.contextmanager
+def live(**cfg: Any) -> Iterator[Live]:
+    """A real shard (gRPC server and data plane) with a 2-worker sync job of SLOTS."""
+    base: dict[str, Any] = {"bind": "127.0.0.1:0", "threads": 8, "max_message_bytes": 32 << 20}
+    server, _, state = start_server(ServerConfig(**{**base, **cfg}))
+    try:
+        job = make_job("sync", num_workers=2, slots=SLOTS)
+        state.init(job, init_values(job))
+        yield Live(state, server.psar_dataplane, job)
+    finally:
+        stop_server(server)
+
 
 pytestmark = pytest.mark.skipif(not shm.available(), reason="no sealed memfds here")
 SC = grpc.StatusCode
@@ -65,19 +88,20 @@ def test_a_segment_gives_the_bits_of_the_socket(dtype: int) -> None:
 
 def test_pieces_past_the_segment_go_in_the_socket() -> None:
     with live() as a, live() as b:
-        with DataPlaneClient("127.0.0.1", a.port, max_frame_bytes=64) as plain:
+        with DataPlaneClient("127.0.0.1", a.port, max_frame_bytes=1024) as plain:
             wa = _train(plain, a)
-        with DataPlaneClient("127.0.0.1", b.port, shm_bytes=200, max_frame_bytes=64) as c:
+        with DataPlaneClient("127.0.0.1", b.port, shm_bytes=200, max_frame_bytes=1024) as c:
             wb = _train(c, b)
             conn = c._idle[0]
             assert conn.segment is not None and conn.segment.size == shm.HEADER + 200
+            assert conn.segment.placed > 0
         assert b.dp.stats()["shm"] >= 1
         assert a.state.state_digest() == b.state.state_digest()
         assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
 def test_a_shard_with_no_data_shm_keeps_the_socket() -> None:
-    with live(data_shm=False) as s:
+    with live(data_shm=False) as s:  # noqa: SIM117
         with DataPlaneClient("127.0.0.1", s.port, shm_bytes=1 << 20) as c:
             _train(c, s)
             assert all(conn.segment is None for conn in c._idle)
@@ -125,11 +149,11 @@ def test_only_a_sealed_memfd_of_this_host_with_its_nonce_is_attached(tmp_path) -
     ("with_segment", "at", "nbytes", "payload", "words"),
     [
         (False, shm.HEADER, 16, 0, ("no segment", "in the frame")),
-        (True, 0, 16, 0, ("outside the shared segment",)),  # over the nonce
-        (True, shm.HEADER + 4096 - 8, 16, 0, ("outside the shared segment",)),
-        (True, shm.HEADER, 16, 16, ("also carries a payload",)),
+        (True, 0, 4097, 0, ("does not lie inside the shared segment's ring",)),
+        (True, 4096 - 8, 16, 0, ("does not lie inside the shared segment's ring",)),
+        (True, 0, 16, 16, ("also carries a payload",)),
     ],
-    ids=["no-segment", "over-the-header", "past-the-end", "payload-too"],
+    ids=["no-segment", "larger-than-the-ring", "across-the-end", "payload-too"],
 )
 def test_a_piece_naming_bytes_that_are_not_there_is_refused(
     with_segment: bool, at: int, nbytes: int, payload: int, words: tuple[str, ...]
@@ -159,23 +183,53 @@ def test_a_piece_naming_bytes_that_are_not_there_is_refused(
         seg.close()
 
 
-def test_segment_places_pieces_and_checks_bounds() -> None:
+def test_the_ring_reuses_what_the_receiver_has_read() -> None:
+    """The sender places a piece only over bytes the receiver has read, never across the
+    ring's end; with no room it says so (the piece then goes in the socket)."""
     seg = Segment.create(256)
+    peer = Segment.attach(seg.path, seg.nonce)  # the receiver's own mapping
     try:
         assert bytes(seg.view[: shm.NONCE_BYTES]) == seg.nonce
+        seg.begin()
         a = seg.put(memoryview(b"a" * 10))
         b = seg.put(memoryview(b"b" * 100))
-        assert (a, b) == (shm.HEADER, shm.HEADER + shm.ALIGN)
-        assert bytes(seg.get(b, 100)) == b"b" * 100
-        assert seg.put(memoryview(b"c" * 200)) is None  # does not fit what is left
-        seg.begin()
-        assert seg.put(memoryview(b"c" * 200)) == shm.HEADER
-        with pytest.raises(ValueError, match="outside"):
-            seg.get(shm.HEADER + 200, 57)
+        assert (a, b) == (0, shm.ALIGN)  # numbered from 0, 64-byte aligned
+        assert seg.put(memoryview(b"c" * 100)) is None  # 64 + 128 + 100 > 256: not read yet
+        assert bytes(peer.get(b, 100)) == b"b" * 100
+        out = bytearray(10)
+        peer.copy_out(a, 10, memoryview(out))  # read a: room for 64 more bytes only
+        assert bytes(out) == b"a" * 10
+        assert seg.put(memoryview(b"c" * 100)) is None
+        peer.consumed(b, 100)  # read b too: the ring's start is free again
+        c = seg.put(memoryview(b"c" * 100))
+        assert c == 256  # did not fit before the end (192 + 100 > 256): the next lap
+        assert bytes(peer.get(c, 100)) == b"c" * 100
+        seg.begin()  # a new call
+        assert seg.put(memoryview(b"d" * 256)) == 0
+        with pytest.raises(ValueError, match="inside the shared segment's ring"):
+            peer.get(200, 57)
+        with pytest.raises(ValueError, match="inside the shared segment's ring"):
+            peer.get(0, 257)
         with pytest.raises(SegmentRefused, match="not /proc"):
             Segment.attach("/dev/shm/x", seg.nonce)
     finally:
+        peer.close()
         seg.close()
+
+
+def test_a_small_ring_carries_a_model_larger_than_itself() -> None:
+    """A 4 KiB ring and pieces of 1 KiB: the pushes and pulls of a model many times its
+    size go through it piece after piece (the receiver reads as they come), same bits."""
+    with live() as a, live() as b:
+        with DataPlaneClient("127.0.0.1", a.port, max_frame_bytes=1024) as plain:
+            wa = _train(plain, a)
+        with DataPlaneClient("127.0.0.1", b.port, shm_bytes=4096, max_frame_bytes=1024) as c:
+            wb = _train(c, b)
+            segs = [conn.segment for conn in c._idle]
+            assert all(seg is not None and seg.ring == 4096 for seg in segs)
+            assert sum(seg.placed for seg in segs) > 4 * 4096  # pushes, lap after lap
+        assert a.state.state_digest() == b.state.state_digest()
+        assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
 def test_a_worker_whose_shard_cannot_attach_keeps_the_socket(monkeypatch) -> None:  # noqa: ANN001

@@ -576,11 +576,11 @@ def test_a_slot_is_applied_early_only_once_every_workers_part_is_in_the_sum() ->
         exact.add = add  # type: ignore[method-assign]
         for _, k, off, data in _pieces(0, grads[0]):
             st.intake.add_data(tickets[0], k, off, data)
+        st.policy.quiesce()
+        assert st.policy.chunks_early == len(job.slots)  # every slot applied early
         for w in (0, 1):
             st.intake.finish_push(tickets[w])
     finally:
         for t in tickets.values():
             t.release()
-    st.policy.quiesce()
-    assert st.policy.chunks_early > 0  # the other slots were applied early
     assert st.state_digest() == whole.state_digest()

@@ -114,10 +114,10 @@ def test_shard_memory_of_an_exact_fp16_round_and_of_chunk_rounds() -> None:
     whole = plan(PlanInputs(p, 8, 2, wire_dtype="fp16", worker_weights="fp16",
                             exact_fp16_sum=True)).ps  # fmt: skip
     assert whole.memory_per_shard is not None
-    # int64 exact sum + its fp32 mean, whatever the number of workers
-    assert whole.memory_per_shard.gradients == 12 * p // 2
+    # int64 exact sum + its fp32 mean, and the fp16 bytes of each push in flight (8)
+    assert whole.memory_per_shard.gradients == (12 + 2 * 8) * p // 2
     assert whole.memory_per_shard.buffers == 2 * p // 2  # fp16 snapshot for pulls
-    assert whole.memory_per_shard.total == (4 + 8 + 12 + 2) * p // 2
+    assert whole.memory_per_shard.total == (4 + 8 + 12 + 2 * 8 + 2) * p // 2
     chunks = plan(PlanInputs(p, 8, 2, wire_dtype="fp16", worker_weights="fp16",
                              early_pull=True, exact_fp16_sum=True)).ps  # fmt: skip
     rank_order = plan(PlanInputs(p, 8, 2, wire_dtype="fp16", worker_weights="fp16",
@@ -335,13 +335,14 @@ def test_json_keys_and_values(capsys: pytest.CaptureFixture[str]) -> None:
     m = 1e9  # fp16
     assert d["allreduce"]["bytes_sent_per_worker_per_step"] == pytest.approx(2 * 31 / 32 * m)
     assert d["ps"]["bytes_received_per_shard_per_step"] == pytest.approx(32 * m / 4)
-    # AdamW, fp16 wire: masters 4 + moments 8 + the exact sum 8 and mean 4 (+ early
-    # pulls' undo copies 16) per parameter held; workers 4 + 4 + 2 (fp32 weights)
-    shard = 24 + (16 if d["inputs"]["early_pull"] else 0)
+    # AdamW, fp16 wire: masters 4 + moments 8 + the exact sum 8 and mean 4 + 2 per
+    # worker's push in flight (+ early pulls' undo copies 16) per parameter held;
+    # workers 4 + 4 + 2 (fp32 weights)
+    shard = 24 + 2 * 32 + (16 if d["inputs"]["early_pull"] else 0)
     assert d["ps"]["memory_per_shard_bytes"] == shard * 500_000_000 // 4
     # psar server --no-exact-fp16-sum: 32 pushes staged in fp32 and their sum, 4 x 33
     off = run_json(capsys, *EXAMPLE, "--compute-ms", "120", "--no-exact-fp16-sum")
-    assert off["ps"]["memory_per_shard_bytes"] == (shard - 12 + 4 * 33) * 500_000_000 // 4
+    assert off["ps"]["memory_per_shard_bytes"] == (shard - 12 - 2 * 32 + 4 * 33) * 500_000_000 // 4
     assert d["ps"]["memory_per_worker_bytes"] == 10 * 500_000_000
     assert d["allreduce"]["memory_per_worker_bytes"] == 20 * 500_000_000
     assert d["winner"] == "allreduce"

@@ -40,11 +40,12 @@ class ConnectionConfig:
     """Where tensor bytes travel: tcp (the shards' TCP data plane; TLS when --tls-* is
     given), grpc, or auto (tcp where the shard offers it, else grpc). Control stays on
     gRPC."""
-    data_shm_mib: float = 32.0
-    """Data plane to a shard on this host, without TLS: a shared-memory segment of this
+    data_shm_mib: float = 8.0
+    """Data plane to a shard on this host, without TLS: a shared-memory ring of this
     many MiB per connection (a sealed memfd, ps/shm.py) carries the tensor bytes instead of
-    the socket, one copy on each end (docs/dataplane.md, "Shared memory"). Pages are
-    touched only as a call's pieces fill it; pieces past it go in the socket. 0: off."""
+    the socket, one copy on each end (docs/dataplane.md, "Shared memory"). The receiver
+    frees it as it reads, so a model of any size goes through it; a piece finding no room
+    goes in the socket. 0: off."""
     # -- faults and security (docs/reliability.md) --
     reconnect_timeout_s: float = 120.0
     """Keep retrying an unreachable shard (restarting, --restore) for this long."""

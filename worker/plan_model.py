@@ -155,12 +155,14 @@ def ps_worker_memory(params: int, weights: str, wire: str) -> Memory:
 def ps_shard_memory(params: int, workers: int, servers: int, states: int, wire: str,
                     weights: str, chunk_rounds: bool, exact: bool = True) -> Memory:  # fmt: skip
     """The largest of S shards in a sync job: fp32 masters and optimizer state; the
-    round's gradient (fp16 on the wire with `exact`: an int64 exact sum and its fp32 mean; else every
+    round's gradient (fp16 on the wire with `exact`: an int64 exact sum and its fp32 mean,
+    and every worker's push in flight, its fp16 bytes held until it is accepted; else every
     worker's push staged in fp32 and their fp32 sum); a snapshot of the masters in the
     pulled dtype (low-precision worker weights); per-chunk rounds (early pulls): undo
     copies of masters and state and a mean buffer per slot (ps/server/modes)."""
     held = _ceil_div(params, servers)
-    round_grad = (8 + FP32) if exact and wire == "fp16" else (workers + 1) * FP32
+    exact_fp16 = exact and wire == "fp16"
+    round_grad = (8 + FP32 + 2 * workers) if exact_fp16 else (workers + 1) * FP32
     snapshot = DTYPE_BYTES[weights] if weights != "fp32" else 0
     undo = (FP32 + states * FP32 + FP32) if chunk_rounds else 0
     return Memory(weights=0, gradients=round_grad * held,

@@ -508,5 +508,7 @@ class _SegmentPiece:
     def read_into(self, view: memoryview) -> None:
         self._segment.copy_out(self._at, self.nbytes, view)
 
-    def read(self) -> memoryview:
-        return self._data
+    def read(self) -> bytes:
+        data = bytes(self._data)  # a copy: the shard may write over the ring once read
+        self._segment.consumed(self._at, self.nbytes)
+        return data

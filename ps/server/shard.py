@@ -117,10 +117,15 @@ class ShardState(ShardData):
         job: Job,
         values: dict[str, torch.Tensor],
         opt_state: list[StateValue] | None = None,
+        *,
+        owned: bool = False,
     ) -> bool:
         """Install the job and the initial fp32 values (and the optimizer's state to start
         from, if any: a resumed user loop). Returns True if an identical job was already
-        installed (a retried init), raises if a different one was."""
+        installed (a retried init), raises if a different one was. `owned`: the values
+        are the caller's to give away (Init's own buffers): they become the masters
+        instead of being copied (a second copy of every master at init was the shard's
+        peak memory: the allocator keeps what it frees)."""
         with self.cond:
             if self.check_job(job):
                 return True
@@ -151,10 +156,7 @@ class ShardState(ShardData):
                 resolve_impl(job.optimizer, "cpu")
             except ValueError as e:
                 raise InvalidArgument(f"this shard cannot run the job's optimizer: {e}") from None
-            masters = {
-                s.key: torch.nn.Parameter(values[s.key].detach().clone().reshape(-1))
-                for s in job.slots
-            }
+            masters = {s.key: torch.nn.Parameter(_master(values[s.key], owned)) for s in job.slots}
             self.updates.install(job, masters)
             if opt_state:
                 load_state(self.optimizer, masters, opt_state)
@@ -274,3 +276,12 @@ class ShardState(ShardData):
                             h.update(repr(value).encode())
                 h.update(repr(self.loss_scale.scale).encode())
         return h.hexdigest()
+
+
+def _master(value: torch.Tensor, owned: bool) -> torch.Tensor:
+    """A slot's fp32 master from its init value: the value itself where it is the
+    caller's to give away (1-D, contiguous, its own storage), else a copy."""
+    flat = value.detach().reshape(-1)
+    if owned and flat.is_contiguous() and flat.data_ptr() == value.data_ptr():
+        return flat
+    return flat.clone()

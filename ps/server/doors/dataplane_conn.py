@@ -332,7 +332,10 @@ class _Connection:
         def read_into(view: memoryview) -> None:
             segment.copy_out(at, len(data), view)
 
-        call.piece(piece.key, piece.offset, len(data), read_into, lambda _n: data)
+        try:
+            call.piece(piece.key, piece.offset, len(data), read_into, lambda _n: data)
+        finally:
+            segment.consumed(at, len(data))  # read (or refused): the worker may reuse it
 
     def _send_piece(self, key: str, offset: int, data: Any) -> None:
         """A pulled piece: into the worker's segment where it fits (the frame then says

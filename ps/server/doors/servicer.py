@@ -211,7 +211,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
                 raise InvalidArgument(
                     f"Init: slot {quote(short[0])} incomplete ({len(short)} short)"
                 )
-            already = self.state.init(job, values, opt_state.done())
+            already = self.state.init(job, values, opt_state.done(), owned=True)
             return pb.InitReply(already_initialized=already, master_bytes=self.state.master_bytes)
         except PSError as e:
             self._fail(context, "Init", e)
