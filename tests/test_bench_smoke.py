@@ -71,9 +71,11 @@ def test_tables_render_and_goals_are_read(tmp_path: Path) -> None:
         },
         "stragglers": {"workers": 8, "slow_factor": 3.0, "async_over_sync": 2.6, "goal_met": True},
         "links": {"cases": [{"step_ratio": 1.2}], "all_within_30pct": True},
+        "elastic": {"ps_speedup": 3.1, "goal_met": True, "ps": {"samples_lost": 0}},
     }
     lines = suite.goals(docs)
-    assert len(lines) == 4 and all("**met**" in ln for ln in lines)
+    assert len(lines) == 5 and all("**met**" in ln for ln in lines)
+    assert "preemption schedule" in lines[-1] and "0 samples lost" in lines[-1]
     assert "PS data path" in suite.table_of("ps_datapath", docs["ps_datapath"])
     assert "Skipped: no netns" in suite.table_of("links", {"skipped": "no netns"})
     results = tmp_path / "results.md"

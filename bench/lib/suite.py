@@ -33,6 +33,7 @@ BENCHES: dict[str, tuple[str, list[str], str]] = {
     "links": ("bench.links", [], "bench.links"),
     "links_grid": ("bench.links", ["--grid", "small"], "bench.lib.grid"),
     "sparse": ("bench.sparse", [], "bench.sparse"),
+    "elastic": ("bench.elastic", [], "bench.elastic"),
 }
 RESULTS = c.ROOT / "docs" / "results.md"
 MARK = "<!-- bench:suite:newest-first -->"
@@ -114,6 +115,10 @@ def goals(docs: dict[str, dict]) -> list[str]:
              else d["n4_k4_1gbit_ps_over_allreduce"] >= 1.3)  # fmt: skip
         line("crossover: psar plan's winner right, cells", d["plan_winner_right_cells"],
              f"all {len(d['cells'])}", d["plan_winner_right_everywhere"])  # fmt: skip
+    if (d := docs.get("elastic")) and "ps_speedup" in d:
+        lost = d["ps"]["samples_lost"]
+        line(f"preemption schedule: ps / torchrun elastic speed ({lost} samples lost)",
+             d["ps_speedup"], ">= 1.3x, no sample lost", d["goal_met"])  # fmt: skip
     for r in (docs.get("sparse") or {}).get("results", []):
         g = r["goal"]
         line(f"sparse {r['rows'][0]:,} rows: ps-sparse / DDP-sparse samples/s", g["speedup"],
