@@ -210,6 +210,7 @@ class _Connection:
             self._send(pb.DataFrame(status=pb.DataStatus(code=0, shm=True)))
         else:
             self._status(grpc.StatusCode.OK, "")
+        self.metrics.data_connection("shm" if self.segment is not None else "socket")
 
     def _attach(self, path: str, nonce: bytes) -> bool:
         """The worker's shared-memory segment, where this shard may and can attach: a

@@ -83,6 +83,8 @@ REJECT_REASONS: tuple[str, ...] = (
 
 #: Why a whole update round was skipped (no optimizer step applied).
 SKIP_REASONS: tuple[str, ...] = ("overflow", "nonfinite", "empty", OTHER)
+DATA_TRANSPORTS: tuple[str, ...] = ("shm", "socket", OTHER)
+"""How a data-plane connection's tensor bytes travel (docs/dataplane.md, "Shared memory")."""
 
 RPC_METHODS: tuple[str, ...] = (
     "Init",
@@ -222,6 +224,18 @@ class ShardMetrics:
             "psar_ps_push_paced_seconds_total",
             "sync --chunk-rounds, data plane: seconds pushes were held back because they ran "
             "--push-lead-mib ahead of the slowest push of their round (push pacing).",
+        )
+        self._data_connections = children(
+            Counter(
+                "psar_ps_data_connections_total",
+                "Data-plane connections greeted, by how their tensor bytes travel: shm (a "
+                "worker on this host's shared-memory ring) or socket.",
+                [*base, "transport"],
+                registry=reg,
+            ),
+            "transport",
+            DATA_TRANSPORTS,
+            **fixed,
         )
         self._early_slots = counter(
             "psar_ps_early_pull_slots_total",
@@ -380,6 +394,10 @@ class ShardMetrics:
     def push_paced(self, seconds: float) -> None:
         """A push waited `seconds` for the slowest push of its round (push pacing)."""
         self._push_paced.inc(seconds)
+
+    def data_connection(self, transport: str) -> None:
+        """A data-plane connection was greeted: "shm" or "socket"."""
+        pick(self._data_connections, transport).inc()
 
     def early_pull_ended(self, slots: int, void: bool) -> None:
         """An early pull sent `slots` slots before its header; `void`: all again after."""

@@ -46,6 +46,10 @@ class ShardRecorder(Protocol):
     def push_paced(self, seconds: float) -> None:
         """A push waited `seconds` for the slowest push of its round (push pacing)."""
 
+    def data_connection(self, transport: str) -> None:
+        """A data-plane connection was greeted; its tensor bytes go by `transport`:
+        "shm" (the worker's shared-memory ring) or "socket"."""
+
     def early_pull_ended(self, slots: int, void: bool) -> None:
         """An early pull sent `slots` slots before its header; void: all again after."""
 
@@ -138,6 +142,9 @@ class NullShardRecorder:
         pass
 
     def push_paced(self, seconds: float) -> None:
+        pass
+
+    def data_connection(self, transport: str) -> None:
         pass
 
     def early_pull_ended(self, slots: int, void: bool) -> None:
