@@ -133,7 +133,7 @@ def test_step_throughput_json_schema(tmp_path: Path) -> None:
     assert set(res["runs"]) == {"plain-ddp", "psar-allreduce", "psar-ps-sync-1",
                                 "psar-ps-sync-2", "psar-ps-sync-1-no-overlap",
                                 "psar-ps-sync-1-chunk-rounds", "psar-ps-sync-1-grpc",
-                                "rpc-ps"}  # fmt: skip
+                                "psar-ps-sync-1-no-shm", "rpc-ps"}  # fmt: skip
     for r in res["runs"].values():
         assert {"samples_per_sec", "ratio_to_plain_ddp", "exposed_comm_ms"} <= set(r)
     ps = res["runs"]["psar-ps-sync-1"]
