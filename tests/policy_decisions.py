@@ -175,7 +175,16 @@ class DecisionContract:
         _, pieces = st.pulls.pull(0, 0, torch.float32, 1.0, views=True)
         kinds = {type(data) for _, _, data in pieces}
         assert kinds == ({memoryview} if self.promises.rounds else {bytes})
-        _, pieces = st.pulls.pull(0, 0, torch.bfloat16, 1.0, views=True)  # never views of a cast
+        # Another dtype is a cast: a copy of its own, sent as views of it (no second copy),
+        # which a change of the masters never reaches; gRPC (views=False) gets bytes.
+        _, pieces = st.pulls.pull(0, 0, torch.bfloat16, 1.0, views=True)
+        assert {type(data) for _, _, data in pieces} == {memoryview}
+        before = [bytes(data) for _, _, data in pieces]
+        with torch.no_grad():
+            for p in st.masters.values():
+                p.add_(1.0)
+        assert [bytes(data) for _, _, data in pieces] == before
+        _, pieces = st.pulls.pull(0, 0, torch.bfloat16, 1.0, views=False)
         assert {type(data) for _, _, data in pieces} == {bytes}
 
     def test_unflagged_nonfinite_is_refused_in_rounds_dropped_otherwise(self) -> None:

@@ -31,7 +31,9 @@ class Pulls:
         self.data = data
         self.members = members
         self.updates = updates
-        self._snapshots: dict[tuple[torch.dtype, bool], tuple[Any, list[tuple[str, int, Any]]]] = {}
+        self._snapshots: dict[
+            tuple[torch.dtype, bool, bool], tuple[Any, list[tuple[str, int, Any]]]
+        ] = {}
         """(dtype, views) -> ((incarnation, version), pieces): every pull of a version
         shares them."""
 
@@ -354,24 +356,35 @@ class Pulls:
         return header, self._snapshot(dtype, views)
 
     def _snapshot(self, dtype: torch.dtype, views: bool) -> list[tuple[str, int, Any]]:
-        """Wire pieces of the current weights in `dtype`, shared by every pull of a version."""
+        """Wire pieces of the current weights in `dtype`, shared by every pull of a version
+        (`views`: the caller sends memoryviews as they are; gRPC needs bytes)."""
         d = self.data
+        sendable = views
         views = views and dtype == torch.float32 and d.job is not None
         views = views and self.updates.policy.pull_views
-        cached = self._snapshots.get((dtype, views))
+        key = (dtype, views, sendable)
+        cached = self._snapshots.get(key)
         if cached is not None and cached[0] == (d.incarnation, d.version):
             return cached[1]
+        # The last version's pieces go now (a pull still sending them keeps its own
+        # reference), not once the new ones exist: two snapshots at once were a shard's
+        # peak memory with low-precision pulls.
+        self._snapshots.pop(key, None)
         pieces: list[tuple[str, int, Any]] = []
         # Sync fp32: views of the masters themselves, no copy. They cannot change while
         # a pull reads them: the next round needs this worker's next push, which it
         # sends only once its pull has landed. (A worker whose lease ran out mid-pull,
         # or a rollback, may see a torn copy; its next push is then refused and it
         # resyncs and pulls again.) async/ssp apply on every push: they copy (the
-        # policy's `pull_views` says which). gRPC needs bytes: its pullers share one copy
+        # policy's `pull_views` says which). Another dtype is a converted copy already:
+        # the data plane sends views of it. gRPC needs bytes: its pullers share one copy
         # per version.
-        for key, p in d.masters.items():
-            flat = p.detach() if dtype == torch.float32 else p.detach().to(dtype)
-            for off, data in wire.iter_pieces(flat, d.message_bytes, copy=not views):
-                pieces.append((key, off, data))
-        self._snapshots[(dtype, views)] = ((d.incarnation, d.version), pieces)
+        for k, p in d.masters.items():
+            if dtype == torch.float32:
+                flat, copy = p.detach(), not views
+            else:
+                flat, copy = p.detach().to(dtype), not sendable
+            for off, data in wire.iter_pieces(flat, d.message_bytes, copy=copy):
+                pieces.append((k, off, data))
+        self._snapshots[key] = ((d.incarnation, d.version), pieces)
         return pieces
