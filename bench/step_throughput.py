@@ -12,7 +12,9 @@ contributes), psar `--arch allreduce`, a plain DDP script
 tutorial's way (bench/baselines/rpc_ps.py), and a no-communication run (plain_ddp.py
 --no-comm: the same processes doing the same compute and optimizer step, no DDP).
 `--runs` picks rows, among them `rpc-ps-async` (the RPC server's per-parameter async
-style, not run by default). The configurations alternate A B C ... A B C ... over the
+style, not run by default) and `psar-ps-sync-1-glibc-malloc` (the shard with
+`--malloc-mmap-threshold-mib 0`: glibc's own mmap threshold, what that default costs or
+saves). The configurations alternate A B C ... A B C ... over the
 repeats; medians are reported.
 
 samples/s = total samples over the window in which every worker trains, after each
@@ -65,14 +67,14 @@ CONFIGS = ("plain-ddp", "psar-allreduce", "psar-ps-sync-1", "psar-ps-sync-2",
            "psar-ps-sync-1-no-overlap", "psar-ps-sync-1-chunk-rounds",
            "psar-ps-sync-1-grpc", "psar-ps-sync-1-no-shm", "rpc-ps")  # fmt: skip
 #: Rows `--runs` may add to the default ones.
-EXTRA_CONFIGS = ("rpc-ps-async", "psar-ps-sync-1-early-pull")
+EXTRA_CONFIGS = ("rpc-ps-async", "psar-ps-sync-1-early-pull", "psar-ps-sync-1-glibc-malloc")
 NO_COMM = "no-comm"
 BASELINE = "plain-ddp"
 # Run folder prefix of each psar PS configuration (their step logs carry phases).
 PS_DIRS = {"psar-ps-sync-1": "ps1", "psar-ps-sync-2": "ps2",
            "psar-ps-sync-1-no-overlap": "ps1-plain", "psar-ps-sync-1-grpc": "ps1-grpc",
            "psar-ps-sync-1-chunk-rounds": "ps1-chunks", "psar-ps-sync-1-no-shm": "ps1-noshm",
-           "psar-ps-sync-1-early-pull": "ps1-early"}  # fmt: skip
+           "psar-ps-sync-1-early-pull": "ps1-early", "psar-ps-sync-1-glibc-malloc": "ps1-glibc"}  # fmt: skip
 EXPOSED = ("push", "wait", "pull")
 TLS_CONFIGS = ("psar-ps-sync-1-tls", "psar-ps-sync-1-tls-grpc")
 PS_DIRS.update({"psar-ps-sync-1-tls": "ps1-tls", "psar-ps-sync-1-tls-grpc": "ps1-tls-grpc"})
@@ -168,6 +170,14 @@ def measure(
             "--early-pull",
             server=("--chunk-rounds",),
         ),
+        "psar-ps-sync-1-glibc-malloc": lambda i: run_ps(
+            d / f"ps1-glibc-{i}",
+            workers,
+            1,
+            steps,
+            timeout,
+            server=("--malloc-mmap-threshold-mib", "0"),
+        ),  # fmt: skip
         "rpc-ps": lambda i: run_rpc(d / f"rpc-{i}", workers, steps, timeout),
         "rpc-ps-async": lambda i: run_rpc(d / f"rpca-{i}", workers, steps, timeout, "async"),
     }

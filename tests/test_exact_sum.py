@@ -27,7 +27,8 @@ from ps.headers import PushHeader
 from ps.job import Job
 from ps.partition import plan_slots
 from ps.server.durability.checkpoints import CheckpointManager
-from ps.server.modes.exact_sum import UNIT, ExactSum
+from ps.server.modes import exact_sum
+from ps.server.modes.exact_sum import UNIT, ExactSum, fixed_point, into_fixed
 from ps.server.shard import ShardState
 from tests.ps_fixtures import pull
 from trainkit.optim import LossScaleConfig, OptimizerConfig
@@ -584,3 +585,16 @@ def test_a_slot_is_applied_early_only_once_every_workers_part_is_in_the_sum() ->
         for t in tickets.values():
             t.release()
     assert st.state_digest() == whole.state_digest()
+
+
+@pytest.mark.parametrize("n", [1, exact_sum.CHUNK - 1, exact_sum.CHUNK, 2 * exact_sum.CHUNK + 7])
+def test_the_chunked_conversion_adds_subtracts_and_copies_the_whole_slot(n: int) -> None:
+    g = torch.Generator().manual_seed(n)
+    values = (torch.randn(n, generator=g) * 1e3).half()
+    start = torch.randint(-(2**40), 2**40, (n,), generator=g)
+    for op, want in ((torch.Tensor.add_, start + fixed_point(values)),
+                     (torch.Tensor.sub_, start - fixed_point(values)),
+                     (torch.Tensor.copy_, fixed_point(values))):  # fmt: skip
+        acc = start.clone()
+        into_fixed(acc, values, op)
+        assert torch.equal(acc, want), op

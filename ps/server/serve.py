@@ -30,6 +30,7 @@ from ps.server.durability import checkpoints
 from ps.server.membership.leases import Reaper
 from ps.server.shard import ShardState
 from ps.server.update.stepper import apply_torch_threads
+from trainkit.allocator import set_mmap_threshold
 from trainkit.roles import resolve_shard
 from trainkit.waiting import Waits
 
@@ -183,6 +184,8 @@ def serve(cfg: ServerConfig) -> int:
     """Run a shard until SIGTERM/SIGINT; returns the process exit code."""
     cfg.shard = resolve_shard(cfg.shard, os.environ)
     apply_torch_threads(cfg.torch_threads)  # one torch thread unless 0 (update/stepper.py)
+    if set_mmap_threshold(int(cfg.malloc_mmap_threshold_mib * (1 << 20))):
+        log.info("malloc: buffers >= %g MiB mapped on their own", cfg.malloc_mmap_threshold_mib)
     metrics = _make_metrics(cfg)
     try:
         server, port, state = start_server(cfg, metrics=metrics)
