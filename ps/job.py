@@ -130,6 +130,11 @@ class Job:
     """Every worker asks each step's pull while its push still streams, so a slot comes
     back as soon as it is applied (needs chunk_rounds). Rank 0 decides it for the job;
     the other workers follow the job they find on the shards."""
+    step_options: bool = False
+    """The workers send step options with their pushes (their own loop's learning rates,
+    clipping by the global norm): rounds apply as whole updates. Rank 0 says so, so that a
+    shard forced to apply rounds chunk by chunk (psar server --chunk-rounds) refuses the
+    job at Init rather than at the first push."""
     mode_options: dict[str, float] = field(default_factory=dict)
     """The knobs of a mode that has no field of its own above (a mode added as one
     module: its configuration reads them, ps/server/modes/); empty for the built-in ones."""
@@ -266,6 +271,11 @@ class Job:
         self._check_groups()
         if self.early_pull and not self.chunk_rounds:
             raise ValueError("a job with early pulls needs chunk_rounds (slots applied early)")
+        if self.step_options and self.chunk_rounds:
+            raise ValueError(
+                "a job whose workers send step options (learning rates, clipping) applies "
+                "whole rounds: it cannot have chunk_rounds"
+            )
         self.mode_options = {str(k): float(v) for k, v in self.mode_options.items()}
         bad = [k for k, v in self.mode_options.items() if not math.isfinite(v)]
         if bad:

@@ -178,6 +178,7 @@ def job_to_pb(job: Job) -> pb.JobSpec:
         param_groups=[pb.ParamGroupSpec(**dataclasses.asdict(g)) for g in job.param_groups],
         chunk_rounds=job.chunk_rounds,
         early_pull=job.early_pull,
+        step_options=job.step_options,
     )
 
 
@@ -226,6 +227,7 @@ def job_from_pb(spec: pb.JobSpec) -> Job:
             traits=traits,
             chunk_rounds=spec.chunk_rounds,
             early_pull=spec.early_pull,
+            step_options=spec.step_options,
         )
     except ValueError as e:
         raise InvalidArgument(f"invalid job spec: {e}", reason="malformed") from None

@@ -74,6 +74,7 @@ JOBS = {
             ),
             ParamGroup(params=("b",), lr=0.0, amsgrad=True),
         ),
+        step_options=True,
     ),
 }
 

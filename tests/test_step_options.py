@@ -8,7 +8,9 @@ with the same numbers: the shard must hold exactly what it holds."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +19,7 @@ from ps.errors import DeadlineExceeded, InvalidArgument
 from ps.headers import PushHeader
 from ps.job import Job
 from ps.server.shard import ShardState
+from tests.procs import run_ps_workers, shards
 from tests.ps_fixtures import (
     grad_for,
     init_values,
@@ -143,7 +146,25 @@ def test_a_push_with_the_wrong_number_of_learning_rates_is_refused() -> None:
     assert weights_digest(st) == before
 
 
+def test_a_job_that_says_it_sends_step_options_is_refused_at_init_by_a_chunking_shard() -> None:
+    # Rank 0 of a loop of its own (or with clipping) says so in the job: a shard started
+    # with --chunk-rounds refuses the Init, naming the flag, and holds no job afterwards;
+    # without the flag, or in a mode without rounds, the same job is served.
+    job = dataclasses.replace(own_job("sync", "sgd"), step_options=True)
+    st = ShardState(chunk_rounds=True)
+    with pytest.raises(InvalidArgument, match="start the shards without --chunk-rounds"):
+        st.init(job, init_values(job))
+    assert not st.initialized
+    plain = ShardState()
+    assert plain.init(job, init_values(job)) is False
+    unrounded = dataclasses.replace(own_job("async", "sgd"), step_options=True)
+    assert ShardState(chunk_rounds=True).init(unrounded, init_values(unrounded)) is False
+    with pytest.raises(ValueError, match="cannot have chunk_rounds"):
+        dataclasses.replace(job, chunk_rounds=True)
+
+
 def test_step_options_are_refused_by_a_shard_applying_chunks_early() -> None:
+    # A job that did not say so (a client from before the field) is refused at the push.
     job = own_job("sync", "sgd")
     st = ShardState(chunk_rounds=True)
     st.init(job, init_values(job))
@@ -250,3 +271,17 @@ def test_job_param_groups_are_checked() -> None:
             param_groups=(ParamGroup(params=("w", "b"), lr=0.1),))  # fmt: skip
     with pytest.raises(ValueError, match="nesterov"):
         ParamGroup(params=("w",), lr=0.1, nesterov=True)
+
+
+def test_a_worker_that_clips_meets_a_chunking_shard_at_init_with_the_flag_named(
+    tmp_path: Path,
+) -> None:
+    # Real processes: a shard started with --chunk-rounds, psar's own loop clipping by
+    # the global norm (its pushes would carry step options): rank 0's Init is refused,
+    # and the worker exits non-zero saying which shard flag to drop, before any step.
+    with shards(1, "--chunk-rounds") as addrs:
+        with pytest.raises(AssertionError, match="exited") as e:
+            run_ps_workers(addrs, 1, tmp_path, ["--workload", "mlp", "--steps", "3",
+                           "--clip-grad-norm", "1.0", "--mode", "sync"], timeout=120)  # fmt: skip
+    assert "start the shards without --chunk-rounds" in str(e.value)
+    assert not (tmp_path / "report-0.json").exists()

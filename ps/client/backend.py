@@ -337,6 +337,7 @@ class PSBackend(OverlapMixin, ResyncMixin, LocalMixin, OwnLoopMixin, ElasticMixi
                 ),
                 chunk_rounds=self.early_pull,
                 early_pull=self.early_pull,
+                step_options=self.own is not None or bool(self.cfg.clip_grad_norm),
             )
             for i in range(len(self.addresses))
         ]

@@ -145,13 +145,10 @@ class ShardState(ShardData):
                         f"{t.numel()} {t.dtype}"
                     )
             chunked = job.chunk_rounds or self.chunk_rounds
-            if job.elastic and chunked and job.traits is not None and job.traits.rounds:
-                raise InvalidArgument(
-                    "an elastic job (--max-workers) with per-chunk rounds: its "
-                    "early per-slot steps cannot scale a round's learning rate by the "
-                    "workers in it; start the shards without --chunk-rounds and rank 0 "
-                    "with --no-early-pull"
-                )
+            if chunked and job.traits is not None and job.traits.rounds:
+                why = _whole_rounds_only(job)
+                if why:
+                    raise InvalidArgument(why)
             try:  # masters live on the CPU: fused only where this torch has the kernel
                 resolve_impl(job.optimizer, "cpu")
             except ValueError as e:
@@ -285,3 +282,20 @@ def _master(value: torch.Tensor, owned: bool) -> torch.Tensor:
     if owned and flat.is_contiguous() and flat.data_ptr() == value.data_ptr():
         return flat
     return flat.clone()
+
+
+def _whole_rounds_only(job: Job) -> str | None:
+    """Why `job`'s rounds cannot be applied chunk by chunk (None: they can)."""
+    if job.elastic:
+        return (
+            "an elastic job (--max-workers) with per-chunk rounds: its early per-slot steps "
+            "cannot scale a round's learning rate by the workers in it; start the shards "
+            "without --chunk-rounds and rank 0 with --no-early-pull"
+        )
+    if job.step_options:
+        return (
+            "this shard applies sync rounds chunk by chunk (psar server --chunk-rounds), but "
+            "the job's workers send step options (a loop of their own: its learning rates; "
+            "clipping), which apply to whole updates: start the shards without --chunk-rounds"
+        )
+    return None

@@ -138,7 +138,7 @@ class LossScaleSpec(_message.Message):
     def __init__(self, enabled: _Optional[bool] = ..., init_scale: _Optional[float] = ..., growth_factor: _Optional[float] = ..., backoff_factor: _Optional[float] = ..., growth_interval: _Optional[int] = ...) -> None: ...
 
 class JobSpec(_message.Message):
-    __slots__ = ("mode", "staleness", "num_workers", "optimizer", "loss_scale", "shard_index", "num_shards", "slots", "job_id", "sync_every", "staleness_lr", "delay_compensation", "momentum_correction", "staleness_lr_power", "dc_adaptive", "staleness_rule", "buffer_slots", "buffers_average", "int_buffers", "mode_name", "mode_options", "traits", "param_groups", "chunk_rounds", "early_pull", "max_workers", "data_batches", "data_per_step", "data_stream")
+    __slots__ = ("mode", "staleness", "num_workers", "optimizer", "loss_scale", "shard_index", "num_shards", "slots", "job_id", "sync_every", "staleness_lr", "delay_compensation", "momentum_correction", "staleness_lr_power", "dc_adaptive", "staleness_rule", "buffer_slots", "buffers_average", "int_buffers", "mode_name", "mode_options", "traits", "param_groups", "chunk_rounds", "early_pull", "max_workers", "data_batches", "data_per_step", "data_stream", "step_options")
     class ModeOptionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -175,6 +175,7 @@ class JobSpec(_message.Message):
     DATA_BATCHES_FIELD_NUMBER: _ClassVar[int]
     DATA_PER_STEP_FIELD_NUMBER: _ClassVar[int]
     DATA_STREAM_FIELD_NUMBER: _ClassVar[int]
+    STEP_OPTIONS_FIELD_NUMBER: _ClassVar[int]
     mode: Mode
     staleness: int
     num_workers: int
@@ -204,7 +205,8 @@ class JobSpec(_message.Message):
     data_batches: int
     data_per_step: int
     data_stream: str
-    def __init__(self, mode: _Optional[_Union[Mode, str]] = ..., staleness: _Optional[int] = ..., num_workers: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., loss_scale: _Optional[_Union[LossScaleSpec, _Mapping]] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., slots: _Optional[_Iterable[_Union[SlotSpec, _Mapping]]] = ..., job_id: _Optional[str] = ..., sync_every: _Optional[int] = ..., staleness_lr: _Optional[bool] = ..., delay_compensation: _Optional[float] = ..., momentum_correction: _Optional[bool] = ..., staleness_lr_power: _Optional[float] = ..., dc_adaptive: _Optional[bool] = ..., staleness_rule: _Optional[str] = ..., buffer_slots: _Optional[_Iterable[str]] = ..., buffers_average: _Optional[bool] = ..., int_buffers: _Optional[_Iterable[_Union[IntBufferSpec, _Mapping]]] = ..., mode_name: _Optional[str] = ..., mode_options: _Optional[_Mapping[str, float]] = ..., traits: _Optional[_Union[ModeTraits, _Mapping]] = ..., param_groups: _Optional[_Iterable[_Union[ParamGroupSpec, _Mapping]]] = ..., chunk_rounds: _Optional[bool] = ..., early_pull: _Optional[bool] = ..., max_workers: _Optional[int] = ..., data_batches: _Optional[int] = ..., data_per_step: _Optional[int] = ..., data_stream: _Optional[str] = ...) -> None: ...
+    step_options: bool
+    def __init__(self, mode: _Optional[_Union[Mode, str]] = ..., staleness: _Optional[int] = ..., num_workers: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., loss_scale: _Optional[_Union[LossScaleSpec, _Mapping]] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., slots: _Optional[_Iterable[_Union[SlotSpec, _Mapping]]] = ..., job_id: _Optional[str] = ..., sync_every: _Optional[int] = ..., staleness_lr: _Optional[bool] = ..., delay_compensation: _Optional[float] = ..., momentum_correction: _Optional[bool] = ..., staleness_lr_power: _Optional[float] = ..., dc_adaptive: _Optional[bool] = ..., staleness_rule: _Optional[str] = ..., buffer_slots: _Optional[_Iterable[str]] = ..., buffers_average: _Optional[bool] = ..., int_buffers: _Optional[_Iterable[_Union[IntBufferSpec, _Mapping]]] = ..., mode_name: _Optional[str] = ..., mode_options: _Optional[_Mapping[str, float]] = ..., traits: _Optional[_Union[ModeTraits, _Mapping]] = ..., param_groups: _Optional[_Iterable[_Union[ParamGroupSpec, _Mapping]]] = ..., chunk_rounds: _Optional[bool] = ..., early_pull: _Optional[bool] = ..., max_workers: _Optional[int] = ..., data_batches: _Optional[int] = ..., data_per_step: _Optional[int] = ..., data_stream: _Optional[str] = ..., step_options: _Optional[bool] = ...) -> None: ...
 
 class ParamGroupSpec(_message.Message):
     __slots__ = ("params", "lr", "momentum", "dampening", "nesterov", "weight_decay", "beta1", "beta2", "eps", "amsgrad")
