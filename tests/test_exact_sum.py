@@ -333,6 +333,12 @@ def test_bad_pushes_are_refused_saying_what_to_do() -> None:
         h = PushHeader(worker=1, clock=1, base_version=0, dtype=torch.float16, loss_scale=tiny)
         with pytest.raises(InvalidArgument, match="below 2\\^-112"):
             st.intake.begin_push(h, lock_timeout=5)
+    # One so large that the close's divisor (2^24 x scale x workers) would be inf in fp32
+    # and the mean 0: refused at the header, as the first push of a round too (below).
+    for huge in (2.0**65, 1e38, 3.0e38):
+        h = PushHeader(worker=1, clock=1, base_version=0, dtype=torch.float16, loss_scale=huge)
+        with pytest.raises(InvalidArgument, match="above 2\\^64"):
+            st.intake.begin_push(h, lock_timeout=5)
     # Another dtype than the round's.
     h = PushHeader(worker=1, clock=1, base_version=0, dtype=torch.float32, loss_scale=SCALE)
     with pytest.raises(FailedPrecondition, match="every worker must push in the same dtype"):
@@ -598,3 +604,17 @@ def test_the_chunked_conversion_adds_subtracts_and_copies_the_whole_slot(n: int)
         acc = start.clone()
         into_fixed(acc, values, op)
         assert torch.equal(acc, want), op
+
+
+def test_a_round_first_push_with_a_loss_scale_past_fp32s_mean_is_refused_and_decides_nothing() -> (
+    None
+):
+    # The first push opens the round and fixes its scale: a broken one must not, or the
+    # close would divide by inf (a mean of 0) and honest pushes be refused for their scale.
+    s = ExactSum({"w": 4})
+    with pytest.raises(InvalidArgument, match="above 2\\^64"):
+        s.open(1, 2.0**90, expected=2)
+    assert s.scale is None
+    s.open(1, SCALE, expected=2)
+    assert s.scale == SCALE
+    s.open(1, SCALE, expected=2)  # the round's second push, same scale

@@ -52,6 +52,11 @@ MIN_SCALE = 2.0**-112
 it still fits fp32 (65504 x 2^112 < 3.4e38), so the mean converted at the close is finite.
 Staged in rank order, a push unscaled past fp32's range is refused as non-finite; here the
 sum is converted only after the pushes were accepted, so the header is refused instead."""
+MAX_SCALE = 2.0**64
+"""The largest: the close divides the sum by 2^24 x loss scale x workers in fp32, and from
+about 2^104 / workers that divisor is inf and the mean 0 (a zero-gradient step that still
+moves the weights by momentum and weight decay). No fp16 run scales its loss this far (its
+gradients overflow long before), so a larger scale is a broken header."""
 
 
 class ExactSum:
@@ -100,6 +105,12 @@ class ExactSum:
                 f"loss_scale {loss_scale} is below 2^-112: fp16 gradients unscaled by it may "
                 "not fit fp32, and the round's exact fp16 sum would be non-finite; scale by "
                 "the loss scale of your last pull (a scale this small means the run diverged)",
+                reason="malformed",
+            )
+        if loss_scale > MAX_SCALE:
+            raise InvalidArgument(
+                f"loss_scale {loss_scale} is above 2^64: the round's exact fp16 sum divided by "
+                "it would not be a finite fp32 mean; scale by the loss scale of your last pull",
                 reason="malformed",
             )
         with self._meta:
