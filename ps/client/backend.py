@@ -175,15 +175,15 @@ class PSBackend(OverlapMixin, ResyncMixin, LocalMixin, OwnLoopMixin, ElasticMixi
         check_every_shard_holds_a_slot(self.slots, len(self.addresses), self.cfg.ps.chunk_mib)
         # Early pulls (and the per-chunk rounds they need) are the job's: rank 0 proposes
         # them, every worker follows what the shards then serve (below).
+        # A loop of its own (and clipping) sends the step's learning rates and clip when
+        # its optimizer steps, after backward: the shards apply whole rounds (Job says so).
+        self.sends_step_options = self.own is not None or bool(self.cfg.clip_grad_norm)
         self.early_pull = resolve_early_pull(
             self.cfg.ps.early_pull,
-            # A loop of its own (and clipping) sends the step's learning rates and clip
-            # when its optimizer steps, after backward: the shards apply whole rounds.
             eligible=chunk_rounds(self.mode)
             and not self.sparse
             and not self.cfg.local_sgd
-            and self.own is None
-            and not self.cfg.clip_grad_norm,
+            and not self.sends_step_options,
             data_plane=self.cfg.ps.data_plane,
             addresses=self.addresses,
         )
@@ -337,7 +337,7 @@ class PSBackend(OverlapMixin, ResyncMixin, LocalMixin, OwnLoopMixin, ElasticMixi
                 ),
                 chunk_rounds=self.early_pull,
                 early_pull=self.early_pull,
-                step_options=self.own is not None or bool(self.cfg.clip_grad_norm),
+                step_options=self.sends_step_options,
             )
             for i in range(len(self.addresses))
         ]
