@@ -40,8 +40,13 @@ def test_async_shard_killed_and_restored_job_finishes(tmp_path) -> None:
     assert final["restored_step"] >= 2 * EVERY
     # Every push after the restore was applied on top of the checkpoint.
     lost = max(r["rolled_back_updates"] for r in reports)
-    assert final["version"] >= 2 * steps - 2 * EVERY - lost
-    assert final["worker_clocks"] == [steps, steps]
+    unsent = [r["unsent_steps"] for r in reports]
+    assert final["version"] >= 2 * steps - 2 * EVERY - lost - sum(unsent)
+    # Every step pushed once, except one whose forward ran on weights a background pull
+    # was still landing when the shard died (it is skipped, never pushed): at most one
+    # per worker for the one kill.
+    assert all(0 <= u <= 1 for u in unsent)
+    assert final["worker_clocks"] == [steps - u for u in unsent]
     # The loss went on from where the checkpoint left it, not from the start.
     for rep in reports:
         assert rep["losses"][-1] < rep["losses"][0]

@@ -316,6 +316,7 @@ def test_a_step_whose_pull_failed_midway_is_skipped_not_pushed() -> None:
         b.gate.fail()
         out = step()
         assert out.skipped and b.clock == 1 and b.resyncs == 1
+        assert b.fault_report()["unsent_steps"] == 1
         assert state.stats()["worker_clocks"] == [1], "the mixed gradient was not pushed"
         assert not step().skipped and b.clock == 2
         assert state.stats()["worker_clocks"] == [2] and state.rounds == 2

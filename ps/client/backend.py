@@ -120,6 +120,9 @@ class PSBackend(OverlapMixin, ResyncMixin, LocalMixin, OwnLoopMixin, ElasticMixi
         """Steps already done by an earlier process of this worker (the loop resumes)."""
         self.restores = 0
         self.rolled_back_updates = 0
+        self.unsent_steps = 0
+        """Steps whose gradient was never pushed: a background pull broke after the step's
+        forward had used part of its weights (the clock stays; docs/reliability.md)."""
         self.resyncs = 0
         self.rejoined = False
         self.traits: ModeTraits
@@ -385,6 +388,7 @@ class PSBackend(OverlapMixin, ResyncMixin, LocalMixin, OwnLoopMixin, ElasticMixi
             # weights: the gradient is of mixed weights. It is not pushed; the clock
             # stays, so the next step fills the same round.
             self._poisoned = False
+            self.unsent_steps += 1
             self.buckets.begin_step()
             return StepOutcome(skipped=True, loss_scale=self.loss_scale, staleness=0)
         future, self._push_future = self._push_future, None

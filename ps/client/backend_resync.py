@@ -20,8 +20,8 @@ _MAX_RESYNCS = 50
 
 class ResyncMixin:
     """Needs: client, traits, rank, clock, versions, addresses, _send, _push_args,
-    _known_restores, _seen_versions, restores, rolled_back_updates, resyncs, rejoined,
-    instance (set by PSBackend)."""
+    _known_restores, _seen_versions, restores, rolled_back_updates, unsent_steps, resyncs,
+    rejoined, instance (set by PSBackend)."""
 
     client: Any
     traits: ModeTraits
@@ -147,6 +147,7 @@ class ResyncMixin:
             "start_step": self.start_step,
             "restores": self.restores,
             "rolled_back_updates": self.rolled_back_updates,
+            "unsent_steps": self.unsent_steps,
             "resyncs": self.resyncs,
             "rejoined": self.rejoined,
             **(self.sparse.report() if self.sparse else {}),
