@@ -165,3 +165,24 @@ def test_a_shard_without_a_job_says_so_and_stops_after_init_timeout() -> None:
     assert p.returncode == 1, out
     assert "no job yet, waiting 2 s for rank 0's Init; exiting after --init-timeout-s 2" in out
     assert "never initialised this shard within --init-timeout-s 2" in out
+
+
+def test_the_waiting_line_is_said_before_the_init_timeout_whatever_thread_wakes_first(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """CI (default run, 2026-12-04): the shard's init timeout fired before the report
+    thread's tick had said "no job yet", so the line was missing. The report thread is
+    kept asleep here: the timeout path must say the line itself, once."""
+    from ps.server.config import ServerConfig
+    from ps.server.serve import _await_job
+    from ps.server.shard import ShardState
+    from trainkit.waiting import Waits
+
+    monkeypatch.setattr(Waits, "_run", lambda self: None)
+    cfg = ServerConfig(init_timeout_s=1)
+    with caplog.at_level("WARNING", logger="psar"):
+        assert _await_job(ShardState(), cfg, threading.Event()) is False
+    said = [r.getMessage() for r in caplog.records]
+    waiting = [m for m in said if "no job yet, waiting 1 s for rank 0's Init" in m]
+    assert len(waiting) == 1, said
+    assert "never initialised this shard within --init-timeout-s 1" in said[-1]

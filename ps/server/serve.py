@@ -225,11 +225,15 @@ def _await_job(state: ShardState, cfg: ServerConfig, stop: threading.Event) -> b
     def describe(seconds: float) -> str:
         return f"shard {cfg.shard}: no job yet, waiting {seconds:.0f} s for rank 0's Init{limit}"
 
-    started = time.monotonic()
     try:
         with waits.waiting(describe):
+            started = time.monotonic()  # after the wait's own start: its line is due by now
             while not state.initialized and not stop.is_set():
                 if bound and time.monotonic() - started >= bound:
+                    # The waiting line is due (first_after_s <= bound): say it before the
+                    # error, whichever of this loop and the report thread woke first.
+                    for line in waits.due():
+                        log.warning("%s", line)
                     log.error(
                         "shard %d: the worker of rank 0 never initialised this shard within "
                         "--init-timeout-s %g; is rank 0 running, with this shard in its "
