@@ -18,6 +18,7 @@ from ps.job import Job
 from ps.server.intake.pieces import PushHeader, PushTicket
 from ps.server.shard import ShardState
 from tests.ps_fixtures import OPTIMIZERS, grad_for, init_values, make_job, make_state, masters
+from trainkit.optim import LossScaleConfig
 
 Grads = dict[str, torch.Tensor]
 
@@ -153,7 +154,9 @@ def test_a_push_refused_at_its_end_changes_nothing(opt: str) -> None:
 
 
 def test_loss_scaled_fp16_push_unscaled_per_slot_gives_the_same_bits(opt: str) -> None:
-    job = make_job("sync", optimizer=opt, num_workers=2)
+    # The shard's scale, which the workers' pulls gave them and every push carries.
+    ls = LossScaleConfig(enabled=True, init_scale=1024.0)
+    job = make_job("sync", optimizer=opt, num_workers=2, loss_scale=ls)
     chunked, plain = pair(job)
     for st in (chunked, plain):
         for w in (0, 1):

@@ -514,6 +514,10 @@ def _refused_first(st: ShardState, how: str, grads: dict[str, torch.Tensor]) -> 
         with pytest.raises(PSError, match="absent slot 'nope#0' is not on this shard"):
             st.intake.begin_push(h, lock_timeout=5)
         return
+    if how == "other scale":  # not the shard's: refused at its header, first or not
+        with pytest.raises(FailedPrecondition, match=f"scaled by {SCALE} \\(the shard's"):
+            st.intake.begin_push(h, lock_timeout=5)
+        return
     t = st.intake.begin_push(h, lock_timeout=5)
     try:
         pieces = _pieces(1, {k: grads[k].to(dtype) for k in keys[:2]})
@@ -550,6 +554,26 @@ def test_a_refused_first_push_does_not_decide_how_its_round_sums(how: str) -> No
     assert st.state_digest() == clean.state_digest()
     if how == "fp32 cut":  # the round was summed exactly, as an fp16 round is
         assert ordered.state_digest() != st.state_digest()
+
+
+@pytest.mark.parametrize("scale", [SCALE * 2, SCALE / 2, 1.0])
+def test_a_whole_first_push_at_another_scale_than_the_shards_is_refused(scale: float) -> None:
+    """A broken worker's push opens round 1 at a scale the shard's pulls never gave, and
+    would complete: it is refused at its header (FAILED_PRECONDITION, the shard's scale
+    named), so it cannot fix the round's scale and get the honest pushes refused; they
+    then give the bits of a shard that never saw it."""
+    job = _job(2)
+    grads = _grads(job, 2, seed=5)
+    clean, st = _shard(job), _shard(job)
+    h = PushHeader(worker=1, clock=1, base_version=0, dtype=torch.float16, loss_scale=scale)
+    with pytest.raises(FailedPrecondition, match="scale by the loss scale of your last pull"):
+        st.intake.begin_push(h, lock_timeout=5)
+    assert st.policy.exact is None or st.policy.exact.scale is None
+    for s in (st, clean):
+        for w in (0, 1):
+            _push(s, w, grads[w])
+        assert s.version == 1
+    assert st.state_digest() == clean.state_digest()
 
 
 def test_a_slot_is_applied_early_only_once_every_workers_part_is_in_the_sum() -> None:

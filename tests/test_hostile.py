@@ -239,13 +239,15 @@ def test_hostile_smoke_both_doors(tmp_path: Path) -> None:
 def test_refused_first_pushes_leave_an_exact_round_open_to_any_dtype(tmp_path: Path) -> None:
     """Issue #36 item 3, shrunk from the sync campaign (seed 1809): the first push of a
     sync round, fp16 into the exact sum, is refused mid-stream (gRPC: a piece at the
-    wrong offset) or cut before its end (data plane, another loss scale). Each must leave
-    no trace, also not the round's dtype or scale: the workers' fp32 pushes that follow
-    land as on the mirror (before the fix: FAILED_PRECONDITION, "sums fp16 gradients
-    exactly")."""
+    wrong offset), cut before its end (data plane), or refused at its header (another loss
+    scale than the shard's). Each must leave no trace, also not the round's dtype or scale:
+    the workers' fp32 pushes that follow land as on the mirror (before the fix:
+    FAILED_PRECONDITION, "sums fp16 gradients exactly")."""
     with h.hostile_shard(tmp_path, mode="sync", exact_fp16_sum=True) as s:
         c = Campaign(s, "exact-first-refused", 36)
-        for scale, door in ((1024.0, "grpc"), (8.0, "tcp")):
+        ours = 1.0  # the shard's loss scale (the job scales no loss)
+        for scale, door, want in ((ours, "grpc", SC.INVALID_ARGUMENT), (ours, "tcp", None),
+                                  (8.0, "tcp", SC.FAILED_PRECONDITION)):  # fmt: skip
             head = pb.PushHeader(worker=1, clock=1, base_version=0, dtype=pb.FLOAT16,
                                  loss_scale=scale, incarnation=s.incarnation)  # fmt: skip
             chunks = [pb.PushChunk(header=head)]
@@ -257,11 +259,13 @@ def test_refused_first_pushes_leave_an_exact_round_open_to_any_dtype(tmp_path: P
                 chunks[-1].data.offset += 1  # refused there, the slots before it summed
                 raw = [m.SerializeToString() for m in chunks]
                 code = _code(lambda raw=raw: c.push_call(iter(raw), timeout=h.TIMEOUT))
-                assert code == SC.INVALID_ARGUMENT, code
             else:
-                frames = w.push_frames(chunks, s.token)[:-1]  # every slot, then no end
+                frames = w.push_frames(chunks, s.token)
+                if want is None:
+                    frames = frames[:-1]  # every slot, then no end
                 code = h.refusal(s.exchange(w.encode_frames(frames)))
-            c.check(f"fp16 push via {door} not accepted", code, False, False)
+            assert code == want, (scale, door, code)
+            c.check(f"fp16 push via {door} at scale {scale} not accepted", code, False, False)
         c.control(0, "grpc")  # fp32: round 1 sums in rank order after all
         c.control(1, "tcp")
         assert s.mirror.version == 1

@@ -21,8 +21,10 @@ is accepted the slot's fp16 bytes stay where they landed (the push's scratch): a
 is not accepted (refused, non-finite, cut off, superseded, cancelled, or its worker gone
 when the round closes) is subtracted again from those bytes, and integer subtraction
 undoes integer addition exactly, so the sum is bit for bit what it was before the push
-began; nor does it keep deciding how its round sums (exact or rank order) and at which
-loss scale, if it was the round's first (SyncPolicy.under_way, rounds.py). A round skipped
+began; nor does it keep deciding how its round sums (exact or rank order), if it was the
+round's first (SyncPolicy.under_way, rounds.py). Every push carries the shard's own loss
+scale (the one its pulls gave every worker), the first one of a round included, so a
+broken first push cannot set another scale and get the honest ones refused. A round skipped
 (overflow) or replaced (restore, rollback) drops all.
 
 The close's work is the step: a slot's mean is converted (into a 4-byte-per-parameter
@@ -96,10 +98,14 @@ class ExactSum:
 
     # ---- a round --------------------------------------------------------------------
 
-    def open(self, round_: int, loss_scale: float, expected: int = 0) -> None:
+    def open(
+        self, round_: int, loss_scale: float, expected: int = 0, shard_scale: float | None = None
+    ) -> None:
         """A data push of round `round_` began with `loss_scale` (under the shard lock),
         `expected` workers live: the first opens the round; the others must carry the
-        same scale."""
+        same scale. `shard_scale`: the shard's own (sync: the scale its pulls gave every
+        worker), which every push must carry, the first included: a broken first push
+        at another scale would otherwise set the round's, and the honest ones be refused."""
         if not loss_scale >= MIN_SCALE:
             raise InvalidArgument(
                 f"loss_scale {loss_scale} is below 2^-112: fp16 gradients unscaled by it may "
@@ -113,6 +119,8 @@ class ExactSum:
                 "it would not be a finite fp32 mean; scale by the loss scale of your last pull",
                 reason="malformed",
             )
+        if shard_scale is not None and loss_scale != shard_scale:
+            raise _other_scale(round_, shard_scale, loss_scale)
         with self._meta:
             if self.round != round_:
                 self._reset(round_)
@@ -120,12 +128,7 @@ class ExactSum:
             if self.scale is None:
                 self.scale = loss_scale
             elif loss_scale != self.scale:
-                raise FailedPrecondition(
-                    f"sync round {round_} sums fp16 gradients scaled by {self.scale} (the "
-                    f"shard's loss scale); this push is scaled by {loss_scale}: scale by the "
-                    "loss scale of your last pull",
-                    reason="loss_scale",
-                )
+                raise _other_scale(round_, self.scale, loss_scale)
 
     def add(self, worker: int, round_: int, key: str, values: torch.Tensor) -> None:
         """Add a finite fp16 slot of `worker`'s push (its whole slot) into the sum;
@@ -329,3 +332,11 @@ def into_fixed(acc: torch.Tensor, values: torch.Tensor, op: Callable[..., object
         b = min(n, a + CHUNK)
         f = f32[: b - a].copy_(values[a:b]).mul_(UNIT)
         op(acc[a:b], i64[: b - a].copy_(f))
+
+
+def _other_scale(round_: int, want: float, got: float) -> FailedPrecondition:
+    return FailedPrecondition(
+        f"sync round {round_} sums fp16 gradients scaled by {want} (the shard's loss scale); "
+        f"this push is scaled by {got}: scale by the loss scale of your last pull",
+        reason="loss_scale",
+    )

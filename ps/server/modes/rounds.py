@@ -117,7 +117,8 @@ class SyncPolicy(UpdatePolicy):
         if self.exact is None:
             skip = view.buffer_keys
             self.exact = ExactSum({k: p.numel() for k, p in view.masters.items() if k not in skip})
-        self.exact.open(view.rounds + 1, header.loss_scale, len(view.live))  # may refuse
+        # may refuse: every push of the round carries the shard's scale (its pulls said it)
+        self.exact.open(view.rounds + 1, header.loss_scale, len(view.live), view.loss_scale)
         self.kind = "exact"
         self.under_way.add(header.worker)
         return self.exact

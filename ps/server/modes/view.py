@@ -59,6 +59,12 @@ class ShardView(Protocol):
         """Slots holding model buffers (values, never stepped)."""
         ...
 
+    @property
+    def loss_scale(self) -> float:
+        """The shard's loss scale now (1.0 without loss scaling): the scale the pulls
+        since the last round's close carried, so the one a sync round's pushes carry."""
+        ...
+
     def slowest_live_clock(self, default: int) -> int:
         """The smallest clock of a live worker (`default` when none is live)."""
         ...

@@ -117,6 +117,10 @@ class Updates:
     def buffer_keys(self) -> frozenset[str]:
         return self.data.buffer_keys
 
+    @property
+    def loss_scale(self) -> float:
+        return self.data.loss_scale.scale
+
     def slowest_live_clock(self, default: int) -> int:
         return self.data.slowest_live_clock(default)
 
