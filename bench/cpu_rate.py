@@ -81,6 +81,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             p.exit(
                 1, f"cpu_rate: --worker-train: psar train failed (logs in {tmp / 'worker'}): {e}\n"
             )
+        except RuntimeError as e:  # the step's CPU never stood out of start-up's
+            p.exit(1, f"cpu_rate: --worker-train: {e}\n")
         out["worker_cpu_seconds_per_step"] = w
         out["worker_cpu_ms_flag"] = f"--worker-cpu-ms {1e3 * w:.4g}"
     print(json.dumps(out, indent=1))

@@ -115,8 +115,18 @@ def worker_cpu_seconds(out: Path, train: Sequence[str], steps: tuple[int, int] =
 
     short, long = steps
     base, cpu = cpu_of(short), cpu_of(long)
-    if cpu - base < min_cpu_s and long < max_steps:
+    # A first difference lost in start-up's noise can overstate the step (CI: 1.5 s of
+    # noise read as 50 ms a step, a redo 30 steps longer, and a difference of 0): redo at
+    # least twice as long each time, until it stands out.
+    for _ in range(4):
+        if cpu - base >= min_cpu_s or long >= max_steps:
+            break
         per = max((cpu - base) / (long - short), 1e-4)
-        long = min(max_steps, short + int(1.5 * min_cpu_s / per))
+        long = min(max_steps, short + max(2 * (long - short), int(1.5 * min_cpu_s / per)))
         cpu = cpu_of(long)
-    return max(0.0, (cpu - base) / (long - short))
+    if cpu <= base:
+        raise RuntimeError(
+            f"the CPU of {long} steps ({cpu:.2f} s) did not stand out of {short} steps' "
+            f"({base:.2f} s): measure on a quieter machine, or with a heavier --worker-train"
+        )
+    return (cpu - base) / (long - short)
