@@ -200,6 +200,20 @@ class HostileShard:
     def threads(self) -> int:
         return proc_status(self.pid, "Threads")
 
+    def settled_threads(self, quiet_s: float = 1.0, timeout: float = 30.0) -> int:
+        """The shard's thread count once it has not changed for `quiet_s`: the threads of
+        connections closed just before (a loaded machine ends them late) are gone."""
+        last, since = self.threads(), time.monotonic()
+        deadline = since + timeout
+        while time.monotonic() < deadline:
+            time.sleep(0.1)
+            now = self.threads()
+            if now != last:
+                last, since = now, time.monotonic()
+            elif time.monotonic() - since >= quiet_s:
+                break
+        return last
+
     def threads_back_to(self, base: int) -> bool:
         """Whether the shard's threads are back near `base`: a connection's thread is
         gone once it closed; the gRPC handler pool may have grown to its size meanwhile."""
