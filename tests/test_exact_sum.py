@@ -432,7 +432,7 @@ def test_exact_sum_unit() -> None:
     """ExactSum alone: integer sums of fp16 values, means rounded once, a round's
     commits only, and 12 bytes per element (sums, means)."""
     s = ExactSum({"k": 5})
-    s.open(1, 1.0)
+    s.open(1, 1.0, shard_scale=1.0)
     vals = [torch.tensor([65504.0, 2.0**-24, -1.0, 0.5, 3.0], dtype=torch.float16),
             torch.tensor([-65504.0, 2.0**-24, 1.0, 0.25, 0.0], dtype=torch.float16),
             torch.tensor([1.0, -(2.0**-24), 2.0**-14, 0.0, 1e-3], dtype=torch.float16)]  # fmt: skip
@@ -457,7 +457,7 @@ def test_a_mean_converted_on_arrival_is_converted_again_when_the_sum_changes() -
     rng = torch.Generator().manual_seed(9)
     vals = [_wide_fp16(n, rng) for _ in range(3)]
     s = ExactSum({"k": n})
-    s.open(1, SCALE, expected=3)
+    s.open(1, SCALE, expected=3, shard_scale=SCALE)
     for w, v in enumerate(vals):
         s.add(w, 1, "k", v)
     assert s._ready["k"] == s._changed["k"]  # converted as the third arrived
@@ -633,12 +633,12 @@ def test_the_chunked_conversion_adds_subtracts_and_copies_the_whole_slot(n: int)
 def test_a_round_first_push_with_a_loss_scale_past_fp32s_mean_is_refused_and_decides_nothing() -> (
     None
 ):
-    # The first push opens the round and fixes its scale: a broken one must not, or the
+    # A broken first push must not set the round's scale (the shard's is), or the
     # close would divide by inf (a mean of 0) and honest pushes be refused for their scale.
     s = ExactSum({"w": 4})
     with pytest.raises(InvalidArgument, match="above 2\\^64"):
-        s.open(1, 2.0**90, expected=2)
+        s.open(1, 2.0**90, expected=2, shard_scale=SCALE)
     assert s.scale is None
-    s.open(1, SCALE, expected=2)
+    s.open(1, SCALE, expected=2, shard_scale=SCALE)
     assert s.scale == SCALE
-    s.open(1, SCALE, expected=2)  # the round's second push, same scale
+    s.open(1, SCALE, expected=2, shard_scale=SCALE)  # the round's second push, same scale

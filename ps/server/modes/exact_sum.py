@@ -99,13 +99,13 @@ class ExactSum:
     # ---- a round --------------------------------------------------------------------
 
     def open(
-        self, round_: int, loss_scale: float, expected: int = 0, shard_scale: float | None = None
+        self, round_: int, loss_scale: float, expected: int = 0, *, shard_scale: float
     ) -> None:
         """A data push of round `round_` began with `loss_scale` (under the shard lock),
-        `expected` workers live: the first opens the round; the others must carry the
-        same scale. `shard_scale`: the shard's own (sync: the scale its pulls gave every
-        worker), which every push must carry, the first included: a broken first push
-        at another scale would otherwise set the round's, and the honest ones be refused."""
+        `expected` workers live. Every push, the round's first included, must carry
+        `shard_scale`, the shard's own (sync: the scale its pulls gave every worker), which
+        is the round's: a broken first push cannot set another and get the honest ones
+        refused."""
         if not loss_scale >= MIN_SCALE:
             raise InvalidArgument(
                 f"loss_scale {loss_scale} is below 2^-112: fp16 gradients unscaled by it may "
@@ -119,16 +119,18 @@ class ExactSum:
                 "it would not be a finite fp32 mean; scale by the loss scale of your last pull",
                 reason="malformed",
             )
-        if shard_scale is not None and loss_scale != shard_scale:
-            raise _other_scale(round_, shard_scale, loss_scale)
+        if loss_scale != shard_scale:
+            raise FailedPrecondition(
+                f"sync round {round_} sums fp16 gradients scaled by {shard_scale} (the shard's "
+                f"loss scale); this push is scaled by {loss_scale}: scale by the loss scale of "
+                "your last pull",
+                reason="loss_scale",
+            )
         with self._meta:
             if self.round != round_:
                 self._reset(round_)
             self.expected = expected
-            if self.scale is None:
-                self.scale = loss_scale
-            elif loss_scale != self.scale:
-                raise _other_scale(round_, self.scale, loss_scale)
+            self.scale = shard_scale
 
     def add(self, worker: int, round_: int, key: str, values: torch.Tensor) -> None:
         """Add a finite fp16 slot of `worker`'s push (its whole slot) into the sum;
@@ -332,11 +334,3 @@ def into_fixed(acc: torch.Tensor, values: torch.Tensor, op: Callable[..., object
         b = min(n, a + CHUNK)
         f = f32[: b - a].copy_(values[a:b]).mul_(UNIT)
         op(acc[a:b], i64[: b - a].copy_(f))
-
-
-def _other_scale(round_: int, want: float, got: float) -> FailedPrecondition:
-    return FailedPrecondition(
-        f"sync round {round_} sums fp16 gradients scaled by {want} (the shard's loss scale); "
-        f"this push is scaled by {got}: scale by the loss scale of your last pull",
-        reason="loss_scale",
-    )

@@ -118,7 +118,9 @@ class SyncPolicy(UpdatePolicy):
             skip = view.buffer_keys
             self.exact = ExactSum({k: p.numel() for k, p in view.masters.items() if k not in skip})
         # may refuse: every push of the round carries the shard's scale (its pulls said it)
-        self.exact.open(view.rounds + 1, header.loss_scale, len(view.live), view.loss_scale)
+        self.exact.open(
+            view.rounds + 1, header.loss_scale, len(view.live), shard_scale=view.loss_scale
+        )
         self.kind = "exact"
         self.under_way.add(header.worker)
         return self.exact
