@@ -9,6 +9,7 @@ overflow), chunks and slots arriving in any order at a shard, and the forward ga
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -44,7 +45,8 @@ RUNS = {
     "push-only": ["--overlap", "--no-pull-overlap"],
     "chunk-rounds": ["--overlap"],  # and shards updating per chunk (below)
     # Steps 5-7 try push+pull overlap, push only and neither, then keep the fastest.
-    "trial": ["--overlap", "--overlap-trial", "3"],
+    # (--overlap-host-busy 0: the trial runs whatever the host's load)
+    "trial": ["--overlap", "--overlap-trial", "3", "--overlap-host-busy", "0"],
 }
 SERVER = {"chunk-rounds": ["--chunk-rounds"]}  # the others: whole rounds (the default)
 
@@ -85,6 +87,23 @@ def test_overlapped_and_plain_steps_give_identical_weights(
         assert ms[kept] == min(ms.values())
     assert all(r["overlap"] == {"push": False, "pull": False} for r in reports.get("plain", []))
     assert all(r["overlap"] == {"push": True, "pull": False} for r in reports.get("push-only", []))
+
+
+@pytest.mark.slow
+def test_workers_whose_host_is_busy_with_compute_keep_no_overlap_untried(tmp_path) -> None:
+    """2 workers computing on this host's cores beside their shard: over the warm-up steps
+    the host is at least 1/cores busy (each worker's compute keeps a core busy), so both
+    keep no overlap without a trial and say why (ps/client/host_cpu.py)."""
+    threshold = max(0.05, 1.0 / (os.cpu_count() or 1))
+    heavy = ["--workload", "mlp", "--workload-option", "in_dim=784", "--workload-option",
+             "hidden=2048", "--batch-size", "128", "--steps", "14", "--precision", "fp32",
+             "--overlap", "--overlap-trial", "3", "--overlap-host-busy", f"{threshold:.3f}"]  # fmt: skip
+    with shards(1) as addrs:
+        reports = run_ps_workers(addrs, 2, tmp_path, heavy)
+    for r in reports:
+        assert r["overlap"] == {"push": False, "pull": False}, r
+        assert "every shard is on this host" in r["overlap_untried"]
+        assert "overlap_trial_ms" not in r
 
 
 def _whole_vs_chunks(tmp_path, args: list[str]) -> tuple[dict, dict]:  # noqa: ANN001

@@ -93,3 +93,44 @@ def test_bad_trials_are_refused() -> None:
         OverlapTuner(total_steps=10, trial=-1, arms=ARMS)
     with pytest.raises(ValueError, match="arm"):
         OverlapTuner(total_steps=10, trial=3, arms=[])
+
+
+class Host:
+    """A host check whose verdict is given; counts its calls."""
+
+    def __init__(self, why: str | None) -> None:
+        self.why, self.started, self.asked = why, [], 0
+
+    def start(self) -> None:
+        self.started.append(True)
+
+    def verdict(self) -> str | None:
+        self.asked += 1
+        return self.why
+
+
+def test_a_busy_host_keeps_the_cheapest_arm_without_a_trial() -> None:
+    host = Host("every shard is on this host and its CPUs were 90% busy")
+    t = OverlapTuner(total_steps=100, trial=30, arms=ARMS, warmup=5, host=host)
+    used = run(t, {BOTH: 0.01, PUSH: 0.02, NONE: 0.03}, 100)  # overlap would time faster
+    assert used[:5] == [BOTH] * 5  # the warm-up runs the configured arm, as without a check
+    assert used[5:] == [NONE] * 95  # then the cheapest, untried
+    assert (host.started, host.asked) == ([True], 1)  # started after step 0, asked once
+    assert t.decision == NONE and t.untried == host.why
+    assert all(not ts for ts in t.times.values())
+    assert t.summary() == f"overlap kept: none, no trial: {host.why}"
+
+
+def test_a_host_with_room_runs_the_trial_as_before() -> None:
+    host = Host(None)
+    t = OverlapTuner(total_steps=100, trial=30, arms=ARMS, warmup=5, host=host)
+    used = run(t, {BOTH: 0.01, PUSH: 0.02, NONE: 0.03}, 100)
+    assert used[35:] == [BOTH] * 65 and t.decision == BOTH and not t.untried
+    assert host.asked == 1
+
+
+def test_no_trial_asks_no_host() -> None:
+    host = Host("busy")
+    t = OverlapTuner(total_steps=100, trial=0, arms=ARMS, host=host)
+    assert run(t, {a: 0.01 for a in ARMS}, 100) == [BOTH] * 100
+    assert (host.started, host.asked, t.decision) == ([], 0, None)

@@ -120,6 +120,11 @@ class PSConfig(ConnectionConfig):
     the arm with the lowest steady-state step time is kept for the rest of the run
     (results are the same bits whichever runs). 0: no trial, run what
     --overlap/--pull-overlap say. Runs shorter than 5 + 2 x this skip the trial."""
+    overlap_host_busy: float = 0.75
+    """--overlap-trial: keep no overlap without a trial where compute is on the CPU, every
+    shard is on this host (shared memory) and the host's CPUs were at least this busy
+    (0-1) over the warm-up steps: there is no idle core for overlap to use (docs/results.md,
+    step throughput). 0: always try."""
     auth_token_file: str = ""
     """Send `authorization: Bearer <the token in this file>` with every call."""
     # -- sparse embedding tables (docs/sparse.md) --
@@ -173,6 +178,11 @@ class PSConfig(ConnectionConfig):
         if self.overlap_trial < 0:
             raise ValueError(
                 f"--overlap-trial must be >= 0 (0: no trial), got {self.overlap_trial}"
+            )
+        if not 0.0 <= self.overlap_host_busy <= 1.0:
+            raise ValueError(
+                "--overlap-host-busy must be a fraction in [0, 1] (0: always try), got "
+                f"{self.overlap_host_busy}"
             )
         if not self.bucket_mib > 0:
             raise ValueError(f"--bucket-mib must be > 0, got {self.bucket_mib}")
@@ -295,6 +305,7 @@ class TrainConfig:
                "--delay-compensation", "--staleness-lr-power", "--dc-adaptive",
                "--momentum-correction", "--chunk-mib", "--job-id", "--buffers", "--overlap",
                "--bucket-mib", "--pull-overlap", "--early-pull", "--overlap-trial",
+               "--overlap-host-busy",
                "--data-plane", "--data-shm-mib", "--sparse-optimizer", "--sparse-lr", "--sparse-eps",
                "--sparse-wire-dtype"),
         "precision": ("--precision", "--wire-dtype", "--worker-weights", "--loss-scale-enabled",

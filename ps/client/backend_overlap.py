@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from ps.client.errors import NeedsResync
+from ps.client.host_cpu import CoLocatedCPU
 from ps.client.overlap import PushBuckets
 from ps.client.overlap_tuner import ARM_NAMES, Arm, OverlapTuner
 from ps.client.pull_gate import PullGate, ungateable_reason
@@ -30,6 +31,7 @@ class OverlapMixin:
 
     cfg: Any
     client: Any
+    device: torch.device
     sparse: Any
     params: dict[str, torch.Tensor]
     clock: int
@@ -77,7 +79,12 @@ class OverlapMixin:
         # The trial's arms: what is configured first, then the cheaper ones.
         arms: list[Arm] = [(True, True)] if self.overlap_pull else []
         arms += [(True, False), (False, False)] if self.overlap else [(False, False)]
-        self.tuner = OverlapTuner(self.total_steps, ps.overlap_trial, arms)
+        host = CoLocatedCPU(
+            ps.overlap_host_busy,
+            cpu_compute=self.device.type == "cpu",
+            in_shared_memory=self.client.shards_in_shared_memory,
+        )
+        self.tuner = OverlapTuner(self.total_steps, ps.overlap_trial, arms, host=host)
         self._step_index = 0
         self._step_started: float | None = None
         self._arm: Arm = arms[0]
@@ -110,7 +117,9 @@ class OverlapMixin:
         t = self.tuner
         push, pull = t.decision if t.decision is not None else t.arms[0]
         out: dict[str, Any] = {"overlap": {"push": push, "pull": pull}}
-        if t.decision is not None:
+        if t.untried:
+            out["overlap_untried"] = t.untried
+        elif t.decision is not None:
             out["overlap_trial_ms"] = {ARM_NAMES[a]: 1e3 * t.score_s(a) for a in t.arms}
         return out
 

@@ -11,6 +11,11 @@ same schedule so that in sync mode all of them try the same arm in the same step
 arm with the lowest steady-state step time is kept for the rest of the run. Results do not
 depend on it (the weights are bit-identical whichever arm runs); only timing does.
 
+Before the trial, a host check (`host`, ps/client/host_cpu.py) may keep the cheapest arm
+untried: where compute is on the CPU, every shard is on this host and the host's CPUs were
+nearly all busy over the warm-up steps, there is no idle core for overlap to use, and the
+arms differ by less than the trial can tell apart.
+
 The arms run in blocks of consecutive steps, twice over (A A A B B B C C C A A A ...), and
 the first step of each block is not counted: what an arm costs a shared machine (another
 worker's compute slowed by this one's sending threads, a shard's queue) shows only once it
@@ -33,6 +38,7 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, field
+from typing import Protocol
 
 WARMUP_STEPS = 5
 """Steps before the trial: connections, allocator and caches settle."""
@@ -43,6 +49,15 @@ Arm = tuple[bool, bool]
 """(push during backward, pull in forward order)."""
 
 ARM_NAMES = {(True, True): "push+pull", (True, False): "push", (False, False): "none"}
+
+
+class HostCheck(Protocol):
+    """Asked before the trial (ps/client/host_cpu.py CoLocatedCPU): start() as the warm-up
+    steps begin, verdict() as they end: a reason to keep the cheapest arm untried, or None."""
+
+    def start(self) -> None: ...
+
+    def verdict(self) -> str | None: ...
 
 
 @dataclass
@@ -57,6 +72,10 @@ class OverlapTuner:
     times: dict[Arm, list[float]] = field(default_factory=dict)
     decision: Arm | None = None
     """The arm kept once the trial ended (None: still trying, or no trial)."""
+    host: HostCheck | None = None
+    """Asked over the warm-up steps whether the host leaves overlap anything to gain."""
+    untried: str = ""
+    """Why the cheapest arm was kept without a trial (the host check's reason), or ""."""
 
     def __post_init__(self) -> None:
         if self.trial < 0:
@@ -90,6 +109,12 @@ class OverlapTuner:
         if not self.active or self.decision is not None:
             return False
         at = step - self.warmup
+        if self.host is not None and step == 0:
+            self.host.start()  # after the first interval: connections are up
+        if self.host is not None and at == -1 and (why := self.host.verdict()):
+            self.untried = why
+            self.decision = self.arms[-1]
+            return True
         if 0 <= at < self.steps and (self.block == 1 or at % self.block):  # not a block's first
             self.times[arm].append(seconds)
         if at + 1 >= self.steps and all(self.times.values()):
@@ -110,6 +135,8 @@ class OverlapTuner:
     def summary(self) -> str:
         """One line for the log: the medians and what was kept."""
         assert self.decision is not None
+        if self.untried:
+            return f"overlap kept: {ARM_NAMES[self.decision]}, no trial: {self.untried}"
         ms = ", ".join(f"{ARM_NAMES[a]} {1e3 * self.score_s(a):.1f}" for a in self.arms)
         n = min(len(t) for t in self.times.values())
         how = "median" if self.block == 1 else f"mean in blocks of {self.block}"

@@ -122,6 +122,12 @@ class DataPlaneClient(Transport):
     def piece_bytes(self) -> int:
         return self.max_frame_bytes
 
+    def in_shared_memory(self) -> bool:
+        """Has the shard attached a shared-memory segment of one of this client's open
+        connections (ps/shm.py: it is on this host)?"""
+        with self._lock:
+            return any(c.segment is not None for c in (*self._idle, *self._busy))
+
     # ---- the primitives (push() and pull() are the contract's) ------------------------
 
     def send_push(
