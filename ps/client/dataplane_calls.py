@@ -82,9 +82,7 @@ class DataPlaneCalls:
     def shards_in_shared_memory(self) -> bool:
         """Does every shard take this worker's bytes through shared memory (it is on this
         host, ps/shm.py)? Then they move as memory copies on this host's cores, no link
-        between (ps/client/host_cpu.py asks)."""
-        if self.cfg.data_plane == "grpc":
-            return False
+        between (ps/client/host_cpu.py asks). Over gRPC no data-plane client is made."""
         return all(d is not None and d.in_shared_memory() for d in self._data)
 
     def _data_tls(self) -> Any:

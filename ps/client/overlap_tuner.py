@@ -52,8 +52,9 @@ ARM_NAMES = {(True, True): "push+pull", (True, False): "push", (False, False): "
 
 
 class HostCheck(Protocol):
-    """Asked before the trial (ps/client/host_cpu.py CoLocatedCPU): start() as the warm-up
-    steps begin, verdict() as they end: a reason to keep the cheapest arm untried, or None."""
+    """Asked before the trial (ps/client/host_cpu.py CoLocatedCPU): start() once the first
+    warm-up interval has ended (connections are up), verdict() as the warm-up ends: a reason
+    to keep the cheapest arm untried, or None."""
 
     def start(self) -> None: ...
 
