@@ -22,15 +22,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
-
-from allreduce import process_group
-from allreduce.hooks import register_wire_dtype
-from trainkit.atomic import atomic_save
-from trainkit.device_io import state_to_host
-from trainkit.finite import all_finite
-from trainkit.local_sgd import LocalSteps, outer_optimizer_config
-from trainkit.optim import (
+from psar.allreduce import process_group
+from psar.allreduce.hooks import register_wire_dtype
+from psar.trainkit.atomic import atomic_save
+from psar.trainkit.device_io import state_to_host
+from psar.trainkit.finite import all_finite
+from psar.trainkit.local_sgd import LocalSteps, outer_optimizer_config
+from psar.trainkit.optim import (
     StepOptions,
     build_optimizer,
     build_scheduler,
@@ -38,10 +36,11 @@ from trainkit.optim import (
     optimizer_impl,
     with_run_length,
 )
-from trainkit.sparse_tables import materialize_tables
-from worker.backend import StepOutcome
-from worker.config import TrainConfig
-from worker.precision import PrecisionPolicy
+from psar.trainkit.sparse_tables import materialize_tables
+from psar.worker.backend import StepOutcome
+from psar.worker.config import TrainConfig
+from psar.worker.precision import PrecisionPolicy
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 log = logging.getLogger("psar.allreduce")
 _NAME = re.compile(r"^ddp-(\d{12})\.pt$")

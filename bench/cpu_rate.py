@@ -8,7 +8,7 @@ one core moves through its data path per second, each end counting (a push of M 
 of a worker and M into a shard), the kernel's networking included. This measures both
 between two hosts of a shaped LAN, pure communication, no model:
 
-- ps: `psar server` on one host, a psar client (ps.client.PSClient, the TCP data plane:
+- ps: `psar server` on one host, a psar client (psar.ps.client.PSClient, the TCP data plane:
   what a worker runs) on the other, pushing P bytes of fp32 gradient and pulling the
   weights back, sync with one worker (the shard's SGD step included);
 - allreduce: two gloo ranks allreducing a P-byte fp32 tensor (what DDP runs).

@@ -1,8 +1,8 @@
 """Data path: push + pull of an fp32 payload through 1, 2, 4 real shards, against raw TCP.
 
 Each shard is a real `psar server` process (run through worker/supervisor.py, logs in the
-run folder); the client is ps.client.psclient.PSClient used as a worker uses it (init
-with ps.job.Job objects from ps.partition.plan_slots, then push/pull in a loop, mode
+run folder); the client is psar.ps.client.psclient.PSClient used as a worker uses it (init
+with psar.ps.job.Job objects from psar.ps.partition.plan_slots, then push/pull in a loop, mode
 async, one worker, so nothing ever waits on a barrier: bench/lib/datapath.py). Two
 transports move the same push and pull through the same PSClient calls, cycles
 alternating on the same shards: "grpc" (--data-plane grpc) and "tcp", the shards' data
@@ -37,13 +37,14 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a file: make `bench` and `ps` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from psar.ps import wire
+from psar.ps.client.tcp_transport import DEFAULT_MAX_FRAME_BYTES
+from psar.ps.partition import DEFAULT_CHUNK_BYTES
+from psar.worker.supervisor import Supervisor
+
 from bench.baselines.tcp import MIB, TcpSink
 from bench.lib import common as c
 from bench.lib.datapath import Settler, run_config
-from ps import wire
-from ps.client.tcp_transport import DEFAULT_MAX_FRAME_BYTES
-from ps.partition import DEFAULT_CHUNK_BYTES
-from worker.supervisor import Supervisor
 
 TRANSPORTS = ("grpc", "tcp")
 
@@ -107,13 +108,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         type=float,
         default=DEFAULT_CHUNK_BYTES / MIB,
         help="plan_slots chunk size: tensors bigger than this are cut into slots (default: "
-        "ps.partition's, 4; 64 measured no faster, docs/results.md)",
+        "psar.ps.partition's, 4; 64 measured no faster, docs/results.md)",
     )
     p.add_argument(
         "--message-mib",
         type=float,
         default=wire.DEFAULT_MESSAGE_BYTES / MIB,
-        help="MiB per streamed gRPC message, client and server (default: ps.wire's, 1; "
+        help="MiB per streamed gRPC message, client and server (default: psar.ps.wire's, 1; "
         "4 and 8 measured slower)",
     )
     p.add_argument(
@@ -127,7 +128,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--frame-mib",
         type=float,
         default=DEFAULT_MAX_FRAME_BYTES / MIB,
-        help="tcp: MiB of tensor bytes per pushed piece frame (default: ps.client.tcp_transport's, 4)",
+        help="tcp: MiB of tensor bytes per pushed piece frame (default: psar.ps.client.tcp_transport's, 4)",
     )
     p.add_argument(
         "--shard-omp-threads",

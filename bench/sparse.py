@@ -96,9 +96,8 @@ def _run(
 def _touched(rows: list[int], opts: list[str], batch: int, steps: int) -> list[float]:
     """Mean fraction of each table's rows the 2 workers touch per step (same batches)."""
     import torch
-
-    from worker.data import ShardedBatches
-    from worker.workloads import load_workload
+    from psar.worker.data import ShardedBatches
+    from psar.worker.workloads import load_workload
 
     kv = dict(o.split("=", 1) for o in opts[1::2])
     w = load_workload("recsys", 0, kv, materialize=False)  # the ids only, not the tables
@@ -168,7 +167,7 @@ def bench(
                 continue
             tr = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD),
                   "--master-addr", "127.0.0.1", "--master-port", str(c.free_port()),
-                  "-m", "worker.cli", *common, "--arch", "allreduce", "--wire-dtype", wire,
+                  "-m", "psar.worker.cli", *common, "--arch", "allreduce", "--wire-dtype", wire,
                   "--workload-option", f"sparse={sparse}", "--report", str(t / f"{name}.json"),
                   "--run-dir", str(t / name)]  # fmt: skip
             for attempt in range(2):

@@ -21,16 +21,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
-import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from psar.worker.own_loop import prepare
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout too
-
-from worker.own_loop import prepare  # noqa: E402
 
 
 class Net(torch.nn.Module):
@@ -165,7 +160,7 @@ def main(argv: list[str] | None = None) -> None:
 def make_workload(seed: int, *, width: str = "64", dropout: str = "0.1"):  # noqa: ANN201
     """The same model and data for psar's own loop (`psar train --workload
     examples.own_loop:make_workload`)."""
-    from worker.workloads import Workload
+    from psar.worker.workloads import Workload
 
     return Workload(
         model=build_model(seed, int(width), float(dropout)),

@@ -5,7 +5,7 @@ payload length), a serialized ``DataFrame`` header, then the payload: raw tensor
 only in ``piece`` frames. Everything here moves buffers with ``sendmsg``/``recv_into``
 (no per-byte Python, no joining of payloads); the caller owns the sockets, which may be
 plain TCP, TLS (``ssl.SSLSocket``) or sealed records after a TLS hello
-(``ps.sealed.SealedSocket``): those have no sendmsg and no recv flags, so they take the
+(``psar.ps.sealed.SealedSocket``): those have no sendmsg and no recv flags, so they take the
 plain sendall/recv_into path.
 
 Reading never trusts a length before its bytes arrive: buffers for headers and payloads
@@ -26,10 +26,9 @@ from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError
-
-from ps._gen.psar.v1 import ps_pb2 as pb
-from ps.errors import InvalidArgument, PSError, ResourceExhausted
-from ps.sealed import SealedSocket
+from psar.ps._gen.psar.v1 import ps_pb2 as pb
+from psar.ps.errors import InvalidArgument, PSError, ResourceExhausted
+from psar.ps.sealed import SealedSocket
 
 MAGIC = b"PSD1"
 PREFIX = struct.Struct("<4sIQ")
@@ -293,7 +292,7 @@ def read_header(
         raise FramingError(
             InvalidArgument(
                 f"not a psar data-plane frame (magic {bytes(magic)!r}, expected {MAGIC!r}): "
-                "talk to this port with ps.client.tcp_transport, gRPC goes to the shard's "
+                "talk to this port with psar.ps.client.tcp_transport, gRPC goes to the shard's "
                 "--bind port",
                 reason="malformed",
             )

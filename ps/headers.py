@@ -1,14 +1,13 @@
 """The headers of a push and a pull, and a push's outcome: what both sides of the wire
 speak (ps/serde.py maps them to and from the proto messages). A push's StepOptions are
-trainkit.optim's (the DDP backend reads them too)."""
+psar.trainkit.optim's (the DDP backend reads them too)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import torch
-
-from trainkit.optim import StepOptions
+from psar.trainkit.optim import StepOptions
 
 __all__ = ["PullHeader", "PushHeader", "PushOutcome", "StepOptions"]
 

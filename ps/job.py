@@ -8,10 +8,10 @@ import math
 import re
 from dataclasses import dataclass, field
 
-from ps.partition import Slot
-from trainkit.choices import DEFAULT_MODE, averages_buffers, local_sgd
-from trainkit.optim import LossScaleConfig, OptimizerConfig, ParamGroup
-from trainkit.staleness_rules import rule_of
+from psar.ps.partition import Slot
+from psar.trainkit.choices import DEFAULT_MODE, averages_buffers, local_sgd
+from psar.trainkit.optim import LossScaleConfig, OptimizerConfig, ParamGroup
+from psar.trainkit.staleness_rules import rule_of
 
 MAX_INT_BUFFER_ELEMENTS = 4096
 """Integer buffer elements a job may carry in its headers (counters are scalars)."""

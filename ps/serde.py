@@ -10,15 +10,14 @@ import math
 from typing import Any
 
 import torch
-
-from ps import wire
-from ps._gen.psar.v1 import ps_pb2 as pb
-from ps.errors import InvalidArgument, quote
-from ps.headers import PullHeader, PushHeader, PushOutcome, StepOptions
-from ps.job import Job, ModeTraits
-from ps.partition import Slot
-from ps.sparse_spec import TableSpec
-from trainkit.optim import LossScaleConfig, OptimizerConfig, ParamGroup
+from psar.ps import wire
+from psar.ps._gen.psar.v1 import ps_pb2 as pb
+from psar.ps.errors import InvalidArgument, quote
+from psar.ps.headers import PullHeader, PushHeader, PushOutcome, StepOptions
+from psar.ps.job import Job, ModeTraits
+from psar.ps.partition import Slot
+from psar.ps.sparse_spec import TableSpec
+from psar.trainkit.optim import LossScaleConfig, OptimizerConfig, ParamGroup
 
 # A mode travels as its Mode enum value (the name in capitals) where the enum has one, else
 # as mode_name (a mode registered as a module of its own, ps/server/modes/).

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trainkit.choices import SPARSE_OPTIMIZERS
-from trainkit.sparse_tables import BLOCK_ROWS, init_rows, local_rows
+from psar.trainkit.choices import SPARSE_OPTIMIZERS
+from psar.trainkit.sparse_tables import BLOCK_ROWS, init_rows, local_rows
 
 OPTIMIZERS = SPARSE_OPTIMIZERS
 

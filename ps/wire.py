@@ -11,8 +11,7 @@ import warnings
 from collections.abc import Iterator
 
 import torch
-
-from trainkit.dtypes import DTYPE_BY_NAME, NAME_BY_DTYPE  # noqa: F401 - re-exported names
+from psar.trainkit.dtypes import DTYPE_BY_NAME, NAME_BY_DTYPE  # noqa: F401 - re-exported names
 
 DEFAULT_MESSAGE_BYTES = 1 << 20
 
@@ -36,7 +35,7 @@ def as_bytes_view(flat: torch.Tensor) -> memoryview:
         # Device tensors reach the wire through host buffers (trainkit/device_io.py).
         raise ValueError(
             f"a tensor on {flat.device} cannot go on the wire as it is; stage it in host "
-            "memory first (trainkit.device_io.to_host or DeviceIO.stage_out)"
+            "memory first (psar.trainkit.device_io.to_host or DeviceIO.stage_out)"
         )
     if flat.dtype in (torch.float16, torch.bfloat16):
         flat = flat.view(torch.int16)

@@ -4,7 +4,7 @@ Run `python scripts/gen_protos.py` after editing a .proto file. With `--check`
 it generates into a temporary folder and exits 1 if the checked-in stubs differ
 (tests/test_protos_fresh.py runs that).
 
-The stubs live inside the `ps` package (as `ps._gen.psar.v1`), never as a
+The stubs live inside the `ps` package (as `psar.ps._gen.psar.v1`), never as a
 top-level `proto` package: that name belongs to a popular PyPI distribution.
 """
 
@@ -42,7 +42,7 @@ def generate(out: pathlib.Path) -> list[pathlib.Path]:
     for path in generated:
         if path.suffix == ".py" and path.name.endswith("_grpc.py"):
             # protoc emits absolute imports (`from psar.v1 import ps_pb2`); make them
-            # package-relative so the stubs import as ps._gen.psar.v1.
+            # package-relative so the stubs import as psar.ps._gen.psar.v1.
             text = path.read_text().replace("from psar.v1 import", "from . import")
             path.write_text(text)
     for d in {p.parent for p in generated} | {out / "psar"}:

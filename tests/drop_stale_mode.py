@@ -19,9 +19,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ps.headers import PushOutcome
-from ps.job import Job, ModeTraits
-from ps.server.modes import (
+from psar.ps.headers import PushOutcome
+from psar.ps.job import Job, ModeTraits
+from psar.ps.server.modes import (
     BUILTIN,
     Mode,
     RuleOptions,
@@ -30,7 +30,7 @@ from ps.server.modes import (
     UpdatePolicy,
     asynchronous,
 )
-from ps.server.modes.asynchronous import AsyncPolicy
+from psar.ps.server.modes.asynchronous import AsyncPolicy
 
 NAME = "drop_stale"
 

@@ -135,7 +135,7 @@ class Workers:
 
 
 def stats(addresses: Sequence[str]) -> list[dict]:
-    from ps.client.psclient import ClientConfig, PSClient
+    from psar.ps.client.psclient import ClientConfig, PSClient
 
     cfg = ClientConfig(timeout_s=5, retry_timeout_s=5)
     with PSClient(addresses, worker=0, cfg=cfg) as client:

@@ -11,8 +11,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from worker.workloads.base import Workload
-from worker.workloads.mlp import make
+from psar.worker.workloads.base import Workload
+from psar.worker.workloads.mlp import make
 
 
 def crashing_mlp(

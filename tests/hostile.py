@@ -30,17 +30,17 @@ from typing import Any
 
 import grpc
 import torch
+from psar.ps import auth, wire
+from psar.ps import framing as fr
+from psar.ps._gen.psar.v1 import ps_pb2 as pb
+from psar.ps._gen.psar.v1 import ps_pb2_grpc as pb_grpc
+from psar.ps.client.client_config import ClientConfig
+from psar.ps.client.psclient import PSClient
+from psar.ps.job import Job
+from psar.ps.partition import plan_slots
+from psar.ps.server.config import ServerConfig
+from psar.ps.server.shard import ShardState
 
-from ps import auth, wire
-from ps import framing as fr
-from ps._gen.psar.v1 import ps_pb2 as pb
-from ps._gen.psar.v1 import ps_pb2_grpc as pb_grpc
-from ps.client.client_config import ClientConfig
-from ps.client.psclient import PSClient
-from ps.job import Job
-from ps.partition import plan_slots
-from ps.server.config import ServerConfig
-from ps.server.shard import ShardState
 from tests.fault_procs import Shard
 from tests.hostile_wire import MAX_MESSAGE
 from tests.ps_fixtures import init_values, make_job
@@ -372,8 +372,8 @@ def secure_exchange(
     its share), the rest of `data` goes in sealed records and ends with the close record
     (the sealed form of a half-close). Otherwise the bytes go as they are, inside TLS,
     and the TCP half-close ends them. Returns the replies and whether it sealed."""
-    from ps import sealed as sl
-    from ps.client.tcp_transport import client_ssl_context
+    from psar.ps import sealed as sl
+    from psar.ps.client.tcp_transport import client_ssl_context
 
     replies: list[pb.DataFrame] = []
     scratch = fr.Scratch()

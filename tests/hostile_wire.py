@@ -13,12 +13,11 @@ import struct
 from typing import Any
 
 from google.protobuf.message import DecodeError
-
-from ps import framing as fr
-from ps._gen.psar.v1 import ps_pb2 as pb
-from ps.errors import PSError
-from ps.server.doors.calls import PushCall
-from ps.server.shard import ShardState
+from psar.ps import framing as fr
+from psar.ps._gen.psar.v1 import ps_pb2 as pb
+from psar.ps.errors import PSError
+from psar.ps.server.doors.calls import PushCall
+from psar.ps.server.shard import ShardState
 
 MAX_MESSAGE = 1 << 20
 """The shard's --max-message-bytes in these tests (also the data plane's payload cap)."""

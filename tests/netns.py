@@ -5,7 +5,7 @@
     reason = netns.unavailable_reason()        # None, or why namespaces cannot be made
     with netns.lan(["shards", "w0", "w1"]) as lan:
         lan["shards"].addr                      # "10.77.0.1", then .2, .3 ...
-        p = lan["shards"].popen(["python", "-m", "worker.cli", "server", ...])
+        p = lan["shards"].popen(["python", "-m", "psar.worker.cli", "server", ...])
         lan.hub.fetch("http://10.77.0.1:9400/metrics")   # the hub is a host too (.254)
         netns.shape(lan["w0"], rate_mbit=100)    # tc on w0's link (netem when delay/loss)
 

@@ -19,7 +19,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-PSAR = [sys.executable, "-m", "worker.cli"]
+PSAR = [sys.executable, "-m", "psar.worker.cli"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
@@ -123,7 +123,7 @@ def run_torchrun(world: int, tmp: Path, common: Sequence[str], timeout: float = 
     args = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
         "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-        "-m", "worker.cli", "train", "--arch", "allreduce", "--torch-threads", "1",
+        "-m", "psar.worker.cli", "train", "--arch", "allreduce", "--torch-threads", "1",
         "--report", str(tmp / "report-ddp.json"), "--log-every", "0", *common,
     ]  # fmt: skip
     p = run_own_group(args, timeout)  # a rank hung at exit once and outlived its test
@@ -136,7 +136,7 @@ def run_torchrun(world: int, tmp: Path, common: Sequence[str], timeout: float = 
 
 def shard_stats(addrs: Sequence[str]) -> list[dict]:
     """Each live shard's counters and state digest (the Stats RPC)."""
-    from ps.client.psclient import PSClient
+    from psar.ps.client.psclient import PSClient
 
     with PSClient(addrs, worker=0) as client:
         return client.stats()

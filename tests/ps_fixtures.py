@@ -16,18 +16,17 @@ from typing import Any
 
 import grpc
 import torch
-
-from ps import serde, wire
-from ps._gen.psar.v1 import ps_pb2 as pb
-from ps._gen.psar.v1 import ps_pb2_grpc as pb_grpc
-from ps.headers import PullHeader, PushHeader
-from ps.job import Job
-from ps.partition import Slot, plan_slots
-from ps.server.config import ServerConfig
-from ps.server.modes import BUILTIN, Modes
-from ps.server.serve import start_server, stop_server
-from ps.server.shard import ShardState
-from trainkit.optim import LossScaleConfig, OptimizerConfig, build_optimizer
+from psar.ps import serde, wire
+from psar.ps._gen.psar.v1 import ps_pb2 as pb
+from psar.ps._gen.psar.v1 import ps_pb2_grpc as pb_grpc
+from psar.ps.headers import PullHeader, PushHeader
+from psar.ps.job import Job
+from psar.ps.partition import Slot, plan_slots
+from psar.ps.server.config import ServerConfig
+from psar.ps.server.modes import BUILTIN, Modes
+from psar.ps.server.serve import start_server, stop_server
+from psar.ps.server.shard import ShardState
+from psar.trainkit.optim import LossScaleConfig, OptimizerConfig, build_optimizer
 
 # Two parameters; with CHUNK_BYTES = 32 (8 fp32 elements) "w" is cut into two slots,
 # so every test exercises multi-slot pushes: w#0 (8), w#1 (4), b#0 (5).

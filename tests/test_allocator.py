@@ -9,9 +9,8 @@ import subprocess
 import sys
 
 import pytest
-
-from ps.server.config import ServerConfig
-from trainkit.allocator import set_mmap_threshold
+from psar.ps.server.config import ServerConfig
+from psar.trainkit.allocator import set_mmap_threshold
 
 ENV = {**os.environ, "PYTHONPATH": os.getcwd()}
 GLIBC = platform.libc_ver()[0] == "glibc"
@@ -21,7 +20,7 @@ GLIBC = platform.libc_ver()[0] == "glibc"
 # (glibc's threshold then rises to 4 MiB). Prints the resident MiB the frees gave back.
 RETAINED = """
 import sys, torch
-from trainkit.allocator import set_mmap_threshold
+from psar.trainkit.allocator import set_mmap_threshold
 if sys.argv[1] != "0":
     assert set_mmap_threshold(int(sys.argv[1]))
 def rss():
@@ -74,7 +73,7 @@ def test_the_flag_is_checked_and_named() -> None:
 )
 def test_a_shard_sets_it_at_start(flag: list[str], said: bool) -> None:
     p = subprocess.run(
-        [sys.executable, "-m", "worker.cli", "server", "--bind", "127.0.0.1:0",
+        [sys.executable, "-m", "psar.worker.cli", "server", "--bind", "127.0.0.1:0",
          "--data-port", "-1", "--init-timeout-s", "0.5", *flag],
         capture_output=True, text=True, env=ENV, timeout=120,
     )  # fmt: skip

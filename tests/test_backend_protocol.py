@@ -18,11 +18,10 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from worker.backend import Backend
-from worker.config import PSConfig, TrainConfig
-from worker.loop import backend_class, make_backend
-from worker.precision import resolve
+from psar.worker.backend import Backend
+from psar.worker.config import PSConfig, TrainConfig
+from psar.worker.loop import backend_class, make_backend
+from psar.worker.precision import resolve
 
 ROOT = Path(__file__).resolve().parents[1]
 LOOP_FILES = [
@@ -127,13 +126,13 @@ def test_both_backends_are_built_the_same_way() -> None:
 
 
 @pytest.mark.parametrize(
-    ("arch", "other"), [("ps", "allreduce.backend"), ("allreduce", "ps.client.backend")]
+    ("arch", "other"), [("ps", "psar.allreduce.backend"), ("allreduce", "psar.ps.client.backend")]
 )
 def test_picking_a_backend_loads_only_its_architecture(arch: str, other: str) -> None:
     code = (
         "import json, sys\n"
-        "from worker.config import PSConfig, TrainConfig\n"
-        "from worker.loop import backend_class\n"
+        "from psar.worker.config import PSConfig, TrainConfig\n"
+        "from psar.worker.loop import backend_class\n"
         f"backend_class(TrainConfig(arch={arch!r}, ps=PSConfig(servers='h:1')))\n"
         "print(json.dumps(sorted(sys.modules)))\n"
     )

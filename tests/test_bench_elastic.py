@@ -8,10 +8,10 @@ import json
 from pathlib import Path
 
 import pytest
+from psar.worker.data import ElasticBatches, ShardedBatches
 
 from bench.lib import elastic_count as ec
 from tests.test_bench_smoke import _bench
-from worker.data import ElasticBatches, ShardedBatches
 
 N, B = 96, 4  # samples, batch: 24 batches in the epoch
 

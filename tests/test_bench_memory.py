@@ -9,9 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from psar.worker.workloads import mlp
 
 from bench.lib import memory
-from worker.workloads import mlp
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -33,11 +33,11 @@ def test_per_param_subtracts_the_baseline_job() -> None:
 
 def test_role_tells_ranks_shards_and_torchrun_apart() -> None:
     py = "/usr/bin/python3"
-    assert memory.role([py, "-u", "-m", "worker.cli", "train", "--arch", "ps"]) == "worker"
-    assert memory.role([py, "-m", "worker.cli", "server", "--shard", "0"]) == "shard"
-    agent = [py, "-m", "torch.distributed.run", "--nnodes", "1", "-m", "worker.cli", "train"]
+    assert memory.role([py, "-u", "-m", "psar.worker.cli", "train", "--arch", "ps"]) == "worker"
+    assert memory.role([py, "-m", "psar.worker.cli", "server", "--shard", "0"]) == "shard"
+    agent = [py, "-m", "torch.distributed.run", "--nnodes", "1", "-m", "psar.worker.cli", "train"]
     assert memory.role(agent) is None
-    assert memory.role([py, "-m", "worker.cli"]) is None
+    assert memory.role([py, "-m", "psar.worker.cli"]) is None
     assert memory.role(["bash", "-c", "true"]) is None
 
 

@@ -8,12 +8,11 @@ import sys
 import time
 
 import pytest
-
-from ps.server.config import ServerConfig
-from trainkit.optim import LossScaleConfig, OptimizerConfig
-from worker import cli
-from worker.cli_gen import accepted_flags, field_docs, flag_names
-from worker.config import DDPConfig, PSConfig, TrainConfig
+from psar.ps.server.config import ServerConfig
+from psar.trainkit.optim import LossScaleConfig, OptimizerConfig
+from psar.worker import cli
+from psar.worker.cli_gen import accepted_flags, field_docs, flag_names
+from psar.worker.config import DDPConfig, PSConfig, TrainConfig
 
 # Users' scripts depend on these names: add freely, never rename or remove.
 TRAIN_FLAGS = [
@@ -79,7 +78,7 @@ def test_a_flag_name_means_one_thing_in_every_command() -> None:
 
 
 def test_old_flag_names_still_work_and_say_the_new_one(capsys) -> None:  # noqa: ANN001
-    from worker.cli_parser import build_parser
+    from psar.worker.cli_parser import build_parser
 
     ns = build_parser().parse_args(["train", "--threads", "3"])
     assert vars(ns)["threads"] == 3
@@ -162,7 +161,7 @@ def test_unknown_config_key_is_refused(tmp_path, capsys) -> None:
 
 def test_console_script_help_lists_subcommands() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "worker.cli", "--help"], capture_output=True, text=True
+        [sys.executable, "-m", "psar.worker.cli", "--help"], capture_output=True, text=True
     )
     assert out.returncode == 0
     for sub in ("server", "train", "plan", "report"):
@@ -180,7 +179,7 @@ def test_sigterm_stops_a_worker_with_its_exit_code(extra, code) -> None:
     from tests.procs import ENV, free_port
 
     p = subprocess.Popen(
-        [sys.executable, "-m", "worker.cli", "train", "--arch", "ps",
+        [sys.executable, "-m", "psar.worker.cli", "train", "--arch", "ps",
          "--servers", f"127.0.0.1:{free_port()}", "--steps", "1", "--timeout-s", "600", *extra],
         stderr=subprocess.PIPE, text=True, env=ENV,
     )  # fmt: skip
@@ -208,7 +207,9 @@ def test_sigterm_exit_code_is_checked(capsys) -> None:
 
 
 def test_dry_run_resolves_the_workload(capsys) -> None:
-    assert _dry(capsys, "--servers", "h:1")["resolved"]["workload"] == "worker.workloads.mlp:make"
+    assert (
+        _dry(capsys, "--servers", "h:1")["resolved"]["workload"] == "psar.worker.workloads.mlp:make"
+    )
     with pytest.raises(SystemExit) as e:
         cli.main(["train", "--dry-run", "--servers", "h:1", "--workload", "bogus"])
     assert e.value.code == 2  # as a start would: the Slurm scripts check a job this way
@@ -229,7 +230,7 @@ def test_a_shard_on_a_port_in_use_says_so_and_exits_1() -> None:
     holder.start()
     try:
         p = subprocess.run(
-            [sys.executable, "-m", "worker.cli", "server", "--bind", f"127.0.0.1:{port}",
+            [sys.executable, "-m", "psar.worker.cli", "server", "--bind", f"127.0.0.1:{port}",
              "--shard", "3", "--data-port", "-1"],
             capture_output=True, text=True, env=ENV, timeout=120,
         )  # fmt: skip

@@ -1,5 +1,5 @@
 """ClientConfig is derived from the train config, not copied: the connection fields
-(timeouts, reconnect, TLS, data plane) are declared once (trainkit.connection), with one
+(timeouts, reconnect, TLS, data plane) are declared once (psar.trainkit.connection), with one
 default each and one check each, whichever config is built."""
 
 from __future__ import annotations
@@ -7,11 +7,10 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-
-from ps.client.psclient import ClientConfig
-from trainkit.connection import ConnectionConfig
-from worker.cli_gen import field_docs, flag_names
-from worker.config import PSConfig, TrainConfig
+from psar.ps.client.psclient import ClientConfig
+from psar.trainkit.connection import ConnectionConfig
+from psar.worker.cli_gen import field_docs, flag_names
+from psar.worker.config import PSConfig, TrainConfig
 
 SHARED = [f.name for f in dataclasses.fields(ConnectionConfig)]
 

@@ -10,14 +10,14 @@ from typing import Any
 import grpc
 import pytest
 import torch
+from psar.ps._gen.psar.v1 import ps_pb2 as pb
+from psar.ps.client.psclient import ClientConfig, PSClient, PSClientError
+from psar.ps.job import Job
+from psar.ps.partition import plan_slots
+from psar.ps.server.config import ServerConfig
+from psar.ps.server.serve import start_server, stop_server
+from psar.ps.server.shard import ShardState
 
-from ps._gen.psar.v1 import ps_pb2 as pb
-from ps.client.psclient import ClientConfig, PSClient, PSClientError
-from ps.job import Job
-from ps.partition import plan_slots
-from ps.server.config import ServerConfig
-from ps.server.serve import start_server, stop_server
-from ps.server.shard import ShardState
 from tests.ps_fixtures import (
     PARAMS,
     free_port,

@@ -7,8 +7,7 @@ import math
 from pathlib import Path
 
 import pytest
-
-from worker.compare import DEFAULT_RUNS, RUNS, TABLE_KEYS, main, smoothed, table, time_to
+from psar.worker.compare import DEFAULT_RUNS, RUNS, TABLE_KEYS, main, smoothed, table, time_to
 
 
 def test_smoothed_is_a_trailing_mean_that_skips_non_finite_losses() -> None:
@@ -94,8 +93,8 @@ def test_compare_end_to_end_small(tmp_path: Path, capsys) -> None:
 
 # --- --repeats: mean ± 95% interval (issue #19) -----------------------------------------
 
-from worker import compare_repeats  # noqa: E402
-from worker.intervals import format_interval, mean_interval, t975  # noqa: E402
+from psar.worker import compare_repeats  # noqa: E402
+from psar.worker.intervals import format_interval, mean_interval, t975  # noqa: E402
 
 
 def test_mean_interval_is_students_t() -> None:

@@ -9,9 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from psar.worker.data import ShardedBatches, evaluate
 from torch.utils.data import Dataset, DistributedSampler, TensorDataset
-
-from worker.data import ShardedBatches, evaluate
 
 
 def indexed(n: int) -> TensorDataset:
@@ -104,7 +103,7 @@ def test_same_batches_in_another_process() -> None:
         """
         import torch
         from torch.utils.data import TensorDataset
-        from worker.data import ShardedBatches
+        from psar.worker.data import ShardedBatches
         ids = torch.arange(100)
         sb = ShardedBatches(TensorDataset(ids, ids), batch_size=7, rank=2, world_size=3, seed=9)
         print([sb.batch(s)[1].tolist() for s in (0, 4, 11)])

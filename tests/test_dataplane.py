@@ -23,14 +23,14 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
+from psar.ps import framing as fr
+from psar.ps import serde, wire
+from psar.ps._gen.psar.v1 import ps_pb2 as pb
+from psar.ps.client.tcp_transport import DataPlaneClient, DataPlaneError
+from psar.ps.job import Job
+from psar.ps.server.config import ServerConfig
+from psar.ps.server.shard import ShardState
 
-from ps import framing as fr
-from ps import serde, wire
-from ps._gen.psar.v1 import ps_pb2 as pb
-from ps.client.tcp_transport import DataPlaneClient, DataPlaneError
-from ps.job import Job
-from ps.server.config import ServerConfig
-from ps.server.shard import ShardState
 from tests.ps_fixtures import (
     grad_for,
     init_chunks,
@@ -423,8 +423,8 @@ def test_token_is_required_and_checked(tmp_path: Path) -> None:
 
 
 def _data_port(port: int, token: str = "") -> int:
-    from ps import auth
-    from ps._gen.psar.v1 import ps_pb2_grpc as pb_grpc
+    from psar.ps import auth
+    from psar.ps._gen.psar.v1 import ps_pb2_grpc as pb_grpc
 
     channel = auth.make_channel(f"127.0.0.1:{port}", [], token=token)
     try:

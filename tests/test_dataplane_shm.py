@@ -23,20 +23,20 @@ import grpc
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
+from psar.ps import framing as fr
+from psar.ps import shm
+from psar.ps._gen.psar.v1 import ps_pb2 as pb
+from psar.ps.client.tcp_transport import DataPlaneClient, DataPlaneError
+from psar.ps.partition import plan_slots
+from psar.ps.server.config import ServerConfig
+from psar.ps.server.metrics.prometheus import ShardMetrics
+from psar.ps.server.serve import start_server, stop_server
+from psar.ps.shm import Segment, SegmentRefused
+from psar.trainkit.prom import serve_metrics, stop_metrics
 
-from ps import framing as fr
-from ps import shm
-from ps._gen.psar.v1 import ps_pb2 as pb
-from ps.client.tcp_transport import DataPlaneClient, DataPlaneError
-from ps.partition import plan_slots
-from ps.server.config import ServerConfig
-from ps.server.metrics.prometheus import ShardMetrics
-from ps.server.serve import start_server, stop_server
-from ps.shm import Segment, SegmentRefused
 from tests.ps_fixtures import grad_for, init_values, make_job, weights_digest
 from tests.test_dataplane import END, header, items, pull_into, read_frame
 from tests.test_dataplane_bounds import Live
-from trainkit.prom import serve_metrics, stop_metrics
 
 # A model of 23,010 parameters (92 KB in fp32): many pieces, many laps of a small ring.
 SLOTS = plan_slots([("w", 20000), ("b", 3000), ("c", 10)], 1)

@@ -34,9 +34,8 @@ from unittest import mock
 
 import pytest
 import yaml
-
-from trainkit import roles
-from worker import cli
+from psar.trainkit import roles
+from psar.worker import cli
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -101,7 +100,7 @@ def run_line(argv: list[str], env: dict[str, str]) -> dict:
     if args.no_python:
         assert args.training_script == "psar", argv
     else:
-        assert args.module and args.training_script == "worker.cli", argv
+        assert args.module and args.training_script == "psar.worker.cli", argv
     assert args.rdzv_backend in ("c10d", "static"), args.rdzv_backend
     nnodes = int(str(args.nnodes).split(":")[-1])
     nproc = int(args.nproc_per_node)
@@ -279,9 +278,8 @@ def test_healthcheck_probe_against_real_servers(tmp_path) -> None:
     from concurrent import futures
 
     import grpc
-
-    from ps.server.config import ServerConfig
-    from ps.server.serve import start_server
+    from psar.ps.server.config import ServerConfig
+    from psar.ps.server.serve import start_server
 
     hc = _healthcheck()
     server, port, _ = start_server(ServerConfig(bind="127.0.0.1:0"))
@@ -306,7 +304,7 @@ def test_healthcheck_finds_the_shard_in_proc(tmp_path) -> None:
     hc = _healthcheck()
     for pid, argv in {1: ["tini", "--", "psar", "server", "--bind", "0.0.0.0:50061"],
                       7: ["/usr/local/bin/psar", "server"],
-                      9: ["python", "-m", "worker.cli", "server", "--bind=10.1.2.3:7"]}.items():  # fmt: skip
+                      9: ["python", "-m", "psar.worker.cli", "server", "--bind=10.1.2.3:7"]}.items():  # fmt: skip
         (tmp_path / str(pid)).mkdir()
         (tmp_path / str(pid) / "cmdline").write_bytes(b"\0".join(a.encode() for a in argv) + b"\0")
     assert hc.find_target(str(tmp_path)) == "127.0.0.1:50061"

@@ -7,12 +7,11 @@ import threading
 
 import pytest
 import torch
-
-from ps import wire
-from ps.client.overlap import PushBuckets
-from ps.client.pull_gate import PullGate
-from ps.partition import plan_slots
-from trainkit.device_io import DeviceIO, state_to_host, to_device, to_host
+from psar.ps import wire
+from psar.ps.client.overlap import PushBuckets
+from psar.ps.client.pull_gate import PullGate
+from psar.ps.partition import plan_slots
+from psar.trainkit.device_io import DeviceIO, state_to_host, to_device, to_host
 
 CPU = torch.device("cpu")
 

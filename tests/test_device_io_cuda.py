@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from ps.client.overlap import PushBuckets
-from ps.client.pull_gate import PullGate
-from ps.partition import plan_slots
-from trainkit.device_io import DeviceIO, state_to_host, to_host
+from psar.ps.client.overlap import PushBuckets
+from psar.ps.client.pull_gate import PullGate
+from psar.ps.partition import plan_slots
+from psar.trainkit.device_io import DeviceIO, state_to_host, to_host
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

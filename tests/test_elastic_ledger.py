@@ -7,8 +7,7 @@ from __future__ import annotations
 import random
 
 import pytest
-
-from ps.server.membership.ledger import DataLedger
+from psar.ps.server.membership.ledger import DataLedger
 
 
 def test_deal_is_idempotent_and_in_order() -> None:

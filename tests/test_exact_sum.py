@@ -20,18 +20,18 @@ from pathlib import Path
 
 import pytest
 import torch
+from psar.ps import wire
+from psar.ps.errors import FailedPrecondition, InvalidArgument, PSError
+from psar.ps.headers import PushHeader
+from psar.ps.job import Job
+from psar.ps.partition import plan_slots
+from psar.ps.server.durability.checkpoints import CheckpointManager
+from psar.ps.server.modes import exact_sum
+from psar.ps.server.modes.exact_sum import UNIT, ExactSum, fixed_point, into_fixed
+from psar.ps.server.shard import ShardState
+from psar.trainkit.optim import LossScaleConfig, OptimizerConfig
 
-from ps import wire
-from ps.errors import FailedPrecondition, InvalidArgument, PSError
-from ps.headers import PushHeader
-from ps.job import Job
-from ps.partition import plan_slots
-from ps.server.durability.checkpoints import CheckpointManager
-from ps.server.modes import exact_sum
-from ps.server.modes.exact_sum import UNIT, ExactSum, fixed_point, into_fixed
-from ps.server.shard import ShardState
 from tests.ps_fixtures import pull
-from trainkit.optim import LossScaleConfig, OptimizerConfig
 
 PARAMS = [("w", 700), ("b", 37), ("v", 300)]
 CHUNK = 1024  # bytes: 256-element slots, so every push has several

@@ -15,8 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from ps.server.durability.checkpoints import (
+from psar.ps.server.durability.checkpoints import (
     CheckpointManager,
     atomic_save,
     clean_temp,
@@ -60,7 +59,7 @@ WRITER = textwrap.dedent(
     """
     import sys, time, torch
     from pathlib import Path
-    from ps.server.durability.checkpoints import atomic_save, path_for
+    from psar.ps.server.durability.checkpoints import atomic_save, path_for
 
     folder = Path(sys.argv[1])
     atomic_save({"format": 1, "step": 1, "x": torch.ones(10)}, path_for(folder, 0, 1))

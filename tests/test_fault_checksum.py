@@ -17,15 +17,15 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from ps.server.durability import checkpoints
-from ps.server.durability.checkpoints import (
+from psar.ps.server.durability import checkpoints
+from psar.ps.server.durability.checkpoints import (
     CheckpointManager,
     list_checkpoints,
     newest_verified,
     path_for,
 )
-from ps.server.shard import ShardState
+from psar.ps.server.shard import ShardState
+
 from tests.fault_procs import Shard, Workers, stats, wait_until
 from tests.procs import ENV, PSAR, free_port
 

@@ -11,8 +11,8 @@ import subprocess
 import sys
 
 import pytest
+from psar.ps.server.durability.checkpoints import load
 
-from ps.server.durability.checkpoints import load
 from tests.procs import ENV, free_port
 
 EVERY = 3
@@ -22,7 +22,7 @@ def torchrun(tmp, steps: int, *extra: str) -> subprocess.CompletedProcess:
     args = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
         "--max-restarts", "1", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-        "-m", "worker.cli", "train", "--arch", "allreduce", "--torch-threads", "1", "--log-every", "0",
+        "-m", "psar.worker.cli", "train", "--arch", "allreduce", "--torch-threads", "1", "--log-every", "0",
         "--workload", "tests.fault_workloads:crashing_mlp", "--workload-option", "crash_step=8",
         "--batch-size", "16", "--precision", "fp32", "--eval-batches", "0", "--steps", str(steps),
         "--checkpoint-dir", str(tmp / "ckpt"), "--checkpoint-every", str(EVERY),
@@ -62,7 +62,7 @@ def run_world(tmp, nproc: int, steps: int) -> list[dict]:
     args = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
         "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-        "-m", "worker.cli", "train", "--arch", "allreduce", "--torch-threads", "1",
+        "-m", "psar.worker.cli", "train", "--arch", "allreduce", "--torch-threads", "1",
         "--log-every", "0", "--workload", "mlp", "--batch-size", "16", "--precision", "fp32",
         "--eval-batches", "0", "--steps", str(steps), "--checkpoint-dir", str(tmp / "ckpt"),
         "--checkpoint-every", str(EVERY), "--run-dir", str(run),
@@ -81,7 +81,7 @@ def test_a_world_of_another_size_continues_at_the_same_place_in_the_data(tmp_pat
     """torchrun --nnodes MIN:MAX restarts a job with more or fewer ranks: the checkpoint's
     step is rebased to the new world's steps, so no batch of the epoch is skipped or
     trained twice (2 ranks, then 1, then 2 again)."""
-    from worker.data import ShardedBatches
+    from psar.worker.data import ShardedBatches
 
     first = run_world(tmp_path, 2, 6)  # checkpoint of step 6: batches 0..11
     alone = run_world(tmp_path, 1, 20)  # continues at step 12 (6 x 2 / 1): batches 12..19

@@ -14,15 +14,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from psar.ps.client.psclient import ClientConfig, PSClient
+from psar.ps.server.config import ServerConfig
+from psar.ps.server.durability.checkpoints import CheckpointManager
+from psar.ps.server.serve import start_server, stop_server
+from psar.ps.server.shard import ShardState
+from psar.worker.config import PSConfig, TrainConfig
+from psar.worker.precision import resolve
 
-from ps.client.psclient import ClientConfig, PSClient
-from ps.server.config import ServerConfig
-from ps.server.durability.checkpoints import CheckpointManager
-from ps.server.serve import start_server, stop_server
-from ps.server.shard import ShardState
 from tests.fault_procs import Shard, wait_until
-from worker.config import PSConfig, TrainConfig
-from worker.precision import resolve
 
 
 def model() -> torch.nn.Module:
@@ -45,7 +45,7 @@ class Job:
         )
         self.shard1 = Shard(1, tmp, "--checkpoint-dir", str(tmp / "s1"), "--checkpoint-every", "1")
         self.shard1.start()
-        from ps.client.backend import PSBackend
+        from psar.ps.client.backend import PSBackend
 
         cfg = TrainConfig(
             arch="ps",

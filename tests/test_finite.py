@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from trainkit.finite import all_finite, all_finite_readonly
+from psar.trainkit.finite import all_finite, all_finite_readonly
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf"), None])

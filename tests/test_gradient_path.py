@@ -4,7 +4,7 @@ docs/architecture.md names, and crosses at most MAX_FILES files.
 The path is measured, not listed by hand: a real shard takes two workers' pushes over the
 TCP data plane while the files on the handling thread's stack are noted at each moment the
 gradient itself moves: its bytes are read from the socket into the staging buffers
-(framing.recv_exact), its values are unscaled and checked (trainkit.finite.all_finite), the
+(framing.recv_exact), its values are unscaled and checked (psar.trainkit.finite.all_finite), the
 round's pushes are summed (the round rule's _close) and the optimizer steps (the
 stepper). What the path
 only consults on the way (membership, the mode's traits, metrics, the header's decoding)
@@ -22,16 +22,15 @@ from typing import Any
 
 import pytest
 import torch
-
-from ps import framing
-from ps.client.psclient import ClientConfig, PSClient
-from ps.job import Job
-from ps.partition import plan_slots
-from ps.server.config import ServerConfig
-from ps.server.intake import pieces
-from ps.server.modes.rounds import SyncPolicy
-from ps.server.serve import start_server, stop_server
-from ps.server.update.stepper import SlotStepper
+from psar.ps import framing
+from psar.ps.client.psclient import ClientConfig, PSClient
+from psar.ps.job import Job
+from psar.ps.partition import plan_slots
+from psar.ps.server.config import ServerConfig
+from psar.ps.server.intake import pieces
+from psar.ps.server.modes.rounds import SyncPolicy
+from psar.ps.server.serve import start_server, stop_server
+from psar.ps.server.update.stepper import SlotStepper
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "architecture.md"

@@ -6,8 +6,7 @@ from __future__ import annotations
 import os
 
 import pytest
-
-from ps.client.host_cpu import MIN_TICKS, CoLocatedCPU, HostBusy, read_proc_stat
+from psar.ps.client.host_cpu import MIN_TICKS, CoLocatedCPU, HostBusy, read_proc_stat
 
 
 def readings(*values: tuple[int, int] | None):  # noqa: ANN201

@@ -17,8 +17,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from psar.ps.client.psclient import ClientConfig, InitFailed, PSClient
 
-from ps.client.psclient import ClientConfig, InitFailed, PSClient
 from tests.procs import ENV, PSAR, free_port, shards
 from tests.ps_fixtures import init_values, make_job, serving
 
@@ -181,10 +181,10 @@ def test_the_waiting_line_is_said_before_the_init_timeout_whatever_thread_wakes_
     """CI (default run, 2026-12-04): the shard's init timeout fired before the report
     thread's tick had said "no job yet", so the line was missing. The report thread is
     kept asleep here: the timeout path must say the line itself, once."""
-    from ps.server.config import ServerConfig
-    from ps.server.serve import _await_job
-    from ps.server.shard import ShardState
-    from trainkit.waiting import Waits
+    from psar.ps.server.config import ServerConfig
+    from psar.ps.server.serve import _await_job
+    from psar.ps.server.shard import ShardState
+    from psar.trainkit.waiting import Waits
 
     monkeypatch.setattr(Waits, "_run", lambda self: None)
     cfg = ServerConfig(init_timeout_s=1)

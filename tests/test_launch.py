@@ -12,15 +12,14 @@ import time
 from pathlib import Path
 
 import pytest
-
-from worker.launch import LaunchSpec, launch, parse
-from worker.supervisor import descendants
+from psar.worker.launch import LaunchSpec, launch, parse
+from psar.worker.supervisor import descendants
 
 FAST = ["--steps", "10", "--eval-batches", "2", "--log-every", "5", "--precision", "fp32"]
 
 CRASHY = """
 import os
-from worker.workloads.mlp import make as _make
+from psar.worker.workloads.mlp import make as _make
 
 def make(seed, **options):
     if os.environ.get("RANK") == "1":
@@ -145,7 +144,7 @@ def test_one_crashing_worker_stops_everything(tmp_path: Path, arch: str) -> None
 
 @pytest.mark.slow
 def test_sigterm_to_launch_tears_everything_down(tmp_path: Path) -> None:
-    cmd = [sys.executable, "-m", "worker.launch", "--workers", "2", "--steps", "1000000",
+    cmd = [sys.executable, "-m", "psar.worker.launch", "--workers", "2", "--steps", "1000000",
            "--log-every", "0", "--run-dir", str(tmp_path), "--grace", "1"]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     seen: set[int] = set()
@@ -185,7 +184,7 @@ def test_timeout_and_allreduce_straggler_direct_launch(tmp_path: Path) -> None:
 
 
 def test_cli_routes_launch_and_compare(capsys) -> None:
-    from worker.cli import main
+    from psar.worker.cli import main
 
     for name in ("launch", "compare"):
         with pytest.raises(SystemExit) as e:

@@ -9,9 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from psar.worker import launch as L
 
 from tests.test_launch import assert_all_gone, spec
-from worker import launch as L
 
 # Makes this interpreter's children build torchrun's parser without --shutdown-timeout, as
 # torch 2.11 does: a torchrun handed that flag then exits 2 ("unrecognized arguments").
@@ -76,7 +76,7 @@ def test_old_torchrun_simulation_refuses_the_flag(tmp_path: Path) -> None:
     (tmp_path / "sitecustomize.py").write_text(OLD_TORCHRUN)
     env = {**os.environ, "PYTHONPATH": with_path(tmp_path)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--shutdown-timeout", "1",
-           "--nproc-per-node", "1", "-m", "worker.cli", "--help"]  # fmt: skip
+           "--nproc-per-node", "1", "-m", "psar.worker.cli", "--help"]  # fmt: skip
     got = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
     assert got.returncode == 2 and "--shutdown-timeout" in got.stderr
 

@@ -16,16 +16,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from psar.ps.job import Job
+from psar.ps.serde import job_from_pb, job_to_pb
+from psar.ps.server.modes import BUILTIN, RuleOptions
+from psar.ps.server.modes.local import LocalPolicy
+from psar.trainkit.local_sgd import LocalSteps, outer_optimizer_config
+from psar.trainkit.optim import LossScaleConfig, OptimizerConfig
+from psar.worker import cli
+from psar.worker.config import DDPConfig, LocalConfig, PSConfig, TrainConfig
 
-from ps.job import Job
-from ps.serde import job_from_pb, job_to_pb
-from ps.server.modes import BUILTIN, RuleOptions
-from ps.server.modes.local import LocalPolicy
 from tests.procs import run_ps_workers, run_torchrun, shards
-from trainkit.local_sgd import LocalSteps, outer_optimizer_config
-from trainkit.optim import LossScaleConfig, OptimizerConfig
-from worker import cli
-from worker.config import DDPConfig, LocalConfig, PSConfig, TrainConfig
 
 STEPS, H = 12, 4
 COMMON = ["--workload", "mlp", "--steps", str(STEPS), "--batch-size", "16", "--seed", "3",
@@ -203,7 +203,7 @@ def test_local_steps_pseudo_gradient_and_rebase() -> None:
 
 
 def test_plan_divides_per_step_communication_by_h() -> None:
-    from worker.plan_model import PlanInputs, plan
+    from psar.worker.plan_model import PlanInputs, plan
 
     base = dict(params=10**8, workers=4, bandwidth_bytes_per_second=125e6, compute_seconds=0.2)
     every, local = plan(PlanInputs(**base)), plan(PlanInputs(**base, sync_every=20))
@@ -221,7 +221,7 @@ def test_plan_divides_per_step_communication_by_h() -> None:
 
 
 def test_compare_knows_the_local_runs() -> None:
-    from worker import compare
+    from psar.worker import compare
 
     assert compare.RUNS["ps-local"] == ("ps", "local")
     assert compare.RUNS["allreduce-local"] == ("allreduce", "local")
@@ -231,7 +231,7 @@ def test_compare_knows_the_local_runs() -> None:
 
 
 def test_launch_tells_allreduce_ranks_the_local_mode() -> None:
-    from worker.launch import LaunchSpec, _ps_flags
+    from psar.worker.launch import LaunchSpec, _ps_flags
 
     assert _ps_flags(LaunchSpec(arch="allreduce", mode="local"), "", 0) == ["--mode", "local"]
     assert _ps_flags(LaunchSpec(arch="allreduce", mode="sync"), "", 0) == []
@@ -239,7 +239,7 @@ def test_launch_tells_allreduce_ranks_the_local_mode() -> None:
 
 @pytest.mark.slow
 def test_compare_runs_local_under_both_architectures(tmp_path: Path) -> None:
-    from worker.compare import main as compare_main
+    from psar.worker.compare import main as compare_main
 
     out = tmp_path / "cmp"
     argv = ["--steps", "8", "--workers", "2", "--out", str(out), "--smooth", "2",

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import pytest
-
-from ps.client.locality import any_remote, is_this_host, resolve_early_pull
+from psar.ps.client.locality import any_remote, is_this_host, resolve_early_pull
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "::1", "127.0.0.2"])

@@ -121,7 +121,7 @@ def test_ddp_job_scraped(tmp_path) -> None:
         base = free_port()
     args = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
             "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-            "-m", "worker.cli", "train", "--arch", "allreduce", "--steps", str(STEPS),
+            "-m", "psar.worker.cli", "train", "--arch", "allreduce", "--steps", str(STEPS),
             "--batch-size", str(BATCH), "--precision", "fp32", "--eval-batches", "0",
             "--log-every", "0", "--torch-threads", "1", "--slowdown", "2",
             "--metrics-port", str(base), "--metrics-linger-s", "60"]  # fmt: skip

@@ -14,8 +14,7 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
-
-from ps.server.metrics.prometheus import (
+from psar.ps.server.metrics.prometheus import (
     DURATION_BUCKETS,
     REJECT_REASONS,
     RPC_METHODS,
@@ -24,7 +23,7 @@ from ps.server.metrics.prometheus import (
     serve_metrics,
     stop_metrics,
 )
-from worker.metrics import PHASES, WorkerMetrics
+from psar.worker.metrics import PHASES, WorkerMetrics
 
 ROOT = Path(__file__).resolve().parents[1]
 STALENESS = [0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64]
@@ -294,8 +293,8 @@ def test_set_mode_relabels_without_losing_counts():
 
 
 def test_error_reasons_are_known():
-    # Every reason ps.errors can report is a pre-created series, not lumped into "other".
-    errors = pytest.importorskip("ps.errors")
+    # Every reason psar.ps.errors can report is a pre-created series, not lumped into "other".
+    errors = pytest.importorskip("psar.ps.errors")
     stack, reasons = [errors.PSError], set()
     while stack:
         cls = stack.pop()

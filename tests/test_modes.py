@@ -19,17 +19,17 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
+from psar.ps import serde
+from psar.ps.client.psclient import ClientConfig, PSClient, PSClientError
+from psar.ps.job import Job
+from psar.ps.server.config import ServerConfig
+from psar.ps.server.modes import BUILTIN
+from psar.ps.server.serve import start_server, stop_server
+from psar.ps.server.shard import ShardState
+from psar.trainkit import choices
 
-from ps import serde
-from ps.client.psclient import ClientConfig, PSClient, PSClientError
-from ps.job import Job
-from ps.server.config import ServerConfig
-from ps.server.modes import BUILTIN
-from ps.server.serve import start_server, stop_server
-from ps.server.shard import ShardState
 from tests import drop_stale_mode
 from tests.ps_fixtures import init_values, make_job, make_slots
-from trainkit import choices
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("ps", "worker", "allreduce", "trainkit")
@@ -84,7 +84,7 @@ def test_traits_travel_with_the_job(mode) -> None:  # noqa: ANN001 - a Mode
 
 
 def test_a_job_drops_the_loss_scale_where_the_shards_do_not_own_it() -> None:
-    from trainkit.optim import LossScaleConfig
+    from psar.trainkit.optim import LossScaleConfig
 
     ls = LossScaleConfig(enabled=True, init_scale=1024.0)
     for mode in BUILTIN:
@@ -154,7 +154,7 @@ def test_a_job_the_shard_cannot_serve_is_refused_at_init(job: Job, words: str) -
 
 
 def view_members() -> set[str]:
-    from ps.server.modes.view import ShardView
+    from psar.ps.server.modes.view import ShardView
 
     return {n for n in vars(ShardView) if not n.startswith("_")}
 
@@ -191,13 +191,15 @@ def test_rules_import_nothing_else_of_the_shard() -> None:
     push (its type, and pacing's answer) that per-chunk rules hear of."""
     import ast
 
-    allowed = {"ps.server.metrics.recorder", "ps.server.sparse.table", "ps.server.intake.pieces",
-               "ps.server.intake"}  # fmt: skip
+    allowed = {"psar.ps.server.metrics.recorder", "psar.ps.server.sparse.table", "psar.ps.server.intake.pieces",
+               "psar.ps.server.intake"}  # fmt: skip
     bad = []
     for f in sorted((ROOT / "ps" / "server" / "modes").glob("*.py")):
         for node in ast.walk(ast.parse(f.read_text())):
-            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("ps.server"):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+                "psar.ps.server"
+            ):
                 m = node.module or ""
-                if not m.startswith("ps.server.modes") and m not in allowed:
+                if not m.startswith("psar.ps.server.modes") and m not in allowed:
                     bad.append(f"{f.name}: from {m} import ...")
     assert not bad, "\n".join(bad)

@@ -93,7 +93,7 @@ def test_ps_job_across_namespaces(lan3, tmp_path) -> None:
     # Two shards on the shard host, bound to its LAN address only.
     shard_procs = []
     for i, port in enumerate(SHARD_PORTS):
-        argv = [PY, "-m", "worker.cli", "server", "--bind", f"{shards_host.addr}:{port}",
+        argv = [PY, "-m", "psar.worker.cli", "server", "--bind", f"{shards_host.addr}:{port}",
                 "--shard", str(i), "--metrics-port", str(METRICS + i),
                 "--metrics-addr", shards_host.addr]  # fmt: skip
         out = subprocess.PIPE
@@ -116,7 +116,7 @@ def test_ps_job_across_namespaces(lan3, tmp_path) -> None:
     for rank, name in enumerate(("w0", "w1")):
         host = lan3[name]
         log = open(tmp_path / f"{name}.log", "w")  # noqa: SIM115 - closed by the child exit
-        argv = [PY, "-m", "worker.cli", "train", "--arch", "ps", "--steps", str(STEPS),
+        argv = [PY, "-m", "psar.worker.cli", "train", "--arch", "ps", "--steps", str(STEPS),
                 "--batch-size", str(BATCH), "--precision", "fp32", "--eval-batches", "0",
                 "--log-every", "0", "--torch-threads", "1", "--metrics-port", str(METRICS),
                 "--metrics-addr", host.addr, "--metrics-linger-s", "8",
@@ -168,7 +168,7 @@ def test_allreduce_job_across_namespaces(tmp_path) -> None:
             argv = [PY, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
                     "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "netns",
                     "--rdzv-conf", f"is_host={is_host}", "--local-addr", lan[name].addr,
-                    "--max-restarts", "0", "-m", "worker.cli", "train", "--arch", "allreduce",
+                    "--max-restarts", "0", "-m", "psar.worker.cli", "train", "--arch", "allreduce",
                     "--steps", str(STEPS), "--batch-size", str(BATCH), "--precision", "fp32",
                     "--eval-batches", "0", "--log-every", "0", "--torch-threads", "1",
                     "--report", str(tmp_path / "report-{rank}.json")]  # fmt: skip

@@ -16,17 +16,16 @@ import dataclasses
 
 import pytest
 import torch
-
-from ps import serde
-from ps.errors import InvalidArgument
-from ps.job import Job
-from ps.partition import plan_slots
-from ps.server.shard import ShardState
-from ps.server.update import stepper
-from trainkit import optim
-from trainkit.optim import OptimizerConfig, build_optimizer, optimizer_impl, resolve_impl
-from worker.cli_gen import add_flags, build
-from worker.config import TrainConfig
+from psar.ps import serde
+from psar.ps.errors import InvalidArgument
+from psar.ps.job import Job
+from psar.ps.partition import plan_slots
+from psar.ps.server.shard import ShardState
+from psar.ps.server.update import stepper
+from psar.trainkit import optim
+from psar.trainkit.optim import OptimizerConfig, build_optimizer, optimizer_impl, resolve_impl
+from psar.worker.cli_gen import add_flags, build
+from psar.worker.config import TrainConfig
 
 # Parameters cut into slots of 256 elements (1 KiB): odd sizes, so a parameter's last
 # slot ends in a vector tail, and many slots to deal into groups.

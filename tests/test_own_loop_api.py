@@ -9,10 +9,9 @@ import io
 
 import pytest
 import torch
-
-from worker.launch import launch, parse
-from worker.own_loop import config_of
-from worker.own_optimizer import distributed
+from psar.worker.launch import launch, parse
+from psar.worker.own_loop import config_of
+from psar.worker.own_optimizer import distributed
 
 
 def _model() -> torch.nn.Module:
@@ -118,7 +117,7 @@ def test_launch_runs_a_command_after_the_double_dash() -> None:
 def test_an_optimizer_the_shards_cannot_run_is_refused_before_any_shard_is_asked(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from worker.own_loop import prepare
+    from psar.worker.own_loop import prepare
 
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")  # prepare() leaves the process as it is
     model = _model()
@@ -129,7 +128,7 @@ def test_an_optimizer_the_shards_cannot_run_is_refused_before_any_shard_is_asked
 
 @pytest.mark.parametrize("flags", [["--max-workers", "4"], ["--join"]])
 def test_an_elastic_job_is_refused_by_prepare_saying_which_loop_runs_one(flags: list) -> None:
-    from worker.own_loop import prepare
+    from psar.worker.own_loop import prepare
 
     model = _model()
     env = {"PSAR_SERVERS": "127.0.0.1:1", "RANK": "0", "WORLD_SIZE": "1"}  # nobody listens

@@ -1,12 +1,11 @@
-"""ps.partition.plan_slots: deterministic, chunked, balanced, complete; clear errors."""
+"""psar.ps.partition.plan_slots: deterministic, chunked, balanced, complete; clear errors."""
 
 from __future__ import annotations
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from ps.partition import Slot, bytes_per_shard, plan_slots
+from psar.ps.partition import Slot, bytes_per_shard, plan_slots
 
 # A small transformer-ish parameter list: sizes differ by orders of magnitude.
 MODEL = [
@@ -133,7 +132,7 @@ def test_errors(params: list[tuple[str, int]], kwargs: dict, words: str) -> None
 
 
 def test_a_plan_that_leaves_a_shard_empty_is_refused_naming_the_flags() -> None:
-    from ps.partition import check_every_shard_holds_a_slot
+    from psar.ps.partition import check_every_shard_holds_a_slot
 
     params = [("w", 10), ("b", 2)]
     check_every_shard_holds_a_slot(plan_slots(params, 2), 2, 1.0)  # two slots, two shards

@@ -8,11 +8,10 @@ import math
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-
-from worker.plan import build_parser, main
-from worker.plan_model import PlanInputs, plan
-from worker.plan_types import DTYPE_BYTES, OPTIMIZER_STATES
-from worker.plan_units import (
+from psar.worker.plan import build_parser, main
+from psar.worker.plan_model import PlanInputs, plan
+from psar.worker.plan_types import DTYPE_BYTES, OPTIMIZER_STATES
+from psar.worker.plan_units import (
     human_bytes,
     human_seconds,
     parse_bandwidth,
@@ -768,7 +767,7 @@ def test_plan_models_psar_trains_own_early_pull_default(capsys, argv, early) -> 
 
 
 def test_the_launch_command_says_only_what_differs_from_the_defaults(capsys) -> None:  # noqa: ANN001
-    from worker.cli_parser import build_parser as psar_parser
+    from psar.worker.cli_parser import build_parser as psar_parser
 
     base = ["--params", "20M", "--workers", "4", "--servers", "4", "--shard-hosts", "4",
             "--bandwidth", "1Gbit/s", "--compute-ms", "100", "--chunk-mib", "0.5"]  # fmt: skip

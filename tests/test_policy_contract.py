@@ -13,11 +13,12 @@ from concurrent.futures import TimeoutError as FutureTimeout
 
 import pytest
 import torch
+from psar.ps.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument
+from psar.ps.job import Job
+from psar.ps.server.modes import BUILTIN, Modes
+from psar.ps.server.shard import ShardState
+from psar.trainkit.optim import LossScaleConfig
 
-from ps.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument
-from ps.job import Job
-from ps.server.modes import BUILTIN, Modes
-from ps.server.shard import ShardState
 from tests import drop_stale_mode
 from tests.policy_decisions import DecisionContract, Promises
 from tests.ps_fixtures import (
@@ -36,7 +37,6 @@ from tests.ps_fixtures import (
     weights_digest,
     without_speculation,
 )
-from trainkit.optim import LossScaleConfig
 
 Grads = dict[str, torch.Tensor]
 

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from worker.config import LocalConfig, PSConfig, TrainConfig
-from worker.precision import resolve
+from psar.worker.config import LocalConfig, PSConfig, TrainConfig
+from psar.worker.precision import resolve
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
 

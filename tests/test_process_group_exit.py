@@ -46,7 +46,7 @@ RANK = """
 import sys
 import torch, torch.distributed as dist
 from torch import nn
-from allreduce.process_group import end_process_group
+from psar.allreduce.process_group import end_process_group
 
 torch.set_num_threads(1)
 dist.init_process_group("gloo")

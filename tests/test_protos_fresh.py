@@ -2,7 +2,7 @@
 
 `proto` is the name of a popular PyPI distribution (proto-plus), so this project must
 never provide a top-level `proto` (or `psar`) package: the stubs import as
-ps._gen.psar.v1.ps_pb2 and nothing else.
+psar.ps._gen.psar.v1.ps_pb2 and nothing else.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ def test_generated_stubs_are_fresh() -> None:
 
 
 def test_stubs_import_inside_the_ps_package() -> None:
-    pb = importlib.import_module("ps._gen.psar.v1.ps_pb2")
-    pb_grpc = importlib.import_module("ps._gen.psar.v1.ps_pb2_grpc")
+    pb = importlib.import_module("psar.ps._gen.psar.v1.ps_pb2")
+    pb_grpc = importlib.import_module("psar.ps._gen.psar.v1.ps_pb2_grpc")
     assert pb.DESCRIPTOR.package == "psar.v1"
     assert Path(pb.__file__).resolve().is_relative_to(ROOT / "ps" / "_gen")
     # The grpc stub imports its messages package-relatively, not as `psar.v1`.
@@ -54,15 +54,17 @@ def test_no_top_level_proto_package_from_this_project(tmp_path: Path) -> None:
         import importlib.util, pathlib, sys
         root = pathlib.Path({str(ROOT)!r})
         bad = []
-        for name in ("proto", "psar"):
+        # `psar` is the project's one import name; its stubs are psar.ps._gen.psar.v1,
+        # never a top-level `proto` nor a `psar.v1` beside psar's own modules.
+        for name in ("proto", "psar.v1"):
             spec = importlib.util.find_spec(name)
             if spec is None:
                 continue
             places = [spec.origin or ""] + list(spec.submodule_search_locations or [])
             if any(p and pathlib.Path(p).resolve().is_relative_to(root) for p in places):
                 bad.append((name, places))
-        import ps._gen.psar.v1.ps_pb2 as pb
-        assert pb.__name__ == "ps._gen.psar.v1.ps_pb2"
+        import psar.ps._gen.psar.v1.ps_pb2 as pb
+        assert pb.__name__ == "psar.ps._gen.psar.v1.ps_pb2"
         print(bad)
         sys.exit(1 if bad else 0)
         """

@@ -1,7 +1,7 @@
 """Metrics go through recorders with a fixed interface: a misspelt call fails here.
 
-The shard records through ps.server.recorder.ShardRecorder, the worker through
-worker.recorder.WorkerRecorder. The Prometheus recorders (ShardMetrics, WorkerMetrics) and
+The shard records through psar.ps.server.recorder.ShardRecorder, the worker through
+psar.worker.recorder.WorkerRecorder. The Prometheus recorders (ShardMetrics, WorkerMetrics) and
 the null ones implement exactly the interface's methods, with the same parameters, and
 every metrics call in ps/, worker/, allreduce/ and trainkit/ (read from the source: any
 call on something named *metrics* or *recorder*) names one of them.
@@ -14,11 +14,10 @@ import inspect
 from pathlib import Path
 
 import pytest
-
-from ps.server.metrics.prometheus import ShardMetrics
-from ps.server.metrics.recorder import NullShardRecorder, ShardRecorder
-from worker.metrics import WorkerMetrics
-from worker.recorder import NullWorkerRecorder, WorkerRecorder
+from psar.ps.server.metrics.prometheus import ShardMetrics
+from psar.ps.server.metrics.recorder import NullShardRecorder, ShardRecorder
+from psar.worker.metrics import WorkerMetrics
+from psar.worker.recorder import NullWorkerRecorder, WorkerRecorder
 
 ROOT = Path(__file__).resolve().parents[1]
 EXPOSITION = {"exposition", "serve"}

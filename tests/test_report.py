@@ -8,8 +8,7 @@ import math
 from pathlib import Path
 
 import pytest
-
-from worker import report
+from psar.worker import report
 
 HAVE_MPL = importlib.util.find_spec("matplotlib") is not None
 

@@ -26,12 +26,12 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
+from psar.ps import framing as fr
+from psar.ps import sealed
+from psar.ps._gen.psar.v1 import ps_pb2 as pb
+from psar.ps.client.tcp_transport import DataPlaneClient
+from psar.ps.partition import plan_slots
 
-from ps import framing as fr
-from ps import sealed
-from ps._gen.psar.v1 import ps_pb2 as pb
-from ps.client.tcp_transport import DataPlaneClient
-from ps.partition import plan_slots
 from tests.ps_fixtures import grad_for, init_values, make_job, without_speculation
 from tests.test_dataplane import header, items, pull_into
 from tests.test_dataplane_tls import tls, tls_shard
@@ -450,7 +450,7 @@ def test_damaged_sealed_pushes_change_nothing(certs: Path) -> None:  # noqa: F81
 
 
 def test_the_flags_say_what_they_need() -> None:
-    from ps.server.config import ServerConfig
+    from psar.ps.server.config import ServerConfig
 
     with pytest.raises(ValueError, match="--data-sealed-records needs TLS"):
         ServerConfig(data_sealed_records=True)

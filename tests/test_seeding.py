@@ -7,8 +7,7 @@ import random
 import numpy as np
 import pytest
 import torch
-
-from trainkit.seeding import process_seed, seed_process
+from psar.trainkit.seeding import process_seed, seed_process
 
 
 def _draws() -> tuple[list[float], float, float]:

@@ -1,4 +1,4 @@
-"""ps.serde: Job, PushHeader and PullHeader survive a trip through the wire; bad enums are
+"""psar.ps.serde: Job, PushHeader and PullHeader survive a trip through the wire; bad enums are
 refused with InvalidArgument (which the servicer maps to INVALID_ARGUMENT)."""
 
 from __future__ import annotations
@@ -7,14 +7,13 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from ps import serde
-from ps._gen.psar.v1 import ps_pb2 as pb
-from ps.errors import InvalidArgument
-from ps.headers import PullHeader, PushHeader
-from ps.job import Job
-from ps.partition import Slot, plan_slots
-from trainkit.optim import LossScaleConfig, OptimizerConfig, ParamGroup, StepOptions
+from psar.ps import serde
+from psar.ps._gen.psar.v1 import ps_pb2 as pb
+from psar.ps.errors import InvalidArgument
+from psar.ps.headers import PullHeader, PushHeader
+from psar.ps.job import Job
+from psar.ps.partition import Slot, plan_slots
+from psar.trainkit.optim import LossScaleConfig, OptimizerConfig, ParamGroup, StepOptions
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 

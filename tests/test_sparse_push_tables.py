@@ -11,15 +11,15 @@ import contextlib
 import grpc
 import pytest
 import torch
+from psar.ps import serde
+from psar.ps._gen.psar.v1 import ps_pb2 as pb
+from psar.ps.client.client_config import ClientConfig
+from psar.ps.client.psclient import PSClient
+from psar.ps.client.sparse_client import RowsPush, create_tables, pull_rows, push_rows, push_tables
+from psar.ps.errors import InvalidArgument
+from psar.ps.server.sparse.table import SparseTable
+from psar.ps.sparse_spec import TableSpec, init_rows
 
-from ps import serde
-from ps._gen.psar.v1 import ps_pb2 as pb
-from ps.client.client_config import ClientConfig
-from ps.client.psclient import PSClient
-from ps.client.sparse_client import RowsPush, create_tables, pull_rows, push_rows, push_tables
-from ps.errors import InvalidArgument
-from ps.server.sparse.table import SparseTable
-from ps.sparse_spec import TableSpec, init_rows
 from tests.ps_fixtures import make_job, raw_stub, serving
 
 SHARDS, DIM = 2, 8

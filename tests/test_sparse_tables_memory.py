@@ -15,11 +15,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from psar.trainkit.sparse_tables import init_rows, marked_tables, materialize_tables, release_tables
+from psar.worker.workloads import load_workload
+from psar.worker.workloads.recsys import RecsysModel
 from torch import nn
-
-from trainkit.sparse_tables import init_rows, marked_tables, materialize_tables, release_tables
-from worker.workloads import load_workload
-from worker.workloads.recsys import RecsysModel
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -64,7 +63,7 @@ def test_a_meta_table_without_a_recipe_is_refused_by_name() -> None:
 # several hundred MB of libraries on import, even on a CPU, and none of that is the table.
 _PEAK = """
 import os, resource, runpy, sys
-import torch, worker.cli
+import torch, psar.worker.cli
 _base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 _exit = os._exit
 def _report_then_exit(code):
@@ -73,7 +72,7 @@ def _report_then_exit(code):
     _exit(code)
 os._exit = _report_then_exit
 sys.argv = ["psar", *sys.argv[1:]]
-runpy.run_module("worker.cli", run_name="__main__")
+runpy.run_module("psar.worker.cli", run_name="__main__")
 """
 
 
@@ -83,7 +82,7 @@ def test_a_ps_worker_never_holds_the_table(tmp_path: Path) -> None:
     # under it (it held two such tables at its peak before: the layer and a copy).
     rows, table_kb = 6_000_000, 6_000_000 * 64 * 4 // 1024
     shard = subprocess.Popen(
-        [sys.executable, "-m", "worker.cli", "server", "--bind", "127.0.0.1:0"],
+        [sys.executable, "-m", "psar.worker.cli", "server", "--bind", "127.0.0.1:0"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     try:

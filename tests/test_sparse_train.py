@@ -63,7 +63,7 @@ def test_ps_async_ssp_sparse_train(tmp_path, mode: str, extra: list[str]) -> Non
 def test_recsys_loss_falls_towards_its_floor() -> None:
     import re
 
-    from worker.workloads import load_workload
+    from psar.worker.workloads import load_workload
 
     w = load_workload(
         "recsys", 0, {"rows": "2000,200", "dim": "8", "samples": "65536", "scale": "4"}

@@ -14,12 +14,13 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
+from psar.ps import serde
+from psar.ps._gen.psar.v1 import ps_pb2 as pb
+from psar.ps.client.psclient import PSClient
+from psar.ps.job import Job
+from psar.ps.server.modes.staleness import dc_adaptive_, mean_square_update, step_adjust
+from psar.worker.config import PSConfig
 
-from ps import serde
-from ps._gen.psar.v1 import ps_pb2 as pb
-from ps.client.psclient import PSClient
-from ps.job import Job
-from ps.server.modes.staleness import dc_adaptive_, mean_square_update, step_adjust
 from tests.procs import run_ps_workers, shards
 from tests.ps_fixtures import (
     init_chunks,
@@ -33,7 +34,6 @@ from tests.ps_fixtures import (
     raw_stub,
     serving,
 )
-from worker.config import PSConfig
 
 TIMEOUT = 10.0
 Grads = dict[str, torch.Tensor]

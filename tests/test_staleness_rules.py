@@ -12,9 +12,8 @@ import math
 
 import pytest
 import torch
-
-from trainkit import staleness_rules as sr
-from trainkit.staleness_rules import AdaptiveRule, check_rule, delayed_edge
+from psar.trainkit import staleness_rules as sr
+from psar.trainkit.staleness_rules import AdaptiveRule, check_rule, delayed_edge
 
 
 def _rule(n: int = 4, momentum: float = 0.9, adamw: bool = False) -> AdaptiveRule:

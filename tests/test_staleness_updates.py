@@ -14,11 +14,20 @@ import math
 import grpc
 import pytest
 import torch
+from psar.ps import serde
+from psar.ps._gen.psar.v1 import ps_pb2 as pb
+from psar.ps.job import Job
+from psar.ps.server.shard import ShardState
+from psar.trainkit.optim import (
+    StepAdjust,
+    adjusted,
+    async_momentum,
+    delay_compensate_,
+    lr_factor,
+    staleness_lr_factor,
+)
+from psar.worker.config import PSConfig
 
-from ps import serde
-from ps._gen.psar.v1 import ps_pb2 as pb
-from ps.job import Job
-from ps.server.shard import ShardState
 from tests.ps_fixtures import (
     applied_optimizer,
     init_chunks,
@@ -34,15 +43,6 @@ from tests.ps_fixtures import (
     reference_weights,
     serving,
 )
-from trainkit.optim import (
-    StepAdjust,
-    adjusted,
-    async_momentum,
-    delay_compensate_,
-    lr_factor,
-    staleness_lr_factor,
-)
-from worker.config import PSConfig
 
 TIMEOUT = 10.0
 Grads = dict[str, torch.Tensor]
@@ -288,7 +288,7 @@ def test_bad_lambda_refused_in_job_and_config(bad: float) -> None:
 def test_flags_reach_the_config(capsys: pytest.CaptureFixture[str]) -> None:
     import json
 
-    from worker import cli
+    from psar.worker import cli
 
     argv = ["--servers", "h:1", "--staleness-lr", "--delay-compensation", "0.25"]
     argv += ["--no-momentum-correction"]
@@ -366,7 +366,7 @@ def test_update_threads_give_the_same_bits_with_every_correction(
 ) -> None:
     """The per-slot optimizers of `--torch-threads` take the adjusted lr / momentum from
     the shard optimizer's group: the same bits as one thread, schedule included."""
-    from ps.server.update import stepper
+    from psar.ps.server.update import stepper
 
     monkeypatch.setattr(stepper, "MIN_PARALLEL_NUMEL", 0)  # tiny slots: pool anyway
     cfg = optimizer_config(opt, schedule="warmup_cosine", warmup_steps=2, total_steps=8)

@@ -14,11 +14,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from psar.ps.errors import DeadlineExceeded, InvalidArgument
+from psar.ps.headers import PushHeader
+from psar.ps.job import Job
+from psar.ps.server.shard import ShardState
+from psar.trainkit.optim import OptimizerConfig, ParamGroup, StepOptions
 
-from ps.errors import DeadlineExceeded, InvalidArgument
-from ps.headers import PushHeader
-from ps.job import Job
-from ps.server.shard import ShardState
 from tests.procs import run_ps_workers, shards
 from tests.ps_fixtures import (
     grad_for,
@@ -30,7 +31,6 @@ from tests.ps_fixtures import (
     weights_digest,
 )
 from tests.ps_fixtures import push as fixture_push
-from trainkit.optim import OptimizerConfig, ParamGroup, StepOptions
 
 SGD_GROUPS = (
     ParamGroup(params=("w",), lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01),

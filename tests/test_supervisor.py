@@ -12,9 +12,9 @@ import time
 from pathlib import Path
 
 import pytest
+from psar.worker.supervisor import ProcessError, Supervisor, descendants
 
 from tests.test_launch import alive
-from worker.supervisor import ProcessError, Supervisor, descendants
 
 PY = sys.executable
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}

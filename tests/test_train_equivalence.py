@@ -11,11 +11,11 @@ import json
 import numpy as np
 import pytest
 import torch
+from psar.trainkit.optim import OptimizerConfig, build_optimizer
+from psar.worker.data import ShardedBatches
+from psar.worker.workloads import load_workload
 
 from tests.procs import run_ps_workers, run_torchrun, shards
-from trainkit.optim import OptimizerConfig, build_optimizer
-from worker.data import ShardedBatches
-from worker.workloads import load_workload
 
 COMMON = ["--workload", "mlp", "--steps", "20", "--batch-size", "16", "--seed", "3",
           "--lr", "0.05", "--momentum", "0.9", "--eval-batches", "2"]  # fmt: skip

@@ -16,15 +16,15 @@ from typing import Any
 import grpc
 import pytest
 import torch
+from psar.ps import serde
+from psar.ps._gen.psar.v1 import ps_pb2 as pb
+from psar.ps.client.grpc_transport import GrpcTransport
+from psar.ps.client.psclient import ClientConfig, PSClient
+from psar.ps.client.tcp_transport import DataPlaneClient
+from psar.ps.client.transport import PullStream, Transport, TransportError
+from psar.ps.job import Job
+from psar.ps.partition import plan_slots
 
-from ps import serde
-from ps._gen.psar.v1 import ps_pb2 as pb
-from ps.client.grpc_transport import GrpcTransport
-from ps.client.psclient import ClientConfig, PSClient
-from ps.client.tcp_transport import DataPlaneClient
-from ps.client.transport import PullStream, Transport, TransportError
-from ps.job import Job
-from ps.partition import plan_slots
 from tests.ps_fixtures import PARAMS, grad_for, make_job, without_speculation
 from tests.test_dataplane import MAX_MESSAGE, TIMEOUT, Shard, header, items, shard
 

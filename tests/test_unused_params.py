@@ -14,14 +14,14 @@ import dataclasses
 
 import pytest
 import torch
+from psar.ps.errors import NotFound
+from psar.ps.headers import PushHeader
+from psar.ps.server.shard import ShardState
+from psar.trainkit.optim import build_optimizer
 
-from ps.errors import NotFound
-from ps.headers import PushHeader
-from ps.server.shard import ShardState
 from tests.ps_fixtures import grad_for, init_values, make_job, make_state
 from tests.test_dataplane import config, header, items, shard
 from tests.test_transport_contract import door
-from trainkit.optim import build_optimizer
 
 TIMEOUT = 30.0
 
@@ -180,7 +180,7 @@ def test_absent_slots_travel_in_the_verdict_through_both_doors(chunk_rounds: boo
 
 
 def test_buffer_slots_and_absent_lists_cross_the_wire() -> None:
-    from ps import serde
+    from psar.ps import serde
 
     base = make_job("sync", num_workers=2)
     job = dataclasses.replace(base, buffer_slots=(base.slots[-1].key,), buffers_average=True)

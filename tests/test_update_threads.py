@@ -11,13 +11,13 @@ import warnings
 
 import pytest
 import torch
+from psar.ps.server.config import SHARDS_PER_HOST_ENV, ServerConfig
+from psar.ps.server.metrics.prometheus import ShardMetrics
+from psar.ps.server.shard import ShardState
+from psar.ps.server.update import stepper
+from psar.worker.cli_gen import add_flags, build
 
-from ps.server.config import SHARDS_PER_HOST_ENV, ServerConfig
-from ps.server.metrics.prometheus import ShardMetrics
-from ps.server.shard import ShardState
-from ps.server.update import stepper
 from tests.ps_fixtures import grad_for, init_values, make_job, optimizer_config, pull, push
-from worker.cli_gen import add_flags, build
 
 
 @pytest.fixture(autouse=True)

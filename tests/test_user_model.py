@@ -9,10 +9,10 @@ import os
 import numpy as np
 import pytest
 import torch
+from psar.worker.workloads.loader import load_workload
 
 from tests import procs
 from tests.procs import run_ps_workers, run_torchrun, shards
-from worker.workloads.loader import load_workload
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 USER = ["--workload", "tests.user_workloads:make_tricky", "--steps", "6", "--batch-size", "16",

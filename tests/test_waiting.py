@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from trainkit.waiting import Waits
+from psar.trainkit.waiting import Waits
 
 
 class Clock:

@@ -21,17 +21,18 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# package -> prefixes none of its modules may load
+# folder -> module prefixes none of its modules may load
 WALLS = {
-    "ps.server": ("worker", "allreduce", "ps.client"),
-    "ps.client": ("ps.server", "allreduce"),
-    "allreduce": ("ps",),
-    "trainkit": ("ps", "worker", "allreduce"),
+    "ps/server": ("psar.worker", "psar.allreduce", "psar.ps.client"),
+    "ps/client": ("psar.ps.server", "psar.allreduce"),
+    "allreduce": ("psar.ps",),
+    "trainkit": ("psar.ps", "psar.worker", "psar.allreduce"),
 }
 
 
 def modules_of(package: str, *, recursive: bool = True) -> list[str]:
-    folder = ROOT / package.replace(".", "/")
+    """The import names (psar.…) of the modules in the folder `package` ("ps/server")."""
+    folder = ROOT / package
     files = folder.rglob("*.py") if recursive else folder.glob("*.py")
     out = []
     for f in sorted(files):
@@ -41,8 +42,14 @@ def modules_of(package: str, *, recursive: bool = True) -> list[str]:
         parts = list(rel.parts)
         if parts[-1] == "__init__":
             parts.pop()
-        out.append(".".join(parts))
+        out.append(".".join(["psar", *parts]))
     return out
+
+
+def file_of(module: str) -> Path:
+    rel = module.removeprefix("psar.").replace(".", "/")
+    f = ROOT / (rel + ".py")
+    return f if f.exists() else ROOT / rel / "__init__.py"
 
 
 def loaded_after_importing(mods: list[str]) -> list[str]:
@@ -69,10 +76,10 @@ def test_package_loads_nothing_across_its_wall(package: str) -> None:
 
 
 def test_shared_ps_modules_load_neither_side() -> None:
-    mods = [m for m in modules_of("ps", recursive=False) if m != "ps"]
-    assert "ps.wire" in mods and "ps.serde" in mods
+    mods = [m for m in modules_of("ps", recursive=False) if m != "psar.ps"]
+    assert "psar.ps.wire" in mods and "psar.ps.serde" in mods
     loaded = loaded_after_importing(mods)
-    banned = ("ps.server", "ps.client", "worker", "allreduce")
+    banned = ("psar.ps.server", "psar.ps.client", "psar.worker", "psar.allreduce")
     crossed = [m for m in loaded if any(m == b or m.startswith(b + ".") for b in banned)]
     assert not crossed, f"the shared ps modules load {crossed}"
 
@@ -97,7 +104,7 @@ def imports_in(source: str, *, strict: bool = False) -> set[str]:
             found.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
             found.add(node.module)
-            # `from ps.server import shard` imports the module ps.server.shard
+            # `from psar.ps.server import shard` imports the module psar.ps.server.shard
             found.update(f"{node.module}.{a.name}" for a in node.names)
     return found
 
@@ -128,9 +135,7 @@ def import_graph(package: str, *, strict: bool) -> dict[str, set[str]]:
     mods = set(modules_of(package))
     graph = {}
     for m in mods:
-        f = ROOT / (m.replace(".", "/") + ".py")
-        if not f.exists():
-            f = ROOT / m.replace(".", "/") / "__init__.py"
+        f = file_of(m)
         # a package's __init__ is loaded by its modules anyway: not an edge worth a cycle
         found = _imports(f, m, strict=strict)
         graph[m] = {i for i in found if i in mods and i != m and not m.startswith(i + ".")}
@@ -148,11 +153,11 @@ def test_ps_counts_every_import() -> None:
     finds a cycle made of them."""
     source = (
         "from typing import TYPE_CHECKING\n"
-        "if TYPE_CHECKING:\n    from ps.server.shard import ShardState\n"
-        "def f():\n    from ps.server.state import ShardData\n"
+        "if TYPE_CHECKING:\n    from psar.ps.server.shard import ShardState\n"
+        "def f():\n    from psar.ps.server.state import ShardData\n"
     )
-    assert imports_in(source, strict=True) >= {"ps.server.shard", "ps.server.state"}
-    assert "ps.server.shard" not in imports_in(source)
+    assert imports_in(source, strict=True) >= {"psar.ps.server.shard", "psar.ps.server.state"}
+    assert "psar.ps.server.shard" not in imports_in(source)
     graph = import_graph("ps", strict=True)
     assert sum(map(len, graph.values())) > 100, "the scan found few imports: did it break?"
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
@@ -163,10 +168,10 @@ def test_a_ddp_process_loads_nothing_of_the_parameter_server() -> None:
     the backend the loop picks, the DDP backend. None of it may load ps/."""
     code = (
         "import json, sys\n"
-        "from worker.config import TrainConfig\n"
-        "from worker.loop import backend_class\n"
+        "from psar.worker.config import TrainConfig\n"
+        "from psar.worker.loop import backend_class\n"
         "backend_class(TrainConfig(arch='allreduce'))\n"
-        "print(json.dumps(sorted(m for m in sys.modules if m == 'ps' or m.startswith('ps.'))))\n"
+        "print(json.dumps(sorted(m for m in sys.modules if m == 'psar.ps' or m.startswith('psar.ps.'))))\n"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
@@ -183,7 +188,7 @@ def test_the_shard_is_composed_not_mixed_in() -> None:
         local = {
             a.asname or a.name
             for n in ast.walk(tree)
-            if isinstance(n, ast.ImportFrom) and n.module and n.module.startswith("ps.")
+            if isinstance(n, ast.ImportFrom) and n.module and n.module.startswith("psar.ps.")
             for a in n.names
         } | {n.name for n in ast.walk(tree) if isinstance(n, ast.ClassDef)}
         for n in ast.walk(tree):

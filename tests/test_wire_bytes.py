@@ -72,7 +72,7 @@ def _ps_run(lan: netns.Lan, tmp: Path, steps: int) -> tuple[list[tuple[int, int]
     interface's (tx, rx) during the job and its report."""
     shard_host = lan["shards"]
     shard = shard_host.popen(
-        [PY, "-m", "worker.cli", "server", "--bind", f"{shard_host.addr}:0"],
+        [PY, "-m", "psar.worker.cli", "server", "--bind", f"{shard_host.addr}:0"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(), cwd=ROOT)  # fmt: skip
     addr = None
     for _ in range(200):
@@ -88,7 +88,7 @@ def _ps_run(lan: netns.Lan, tmp: Path, steps: int) -> tuple[list[tuple[int, int]
     procs, logs = [], []
     for rank, host in enumerate(hosts):
         log = tmp / f"ps-{steps}-{rank}.log"
-        argv = [PY, "-m", "worker.cli", "train", "--arch", "ps", *MODEL, "--steps", str(steps),
+        argv = [PY, "-m", "psar.worker.cli", "train", "--arch", "ps", *MODEL, "--steps", str(steps),
                 "--report", str(tmp / f"ps-{steps}-report-{{rank}}.json")]  # fmt: skip
         env = _env(PSAR_RANK=str(rank), PSAR_WORLD_SIZE="2", PSAR_SERVERS=addr)
         procs.append(host.popen(argv, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env,
@@ -113,7 +113,7 @@ def _ddp_run(lan: netns.Lan, tmp: Path, steps: int, names: list[str]) -> tuple[l
         argv = [PY, "-m", "torch.distributed.run", "--nnodes", str(len(hosts)),
                 "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
                 "--rdzv-id", f"bytes{steps}", "--rdzv-conf", f"is_host={int(i == 0)}",
-                "--local-addr", host.addr, "--max-restarts", "0", "-m", "worker.cli", "train",
+                "--local-addr", host.addr, "--max-restarts", "0", "-m", "psar.worker.cli", "train",
                 "--arch", "allreduce", *MODEL, "--steps", str(steps),
                 "--report", str(tmp / f"ddp-{steps}-report-{{rank}}.json")]  # fmt: skip
         env = _env(GLOO_SOCKET_IFNAME="eth0")

@@ -7,10 +7,9 @@ import textwrap
 
 import pytest
 import torch
+from psar.worker.workloads import BUILTINS, Workload, load_workload
+from psar.worker.workloads.lm import ByteWindows, nats_to_bits
 from torch.utils.data import TensorDataset
-
-from worker.workloads import BUILTINS, Workload, load_workload
-from worker.workloads.lm import ByteWindows, nats_to_bits
 
 # Small option sets keep each build well under a second.
 SMALL = {
@@ -163,10 +162,10 @@ def test_lm_metric_is_bits_per_byte() -> None:
             None,
             r"cannot import module 'no_such_pkg_xyz\.mod'.*PYTHONPATH",
         ),
-        ("worker.workloads.mlp:nope", None, r"has no attribute 'nope'"),
-        ("worker.workloads.mlp:__doc__", None, r"not a callable factory"),
+        ("psar.worker.workloads.mlp:nope", None, r"has no attribute 'nope'"),
+        ("psar.worker.workloads.mlp:__doc__", None, r"not a callable factory"),
         (":make", None, r"malformed workload spec"),
-        ("worker.workloads.mlp:build_model", None, r"cannot call factory"),
+        ("psar.worker.workloads.mlp:build_model", None, r"cannot call factory"),
         ("mlp", {"widht": "3"}, r"does not accept option\(s\) widht.*hidden"),
         ("mlp", {"hidden": "wide"}, r"hidden='wide': expected an integer"),
         ("lm", {"val_fraction": "2"}, r"val_fraction=2\.0: must be in"),
@@ -182,7 +181,7 @@ def test_loader_errors(spec: str, options: dict[str, str] | None, match: str) ->
 USER_MODULE = """
 import torch
 from torch.utils.data import TensorDataset
-from worker.workloads import Workload
+from psar.worker.workloads import Workload
 
 
 def make(seed, *, width="3"):
@@ -224,7 +223,7 @@ def test_user_factory(user_module: str) -> None:
         (
             "not_a_workload",
             ValueError,
-            r"factory returned dict, expected worker\.workloads\.Workload",
+            r"factory returned dict, expected psar\.worker\.workloads\.Workload",
         ),
         ("make_typo", ValueError, r"no attribute 'make_typo'.*make"),
         # An import error inside the factory is the user's bug: it is not disguised.

@@ -7,10 +7,9 @@ import time
 
 import torch
 import torch.nn.functional as F
+from psar.worker.workloads.base import Workload, seeded
 from torch import nn
 from torch.utils.data import TensorDataset
-
-from worker.workloads.base import Workload, seeded
 
 
 class Tricky(nn.Module):

@@ -12,10 +12,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from psar.worker.workloads.base import Workload, seeded
 from torch import nn
 from torch.utils.data import TensorDataset
-
-from worker.workloads.base import Workload, seeded
 
 D_IN, D_H, CLASSES, VOCAB = 8, 16, 8, 32
 

@@ -177,7 +177,7 @@ def _host_event() -> Event:
 
 
 def _all_finite(tensors: list[torch.Tensor]) -> bool:
-    from trainkit.finite import all_finite
+    from psar.trainkit.finite import all_finite
 
     return all_finite(tensors)
 

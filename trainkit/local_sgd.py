@@ -20,9 +20,8 @@ import math
 from typing import Any
 
 import torch
-
-from trainkit.finite import all_finite
-from trainkit.optim import (
+from psar.trainkit.finite import all_finite
+from psar.trainkit.optim import (
     LossScaleConfig,
     OptimizerConfig,
     build_optimizer,
@@ -33,7 +32,7 @@ from trainkit.optim import (
 
 def outer_optimizer_config(name: str, lr: float, momentum: float) -> OptimizerConfig:
     """The outer optimizer as an OptimizerConfig (what a shard or a rank builds with
-    trainkit.optim): nesterov = SGD with Nesterov momentum; sgd = SGD without momentum
+    psar.trainkit.optim): nesterov = SGD with Nesterov momentum; sgd = SGD without momentum
     (lr 1.0: the new weights are the plain average of the workers')."""
     nesterov = name == "nesterov"
     return OptimizerConfig(

@@ -53,8 +53,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
-
-from trainkit.optim import StepAdjust, async_momentum
+from psar.trainkit.optim import StepAdjust, async_momentum
 
 STALENESS_RULES = ("adaptive", "fixed", "momentum", "none")
 """--staleness-rule: adaptive (this module), fixed (the explicit --staleness-lr /
@@ -122,7 +121,7 @@ def resolve_rule(
 
 
 class RuleSettings(Protocol):
-    """The fields --staleness-rule and its aliases set (ps.job.Job, worker.config.PSConfig)."""
+    """The fields --staleness-rule and its aliases set (psar.ps.job.Job, psar.worker.config.PSConfig)."""
 
     staleness_rule: str
     staleness_lr: bool

@@ -1,5 +1,5 @@
 """A user's own torch.optim optimizer described for the parameter server: its class and
-each parameter group's hyper-parameters (trainkit.optim.ParamGroup), the shards running
+each parameter group's hyper-parameters (psar.trainkit.optim.ParamGroup), the shards running
 the same torch class over the same groups (worker/own_loop.py, docs/own-loop.md)."""
 
 from __future__ import annotations
@@ -7,8 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
-
-from trainkit.optim import ParamGroup
+from psar.trainkit.optim import ParamGroup
 
 SUPPORTED = {torch.optim.SGD: "sgd", torch.optim.AdamW: "adamw"}
 """The optimizer classes the shards can run, by their name on the wire."""

@@ -23,14 +23,14 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 
-from ps.server.config import ServerConfig
-from worker import cli_gen
-from worker.cli_parser import build_parser
-from worker.config import TrainConfig
+from psar.ps.server.config import ServerConfig
+from psar.worker import cli_gen
+from psar.worker.cli_parser import build_parser
+from psar.worker.config import TrainConfig
 
 
 def _run_server(args: argparse.Namespace) -> int:
-    from ps.server.serve import serve
+    from psar.ps.server.serve import serve
 
     cfg = cli_gen.build(ServerConfig, args, args.config)
     if args.dry_run:
@@ -89,8 +89,8 @@ def _leave(code: int) -> None:
 
 def _dry_run_train(args: argparse.Namespace) -> int:
     """`psar train --dry-run`: apply every rule a start applies, print the result."""
-    from worker.loop import resolve_ranks
-    from worker.workloads.loader import resolve_factory
+    from psar.worker.loop import resolve_ranks
+    from psar.worker.workloads.loader import resolve_factory
 
     cfg = cli_gen.build(TrainConfig, args, args.config)
     rank, world, local_rank = resolve_ranks(cfg, dict(os.environ))
@@ -103,7 +103,7 @@ def _dry_run_train(args: argparse.Namespace) -> int:
 
 
 def _run_train(cfg: TrainConfig) -> None:
-    from worker.loop import train
+    from psar.worker.loop import train
 
     # torchrun, Kubernetes and Slurm stop workers with SIGTERM: leave like Ctrl-C does,
     # through the normal exception path, so connections close and the exit code says so.
@@ -151,13 +151,13 @@ def _train_exit_code(args: argparse.Namespace) -> int:
 
 def _delegated(name: str) -> Callable[[list[str]], int]:
     if name == "plan":
-        from worker.plan import main
+        from psar.worker.plan import main
     elif name == "report":
-        from worker.report import main
+        from psar.worker.report import main
     elif name == "launch":
-        from worker.launch import main
+        from psar.worker.launch import main
     elif name == "compare":
-        from worker.compare import main
+        from psar.worker.compare import main
     else:  # pragma: no cover - guarded by the caller
         raise KeyError(name)
     return main

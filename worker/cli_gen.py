@@ -27,7 +27,7 @@ RENAMES = {("optimizer", "name"): "optimizer", ("optimizer", "impl"): "optimizer
 @cache
 def field_docs(cls: type) -> dict[str, str]:
     """Docstrings written under dataclass fields: {field name: text}, those of inherited
-    fields too (PSConfig inherits trainkit.connection.ConnectionConfig's)."""
+    fields too (PSConfig inherits psar.trainkit.connection.ConnectionConfig's)."""
     docs: dict[str, str] = {}
     for base in reversed(cls.__mro__[1:]):
         if dataclasses.is_dataclass(base):

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import argparse
 
-from ps.server.config import ServerConfig
-from worker import cli_gen
-from worker.config import TrainConfig
+from psar.ps.server.config import ServerConfig
+from psar.worker import cli_gen
+from psar.worker.config import TrainConfig
 
 EPILOG_TRAIN = """\
 examples:

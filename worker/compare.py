@@ -2,7 +2,7 @@
 ps-async and ps-ssp (and, asked for, ps-local / allreduce-local: local SGD / DiLoCo every
 --sync-every steps), optionally with one emulated straggler; a side-by-side table.
 
-Each run is a `psar launch` job (worker.launch.run_job) writing into OUT/<run>/: the
+Each run is a `psar launch` job (psar.worker.launch.run_job) writing into OUT/<run>/: the
 summaries (report-<rank>.json), the per-step logs (steps-<arch>-rank<R>.jsonl), the
 launch log, and `psar report`'s report.md and plots. OUT/compare.json holds the table.
 A straggler is emulated with `psar train --slowdown FACTOR` (that worker sleeps FACTOR-1
@@ -22,10 +22,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from trainkit.choices import DEFAULT_MODE, LOCAL_SGD_MODES, MODES, local_sgd
-from worker import compare_repeats, report
-from worker.intervals import format_interval
-from worker.launch import LaunchSpec, add_launch_flags, auto_servers, launch
+from psar.trainkit.choices import DEFAULT_MODE, LOCAL_SGD_MODES, MODES, local_sgd
+from psar.worker import compare_repeats, report
+from psar.worker.intervals import format_interval
+from psar.worker.launch import LaunchSpec, add_launch_flags, auto_servers, launch
 
 RUNS: dict[str, tuple[str, str]] = {
     "allreduce": ("allreduce", DEFAULT_MODE),

@@ -12,7 +12,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from worker.intervals import mean_interval
+from psar.worker.intervals import mean_interval
 
 #: Figures of every repeat kept in the row, and those given a 95% interval.
 KEPT = ("samples_per_sec", "time_to_target_s", "final_train_loss", "val_loss", "exit_code")

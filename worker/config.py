@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from trainkit.choices import (
+from psar.trainkit.choices import (
     DEFAULT_MODE,
     OUTER_OPTIMIZERS,
     SPARSE_OPTIMIZERS,
@@ -21,10 +21,10 @@ from trainkit.choices import (
     chunk_rounds,
     local_sgd,
 )
-from trainkit.connection import ConnectionConfig
-from trainkit.optim import LossScaleConfig, OptimizerConfig
-from trainkit.staleness_rules import rule_of
-from worker.precision import check_weights_dtype
+from psar.trainkit.connection import ConnectionConfig
+from psar.trainkit.optim import LossScaleConfig, OptimizerConfig
+from psar.trainkit.staleness_rules import rule_of
+from psar.worker.precision import check_weights_dtype
 
 ARCHS = ("ps", "allreduce")
 
@@ -35,7 +35,7 @@ class PSConfig(ConnectionConfig):
 
     The connection fields (--timeout-s, --pull-timeout-s, --data-plane,
     --reconnect-timeout-s, --tls-*) and their checks are inherited from
-    trainkit.connection.ConnectionConfig, which the worker's ClientConfig inherits too:
+    psar.trainkit.connection.ConnectionConfig, which the worker's ClientConfig inherits too:
     declared once, so the two cannot drift apart (ps/client/client_config.py)."""
 
     servers: str = ""

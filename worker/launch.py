@@ -31,9 +31,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TextIO
 
-from trainkit.choices import DEFAULT_MODE, MODES, local_sgd
-from worker.supervisor import Supervisor, free_port
-from worker.torchrun_compat import torchrun_flags, torchrun_options
+from psar.trainkit.choices import DEFAULT_MODE, MODES, local_sgd
+from psar.worker.supervisor import Supervisor, free_port
+from psar.worker.torchrun_compat import torchrun_flags, torchrun_options
 
 EXIT_USAGE, EXIT_TIMEOUT = 2, 124
 _LISTEN = re.compile(r"psar server listening on (\S+):(\d+)")
@@ -170,8 +170,8 @@ def validate(spec: LaunchSpec) -> None:
         raise ValueError(
             f"{bad[0]} is set by launch (--servers N, --workers N, --metrics-base-port)"
         )
-    from worker import cli_gen, cli_parser
-    from worker.config import TrainConfig
+    from psar.worker import cli_gen, cli_parser
+    from psar.worker.config import TrainConfig
 
     argv = ["train", "--arch", spec.arch, *spec.train_args, *_ps_flags(spec, "127.0.0.1:1", 0)]
     try:
@@ -264,7 +264,7 @@ class _Job:
         s, p = self.spec, self.spec.metrics_base_port
         # No per-chunk flag: rank 0's Init tells the shards how the job's rounds run.
         for i in range(s.servers):
-            cmd = [sys.executable, "-m", "worker.cli", "server", "--bind", f"{s.bind_host}:0",
+            cmd = [sys.executable, "-m", "psar.worker.cli", "server", "--bind", f"{s.bind_host}:0",
                    "--shard", str(i), *self._metrics(p + i)]  # fmt: skip
             # All on this host: `--torch-threads auto` splits the cores between them.
             self._spawn(f"shard{i}", "shard", i, cmd, {"PSAR_SHARDS_PER_HOST": str(s.servers)})
@@ -284,7 +284,7 @@ class _Job:
             for note in notes:
                 self.say(note)
             cmd = [sys.executable, "-m", "torch.distributed.run", *flags,
-                   "-m", "worker.cli", "train", "--arch", "allreduce", *train,
+                   "-m", "psar.worker.cli", "train", "--arch", "allreduce", *train,
                    *_ps_flags(s, "", 0)]  # fmt: skip
             self._spawn("torchrun", "torchrun", 0, cmd, {})
             return
@@ -296,7 +296,7 @@ class _Job:
                    "ROLE_WORLD_SIZE": str(s.workers)}  # fmt: skip
             env.update({"PSAR_SERVERS": servers} if s.arch == "ps" else master)
             slow = ["--slowdown", str(s.straggler[r])] if r in s.straggler else []
-            cmd = [sys.executable, "-m", "worker.cli", "train", "--arch", s.arch, *train,
+            cmd = [sys.executable, "-m", "psar.worker.cli", "train", "--arch", s.arch, *train,
                    *_ps_flags(s, servers, r), *slow]  # fmt: skip
             if s.command:  # a script of its own: its ranks and shards from the environment
                 mode = ["--mode", s.mode, "--staleness", str(s.staleness)] * (s.arch == "ps")

@@ -24,17 +24,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-
-from trainkit.roles import resolve_local_rank, resolve_rank, resolve_world_size
-from trainkit.seeding import seed_process
-from worker.backend import Backend, StepOutcome
-from worker.config import TrainConfig
-from worker.data import ElasticBatches, ShardedBatches, evaluate
-from worker.precision import PrecisionPolicy, pick_device, resolve
-from worker.progress import Progress
-from worker.recorder import NullWorkerRecorder, WorkerRecorder
-from worker.records import StepLog, run_summary, write_report
-from worker.workloads import Workload, load_workload
+from psar.trainkit.roles import resolve_local_rank, resolve_rank, resolve_world_size
+from psar.trainkit.seeding import seed_process
+from psar.worker.backend import Backend, StepOutcome
+from psar.worker.config import TrainConfig
+from psar.worker.data import ElasticBatches, ShardedBatches, evaluate
+from psar.worker.precision import PrecisionPolicy, pick_device, resolve
+from psar.worker.progress import Progress
+from psar.worker.recorder import NullWorkerRecorder, WorkerRecorder
+from psar.worker.records import StepLog, run_summary, write_report
+from psar.worker.workloads import Workload, load_workload
 
 logger = logging.getLogger("psar.train")
 
@@ -45,10 +44,10 @@ def backend_class(cfg: TrainConfig) -> type[Backend]:
     Imported here, lazily, so a DDP run never loads the parameter-server client (ps/client)
     and a PS run never loads torch.distributed's DDP (allreduce/)."""
     if cfg.arch == "ps":
-        from ps.client.backend import PSBackend
+        from psar.ps.client.backend import PSBackend
 
         return PSBackend
-    from allreduce.backend import DDPBackend
+    from psar.allreduce.backend import DDPBackend
 
     return DDPBackend
 
@@ -414,7 +413,7 @@ def _aborting(backend: Backend) -> Iterator[None]:
 def _metrics(cfg: TrainConfig, arch: str, local_rank: int) -> WorkerRecorder:
     if not cfg.metrics_port:
         return NullWorkerRecorder()
-    from worker.metrics import WorkerMetrics, serve_metrics
+    from psar.worker.metrics import WorkerMetrics, serve_metrics
 
     m = WorkerMetrics(arch=arch)
     port = cfg.metrics_port + local_rank

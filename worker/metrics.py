@@ -1,10 +1,10 @@
 """Prometheus metrics of one training worker (either architecture).
 
-Like :class:`ps.server.metrics.ShardMetrics`, each :class:`WorkerMetrics` owns its registry
+Like :class:`psar.ps.server.metrics.ShardMetrics`, each :class:`WorkerMetrics` owns its registry
 (several workers run in one test process) and creates every labelled child up front,
 so the first scrape lists every series and the per-step methods stay cheap.
 
-The serving helpers live in :mod:`ps.server.metrics.prometheus` (one implementation); they are
+The serving helpers live in :mod:`psar.ps.server.metrics.prometheus` (one implementation); they are
 re-exported here so worker code needs a single import.
 """
 
@@ -17,8 +17,7 @@ from contextlib import contextmanager
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-
-from trainkit.prom import (
+from psar.trainkit.prom import (
     DURATION_BUCKETS,
     OTHER,
     STALENESS_BUCKETS,
@@ -49,7 +48,7 @@ PHASES: tuple[str, ...] = (
 
 class WorkerMetrics:
     """Metrics of one worker; every series carries the ``arch`` label (``ps``/``allreduce``).
-    Its recording methods are exactly worker.recorder.WorkerRecorder's (tests/test_recorders.py)."""
+    Its recording methods are exactly psar.worker.recorder.WorkerRecorder's (tests/test_recorders.py)."""
 
     def __init__(self, registry: CollectorRegistry | None = None, *, arch: str) -> None:
         if arch not in ARCHS:
@@ -178,5 +177,5 @@ class WorkerMetrics:
         return generate_latest(self.registry)
 
     def serve(self, port: int, addr: str = "127.0.0.1") -> tuple[WSGIServer, threading.Thread]:
-        """Shortcut for :func:`ps.server.metrics.serve_metrics` on this instance's registry."""
+        """Shortcut for :func:`psar.ps.server.metrics.serve_metrics` on this instance's registry."""
         return serve_metrics(self.registry, port, addr)

@@ -1,7 +1,7 @@
 """Your own training loop on psar: one call, `prepare(model, optimizer)`, and the loop runs
 under `--arch ps` or `--arch allreduce` unchanged (docs/own-loop.md).
 
-    from worker.own_loop import prepare
+    from psar.worker.own_loop import prepare
 
     run = prepare(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), seed=0)
     sampler = DistributedSampler(data, num_replicas=run.world_size, rank=run.rank,
@@ -32,17 +32,16 @@ import shlex
 from collections.abc import Mapping, Sequence
 
 import torch
-
-from trainkit.optim import StepOptions
-from trainkit.seeding import seed_process
-from trainkit.user_optim import current_lrs
-from worker.backend import Backend, StepOutcome
-from worker.config import TrainConfig
-from worker.loop import make_backend, resolve_ranks
-from worker.own_optimizer import distributed
-from worker.precision import pick_device, resolve
-from worker.recorder import NullWorkerRecorder
-from worker.supervisor import free_port
+from psar.trainkit.optim import StepOptions
+from psar.trainkit.seeding import seed_process
+from psar.trainkit.user_optim import current_lrs
+from psar.worker.backend import Backend, StepOutcome
+from psar.worker.config import TrainConfig
+from psar.worker.loop import make_backend, resolve_ranks
+from psar.worker.own_optimizer import distributed
+from psar.worker.precision import pick_device, resolve
+from psar.worker.recorder import NullWorkerRecorder
+from psar.worker.supervisor import free_port
 
 logger = logging.getLogger("psar.own_loop")
 
@@ -60,7 +59,7 @@ def config_of(args: Sequence[str] = (), env: Mapping[str, str] | None = None) ->
     """The TrainConfig of a loop of its own: DEFAULTS, then PSAR_ARGS (shell words), then
     `args`, parsed as `psar train` parses its flags; the architecture as the module
     docstring says."""
-    from worker import cli_gen, cli_parser  # the CLI machinery, only when configuring
+    from psar.worker import cli_gen, cli_parser  # the CLI machinery, only when configuring
 
     env = os.environ if env is None else env
     # The shards the launcher named, from `env` (the config itself reads os.environ).

@@ -2,7 +2,7 @@
 
 The project CLI dispatches ``psar plan ...`` to :func:`main`; :func:`build_parser` is
 exposed so ``--dry-run`` tooling can parse a command line without running it. The
-model itself is pure and lives in :mod:`worker.plan_model`; see docs/cost-model.md.
+model itself is pure and lives in :mod:`psar.worker.plan_model`; see docs/cost-model.md.
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ import json
 import sys
 from collections.abc import Callable, Sequence
 
-from worker.compare_repeats import positive_int
-from worker.plan_command import launch_lines, train_flags
-from worker.plan_model import PlanResult, plan
-from worker.plan_types import (
+from psar.worker.compare_repeats import positive_int
+from psar.worker.plan_command import launch_lines, train_flags
+from psar.worker.plan_model import PlanResult, plan
+from psar.worker.plan_types import (
     DEFAULT_BUCKET_BYTES,
     DEFAULT_PS_CPU_RATE,
     DEFAULT_RING_CPU_RATE,
@@ -24,7 +24,7 @@ from worker.plan_types import (
     ArchPlan,
     PlanInputs,
 )
-from worker.plan_units import (
+from psar.worker.plan_units import (
     human_bytes,
     human_count,
     human_seconds,

@@ -9,7 +9,7 @@ a flag only where the plan was told otherwise.
 
 from __future__ import annotations
 
-from worker.plan_model import PlanInputs, PlanResult
+from psar.worker.plan_model import PlanInputs, PlanResult
 
 SHARD_PORT = 50051
 RDZV_PORT = 29400

@@ -1,6 +1,6 @@
 """Pure cost model behind ``psar plan``: per-step communication and memory.
 
-Nothing here does I/O. ``worker.plan`` wraps it in a command line. The model and its
+Nothing here does I/O. ``psar.worker.plan`` wraps it in a command line. The model and its
 assumptions are written up in ``docs/cost-model.md``; in short it is the alpha-beta
 model (a message of ``n`` bytes costs ``alpha + n / beta``) on full-duplex links with
 no congestion, where every PS shard has a NIC of its own.
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
-from worker.plan_types import (
+from psar.worker.plan_types import (
     DTYPE_BYTES,
     FP32,
     OPTIMIZER_STATES,
@@ -25,7 +25,7 @@ from worker.plan_types import (
     PlanInputs,
     _ceil_div,
 )
-from worker.plan_verdict import CLOSE_CALL, choose_winner, margin
+from psar.worker.plan_verdict import CLOSE_CALL, choose_winner, margin
 
 
 def ring_allreduce_comm(m: float, n: int, alpha: float, beta: float) -> Comm:

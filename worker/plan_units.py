@@ -2,7 +2,7 @@
 
 Parsers turn what people type (``500M``, ``100Gbit/s``, ``1.25GiB/s``, ``5us``) into
 SI base units (a count, bytes/s, seconds, bytes) and raise ``ValueError`` with a
-message naming the accepted forms; ``worker.plan`` turns that into an argparse error.
+message naming the accepted forms; ``psar.worker.plan`` turns that into an argparse error.
 Decimal arithmetic keeps ``1.5B`` exactly 1_500_000_000 and ``0.1ms`` exactly 1e-4 s.
 Case matters where it carries meaning: ``b`` is bits and ``B`` bytes; ``Ki``/``Mi``/
 ``Gi``/``Ti`` are binary (2**10...) prefixes, ``k``/``M``/``G``/``T`` SI ones.

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from worker.plan_units import human_bytes, human_seconds
+from psar.worker.plan_units import human_bytes, human_seconds
 
 if TYPE_CHECKING:
-    from worker.plan_types import ArchPlan, PlanInputs
+    from psar.worker.plan_types import ArchPlan, PlanInputs
 
 
 def _score(arch: ArchPlan) -> float:

@@ -16,8 +16,8 @@ import time
 from collections import Counter
 from typing import Any
 
-from worker.backend import Backend, StepOutcome
-from worker.config import TrainConfig
+from psar.worker.backend import Backend, StepOutcome
+from psar.worker.config import TrainConfig
 
 
 def staleness_summary(values: list[int]) -> dict[str, Any]:

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from worker.report_intervals import report_compare, write_interval_plot
+from psar.worker.report_intervals import report_compare, write_interval_plot
 
 __all__ = [
     "RankSeries",
@@ -385,5 +385,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":  # pragma: no cover - `python -m worker.report DIR`
+if __name__ == "__main__":  # pragma: no cover - `python -m psar.worker.report DIR`
     raise SystemExit(main())

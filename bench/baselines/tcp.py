@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from worker.supervisor import Supervisor
+    from psar.worker.supervisor import Supervisor
 
 MIB = 1 << 20
 _HELLO = "tcp sink listening on port "
@@ -101,7 +101,7 @@ class TcpSink:
         self.close()
 
     def start(self) -> None:
-        from worker.supervisor import Supervisor  # here: the sink itself runs on stdlib only
+        from psar.worker.supervisor import Supervisor  # here: the sink itself runs on stdlib only
 
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.sup = Supervisor(out=sys.stderr, env=env, grace=10.0)

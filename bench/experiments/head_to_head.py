@@ -1,6 +1,6 @@
 """Architectures head to head: allreduce, ps-sync, ps-async, ps-ssp on `mlp` and `lm`.
 
-Each case (workload x worker count) is one `psar compare` (worker.compare's API): the
+Each case (workload x worker count) is one `psar compare` (psar.worker.compare's API): the
 four runs share the workload, seed, per-worker batch, steps and precision (fp32, one
 compute thread per process). samples/s: all workers' samples over the window in which
 every worker trains, from each run's step logs (compare's own figure, samples / job time,
@@ -29,9 +29,10 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from psar.worker import compare as cmp
+from psar.worker import report
+
 from bench.lib import common as c
-from worker import compare as cmp
-from worker import report
 
 BASELINE = "allreduce"
 LOSS_BASELINE = "ps-sync"

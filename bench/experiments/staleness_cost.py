@@ -20,10 +20,10 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch
+from psar.ps.partition import plan_slots
+from psar.worker.plan_units import parse_params
 
-from ps.partition import plan_slots
 from tests.ps_fixtures import grad_for, make_job, make_state, pull, push
-from worker.plan_units import parse_params
 
 RULES = ("momentum", "adaptive")
 

@@ -36,11 +36,10 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch
-
-from trainkit.optim import async_momentum, delay_compensate_
-from trainkit.staleness_rules import AdaptiveRule
-from worker.data import ShardedBatches
-from worker.workloads import lm, mlp
+from psar.trainkit.optim import async_momentum, delay_compensate_
+from psar.trainkit.staleness_rules import AdaptiveRule
+from psar.worker.data import ShardedBatches
+from psar.worker.workloads import lm, mlp
 
 #: A shard rule in the simulation: (push context) -> (lr scale, momentum or None).
 Rule = Callable[[dict], tuple[float, float | None]]

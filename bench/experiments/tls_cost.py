@@ -1,7 +1,7 @@
 """What each wire of the data plane costs in CPU: seconds per GiB at each end.
 
 Two processes on this machine, a sender and a receiver, move `--gib` GiB in data-plane
-piece frames of `--frame-mib` MiB through ps.framing as a push does: the sender sets its
+piece frames of `--frame-mib` MiB through psar.ps.framing as a push does: the sender sets its
 timeout and fr.send-s each frame (header and payload); the receiver reads them as the
 shard does (fr.read_header under a FrameClock, then fr.recv_exact under the frame's
 deadline straight into a reused buffer), over each wire:
@@ -37,8 +37,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ps import framing as fr
-from ps._gen.psar.v1 import ps_pb2 as pb
+from psar.ps import framing as fr
+from psar.ps._gen.psar.v1 import ps_pb2 as pb
 
 WIRES = ("tcp", "sslsocket", "sealed")
 WARMUP_FRAMES = 2
@@ -50,8 +50,8 @@ def pattern(frame_mib: int) -> bytearray:
 
 
 def _server_side(sock: socket.socket, wire: str, certs: dict[str, str]) -> socket.socket:
-    from ps import sealed
-    from ps.server.doors.dataplane import server_ssl_context
+    from psar.ps import sealed
+    from psar.ps.server.doors.dataplane import server_ssl_context
 
     if wire == "tcp":
         return sock
@@ -68,8 +68,8 @@ def _server_side(sock: socket.socket, wire: str, certs: dict[str, str]) -> socke
 
 
 def _client_side(sock: socket.socket, wire: str, certs: dict[str, str]) -> socket.socket:
-    from ps import sealed
-    from ps.client.tcp_transport import client_ssl_context
+    from psar.ps import sealed
+    from psar.ps.client.tcp_transport import client_ssl_context
 
     if wire == "tcp":
         return sock

@@ -40,7 +40,7 @@ def train_args(steps: int, report: str) -> list[str]:
 def run_ddp(gpus: int, steps: int, tmp: Path, timeout: float) -> tuple[dict, float]:
     """Rank 0's report, and samples/s over the window every rank trains in."""
     report = tmp / "ddp.json"
-    py = ["-m", "worker.cli", "train", "--arch", "allreduce", "--backend", "nccl",
+    py = ["-m", "psar.worker.cli", "train", "--arch", "allreduce", "--backend", "nccl",
           "--run-dir", str(tmp / "ddp"), *train_args(steps, str(report))]  # fmt: skip
     run = c.ddp_job(tmp / "ddp", workers=gpus, py_args=py, timeout=timeout)
     return json.loads(report.read_text()), c.steady_rate(run)[0]

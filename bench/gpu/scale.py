@@ -90,8 +90,7 @@ class Setup:
 def params(model: dict[str, int]) -> int:
     """Parameter count of the lm workload at these sizes (built on the meta device: free)."""
     import torch
-
-    from worker.workloads.lm import ByteLM
+    from psar.worker.workloads.lm import ByteLM
 
     with torch.device("meta"):
         m = ByteLM(model["seq_len"], model["d_model"], model["n_layers"], model["n_heads"])

@@ -30,13 +30,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from worker.supervisor import ProcessError, Supervisor, free_port
+from psar.worker.supervisor import ProcessError, Supervisor, free_port
 
 __all__ = ["ProcessError", "Supervisor", "free_port"]  # re-exported for the benchmarks
 
 ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable
-PSAR = [PY, "-m", "worker.cli"]
+PSAR = [PY, "-m", "psar.worker.cli"]
 TORCHRUN = [PY, "-m", "torch.distributed.run"]
 PLAIN_DDP = ROOT / "bench" / "baselines" / "plain_ddp.py"
 #: The reference workload: MLP 784-1024-1024-10, batch 128/worker, SGD momentum, fp32,
@@ -148,7 +148,7 @@ def ddp_job(out: Path, *, workers: int, py_args: Sequence[str], timeout: float =
 
 def psar_train_args(out: Path, arch: str = "allreduce") -> list[str]:
     """`python` args that run `psar train --arch ARCH` logging into `out` (+ REF-style flags)."""
-    return ["-m", "worker.cli", "train", "--arch", arch, "--run-dir", str(out),
+    return ["-m", "psar.worker.cli", "train", "--arch", arch, "--run-dir", str(out),
             "--report", str(out / "report-{rank}.json")]  # fmt: skip
 
 
@@ -188,7 +188,7 @@ class Run:
 
 
 def load_run(out: Path) -> Run:
-    from worker import report
+    from psar.worker import report
 
     loaded, summaries = report.load_run(out)
     series = []

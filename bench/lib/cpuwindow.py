@@ -11,7 +11,7 @@ import os
 import time
 from pathlib import Path
 
-from worker.supervisor import descendants
+from psar.worker.supervisor import descendants
 
 
 def tree(pid: int) -> list[int]:

@@ -8,12 +8,11 @@ import time
 from collections.abc import Callable, Sequence
 
 import torch
-
-from ps.client.psclient import ClientConfig, PSClient
-from ps.client.tcp_transport import DEFAULT_MAX_FRAME_BYTES
-from ps.job import Job
-from ps.partition import plan_slots
-from trainkit.optim import OptimizerConfig
+from psar.ps.client.psclient import ClientConfig, PSClient
+from psar.ps.client.tcp_transport import DEFAULT_MAX_FRAME_BYTES
+from psar.ps.job import Job
+from psar.ps.partition import plan_slots
+from psar.trainkit.optim import OptimizerConfig
 
 # ---- a shared, noisy machine -----------------------------------------------------------
 

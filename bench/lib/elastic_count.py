@@ -32,7 +32,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from worker.data import ElasticBatches, ShardedBatches
+from psar.worker.data import ElasticBatches, ShardedBatches
 
 
 @dataclass

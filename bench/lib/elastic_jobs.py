@@ -21,8 +21,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from psar.worker.supervisor import descendants
+
 from bench.lib import common as c
-from worker.supervisor import descendants
 
 _SHORT = "the epoch ran out before the schedule did; give more --batches or --compute-ms"
 RANK_SCRIPT = Path(__file__).resolve().parent / "elastic_rank.py"
@@ -38,7 +39,7 @@ def lm_options(args: Any, max_bytes: int) -> list[str]:
 def data_size(args: Any) -> dict[str, Any]:
     """The lm options whose training set is exactly args.batches batches (so every world
     size of the schedule cuts the epoch whole), checked by building the workload."""
-    from worker.workloads.loader import load_workload
+    from psar.worker.workloads.loader import load_workload
 
     want = args.batches * args.batch_size
     budget = want * args.seq_len + 1  # ByteWindows: (bytes - 1) // seq_len windows
@@ -159,7 +160,7 @@ class PSJob(_Job):
         return self._stats()["live_workers"] == len(self._live())
 
     def _stats(self) -> dict[str, Any]:
-        from ps.client.psclient import ClientConfig, PSClient
+        from psar.ps.client.psclient import ClientConfig, PSClient
 
         with PSClient([self.addr], worker=0, cfg=ClientConfig(timeout_s=5)) as client:
             return client.stats()[0]

@@ -53,7 +53,7 @@ def main(argv: list[str]) -> None:
         "resume_step": newest_checkpoint(argv[2:]),
     }
     (folder / "meta.json").write_text(json.dumps(meta))
-    train = ["-m", "worker.cli", "train", "--arch", "allreduce", "--run-dir", str(folder),
+    train = ["-m", "psar.worker.cli", "train", "--arch", "allreduce", "--run-dir", str(folder),
              "--report", str(folder / "report-{rank}.json"), *argv[2:]]  # fmt: skip
     os.execv(sys.executable, [sys.executable, *train])
 

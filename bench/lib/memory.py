@@ -32,10 +32,11 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from psar.worker.plan import build_parser, inputs_from_args
+from psar.worker.plan_model import plan
+from psar.worker.supervisor import descendants
+
 from bench.lib import common as c
-from worker.plan import build_parser, inputs_from_args
-from worker.plan_model import plan
-from worker.supervisor import descendants
 
 #: Issue #36's goals: a PS worker <= this x a DDP rank per parameter, plan within 15%.
 RATIO_GOAL = 0.3
@@ -69,9 +70,9 @@ def _status_kib(pid: int, field: str) -> int:
 def role(argv: list[str]) -> str | None:
     """'worker' for a `psar train` rank, 'shard' for a `psar server`, else None (torchrun's
     agent carries the rank's argv too, after torch.distributed.run)."""
-    if "torch.distributed.run" in argv or "worker.cli" not in argv:
+    if "torch.distributed.run" in argv or "psar.worker.cli" not in argv:
         return None
-    i = argv.index("worker.cli")
+    i = argv.index("psar.worker.cli")
     return {"train": "worker", "server": "shard"}.get(argv[i + 1] if i + 1 < len(argv) else "")
 
 

@@ -25,13 +25,12 @@ import statistics
 import time
 
 import torch
-
-from ps import wire
-from ps.headers import PushHeader
-from ps.job import Job
-from ps.partition import plan_slots
-from ps.server.shard import ShardState
-from trainkit.optim import LossScaleConfig, OptimizerConfig
+from psar.ps import wire
+from psar.ps.headers import PushHeader
+from psar.ps.job import Job
+from psar.ps.partition import plan_slots
+from psar.ps.server.shard import ShardState
+from psar.trainkit.optim import LossScaleConfig, OptimizerConfig
 
 SCALE = 1024.0
 PIECE = 1 << 20

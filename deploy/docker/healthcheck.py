@@ -29,7 +29,7 @@ _ANY = ("0.0.0.0", "::", "[::]", "")
 def _is_psar_server(argv: Sequence[str]) -> bool:
     for i, tok in enumerate(argv[:-1]):
         name = os.path.basename(tok)
-        if (name == "psar" or tok == "worker.cli") and argv[i + 1] == "server":
+        if (name == "psar" or tok == "psar.worker.cli") and argv[i + 1] == "server":
             return True
     return False
 

@@ -30,27 +30,26 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-
-from ps import auth
-from ps.client.backend_elastic import ElasticMixin, elastic_note
-from ps.client.backend_local import LocalMixin
-from ps.client.backend_overlap import OverlapMixin
-from ps.client.backend_own import OwnLoopMixin, OwnOptimizer
-from ps.client.backend_resync import _MAX_RESYNCS, ResyncMixin
-from ps.client.int_buffers import IntBuffers
-from ps.client.locality import resolve_early_pull
-from ps.client.psclient import ClientConfig, NeedsResync, PSClient
-from ps.headers import PullHeader
-from ps.job import Job, ModeTraits
-from ps.partition import Slot, bytes_per_shard, check_every_shard_holds_a_slot, plan_slots
-from trainkit.choices import chunk_rounds
-from trainkit.device_io import DeviceIO, state_to_host, to_host
-from trainkit.optim import DynamicLossScale, StepOptions, effective_loss_scale, with_run_length
-from trainkit.sparse_tables import release_tables
-from worker.backend import StepOutcome
-from worker.config import TrainConfig
-from worker.precision import PrecisionPolicy
-from worker.recorder import NullWorkerRecorder, WorkerRecorder
+from psar.ps import auth
+from psar.ps.client.backend_elastic import ElasticMixin, elastic_note
+from psar.ps.client.backend_local import LocalMixin
+from psar.ps.client.backend_overlap import OverlapMixin
+from psar.ps.client.backend_own import OwnLoopMixin, OwnOptimizer
+from psar.ps.client.backend_resync import _MAX_RESYNCS, ResyncMixin
+from psar.ps.client.int_buffers import IntBuffers
+from psar.ps.client.locality import resolve_early_pull
+from psar.ps.client.psclient import ClientConfig, NeedsResync, PSClient
+from psar.ps.headers import PullHeader
+from psar.ps.job import Job, ModeTraits
+from psar.ps.partition import Slot, bytes_per_shard, check_every_shard_holds_a_slot, plan_slots
+from psar.trainkit.choices import chunk_rounds
+from psar.trainkit.device_io import DeviceIO, state_to_host, to_host
+from psar.trainkit.optim import DynamicLossScale, StepOptions, effective_loss_scale, with_run_length
+from psar.trainkit.sparse_tables import release_tables
+from psar.worker.backend import StepOutcome
+from psar.worker.config import TrainConfig
+from psar.worker.precision import PrecisionPolicy
+from psar.worker.recorder import NullWorkerRecorder, WorkerRecorder
 
 log = logging.getLogger("psar.ps")
 
@@ -147,7 +146,7 @@ class PSBackend(OverlapMixin, ResyncMixin, LocalMixin, OwnLoopMixin, ElasticMixi
         release_tables(model)  # the shards hold the sparse tables' rows (docs/sparse.md)
         model.to(self.device)
         self.model = model
-        from ps.client.sparse_worker import SparseSide  # sparse tables: docs/sparse.md
+        from psar.ps.client.sparse_worker import SparseSide  # sparse tables: docs/sparse.md
 
         self.sparse = SparseSide(self, model)
         params = [

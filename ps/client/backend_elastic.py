@@ -15,9 +15,8 @@ import time
 from typing import Any
 
 import grpc
-
-from ps.client.errors import PSClientError
-from ps.job import Job
+from psar.ps.client.errors import PSClientError
+from psar.ps.job import Job
 
 log = logging.getLogger("psar.ps")
 

@@ -13,11 +13,11 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from ps.client.backend_resync import _MAX_RESYNCS
-from ps.client.psclient import NeedsResync
-from trainkit.local_sgd import LocalSteps, outer_optimizer_config
-from trainkit.optim import OptimizerConfig, effective_loss_scale
-from worker.backend import StepOutcome
+from psar.ps.client.backend_resync import _MAX_RESYNCS
+from psar.ps.client.psclient import NeedsResync
+from psar.trainkit.local_sgd import LocalSteps, outer_optimizer_config
+from psar.trainkit.optim import OptimizerConfig, effective_loss_scale
+from psar.worker.backend import StepOutcome
 
 
 class LocalMixin:

@@ -15,13 +15,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
-
-from ps.client.errors import NeedsResync
-from ps.client.host_cpu import CoLocatedCPU
-from ps.client.overlap import PushBuckets
-from ps.client.overlap_tuner import ARM_NAMES, Arm, OverlapTuner
-from ps.client.pull_gate import PullGate, ungateable_reason
-from ps.headers import PullHeader
+from psar.ps.client.errors import NeedsResync
+from psar.ps.client.host_cpu import CoLocatedCPU
+from psar.ps.client.overlap import PushBuckets
+from psar.ps.client.overlap_tuner import ARM_NAMES, Arm, OverlapTuner
+from psar.ps.client.pull_gate import PullGate, ungateable_reason
+from psar.ps.headers import PullHeader
 
 log = logging.getLogger("psar.ps")
 

@@ -1,6 +1,6 @@
 """PSBackend's part for a worker's own loop (worker/own_loop.py): the user's torch.optim
 optimizer shipped to the shards (its class, each parameter group's hyper-parameters and
-state), each step's learning rates and clipping (trainkit.optim.StepOptions), and the
+state), each step's learning rates and clipping (psar.trainkit.optim.StepOptions), and the
 optimizer's state read back for `optimizer.state_dict()`.
 
 A mixin of ps/client/backend.py's PSBackend, which provides the client, slots, params,
@@ -15,10 +15,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-
-from ps.partition import Slot
-from trainkit.optim import OptimizerConfig, ParamGroup, StepOptions
-from trainkit.user_optim import describe
+from psar.ps.partition import Slot
+from psar.trainkit.optim import OptimizerConfig, ParamGroup, StepOptions
+from psar.trainkit.user_optim import describe
 
 
 @dataclass

@@ -11,8 +11,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from ps.client.errors import NeedsResync
-from ps.job import ModeTraits
+from psar.ps.client.errors import NeedsResync
+from psar.ps.job import ModeTraits
 
 log = logging.getLogger("psar.ps")
 _MAX_RESYNCS = 50

@@ -1,7 +1,7 @@
 """ClientConfig: how a worker's client talks to the shards.
 
 The connection fields (timeouts, reconnect, TLS, data plane) are not declared here: they
-are inherited from trainkit.connection.ConnectionConfig, the same class `psar train`'s
+are inherited from psar.trainkit.connection.ConnectionConfig, the same class `psar train`'s
 [ps] section (worker/config.py PSConfig) inherits, so both have one default and one check
 each. `ClientConfig.of(cfg.ps, auth_token=...)` builds the client's config from a train
 config; tests and benchmarks still construct ClientConfig directly.
@@ -13,10 +13,10 @@ import dataclasses
 from dataclasses import InitVar, dataclass
 from typing import Any
 
-from ps import wire
-from ps.client.tcp_transport import DEFAULT_MAX_FRAME_BYTES
-from ps.grpc_limits import DEFAULT_MAX_MESSAGE_BYTES
-from trainkit.connection import ConnectionConfig
+from psar.ps import wire
+from psar.ps.client.tcp_transport import DEFAULT_MAX_FRAME_BYTES
+from psar.ps.grpc_limits import DEFAULT_MAX_MESSAGE_BYTES
+from psar.trainkit.connection import ConnectionConfig
 
 
 @dataclass(kw_only=True)

@@ -14,13 +14,12 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import grpc
-
-from ps._gen.psar.v1 import ps_pb2 as pb
-from ps.client.errors import PSClientError
-from ps.client.grpc_transport import GrpcTransport
-from ps.client.tcp_transport import DataPlaneClient, client_ssl_context
-from ps.client.transport import Transport, TransportError
-from trainkit.connection import DATA_PLANES, check_data_plane
+from psar.ps._gen.psar.v1 import ps_pb2 as pb
+from psar.ps.client.errors import PSClientError
+from psar.ps.client.grpc_transport import GrpcTransport
+from psar.ps.client.tcp_transport import DataPlaneClient, client_ssl_context
+from psar.ps.client.transport import Transport, TransportError
+from psar.trainkit.connection import DATA_PLANES, check_data_plane
 
 T = TypeVar("T")
 

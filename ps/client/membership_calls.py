@@ -1,7 +1,7 @@
 """PSClient's membership calls: Register, Rollback, Heartbeat (docs/reliability.md), and
 rank 0's report that it could not initialise the shards (ReportInitFailure).
 
-A mixin of ps.client.psclient.PSClient, which provides the stubs, `_retrying`, `_each`,
+A mixin of psar.ps.client.psclient.PSClient, which provides the stubs, `_retrying`, `_each`,
 `incarnations`, `lease_s` and the heartbeat thread's stop event.
 """
 
@@ -13,10 +13,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import grpc
-
-from ps import serde
-from ps._gen.psar.v1 import ps_pb2 as pb
-from ps.client.errors import PSClientError
+from psar.ps import serde
+from psar.ps._gen.psar.v1 import ps_pb2 as pb
+from psar.ps.client.errors import PSClientError
 
 log = logging.getLogger("psar.client")
 

@@ -3,7 +3,7 @@ for clipping on the shards (RoundNorm, ps/server/update/clipping.py), and the op
 state of every slot (OptimizerState) for `optimizer.state_dict()`; rank 0's Init may
 carry that state back (PSClient.init's `opt_state`).
 
-A mixin of ps.client.psclient.PSClient, which provides the stubs, `_retrying`, `_each`,
+A mixin of psar.ps.client.psclient.PSClient, which provides the stubs, `_retrying`, `_each`,
 `incarnations` and the config.
 """
 
@@ -13,9 +13,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-
-from ps import wire
-from ps._gen.psar.v1 import ps_pb2 as pb
+from psar.ps import wire
+from psar.ps._gen.psar.v1 import ps_pb2 as pb
 
 StateBySlot = dict[str, dict[str, torch.Tensor]]
 """slot key -> optimizer state name -> fp32 value (flat, of the slot's size; or 0-d)."""

@@ -26,10 +26,9 @@ from concurrent.futures import thread as _futures_thread
 from typing import Any
 
 import torch
-
-from ps.partition import Slot
-from trainkit.device_io import DeviceIO, Event
-from trainkit.optim import StepOptions
+from psar.ps.partition import Slot
+from psar.trainkit.device_io import DeviceIO, Event
+from psar.trainkit.optim import StepOptions
 
 PushItem = tuple[Any, ...]
 """("data", slot key, element offset, 1-D tensor) or ("verdict", overflow, absent keys)."""

@@ -24,30 +24,29 @@ from typing import Any, TypeVar
 
 import grpc
 import torch
-
-from ps import auth, serde, wire
-from ps._gen.psar.v1 import ps_pb2 as pb
-from ps._gen.psar.v1 import ps_pb2_grpc as pb_grpc
-from ps.client.client_config import ClientConfig
-from ps.client.dataplane_calls import DataPlaneCalls
-from ps.client.errors import (
+from psar.ps import auth, serde, wire
+from psar.ps._gen.psar.v1 import ps_pb2 as pb
+from psar.ps._gen.psar.v1 import ps_pb2_grpc as pb_grpc
+from psar.ps.client.client_config import ClientConfig
+from psar.ps.client.dataplane_calls import DataPlaneCalls
+from psar.ps.client.errors import (
     NOT_INITIALISED,
     RESYNC_PREFIXES,
     NeedsResync,
     PSClientError,
     restarted_empty,
 )
-from ps.client.grpc_transport import GrpcTransport
-from ps.client.membership_calls import INIT_FAILED_PREFIX, InitFailed, MembershipCalls
-from ps.client.optimizer_calls import OptimizerCalls, StateBySlot, state_chunks
-from ps.client.overlap import PushItem
-from ps.client.tcp_transport import DataPlaneClient
-from ps.client.transport import PullStream
-from ps.grpc_limits import grpc_options
-from ps.headers import PullHeader, PushHeader, StepOptions
-from ps.job import Job
-from ps.partition import Slot
-from trainkit.waiting import Waits
+from psar.ps.client.grpc_transport import GrpcTransport
+from psar.ps.client.membership_calls import INIT_FAILED_PREFIX, InitFailed, MembershipCalls
+from psar.ps.client.optimizer_calls import OptimizerCalls, StateBySlot, state_chunks
+from psar.ps.client.overlap import PushItem
+from psar.ps.client.tcp_transport import DataPlaneClient
+from psar.ps.client.transport import PullStream
+from psar.ps.grpc_limits import grpc_options
+from psar.ps.headers import PullHeader, PushHeader, StepOptions
+from psar.ps.job import Job
+from psar.ps.partition import Slot
+from psar.trainkit.waiting import Waits
 
 __all__ = ["ClientConfig", "InitFailed", "NeedsResync", "PSClient", "PSClientError"]
 
@@ -110,7 +109,7 @@ class PSClient(DataPlaneCalls, MembershipCalls, OptimizerCalls):
         return lambda: self._stubs[i]
 
     def set_slots(self, slots: Sequence[Slot]) -> None:
-        """The partition plan (ps.partition.plan_slots) this worker pushes and pulls by."""
+        """The partition plan (psar.ps.partition.plan_slots) this worker pushes and pulls by."""
         self.slots_by_shard = [[] for _ in self.addresses]
         for s in slots:
             if not 0 <= s.shard < self.num_shards:

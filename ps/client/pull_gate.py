@@ -27,10 +27,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from psar.ps.partition import Slot
+from psar.trainkit.device_io import DeviceIO, Event
 from torch.overrides import TorchFunctionMode
-
-from ps.partition import Slot
-from trainkit.device_io import DeviceIO, Event
 
 
 def ungateable_reason(model: torch.nn.Module) -> str:

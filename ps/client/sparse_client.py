@@ -12,11 +12,10 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
-
-from ps import serde, wire
-from ps._gen.psar.v1 import ps_pb2 as pb
-from ps.client.psclient import PSClient
-from ps.sparse_spec import TableSpec
+from psar.ps import serde, wire
+from psar.ps._gen.psar.v1 import ps_pb2 as pb
+from psar.ps.client.psclient import PSClient
+from psar.ps.sparse_spec import TableSpec
 
 
 def _ids_bytes(ids: torch.Tensor) -> bytes:

@@ -21,14 +21,13 @@ from collections import Counter
 from typing import Any
 
 import torch
+from psar.ps import wire
+from psar.ps.client import sparse_client
+from psar.ps.sparse_spec import TableSpec
+from psar.trainkit.device_io import to_device, to_host
+from psar.trainkit.finite import all_finite
+from psar.trainkit.sparse_tables import marked_tables
 from torch import nn
-
-from ps import wire
-from ps.client import sparse_client
-from ps.sparse_spec import TableSpec
-from trainkit.device_io import to_device, to_host
-from trainkit.finite import all_finite
-from trainkit.sparse_tables import marked_tables
 
 log = logging.getLogger("psar.sparse")
 

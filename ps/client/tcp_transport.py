@@ -31,12 +31,11 @@ from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
 import grpc
-
-from ps import framing as fr
-from ps import sealed, shm
-from ps._gen.psar.v1 import ps_pb2 as pb
-from ps.client.locality import is_this_host
-from ps.client.transport import Incoming, Piece, PullStream, Transport, TransportError, Verdict
+from psar.ps import framing as fr
+from psar.ps import sealed, shm
+from psar.ps._gen.psar.v1 import ps_pb2 as pb
+from psar.ps.client.locality import is_this_host
+from psar.ps.client.transport import Incoming, Piece, PullStream, Transport, TransportError, Verdict
 
 DEFAULT_MAX_FRAME_BYTES = 4 << 20
 """Tensor bytes per piece frame sent; at most the shard's --max-message-bytes (16 MiB)."""

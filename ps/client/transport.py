@@ -29,13 +29,12 @@ from typing import Any, Protocol
 
 import grpc
 import torch
-
-from ps import serde, wire
-from ps._gen.psar.v1 import ps_pb2 as pb
+from psar.ps import serde, wire
+from psar.ps._gen.psar.v1 import ps_pb2 as pb
 
 Item = tuple[Any, ...]
 """A push item: ("data", key, offset, tensor) or ("verdict", overflow[, absent keys[,
-step options (ps.headers.StepOptions)]])."""
+step options (psar.ps.headers.StepOptions)]])."""
 
 
 class TransportError(grpc.RpcError):

@@ -9,10 +9,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import ClassVar
 
-from ps import wire
-from ps.grpc_limits import DEFAULT_MAX_MESSAGE_BYTES
-from ps.server.durability import checkpoints
-from ps.server.membership.leases import DEFAULT_JOIN_GRACE_S, DEFAULT_LEASE_S
+from psar.ps import wire
+from psar.ps.grpc_limits import DEFAULT_MAX_MESSAGE_BYTES
+from psar.ps.server.durability import checkpoints
+from psar.ps.server.membership.leases import DEFAULT_JOIN_GRACE_S, DEFAULT_LEASE_S
 
 #: How many shards share this host (`psar server --torch-threads auto` divides its cores).
 SHARDS_PER_HOST_ENV = "PSAR_SHARDS_PER_HOST"

@@ -18,21 +18,21 @@ import time
 from concurrent import futures
 from typing import Any
 
-from ps import auth
-from ps._gen.psar.v1 import ps_pb2_grpc as pb_grpc
-from ps.grpc_limits import grpc_options
-from ps.server.config import ServerConfig
-from ps.server.doors.aio_host import ShardServer
-from ps.server.doors.dataplane import DataPlaneServer, server_ssl_context, start_dataplane
-from ps.server.doors.health import ShardHealth
-from ps.server.doors.sparse_servicer import SparseServicer
-from ps.server.durability import checkpoints
-from ps.server.membership.leases import Reaper
-from ps.server.shard import ShardState
-from ps.server.update.stepper import apply_torch_threads
-from trainkit.allocator import set_mmap_threshold
-from trainkit.roles import resolve_shard
-from trainkit.waiting import Waits
+from psar.ps import auth
+from psar.ps._gen.psar.v1 import ps_pb2_grpc as pb_grpc
+from psar.ps.grpc_limits import grpc_options
+from psar.ps.server.config import ServerConfig
+from psar.ps.server.doors.aio_host import ShardServer
+from psar.ps.server.doors.dataplane import DataPlaneServer, server_ssl_context, start_dataplane
+from psar.ps.server.doors.health import ShardHealth
+from psar.ps.server.doors.sparse_servicer import SparseServicer
+from psar.ps.server.durability import checkpoints
+from psar.ps.server.membership.leases import Reaper
+from psar.ps.server.shard import ShardState
+from psar.ps.server.update.stepper import apply_torch_threads
+from psar.trainkit.allocator import set_mmap_threshold
+from psar.trainkit.roles import resolve_shard
+from psar.trainkit.waiting import Waits
 
 log = logging.getLogger("psar.server")
 
@@ -278,7 +278,7 @@ def shutdown(server: ShardServer, state: ShardState, drain_timeout_s: float) -> 
 def _make_metrics(cfg: ServerConfig):  # noqa: ANN202 - metrics type is optional here
     if not cfg.metrics_port:
         return None
-    from ps.server.metrics.prometheus import ShardMetrics, serve_metrics
+    from psar.ps.server.metrics.prometheus import ShardMetrics, serve_metrics
 
     metrics = ShardMetrics(shard=cfg.shard)
     serve_metrics(metrics.registry, cfg.metrics_port, cfg.metrics_addr)

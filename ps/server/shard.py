@@ -28,25 +28,24 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-
-from ps import wire
-from ps.errors import FailedPrecondition, InvalidArgument, quote
-from ps.job import Job
-from ps.server.durability.checkpoints import CheckpointManager
-from ps.server.durability.durability import Durability, new_incarnation
-from ps.server.intake.intake import Intake
-from ps.server.membership.leases import DEFAULT_JOIN_GRACE_S, DEFAULT_LEASE_S, LeaseTable
-from ps.server.membership.ledger import ledger_for
-from ps.server.membership.membership import Membership
-from ps.server.metrics.recorder import NullShardRecorder, ShardRecorder
-from ps.server.modes import BUILTIN, Modes
-from ps.server.pulls.pulls import Pulls
-from ps.server.state import ShardData
-from ps.server.update.buffers import IntBufferLog
-from ps.server.update.opt_state import StateValue, load_state, read_state
-from ps.server.update.stepper import SlotStepper
-from ps.server.update.updates import Updates
-from trainkit.optim import StepAdjust, optimizer_impl, resolve_impl
+from psar.ps import wire
+from psar.ps.errors import FailedPrecondition, InvalidArgument, quote
+from psar.ps.job import Job
+from psar.ps.server.durability.checkpoints import CheckpointManager
+from psar.ps.server.durability.durability import Durability, new_incarnation
+from psar.ps.server.intake.intake import Intake
+from psar.ps.server.membership.leases import DEFAULT_JOIN_GRACE_S, DEFAULT_LEASE_S, LeaseTable
+from psar.ps.server.membership.ledger import ledger_for
+from psar.ps.server.membership.membership import Membership
+from psar.ps.server.metrics.recorder import NullShardRecorder, ShardRecorder
+from psar.ps.server.modes import BUILTIN, Modes
+from psar.ps.server.pulls.pulls import Pulls
+from psar.ps.server.state import ShardData
+from psar.ps.server.update.buffers import IntBufferLog
+from psar.ps.server.update.opt_state import StateValue, load_state, read_state
+from psar.ps.server.update.stepper import SlotStepper
+from psar.ps.server.update.updates import Updates
+from psar.trainkit.optim import StepAdjust, optimizer_impl, resolve_impl
 
 __all__ = ["ShardState"]
 

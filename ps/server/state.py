@@ -26,21 +26,20 @@ from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 import torch
-
-from ps.errors import FailedPrecondition
-from ps.headers import StepOptions
-from ps.job import Job, ModeTraits
-from ps.server.membership.leases import LeaseTable
-from ps.server.membership.ledger import DataLedger
-from ps.server.metrics.recorder import ShardRecorder
-from ps.server.update.buffers import IntBufferLog
-from ps.server.update.clipping import HeldRound, RoundNorms
-from trainkit.optim import DynamicLossScale
+from psar.ps.errors import FailedPrecondition
+from psar.ps.headers import StepOptions
+from psar.ps.job import Job, ModeTraits
+from psar.ps.server.membership.leases import LeaseTable
+from psar.ps.server.membership.ledger import DataLedger
+from psar.ps.server.metrics.recorder import ShardRecorder
+from psar.ps.server.update.buffers import IntBufferLog
+from psar.ps.server.update.clipping import HeldRound, RoundNorms
+from psar.trainkit.optim import DynamicLossScale
 
 if TYPE_CHECKING:
-    from ps.server.durability.checkpoints import CheckpointManager
-    from ps.server.modes import Modes, UpdatePolicy
-    from ps.server.sparse.tables import SparseTables
+    from psar.ps.server.durability.checkpoints import CheckpointManager
+    from psar.ps.server.modes import Modes, UpdatePolicy
+    from psar.ps.server.sparse.tables import SparseTables
 
 
 class ShardData:

@@ -3,7 +3,7 @@
 See docs/workloads.md for bringing your own model with ``--workload module:function``.
 """
 
-from worker.workloads.base import Workload, WorkloadFactory
-from worker.workloads.loader import BUILTINS, load_workload, resolve_factory
+from psar.worker.workloads.base import Workload, WorkloadFactory
+from psar.worker.workloads.loader import BUILTINS, load_workload, resolve_factory
 
 __all__ = ["BUILTINS", "Workload", "WorkloadFactory", "load_workload", "resolve_factory"]

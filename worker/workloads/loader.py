@@ -12,21 +12,21 @@ import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from trainkit.sparse_tables import materialize_tables
-from worker.workloads.base import Workload
+from psar.trainkit.sparse_tables import materialize_tables
+from psar.worker.workloads.base import Workload
 
 __all__ = ["BUILTINS", "load_workload", "resolve_factory"]
 
 BUILTINS: dict[str, str] = {
-    "mlp": "worker.workloads.mlp:make",
-    "lm": "worker.workloads.lm:make",
-    "recsys": "worker.workloads.recsys:make",
+    "mlp": "psar.worker.workloads.mlp:make",
+    "lm": "psar.worker.workloads.lm:make",
+    "recsys": "psar.worker.workloads.recsys:make",
 }
 """Built-in workload names and the ``module:function`` factory each one stands for."""
 
 _FORM_HELP = (
     "pass a built-in name ({names}) or 'package.module:function' naming a factory "
-    "`def factory(seed: int, **options) -> worker.workloads.Workload` "
+    "`def factory(seed: int, **options) -> psar.worker.workloads.Workload` "
     "importable from this process (see docs/workloads.md)"
 )
 
@@ -100,7 +100,7 @@ def load_workload(
     if not isinstance(workload, Workload):
         raise ValueError(
             f"workload {spec!r}: factory returned {type(workload).__name__}, expected "
-            "worker.workloads.Workload (return Workload(model=..., train_dataset=..., loss_fn=...))"
+            "psar.worker.workloads.Workload (return Workload(model=..., train_dataset=..., loss_fn=...))"
         )
     if materialize:
         materialize_tables(workload.model)

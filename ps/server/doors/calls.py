@@ -11,12 +11,11 @@ from concurrent.futures import Executor
 from typing import Any, NoReturn
 
 import torch
-
-from ps import serde
-from ps._gen.psar.v1 import ps_pb2 as pb
-from ps.errors import InvalidArgument
-from ps.server.pulls.parking import in_pool
-from ps.server.shard import ShardState
+from psar.ps import serde
+from psar.ps._gen.psar.v1 import ps_pb2 as pb
+from psar.ps.errors import InvalidArgument
+from psar.ps.server.pulls.parking import in_pool
+from psar.ps.server.shard import ShardState
 
 
 class PushCall:

@@ -40,11 +40,10 @@ import threading
 import time
 
 import grpc
-
-from ps import framing as fr
-from ps import sealed
-from ps.server.doors.dataplane_conn import _Connection
-from ps.server.shard import ShardState
+from psar.ps import framing as fr
+from psar.ps import sealed
+from psar.ps.server.doors.dataplane_conn import _Connection
+from psar.ps.server.shard import ShardState
 
 log = logging.getLogger("psar.dataplane")
 

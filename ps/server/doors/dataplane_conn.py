@@ -11,14 +11,13 @@ import time
 from typing import Any, Protocol
 
 import grpc
-
-from ps import framing as fr
-from ps import sealed, serde, shm
-from ps._gen.psar.v1 import ps_pb2 as pb
-from ps.errors import InvalidArgument, PSError, bound_details
-from ps.server.doors.calls import PushCall, start_pull, start_pull_early
-from ps.server.metrics.recorder import ShardRecorder
-from ps.server.shard import ShardState
+from psar.ps import framing as fr
+from psar.ps import sealed, serde, shm
+from psar.ps._gen.psar.v1 import ps_pb2 as pb
+from psar.ps.errors import InvalidArgument, PSError, bound_details
+from psar.ps.server.doors.calls import PushCall, start_pull, start_pull_early
+from psar.ps.server.metrics.recorder import ShardRecorder
+from psar.ps.server.shard import ShardState
 
 _DRAIN_AFTER_ERROR_S = 2.0
 

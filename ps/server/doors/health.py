@@ -15,7 +15,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 if TYPE_CHECKING:
-    from ps.server.doors.aio_host import ShardServer
+    from psar.ps.server.doors.aio_host import ShardServer
 
 SERVICE = "psar.v1.ParameterServer"
 

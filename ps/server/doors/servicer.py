@@ -25,11 +25,10 @@ from typing import Any
 
 import grpc
 import torch
-
-from ps import serde
-from ps._gen.psar.v1 import ps_pb2 as pb
-from ps._gen.psar.v1 import ps_pb2_grpc as pb_grpc
-from ps.errors import (
+from psar.ps import serde
+from psar.ps._gen.psar.v1 import ps_pb2 as pb
+from psar.ps._gen.psar.v1 import ps_pb2_grpc as pb_grpc
+from psar.ps.errors import (
     FailedPrecondition,
     InvalidArgument,
     PSError,
@@ -37,11 +36,11 @@ from ps.errors import (
     bound_details,
     quote,
 )
-from ps.server.doors.aio_host import Undecodable
-from ps.server.doors.calls import PushCall, round_norm_args, start_pull_parked
-from ps.server.pulls.parking import wait_until
-from ps.server.shard import ShardState
-from ps.server.update.opt_state import StateCollector
+from psar.ps.server.doors.aio_host import Undecodable
+from psar.ps.server.doors.calls import PushCall, round_norm_args, start_pull_parked
+from psar.ps.server.pulls.parking import wait_until
+from psar.ps.server.shard import ShardState
+from psar.ps.server.update.opt_state import StateCollector
 
 
 class StreamBroken(InvalidArgument):

@@ -11,13 +11,12 @@ from typing import Any
 
 import grpc
 import torch
-
-from ps import serde, wire
-from ps._gen.psar.v1 import ps_pb2 as pb
-from ps.errors import InvalidArgument, PSError, bound_details, quote
-from ps.server.doors.servicer import ParameterServerServicer, decoded, require_clean_end
-from ps.server.shard import ShardState
-from ps.server.sparse.tables import RowPush, SparseTables
+from psar.ps import serde, wire
+from psar.ps._gen.psar.v1 import ps_pb2 as pb
+from psar.ps.errors import InvalidArgument, PSError, bound_details, quote
+from psar.ps.server.doors.servicer import ParameterServerServicer, decoded, require_clean_end
+from psar.ps.server.shard import ShardState
+from psar.ps.server.sparse.tables import RowPush, SparseTables
 
 
 def decode_ids(data: bytes) -> torch.Tensor:

@@ -33,8 +33,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
-
-from trainkit.atomic import atomic_save
+from psar.trainkit.atomic import atomic_save
 
 log = logging.getLogger("psar.checkpoint")
 
@@ -172,9 +171,9 @@ def newest_verified(
 # ---- what a checkpoint holds (ps/server/durability/durability.py takes and loads the snapshots) --------
 
 
-def job_of(snap: dict[str, Any]):  # noqa: ANN201 - ps.job.Job
-    from ps import serde
-    from ps._gen.psar.v1 import ps_pb2 as pb
+def job_of(snap: dict[str, Any]):  # noqa: ANN201 - psar.ps.job.Job
+    from psar.ps import serde
+    from psar.ps._gen.psar.v1 import ps_pb2 as pb
 
     spec = pb.JobSpec()
     spec.ParseFromString(snap["job"])
@@ -235,7 +234,7 @@ class CheckpointManager:
 
     def every_for(self, mode: str) -> int:
         """period() for a mode name (tools and tests; the shard asks its policy)."""
-        from ps.server.modes import BUILTIN  # tools only: the shard asks its job's traits
+        from psar.ps.server.modes import BUILTIN  # tools only: the shard asks its job's traits
 
         return self.period(rounds=BUILTIN.get(mode).traits.rounds)
 

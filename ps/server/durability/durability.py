@@ -23,16 +23,15 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-
-from ps import serde
-from ps.errors import FailedPrecondition
-from ps.job import Job
-from ps.server.durability import checkpoints
-from ps.server.membership.ledger import DataLedger, ledger_for
-from ps.server.sparse.tables import SparseTables, TablesMismatch
-from ps.server.state import ShardData
-from ps.server.update.buffers import IntBufferLog
-from ps.server.update.updates import Updates
+from psar.ps import serde
+from psar.ps.errors import FailedPrecondition
+from psar.ps.job import Job
+from psar.ps.server.durability import checkpoints
+from psar.ps.server.membership.ledger import DataLedger, ledger_for
+from psar.ps.server.sparse.tables import SparseTables, TablesMismatch
+from psar.ps.server.state import ShardData
+from psar.ps.server.update.buffers import IntBufferLog
+from psar.ps.server.update.updates import Updates
 
 log = logging.getLogger("psar.shard")
 

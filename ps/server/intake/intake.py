@@ -22,11 +22,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-
-from ps.errors import DeadlineExceeded, Unavailable
-from ps.headers import PushHeader, PushOutcome, StepOptions
-from ps.server.intake import pacing
-from ps.server.intake.pieces import (
+from psar.ps.errors import DeadlineExceeded, Unavailable
+from psar.ps.headers import PushHeader, PushOutcome, StepOptions
+from psar.ps.server.intake import pacing
+from psar.ps.server.intake.pieces import (
     PushTicket,
     add_exact,
     add_piece,
@@ -40,13 +39,13 @@ from ps.server.intake.pieces import (
     unscale_slot,
     zero_absent,
 )
-from ps.server.intake.scratch import ExactStaging, ScratchPool
-from ps.server.intake.takeover import InFlightPushes
-from ps.server.membership.membership import Membership, Restored
-from ps.server.modes.base import StagedPush
-from ps.server.state import ShardData
-from ps.server.update.buffers import check_int_buffers
-from ps.server.update.updates import Updates
+from psar.ps.server.intake.scratch import ExactStaging, ScratchPool
+from psar.ps.server.intake.takeover import InFlightPushes
+from psar.ps.server.membership.membership import Membership, Restored
+from psar.ps.server.modes.base import StagedPush
+from psar.ps.server.state import ShardData
+from psar.ps.server.update.buffers import check_int_buffers
+from psar.ps.server.update.updates import Updates
 
 
 class Intake:

@@ -29,7 +29,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ps.server.intake.pieces import PushTicket
+    from psar.ps.server.intake.pieces import PushTicket
 
 DEFAULT_LEAD_MIB = 2.0
 """Measured on emulated 1 Gbit/s hosts (bench/links, 0.5 MiB slots): 2 MiB cut the tail

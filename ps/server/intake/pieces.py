@@ -1,7 +1,7 @@
 """The validation of a push's header and data pieces.
 
 Split out of ps/server/shard.py: these checks need no shard lock (only the slot sizes), and
-each raises a ps.errors exception before any byte lands in the master weights.
+each raises a psar.ps.errors exception before any byte lands in the master weights.
 """
 
 from __future__ import annotations
@@ -12,13 +12,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-
-from ps import wire
-from ps.errors import InvalidArgument, NotFound, quote
-from ps.headers import PushHeader, StepOptions
-from ps.server.intake.scratch import ExactStaging
-from ps.server.modes.exact_sum import ExactSum
-from trainkit.finite import all_finite, all_finite_readonly
+from psar.ps import wire
+from psar.ps.errors import InvalidArgument, NotFound, quote
+from psar.ps.headers import PushHeader, StepOptions
+from psar.ps.server.intake.scratch import ExactStaging
+from psar.ps.server.modes.exact_sum import ExactSum
+from psar.trainkit.finite import all_finite, all_finite_readonly
 
 
 @dataclass

@@ -33,7 +33,7 @@ import bisect
 from collections.abc import Iterable
 from typing import Any
 
-from ps.job import Job
+from psar.ps.job import Job
 
 
 class DataLedger:

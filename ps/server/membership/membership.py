@@ -24,10 +24,10 @@ from __future__ import annotations
 import secrets
 from typing import Any
 
-from ps.errors import Aborted, FailedPrecondition, InvalidArgument, ResourceExhausted
-from ps.headers import PushHeader
-from ps.server.modes.view import ShardView
-from ps.server.state import ShardData
+from psar.ps.errors import Aborted, FailedPrecondition, InvalidArgument, ResourceExhausted
+from psar.ps.headers import PushHeader
+from psar.ps.server.modes.view import ShardView
+from psar.ps.server.state import ShardData
 
 
 class Restored(Aborted):

@@ -26,10 +26,9 @@ from wsgiref.simple_server import WSGIServer
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
-
-from ps.server.modes import BUILTIN
-from trainkit.choices import DEFAULT_MODE
-from trainkit.prom import (
+from psar.ps.server.modes import BUILTIN
+from psar.trainkit.choices import DEFAULT_MODE
+from psar.trainkit.prom import (
     DURATION_BUCKETS,
     OTHER,
     STALENESS_BUCKETS,
@@ -68,7 +67,7 @@ REJECT_REASONS: tuple[str, ...] = (
     "unauthenticated",
     "too_large",
     "malformed",
-    # Raised by ps.errors too: a push that hit a deadline or a draining shard.
+    # Raised by psar.ps.errors too: a push that hit a deadline or a draining shard.
     "deadline",
     "draining",
     # Fault tolerance (docs/reliability.md): a request against an older incarnation of a
@@ -134,7 +133,7 @@ class _StampMode(Collector):
 
 class ShardMetrics:
     """Metrics of one PS shard; the shard calls the methods below under its own lock.
-    They are exactly ps.server.recorder.ShardRecorder's (tests/test_recorders.py).
+    They are exactly psar.ps.server.recorder.ShardRecorder's (tests/test_recorders.py).
 
     Every series carries ``shard`` and ``mode`` labels (bounded: one value each per
     instance) so that several shards scraped into one Prometheus stay apart even when

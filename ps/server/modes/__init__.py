@@ -11,10 +11,10 @@ adding a mode.
 
 from __future__ import annotations
 
-from ps.server.modes import asynchronous, local, ssp, sync
-from ps.server.modes.base import StagedPush, UpdatePolicy
-from ps.server.modes.registry import Mode, Modes, RuleOptions, no_options
-from ps.server.modes.view import ShardView
+from psar.ps.server.modes import asynchronous, local, ssp, sync
+from psar.ps.server.modes.base import StagedPush, UpdatePolicy
+from psar.ps.server.modes.registry import Mode, Modes, RuleOptions, no_options
+from psar.ps.server.modes.view import ShardView
 
 BUILTIN = Modes([sync.MODE, asynchronous.MODE, ssp.MODE, local.MODE])
 """The modes `psar server` serves (trainkit/choices.MODES lists their names for --mode)."""

@@ -8,13 +8,13 @@ dc_adaptive, momentum_correction)."""
 
 from __future__ import annotations
 
-from ps.errors import InvalidArgument
-from ps.headers import PushOutcome
-from ps.job import Job, ModeTraits
-from ps.server.modes.base import StagedPush, UpdatePolicy
-from ps.server.modes.registry import Mode, RuleOptions
-from ps.server.modes.staleness import AdaptiveStep, ServedWeights, needs_bases, step_adjust
-from ps.server.modes.view import ShardView
+from psar.ps.errors import InvalidArgument
+from psar.ps.headers import PushOutcome
+from psar.ps.job import Job, ModeTraits
+from psar.ps.server.modes.base import StagedPush, UpdatePolicy
+from psar.ps.server.modes.registry import Mode, RuleOptions
+from psar.ps.server.modes.staleness import AdaptiveStep, ServedWeights, needs_bases, step_adjust
+from psar.ps.server.modes.view import ShardView
 
 TRAITS = ModeTraits(
     rounds=False,

@@ -30,15 +30,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-
-from ps.headers import PushOutcome
-from ps.server.modes.rows import RowPolicy, RowsOnArrival
-from ps.server.modes.view import ShardView
+from psar.ps.headers import PushOutcome
+from psar.ps.server.modes.rows import RowPolicy, RowsOnArrival
+from psar.ps.server.modes.view import ShardView
 
 if TYPE_CHECKING:
-    from ps.headers import PushHeader
-    from ps.server.intake.pieces import PushTicket
-    from ps.server.modes.exact_sum import ExactSum
+    from psar.ps.headers import PushHeader
+    from psar.ps.server.intake.pieces import PushTicket
+    from psar.ps.server.modes.exact_sum import ExactSum
 
 
 @dataclass(slots=True)

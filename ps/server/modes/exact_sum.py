@@ -44,8 +44,7 @@ import threading
 from collections.abc import Callable
 
 import torch
-
-from ps.errors import FailedPrecondition, InvalidArgument, quote
+from psar.ps.errors import FailedPrecondition, InvalidArgument, quote
 
 UNIT = 2.0**24
 """fp16 value * UNIT is an integer (fp16's smallest subnormal is 2^-24)."""

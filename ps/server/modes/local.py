@@ -18,13 +18,13 @@ workers act on.
 
 from __future__ import annotations
 
-from ps.errors import InvalidArgument
-from ps.job import Job, ModeTraits
-from ps.server.modes.base import UpdatePolicy
-from ps.server.modes.registry import Mode, RuleOptions
-from ps.server.modes.rounds import SyncPolicy
-from ps.server.modes.view import ShardView
-from trainkit.optim import StepAdjust
+from psar.ps.errors import InvalidArgument
+from psar.ps.job import Job, ModeTraits
+from psar.ps.server.modes.base import UpdatePolicy
+from psar.ps.server.modes.registry import Mode, RuleOptions
+from psar.ps.server.modes.rounds import SyncPolicy
+from psar.ps.server.modes.view import ShardView
+from psar.trainkit.optim import StepAdjust
 
 TRAITS = ModeTraits(
     rounds=True,

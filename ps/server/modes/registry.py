@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
-from ps.errors import InvalidArgument
-from ps.job import Job, ModeTraits
-from ps.server.modes.base import UpdatePolicy
+from psar.ps.errors import InvalidArgument
+from psar.ps.job import Job, ModeTraits
+from psar.ps.server.modes.base import UpdatePolicy
 
 
 @dataclass(frozen=True)

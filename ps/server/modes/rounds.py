@@ -9,15 +9,14 @@ from __future__ import annotations
 from collections.abc import Collection
 
 import torch
-
-from ps.errors import FailedPrecondition, InvalidArgument
-from ps.headers import PushHeader, PushOutcome
-from ps.job import Job
-from ps.server.modes.base import StagedPush, UpdatePolicy
-from ps.server.modes.exact_sum import ExactSum
-from ps.server.modes.rows import RowRounds
-from ps.server.modes.view import ShardView
-from trainkit.optim import StepAdjust
+from psar.ps.errors import FailedPrecondition, InvalidArgument
+from psar.ps.headers import PushHeader, PushOutcome
+from psar.ps.job import Job
+from psar.ps.server.modes.base import StagedPush, UpdatePolicy
+from psar.ps.server.modes.exact_sum import ExactSum
+from psar.ps.server.modes.rows import RowRounds
+from psar.ps.server.modes.view import ShardView
+from psar.trainkit.optim import StepAdjust
 
 
 class SyncPolicy(UpdatePolicy):

@@ -24,8 +24,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-
-from ps.server.sparse.table import SparseTable
+from psar.ps.server.sparse.table import SparseTable
 
 
 @dataclass

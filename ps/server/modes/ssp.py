@@ -6,11 +6,11 @@ configuration (the job's staleness bound S, and async's knobs)."""
 
 from __future__ import annotations
 
-from ps.job import Job, ModeTraits
-from ps.server.modes.asynchronous import AsyncPolicy
-from ps.server.modes.base import UpdatePolicy
-from ps.server.modes.registry import Mode, RuleOptions
-from ps.server.modes.view import ShardView
+from psar.ps.job import Job, ModeTraits
+from psar.ps.server.modes.asynchronous import AsyncPolicy
+from psar.ps.server.modes.base import UpdatePolicy
+from psar.ps.server.modes.registry import Mode, RuleOptions
+from psar.ps.server.modes.view import ShardView
 
 TRAITS = ModeTraits(
     rounds=False,

@@ -17,7 +17,7 @@ only (ps/server/modes/asynchronous.py, ssp.py):
 - **Momentum rule** (`Job.momentum_correction`, on by default): asynchrony with N workers
   acts as an implicit momentum of about 1 - 1/N (Mitliagkas et al., "Asynchrony begets
   momentum", 2016), so the shard applies max(0, momentum - (1 - 1/N)) as SGD momentum /
-  AdamW beta1 and the total stays what sync applies (trainkit.optim.async_momentum).
+  AdamW beta1 and the total stays what sync applies (psar.trainkit.optim.async_momentum).
 - **Staleness-aware learning rate** (`--staleness-lr`): lr / (1 + staleness) for a
   gradient `staleness` updates old (Zhang et al., IJCAI 2016).
 - **Delay compensation** (`--delay-compensation LAMBDA`): DC-ASGD (Zheng et al., ICML
@@ -37,13 +37,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-
-from trainkit.optim import StepAdjust, async_momentum, delay_compensate_, staleness_lr_factor
-from trainkit.staleness_rules import AdaptiveRule
+from psar.trainkit.optim import StepAdjust, async_momentum, delay_compensate_, staleness_lr_factor
+from psar.trainkit.staleness_rules import AdaptiveRule
 
 if TYPE_CHECKING:
-    from ps.job import Job
-    from ps.server.modes.view import ShardView
+    from psar.ps.job import Job
+    from psar.ps.server.modes.view import ShardView
 
 
 def needs_bases(job: Job) -> bool:

@@ -9,11 +9,11 @@ scale, which the traits say)."""
 
 from __future__ import annotations
 
-from ps.job import Job, ModeTraits
-from ps.server.modes.base import UpdatePolicy
-from ps.server.modes.registry import Mode, RuleOptions
-from ps.server.modes.rounds import SyncPolicy
-from ps.server.modes.sync_chunks import ChunkedSyncPolicy
+from psar.ps.job import Job, ModeTraits
+from psar.ps.server.modes.base import UpdatePolicy
+from psar.ps.server.modes.registry import Mode, RuleOptions
+from psar.ps.server.modes.rounds import SyncPolicy
+from psar.ps.server.modes.sync_chunks import ChunkedSyncPolicy
 
 TRAITS = ModeTraits(
     rounds=True,

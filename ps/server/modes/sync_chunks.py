@@ -39,15 +39,14 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 import torch
-
-from ps.server.intake import pacing
-from ps.server.modes.base import StagedPush
-from ps.server.modes.exact_sum import ExactSum
-from ps.server.modes.rounds import SyncPolicy, unused_by_all
+from psar.ps.server.intake import pacing
+from psar.ps.server.modes.base import StagedPush
+from psar.ps.server.modes.exact_sum import ExactSum
+from psar.ps.server.modes.rounds import SyncPolicy, unused_by_all
 
 if TYPE_CHECKING:
-    from ps.server.intake.pieces import PushTicket
-    from ps.server.modes.view import ShardView
+    from psar.ps.server.intake.pieces import PushTicket
+    from psar.ps.server.modes.view import ShardView
 
 
 class ChunkedSyncPolicy(SyncPolicy):

@@ -8,10 +8,9 @@ from collections.abc import Callable, Iterable, Mapping, Set
 from typing import Any, Protocol
 
 import torch
-
-from ps.job import Job
-from ps.server.metrics.recorder import ShardRecorder
-from trainkit.optim import StepAdjust
+from psar.ps.job import Job
+from psar.ps.server.metrics.recorder import ShardRecorder
+from psar.trainkit.optim import StepAdjust
 
 
 class ShardView(Protocol):

@@ -31,16 +31,15 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
-
-from ps import wire
-from ps.errors import Cancelled
-from ps.server.state import ShardData
+from psar.ps import wire
+from psar.ps.errors import Cancelled
+from psar.ps.server.state import ShardData
 
 ALIVE_EVERY_S = 1.0
 """How often a waiting early pull asks whether its worker is still there."""
 
 if TYPE_CHECKING:
-    from ps.server.modes.sync_chunks import ChunkedSyncPolicy
+    from psar.ps.server.modes.sync_chunks import ChunkedSyncPolicy
 
 EarlyItem = tuple[Any, ...]
 """("piece", key, offset, bytes) or ("header", PullHeader, early_void)."""

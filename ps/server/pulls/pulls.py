@@ -11,16 +11,15 @@ from concurrent.futures import Executor
 from typing import Any
 
 import torch
-
-from ps import wire
-from ps.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
-from ps.headers import PullHeader
-from ps.job import Job
-from ps.server.membership.membership import Membership
-from ps.server.pulls.early import ALIVE_EVERY_S, EarlyItem, check_alive, next_applied
-from ps.server.pulls.parking import Wake, in_pool, parking_of, wait_until
-from ps.server.state import ShardData
-from ps.server.update.updates import Updates
+from psar.ps import wire
+from psar.ps.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
+from psar.ps.headers import PullHeader
+from psar.ps.job import Job
+from psar.ps.server.membership.membership import Membership
+from psar.ps.server.pulls.early import ALIVE_EVERY_S, EarlyItem, check_alive, next_applied
+from psar.ps.server.pulls.parking import Wake, in_pool, parking_of, wait_until
+from psar.ps.server.state import ShardData
+from psar.ps.server.update.updates import Updates
 
 
 class Pulls:

@@ -20,8 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-
-from ps.sparse_spec import TableSpec, init_rows, local_rows
+from psar.ps.sparse_spec import TableSpec, init_rows, local_rows
 
 
 class SparseTable:
@@ -86,7 +85,7 @@ class SparseTable:
     def local_index(self, ids: torch.Tensor, *, what: str) -> torch.Tensor:
         """Validate global row ids (int64, 1-D) held here, without duplicates; returns
         their local indices. Raises InvalidArgument naming the table and the bad ids."""
-        from ps.errors import InvalidArgument, quote  # grpc: kept out of DDP processes
+        from psar.ps.errors import InvalidArgument, quote  # grpc: kept out of DDP processes
 
         s = self.spec
         if ids.dtype != torch.int64 or ids.dim() != 1:

@@ -18,12 +18,11 @@ from collections import Counter
 from typing import Any, Protocol
 
 import torch
-
-from ps.errors import FailedPrecondition, InvalidArgument, NotFound, quote
-from ps.server.modes.rows import RowPolicy, RowPush
-from ps.server.sparse.table import SparseTable
-from ps.sparse_spec import TableSpec
-from trainkit.finite import all_finite_readonly
+from psar.ps.errors import FailedPrecondition, InvalidArgument, NotFound, quote
+from psar.ps.server.modes.rows import RowPolicy, RowPush
+from psar.ps.server.sparse.table import SparseTable
+from psar.ps.sparse_spec import TableSpec
+from psar.trainkit.finite import all_finite_readonly
 
 log = logging.getLogger("psar.sparse")
 

@@ -15,9 +15,8 @@ forward), or the mean over the round's workers with --buffers average (sync).
 from __future__ import annotations
 
 import torch
-
-from ps.errors import InvalidArgument, quote
-from ps.job import Job
+from psar.ps.errors import InvalidArgument, quote
+from psar.ps.job import Job
 
 
 def round_buffers(job: Job, grads: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

@@ -21,8 +21,7 @@ import math
 from dataclasses import dataclass
 
 import torch
-
-from trainkit.optim import StepAdjust
+from psar.trainkit.optim import StepAdjust
 
 EPS = 1e-6
 """torch.nn.utils.clip_grad_norm_'s: max_norm / (norm + EPS)."""

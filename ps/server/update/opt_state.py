@@ -13,9 +13,8 @@ import math
 from dataclasses import dataclass
 
 import torch
-
-from ps import wire
-from ps.errors import InvalidArgument, quote
+from psar.ps import wire
+from psar.ps.errors import InvalidArgument, quote
 
 MAX_STATE_NAMES = 8
 """State entries a slot may carry (AdamW with amsgrad has four)."""

@@ -40,11 +40,10 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any
 
 import torch
-
-from trainkit.optim import StepAdjust, adjusted, build_optimizer
+from psar.trainkit.optim import StepAdjust, adjusted, build_optimizer
 
 if TYPE_CHECKING:
-    from ps.server.state import ShardData
+    from psar.ps.server.state import ShardData
 
 #: Below this many elements in a step the pool costs more than it saves (each slot's
 #: step has ~50 us of Python around it): step on the calling thread.

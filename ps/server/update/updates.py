@@ -16,18 +16,17 @@ from collections.abc import Callable, Iterable, Mapping, Set
 from typing import TYPE_CHECKING, Any
 
 import torch
-
-from ps.errors import InvalidArgument
-from ps.headers import StepOptions
-from ps.job import Job
-from ps.server.metrics.recorder import ShardRecorder
-from ps.server.modes.registry import RuleOptions
-from ps.server.state import ShardData
-from ps.server.update import clipping
-from ps.server.update.buffers import round_buffers
-from ps.server.update.clipping import HeldRound, RoundNorms
-from ps.server.update.stepper import SlotStepper
-from trainkit.optim import (
+from psar.ps.errors import InvalidArgument
+from psar.ps.headers import StepOptions
+from psar.ps.job import Job
+from psar.ps.server.metrics.recorder import ShardRecorder
+from psar.ps.server.modes.registry import RuleOptions
+from psar.ps.server.state import ShardData
+from psar.ps.server.update import clipping
+from psar.ps.server.update.buffers import round_buffers
+from psar.ps.server.update.clipping import HeldRound, RoundNorms
+from psar.ps.server.update.stepper import SlotStepper
+from psar.trainkit.optim import (
     DynamicLossScale,
     StepAdjust,
     build_grouped_optimizer,
@@ -36,7 +35,7 @@ from trainkit.optim import (
 )
 
 if TYPE_CHECKING:
-    from ps.server.modes import UpdatePolicy
+    from psar.ps.server.modes import UpdatePolicy
 
 
 class Updates:
