@@ -70,9 +70,7 @@ def test_nothing_imports_a_folder_by_its_bare_name() -> None:
         if f.suffix == ".py":
             bad += [f"{rel}: {s}" for s in bare_imports(text)]
         bad += [f"{rel}: {m.group(0)}" for m in TEXT_BARE.finditer(text)]
-    assert not bad, "bare folder names used as import names (use psar.<folder>):\n" + "\n".join(
-        bad
-    )
+    assert not bad, "bare folder names used as import names (use psar.<folder>):\n" + "\n".join(bad)
 
 
 def test_pyproject_installs_every_package_under_psar() -> None:
