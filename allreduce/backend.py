@@ -22,9 +22,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
 from psar.allreduce import process_group
 from psar.allreduce.hooks import register_wire_dtype
 from psar.trainkit.atomic import atomic_save
+from psar.trainkit.backend import StepOutcome
+from psar.trainkit.config import TrainConfig
 from psar.trainkit.device_io import state_to_host
 from psar.trainkit.finite import all_finite
 from psar.trainkit.local_sgd import LocalSteps, outer_optimizer_config
@@ -36,11 +40,8 @@ from psar.trainkit.optim import (
     optimizer_impl,
     with_run_length,
 )
+from psar.trainkit.precision import PrecisionPolicy
 from psar.trainkit.sparse_tables import materialize_tables
-from psar.worker.backend import StepOutcome
-from psar.worker.config import TrainConfig
-from psar.worker.precision import PrecisionPolicy
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 log = logging.getLogger("psar.allreduce")
 _NAME = re.compile(r"^ddp-(\d{12})\.pt$")

@@ -37,14 +37,13 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a file: make `bench` and `ps` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.baselines.tcp import MIB, TcpSink
+from bench.lib import common as c
+from bench.lib.datapath import Settler, run_config
 from psar.ps import wire
 from psar.ps.client.tcp_transport import DEFAULT_MAX_FRAME_BYTES
 from psar.ps.partition import DEFAULT_CHUNK_BYTES
 from psar.worker.supervisor import Supervisor
-
-from bench.baselines.tcp import MIB, TcpSink
-from bench.lib import common as c
-from bench.lib.datapath import Settler, run_config
 
 TRANSPORTS = ("grpc", "tcp")
 

@@ -52,13 +52,13 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
+
+from bench.lib import common as c
+from bench.lib import round_close
 from psar.ps.job import Job
 from psar.ps.partition import plan_slots
 from psar.ps.server.shard import ShardState
 from psar.trainkit.optim import IMPLS, LossScaleConfig, OptimizerConfig, resolve_impl
-
-from bench.lib import common as c
-from bench.lib import round_close
 
 OPT = OptimizerConfig(name="adamw", lr=1e-3, weight_decay=0.01)
 TORCH_VARIANTS = {"torch foreach=False": {"foreach": False}, "torch foreach": {"foreach": True},

@@ -96,6 +96,7 @@ def _run(
 def _touched(rows: list[int], opts: list[str], batch: int, steps: int) -> list[float]:
     """Mean fraction of each table's rows the 2 workers touch per step (same batches)."""
     import torch
+
     from psar.worker.data import ShardedBatches
     from psar.worker.workloads import load_workload
 

@@ -32,9 +32,8 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from psar.worker.compare import smoothed
-
 from bench.lib import common as c
+from psar.worker.compare import smoothed
 
 GOAL = 2.5
 MODES = ("sync", "async", "ssp")

@@ -24,8 +24,9 @@ import math
 
 import torch
 import torch.nn.functional as F
-from psar.worker.own_loop import prepare
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from psar.worker.own_loop import prepare
 
 
 class Net(torch.nn.Module):

@@ -26,6 +26,7 @@ from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError
+
 from psar.ps._gen.psar.v1 import ps_pb2 as pb
 from psar.ps.errors import InvalidArgument, PSError, ResourceExhausted
 from psar.ps.sealed import SealedSocket

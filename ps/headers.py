@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
 from psar.trainkit.optim import StepOptions
 
 __all__ = ["PullHeader", "PushHeader", "PushOutcome", "StepOptions"]

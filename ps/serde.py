@@ -10,6 +10,7 @@ import math
 from typing import Any
 
 import torch
+
 from psar.ps import wire
 from psar.ps._gen.psar.v1 import ps_pb2 as pb
 from psar.ps.errors import InvalidArgument, quote

@@ -11,6 +11,7 @@ import warnings
 from collections.abc import Iterator
 
 import torch
+
 from psar.trainkit.dtypes import DTYPE_BY_NAME, NAME_BY_DTYPE  # noqa: F401 - re-exported names
 
 DEFAULT_MESSAGE_BYTES = 1 << 20

@@ -30,6 +30,7 @@ from typing import Any
 
 import grpc
 import torch
+
 from psar.ps import auth, wire
 from psar.ps import framing as fr
 from psar.ps._gen.psar.v1 import ps_pb2 as pb
@@ -40,7 +41,6 @@ from psar.ps.job import Job
 from psar.ps.partition import plan_slots
 from psar.ps.server.config import ServerConfig
 from psar.ps.server.shard import ShardState
-
 from tests.fault_procs import Shard
 from tests.hostile_wire import MAX_MESSAGE
 from tests.ps_fixtures import init_values, make_job

@@ -13,6 +13,7 @@ import struct
 from typing import Any
 
 from google.protobuf.message import DecodeError
+
 from psar.ps import framing as fr
 from psar.ps._gen.psar.v1 import ps_pb2 as pb
 from psar.ps.errors import PSError

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+
 from psar.ps.errors import FailedPrecondition, InvalidArgument, Unavailable
 from psar.ps.server.durability.checkpoints import CheckpointManager, list_checkpoints
 from psar.ps.server.membership.membership import TooLate
@@ -25,7 +26,6 @@ from psar.ps.server.modes import Modes
 from psar.ps.server.shard import ShardState
 from psar.ps.server.sparse.tables import RowPush, SparseTables
 from psar.ps.sparse_spec import TableSpec
-
 from tests.ps_fixtures import grad_for, init_values, pull, push, weights_digest
 
 

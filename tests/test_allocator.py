@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+
 from psar.ps.server.config import ServerConfig
 from psar.trainkit.allocator import set_mmap_threshold
 

@@ -1,4 +1,4 @@
-"""The loop talks to backends only through worker/backend.py's protocol.
+"""The loop talks to backends only through trainkit/backend.py's protocol.
 
 Three things keep "the loop never asks which architecture it runs on" true:
 - the loop reads cfg.arch in backend_class() only (its one dispatch point);
@@ -18,10 +18,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from psar.worker.backend import Backend
-from psar.worker.config import PSConfig, TrainConfig
+
+from psar.trainkit.backend import Backend
+from psar.trainkit.config import PSConfig, TrainConfig
+from psar.trainkit.precision import resolve
 from psar.worker.loop import backend_class, make_backend
-from psar.worker.precision import resolve
 
 ROOT = Path(__file__).resolve().parents[1]
 LOOP_FILES = [
@@ -72,7 +73,7 @@ def test_loop_reads_arch_only_where_it_picks_the_backend() -> None:
                 place = where.get(id(node), "module level")
                 assert (path.name, place) == ("loop.py", "backend_class"), (
                     f"{path.name}:{node.lineno} reads cfg.arch in {place}; ask the backend "
-                    "(a member declared in worker/backend.py) instead"
+                    "(a member declared in trainkit/backend.py) instead"
                 )
             if isinstance(node, ast.Call) and ast.unparse(node.func) in ("getattr", "hasattr"):
                 pytest.fail(f"{path.name}:{node.lineno}: probing an object with getattr/hasattr")
@@ -89,7 +90,7 @@ def test_loop_uses_only_declared_backend_members() -> None:
             ):
                 assert node.attr in declared, (
                     f"{path.name}:{node.lineno} uses backend.{node.attr}, which the Backend "
-                    "protocol (worker/backend.py) does not declare"
+                    "protocol (trainkit/backend.py) does not declare"
                 )
 
 
@@ -131,7 +132,7 @@ def test_both_backends_are_built_the_same_way() -> None:
 def test_picking_a_backend_loads_only_its_architecture(arch: str, other: str) -> None:
     code = (
         "import json, sys\n"
-        "from psar.worker.config import PSConfig, TrainConfig\n"
+        "from psar.trainkit.config import PSConfig, TrainConfig\n"
         "from psar.worker.loop import backend_class\n"
         f"backend_class(TrainConfig(arch={arch!r}, ps=PSConfig(servers='h:1')))\n"
         "print(json.dumps(sorted(sys.modules)))\n"

@@ -8,9 +8,9 @@ import json
 from pathlib import Path
 
 import pytest
-from psar.worker.data import ElasticBatches, ShardedBatches
 
 from bench.lib import elastic_count as ec
+from psar.worker.data import ElasticBatches, ShardedBatches
 from tests.test_bench_smoke import _bench
 
 N, B = 96, 4  # samples, batch: 24 batches in the epoch

@@ -8,9 +8,10 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
 from psar.allreduce.hooks import register_wire_dtype
 from psar.allreduce.process_group import end_process_group
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 
 class _FakeDDP:

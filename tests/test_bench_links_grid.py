@@ -10,10 +10,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from psar.worker.plan_model import PlanInputs, plan
 
 from bench.lib import common as c
 from bench.lib import grid as g
+from psar.worker.plan_model import PlanInputs, plan
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -9,9 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from psar.worker.workloads import mlp
 
 from bench.lib import memory
+from psar.worker.workloads import mlp
 
 ROOT = Path(__file__).resolve().parent.parent
 

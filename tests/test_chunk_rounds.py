@@ -12,12 +12,12 @@ import threading
 
 import pytest
 import torch
+
 from psar.ps.errors import FailedPrecondition, InvalidArgument
 from psar.ps.job import Job
 from psar.ps.server.intake.pieces import PushHeader, PushTicket
 from psar.ps.server.shard import ShardState
 from psar.trainkit.optim import LossScaleConfig
-
 from tests.ps_fixtures import OPTIMIZERS, grad_for, init_values, make_job, make_state, masters
 
 Grads = dict[str, torch.Tensor]

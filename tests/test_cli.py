@@ -8,11 +8,12 @@ import sys
 import time
 
 import pytest
+
 from psar.ps.server.config import ServerConfig
+from psar.trainkit.cli_gen import accepted_flags, field_docs, flag_names
+from psar.trainkit.config import DDPConfig, PSConfig, TrainConfig
 from psar.trainkit.optim import LossScaleConfig, OptimizerConfig
 from psar.worker import cli
-from psar.worker.cli_gen import accepted_flags, field_docs, flag_names
-from psar.worker.config import DDPConfig, PSConfig, TrainConfig
 
 # Users' scripts depend on these names: add freely, never rename or remove.
 TRAIN_FLAGS = [

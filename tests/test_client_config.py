@@ -7,10 +7,11 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+
 from psar.ps.client.psclient import ClientConfig
+from psar.trainkit.cli_gen import field_docs, flag_names
+from psar.trainkit.config import PSConfig, TrainConfig
 from psar.trainkit.connection import ConnectionConfig
-from psar.worker.cli_gen import field_docs, flag_names
-from psar.worker.config import PSConfig, TrainConfig
 
 SHARED = [f.name for f in dataclasses.fields(ConnectionConfig)]
 

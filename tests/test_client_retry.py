@@ -10,6 +10,7 @@ from typing import Any
 import grpc
 import pytest
 import torch
+
 from psar.ps._gen.psar.v1 import ps_pb2 as pb
 from psar.ps.client.psclient import ClientConfig, PSClient, PSClientError
 from psar.ps.job import Job
@@ -17,7 +18,6 @@ from psar.ps.partition import plan_slots
 from psar.ps.server.config import ServerConfig
 from psar.ps.server.serve import start_server, stop_server
 from psar.ps.server.shard import ShardState
-
 from tests.ps_fixtures import (
     PARAMS,
     free_port,

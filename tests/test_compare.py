@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 
 import pytest
+
 from psar.worker.compare import DEFAULT_RUNS, RUNS, TABLE_KEYS, main, smoothed, table, time_to
 
 

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from psar.worker.data import ShardedBatches, evaluate
 from torch.utils.data import Dataset, DistributedSampler, TensorDataset
+
+from psar.worker.data import ShardedBatches, evaluate
 
 
 def indexed(n: int) -> TensorDataset:

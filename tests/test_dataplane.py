@@ -23,6 +23,7 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
+
 from psar.ps import framing as fr
 from psar.ps import serde, wire
 from psar.ps._gen.psar.v1 import ps_pb2 as pb
@@ -30,7 +31,6 @@ from psar.ps.client.tcp_transport import DataPlaneClient, DataPlaneError
 from psar.ps.job import Job
 from psar.ps.server.config import ServerConfig
 from psar.ps.server.shard import ShardState
-
 from tests.ps_fixtures import (
     grad_for,
     init_chunks,

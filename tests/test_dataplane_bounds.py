@@ -21,6 +21,7 @@ from typing import Any
 
 import grpc
 import pytest
+
 from psar.ps import framing as fr
 from psar.ps._gen.psar.v1 import ps_pb2 as pb
 from psar.ps.client.tcp_transport import DataPlaneClient
@@ -29,7 +30,6 @@ from psar.ps.server.config import ServerConfig
 from psar.ps.server.doors.dataplane import DataPlaneServer
 from psar.ps.server.serve import start_server, stop_server
 from psar.ps.server.shard import ShardState
-
 from tests.ps_fixtures import grad_for, init_values, make_job, without_speculation
 from tests.test_dataplane import END, header, items, piece, pull_into, raw_conn, read_frame
 

@@ -23,6 +23,7 @@ import grpc
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
+
 from psar.ps import framing as fr
 from psar.ps import shm
 from psar.ps._gen.psar.v1 import ps_pb2 as pb
@@ -33,7 +34,6 @@ from psar.ps.server.metrics.prometheus import ShardMetrics
 from psar.ps.server.serve import start_server, stop_server
 from psar.ps.shm import Segment, SegmentRefused
 from psar.trainkit.prom import serve_metrics, stop_metrics
-
 from tests.ps_fixtures import grad_for, init_values, make_job, weights_digest
 from tests.test_dataplane import END, header, items, pull_into, read_frame
 from tests.test_dataplane_bounds import Live

@@ -21,12 +21,12 @@ from typing import Any
 
 import grpc
 import pytest
+
 from psar.ps._gen.psar.v1 import ps_pb2 as pb
 from psar.ps._gen.psar.v1 import ps_pb2_grpc as pb_grpc
 from psar.ps.client.tcp_transport import DataPlaneClient, DataPlaneError, client_ssl_context
 from psar.ps.server.config import ServerConfig
 from psar.ps.server.serve import start_server, stop_server
-
 from tests.procs import run_ps_workers
 from tests.ps_fixtures import grad_for, init_values, make_job, without_speculation
 from tests.test_dataplane import header, items, pull_into

@@ -34,6 +34,7 @@ from unittest import mock
 
 import pytest
 import yaml
+
 from psar.trainkit import roles
 from psar.worker import cli
 
@@ -278,6 +279,7 @@ def test_healthcheck_probe_against_real_servers(tmp_path) -> None:
     from concurrent import futures
 
     import grpc
+
     from psar.ps.server.config import ServerConfig
     from psar.ps.server.serve import start_server
 

@@ -7,6 +7,7 @@ import threading
 
 import pytest
 import torch
+
 from psar.ps import wire
 from psar.ps.client.overlap import PushBuckets
 from psar.ps.client.pull_gate import PullGate

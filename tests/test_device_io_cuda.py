@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from psar.ps.client.overlap import PushBuckets
 from psar.ps.client.pull_gate import PullGate
 from psar.ps.partition import plan_slots

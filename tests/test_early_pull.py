@@ -16,11 +16,11 @@ from typing import Any
 
 import pytest
 import torch
+
 from psar.ps import wire
 from psar.ps._gen.psar.v1 import ps_pb2 as pb
 from psar.ps.errors import Cancelled, FailedPrecondition
 from psar.ps.server.shard import ShardState
-
 from tests.procs import run_ps_workers, shard_stats, shards
 from tests.ps_fixtures import grad_for, init_values, make_job, make_state
 from tests.test_chunk_rounds import begin, full_push, stream
@@ -273,7 +273,7 @@ def test_a_mode_without_per_chunk_rounds_refuses_an_early_pull_job() -> None:
 
 
 def test_early_pull_with_a_mode_not_in_rounds_is_a_flag_error() -> None:
-    from psar.worker.config import PSConfig
+    from psar.trainkit.config import PSConfig
 
     with pytest.raises(ValueError, match="--early-pull with --mode ssp"):
         PSConfig(mode="ssp", early_pull=True)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 
 import pytest
+
 from psar.ps.server.membership.ledger import DataLedger
 
 

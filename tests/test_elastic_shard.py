@@ -8,11 +8,11 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+
 from psar.ps.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from psar.ps.job import Job
 from psar.ps.server.durability.checkpoints import CheckpointManager
 from psar.ps.server.shard import ShardState
-
 from tests.ps_fixtures import (
     assert_weights_equal,
     grad_for,

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from psar.ps import wire
 from psar.ps.errors import FailedPrecondition, InvalidArgument, PSError
 from psar.ps.headers import PushHeader
@@ -30,7 +31,6 @@ from psar.ps.server.modes import exact_sum
 from psar.ps.server.modes.exact_sum import UNIT, ExactSum, fixed_point, into_fixed
 from psar.ps.server.shard import ShardState
 from psar.trainkit.optim import LossScaleConfig, OptimizerConfig
-
 from tests.ps_fixtures import pull
 
 PARAMS = [("w", 700), ("b", 37), ("v", 300)]

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from psar.ps.server.durability.checkpoints import (
     CheckpointManager,
     atomic_save,

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from psar.ps.server.durability import checkpoints
 from psar.ps.server.durability.checkpoints import (
     CheckpointManager,
@@ -25,7 +26,6 @@ from psar.ps.server.durability.checkpoints import (
     path_for,
 )
 from psar.ps.server.shard import ShardState
-
 from tests.fault_procs import Shard, Workers, stats, wait_until
 from tests.procs import ENV, PSAR, free_port
 

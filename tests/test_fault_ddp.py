@@ -11,8 +11,8 @@ import subprocess
 import sys
 
 import pytest
-from psar.ps.server.durability.checkpoints import load
 
+from psar.ps.server.durability.checkpoints import load
 from tests.procs import ENV, free_port
 
 EVERY = 3

@@ -14,14 +14,14 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from psar.ps.client.psclient import ClientConfig, PSClient
 from psar.ps.server.config import ServerConfig
 from psar.ps.server.durability.checkpoints import CheckpointManager
 from psar.ps.server.serve import start_server, stop_server
 from psar.ps.server.shard import ShardState
-from psar.worker.config import PSConfig, TrainConfig
-from psar.worker.precision import resolve
-
+from psar.trainkit.config import PSConfig, TrainConfig
+from psar.trainkit.precision import resolve
 from tests.fault_procs import Shard, wait_until
 
 

@@ -7,13 +7,13 @@ import threading
 
 import pytest
 import torch
+
 from psar.ps.errors import FailedPrecondition, Unavailable
 from psar.ps.server.durability.checkpoints import CheckpointManager, list_checkpoints
 from psar.ps.server.intake.pieces import PushHeader
 from psar.ps.server.membership.leases import LeaseTable
 from psar.ps.server.membership.membership import Expired, Restored, TooLate
 from psar.ps.server.shard import ShardState
-
 from tests.ps_fixtures import (
     assert_weights_equal,
     grad_for,

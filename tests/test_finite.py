@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from psar.trainkit.finite import all_finite, all_finite_readonly
 
 

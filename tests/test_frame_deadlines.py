@@ -16,10 +16,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 from psar.ps import framing as fr
 from psar.ps.client.tcp_transport import client_ssl_context
 from psar.ps.server.doors.dataplane import server_ssl_context
-
 from tests.test_security import certs  # noqa: F401 - the fixture
 
 SLACK = fr.DEADLINE_SLACK_S

@@ -22,9 +22,9 @@ import pytest
 import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
+
 from psar.ps._gen.psar.v1 import ps_pb2 as pb
 from psar.ps.server.config import ServerConfig
-
 from tests.ps_fixtures import grad_for, init_chunks, push_chunks, raw_stub, serving
 from tests.test_shard_bad_input import make_ready
 

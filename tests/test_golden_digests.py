@@ -36,6 +36,7 @@ from typing import Any
 
 import pytest
 import torch
+
 from psar.ps import wire
 from psar.ps.client.psclient import ClientConfig, PSClient
 from psar.ps.client.sparse_client import create_tables, pull_rows, push_rows
@@ -449,7 +450,6 @@ def _ckpt_job(mode: str) -> Job:
 def _ckpt_round(st: Any, job: Job, clock: int) -> None:
     """Every worker pushes its rows and its gradient of `clock` (tests/ps_fixtures.push)."""
     from psar.ps.server.sparse.tables import RowPush
-
     from tests.ps_fixtures import push
 
     for w in range(job.num_workers):

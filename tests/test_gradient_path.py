@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 import torch
+
 from psar.ps import framing
 from psar.ps.client.psclient import ClientConfig, PSClient
 from psar.ps.job import Job

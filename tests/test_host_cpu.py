@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 import pytest
+
 from psar.ps.client.host_cpu import MIN_TICKS, CoLocatedCPU, HostBusy, read_proc_stat
 
 

@@ -24,12 +24,12 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
+
 from psar.ps import auth
 from psar.ps import framing as fr
 from psar.ps._gen.psar.v1 import ps_pb2 as pb
 from psar.ps._gen.psar.v1 import ps_pb2_grpc as pb_grpc
 from psar.ps.wire import iter_pieces
-
 from tests import hostile as h
 from tests import hostile_wire as w
 from tests.ps_fixtures import init_chunks

@@ -17,8 +17,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from psar.ps.client.psclient import ClientConfig, InitFailed, PSClient
 
+from psar.ps.client.psclient import ClientConfig, InitFailed, PSClient
 from tests.procs import ENV, PSAR, free_port, shards
 from tests.ps_fixtures import init_values, make_job, serving
 

@@ -13,6 +13,7 @@ import dataclasses
 import grpc
 import pytest
 import torch
+
 from psar.ps import serde
 from psar.ps.client.int_buffers import IntBuffers
 from psar.ps.errors import InvalidArgument
@@ -20,7 +21,6 @@ from psar.ps.headers import PushHeader
 from psar.ps.job import MAX_INT_BUFFER_ELEMENTS
 from psar.ps.server.durability import checkpoints
 from psar.ps.server.shard import ShardState
-
 from tests.ps_fixtures import grad_for, make_job, make_state, pull
 from tests.test_dataplane import header, items, shard
 from tests.test_transport_contract import door

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from psar.worker.launch import LaunchSpec, launch, parse
 from psar.worker.supervisor import descendants
 

@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from psar.worker import launch as L
 
+from psar.worker import launch as L
 from tests.test_launch import assert_all_gone, spec
 
 # Makes this interpreter's children build torchrun's parser without --shutdown-timeout, as

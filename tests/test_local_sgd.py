@@ -16,15 +16,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+
 from psar.ps.job import Job
 from psar.ps.serde import job_from_pb, job_to_pb
 from psar.ps.server.modes import BUILTIN, RuleOptions
 from psar.ps.server.modes.local import LocalPolicy
+from psar.trainkit.config import DDPConfig, LocalConfig, PSConfig, TrainConfig
 from psar.trainkit.local_sgd import LocalSteps, outer_optimizer_config
 from psar.trainkit.optim import LossScaleConfig, OptimizerConfig
 from psar.worker import cli
-from psar.worker.config import DDPConfig, LocalConfig, PSConfig, TrainConfig
-
 from tests.procs import run_ps_workers, run_torchrun, shards
 
 STEPS, H = 12, 4

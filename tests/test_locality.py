@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from psar.ps.client.locality import any_remote, is_this_host, resolve_early_pull
 
 

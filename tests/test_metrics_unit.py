@@ -14,6 +14,7 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
+
 from psar.ps.server.metrics.prometheus import (
     DURATION_BUCKETS,
     REJECT_REASONS,

@@ -17,9 +17,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+
 from psar.ps.client.pull_gate import PullGate, ungateable_reason
 from psar.ps.partition import plan_slots
-
 from tests import procs
 from tests.procs import run_ps_workers, run_torchrun, shards
 from tests.zoo_workloads import MODELS, Functional, Tied

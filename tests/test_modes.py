@@ -19,6 +19,7 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
+
 from psar.ps import serde
 from psar.ps.client.psclient import ClientConfig, PSClient, PSClientError
 from psar.ps.job import Job
@@ -27,7 +28,6 @@ from psar.ps.server.modes import BUILTIN
 from psar.ps.server.serve import start_server, stop_server
 from psar.ps.server.shard import ShardState
 from psar.trainkit import choices
-
 from tests import drop_stale_mode
 from tests.ps_fixtures import init_values, make_job, make_slots
 

@@ -16,6 +16,7 @@ import dataclasses
 
 import pytest
 import torch
+
 from psar.ps import serde
 from psar.ps.errors import InvalidArgument
 from psar.ps.job import Job
@@ -23,9 +24,9 @@ from psar.ps.partition import plan_slots
 from psar.ps.server.shard import ShardState
 from psar.ps.server.update import stepper
 from psar.trainkit import optim
+from psar.trainkit.cli_gen import add_flags, build
+from psar.trainkit.config import TrainConfig
 from psar.trainkit.optim import OptimizerConfig, build_optimizer, optimizer_impl, resolve_impl
-from psar.worker.cli_gen import add_flags, build
-from psar.worker.config import TrainConfig
 
 # Parameters cut into slots of 256 elements (1 KiB): odd sizes, so a parameter's last
 # slot ends in a vector tail, and many slots to deal into groups.

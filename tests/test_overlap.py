@@ -15,12 +15,12 @@ import time
 
 import pytest
 import torch
+
 from psar.ps.client.overlap import PushBuckets, bucket_params
 from psar.ps.client.pull_gate import PullGate
 from psar.ps.partition import plan_slots
 from psar.ps.server.intake.pieces import PushHeader
 from psar.ps.server.shard import ShardState
-
 from tests.procs import run_ps_workers, shards
 from tests.ps_fixtures import grad_for, init_values, make_job
 
@@ -309,9 +309,8 @@ def test_a_step_whose_pull_failed_midway_is_skipped_not_pushed() -> None:
 
     from psar.ps.client.backend import PSBackend
     from psar.ps.client.errors import NeedsResync
-    from psar.worker.config import PSConfig, TrainConfig
-    from psar.worker.precision import resolve
-
+    from psar.trainkit.config import PSConfig, TrainConfig
+    from psar.trainkit.precision import resolve
     from tests.ps_fixtures import serving
 
     with serving() as (port, state):

@@ -4,6 +4,7 @@ given). Real runs with the trial active are in tests/test_overlap.py."""
 from __future__ import annotations
 
 import pytest
+
 from psar.ps.client.overlap_tuner import OverlapTuner
 
 BOTH, PUSH, NONE = (True, True), (True, False), (False, False)

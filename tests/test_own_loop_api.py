@@ -9,6 +9,7 @@ import io
 
 import pytest
 import torch
+
 from psar.worker.launch import launch, parse
 from psar.worker.own_loop import config_of
 from psar.worker.own_optimizer import distributed

@@ -88,7 +88,7 @@ def test_the_installed_project_has_one_top_level_name(tmp_path: Path) -> None:
     """From a folder outside the checkout: psar imports, the bare folder names do not."""
     code = (
         "import importlib.util, json\n"
-        "import psar.ps.wire, psar.worker.config, psar.allreduce, psar.trainkit.optim\n"
+        "import psar.ps.wire, psar.trainkit.config, psar.allreduce, psar.trainkit.optim\n"
         f"print(json.dumps([n for n in {list(FOLDERS)!r} if importlib.util.find_spec(n)]))\n"
     )
     r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True)

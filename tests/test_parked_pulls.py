@@ -28,12 +28,12 @@ from typing import Any
 import grpc
 import pytest
 import torch
+
 from psar.ps import serde, wire
 from psar.ps._gen.psar.v1 import ps_pb2 as pb
 from psar.ps._gen.psar.v1 import ps_pb2_grpc as pb_grpc
 from psar.ps.server.config import ServerConfig
 from psar.ps.server.pulls.parking import parking_of
-
 from tests.ps_fixtures import (
     grad_for,
     init_chunks,

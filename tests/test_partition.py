@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from psar.ps.partition import Slot, bytes_per_shard, plan_slots
 
 # A small transformer-ish parameter list: sizes differ by orders of magnitude.

@@ -8,6 +8,7 @@ import math
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+
 from psar.worker.plan import build_parser, main
 from psar.worker.plan_model import PlanInputs, plan
 from psar.worker.plan_types import DTYPE_BYTES, OPTIMIZER_STATES

@@ -13,12 +13,12 @@ from concurrent.futures import TimeoutError as FutureTimeout
 
 import pytest
 import torch
+
 from psar.ps.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument
 from psar.ps.job import Job
 from psar.ps.server.modes import BUILTIN, Modes
 from psar.ps.server.shard import ShardState
 from psar.trainkit.optim import LossScaleConfig
-
 from tests import drop_stale_mode
 from tests.policy_decisions import DecisionContract, Promises
 from tests.ps_fixtures import (

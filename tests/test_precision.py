@@ -1,11 +1,12 @@
-"""worker/precision.py: what --precision, --wire-dtype and --worker-weights resolve to."""
+"""trainkit/precision.py: what --precision, --wire-dtype and --worker-weights resolve to."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from psar.worker.config import LocalConfig, PSConfig, TrainConfig
-from psar.worker.precision import resolve
+
+from psar.trainkit.config import LocalConfig, PSConfig, TrainConfig
+from psar.trainkit.precision import resolve
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
 

@@ -34,6 +34,7 @@ from typing import Any
 import grpc
 import pytest
 import torch
+
 from psar.ps import framing as fr
 from psar.ps._gen.psar.v1 import ps_pb2 as pb
 from psar.ps._gen.psar.v1 import ps_pb2_grpc as pb_grpc
@@ -42,7 +43,6 @@ from psar.ps.job import Job
 from psar.ps.server.config import ServerConfig
 from psar.ps.server.serve import start_server, stop_server
 from psar.ps.server.shard import ShardState
-
 from tests.ps_fixtures import grad_for, init_values, make_job, push_chunks
 from tests.test_dataplane import header, items, raw_conn
 from tests.test_dataplane_bounds import until

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from psar.ps.server.config import ServerConfig
 from psar.ps.server.intake import pacing
 from psar.ps.server.shard import ShardState
-
 from tests.procs import run_ps_workers, shard_stats, shards
 from tests.ps_fixtures import grad_for, init_values, make_job
 from tests.test_chunk_rounds import begin, full_push, stream

@@ -1,7 +1,7 @@
 """Metrics go through recorders with a fixed interface: a misspelt call fails here.
 
 The shard records through psar.ps.server.recorder.ShardRecorder, the worker through
-psar.worker.recorder.WorkerRecorder. The Prometheus recorders (ShardMetrics, WorkerMetrics) and
+psar.trainkit.recorder.WorkerRecorder. The Prometheus recorders (ShardMetrics, WorkerMetrics) and
 the null ones implement exactly the interface's methods, with the same parameters, and
 every metrics call in ps/, worker/, allreduce/ and trainkit/ (read from the source: any
 call on something named *metrics* or *recorder*) names one of them.
@@ -14,10 +14,11 @@ import inspect
 from pathlib import Path
 
 import pytest
+
 from psar.ps.server.metrics.prometheus import ShardMetrics
 from psar.ps.server.metrics.recorder import NullShardRecorder, ShardRecorder
+from psar.trainkit.recorder import NullWorkerRecorder, WorkerRecorder
 from psar.worker.metrics import WorkerMetrics
-from psar.worker.recorder import NullWorkerRecorder, WorkerRecorder
 
 ROOT = Path(__file__).resolve().parents[1]
 EXPOSITION = {"exposition", "serve"}

@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 
 import pytest
+
 from psar.worker import report
 
 HAVE_MPL = importlib.util.find_spec("matplotlib") is not None

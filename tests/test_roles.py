@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from psar.trainkit.roles import resolve_local_rank, resolve_rank, resolve_shard, resolve_world_size
 
 

@@ -26,12 +26,12 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
+
 from psar.ps import framing as fr
 from psar.ps import sealed
 from psar.ps._gen.psar.v1 import ps_pb2 as pb
 from psar.ps.client.tcp_transport import DataPlaneClient
 from psar.ps.partition import plan_slots
-
 from tests.ps_fixtures import grad_for, init_values, make_job, without_speculation
 from tests.test_dataplane import header, items, pull_into
 from tests.test_dataplane_tls import tls, tls_shard

@@ -17,13 +17,13 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
+
 from psar.ps.client.psclient import ClientConfig, PSClient, PSClientError
 from psar.ps.partition import plan_slots
 from psar.ps.server.config import ServerConfig
 from psar.ps.server.doors.health import check
 from psar.ps.server.metrics.prometheus import ShardMetrics
 from psar.ps.server.serve import shutdown, start_server, stop_server
-
 from tests.ps_fixtures import PARAMS, init_values, make_job
 
 FAST = {"timeout_s": 5.0, "pull_timeout_s": 5.0, "retry_timeout_s": 0.5}

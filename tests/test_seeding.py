@@ -7,6 +7,7 @@ import random
 import numpy as np
 import pytest
 import torch
+
 from psar.trainkit.seeding import process_seed, seed_process
 
 

@@ -13,12 +13,12 @@ from dataclasses import dataclass
 import grpc
 import pytest
 import torch
+
 from psar.ps import serde
 from psar.ps._gen.psar.v1 import ps_pb2 as pb
 from psar.ps._gen.psar.v1 import ps_pb2_grpc as pb_grpc
 from psar.ps.job import Job
 from psar.ps.server.config import ServerConfig
-
 from tests.ps_fixtures import (
     grad_for,
     init_chunks,

@@ -15,13 +15,13 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from psar.ps.errors import FailedPrecondition
 from psar.ps.server.durability import checkpoints
 from psar.ps.server.durability.checkpoints import CheckpointManager, newest_verified, path_for
 from psar.ps.server.shard import ShardState
 from psar.ps.server.sparse.tables import RowPush, SparseTables, TablesMismatch
 from psar.ps.sparse_spec import TableSpec
-
 from tests.ps_fixtures import grad_for, init_values, make_job, make_slots, push
 from tests.test_fault_checksum import damage
 

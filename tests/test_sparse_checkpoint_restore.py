@@ -17,10 +17,10 @@ import signal
 import numpy as np
 import pytest
 import torch
+
 from psar.ps.client.psclient import ClientConfig, PSClient
 from psar.ps.client.sparse_client import pull_rows
 from psar.ps.server.durability.checkpoints import newest_verified
-
 from tests.fault_procs import Workers, shard_set, stats, wait_until
 
 EVERY = 5

@@ -11,6 +11,7 @@ import contextlib
 import grpc
 import pytest
 import torch
+
 from psar.ps import serde
 from psar.ps._gen.psar.v1 import ps_pb2 as pb
 from psar.ps.client.client_config import ClientConfig
@@ -19,7 +20,6 @@ from psar.ps.client.sparse_client import RowsPush, create_tables, pull_rows, pus
 from psar.ps.errors import InvalidArgument
 from psar.ps.server.sparse.table import SparseTable
 from psar.ps.sparse_spec import TableSpec, init_rows
-
 from tests.ps_fixtures import make_job, raw_stub, serving
 
 SHARDS, DIM = 2, 8

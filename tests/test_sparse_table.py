@@ -6,6 +6,7 @@ from __future__ import annotations
 import grpc
 import pytest
 import torch
+
 from psar.ps import serde
 from psar.ps._gen.psar.v1 import ps_pb2 as pb
 from psar.ps.client.psclient import PSClient
@@ -13,7 +14,6 @@ from psar.ps.client.sparse_client import create_tables, pull_rows, push_rows
 from psar.ps.server.sparse.table import SparseTable, dense_reference_step
 from psar.ps.server.sparse.tables import RowPush, SparseTables
 from psar.ps.sparse_spec import TableSpec, init_rows
-
 from tests.ps_fixtures import make_job, make_slots, make_state, raw_stub, serving
 
 ROWS, DIM = 1000, 8

@@ -15,10 +15,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
+
 from psar.trainkit.sparse_tables import init_rows, marked_tables, materialize_tables, release_tables
 from psar.worker.workloads import load_workload
 from psar.worker.workloads.recsys import RecsysModel
-from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
 

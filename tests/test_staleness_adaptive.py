@@ -14,13 +14,13 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
+
 from psar.ps import serde
 from psar.ps._gen.psar.v1 import ps_pb2 as pb
 from psar.ps.client.psclient import PSClient
 from psar.ps.job import Job
 from psar.ps.server.modes.staleness import dc_adaptive_, mean_square_update, step_adjust
-from psar.worker.config import PSConfig
-
+from psar.trainkit.config import PSConfig
 from tests.procs import run_ps_workers, shards
 from tests.ps_fixtures import (
     init_chunks,

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from psar.ps import serde
 from psar.ps.job import Job
+from psar.trainkit.config import PSConfig
 from psar.trainkit.optim import adjusted, build_optimizer
 from psar.trainkit.staleness_rules import AdaptiveRule, resolve_rule
-from psar.worker.config import PSConfig
-
 from tests.ps_fixtures import grad_for, init_values, make_job, make_state, masters, pull, push
 
 

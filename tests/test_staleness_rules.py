@@ -12,6 +12,7 @@ import math
 
 import pytest
 import torch
+
 from psar.trainkit import staleness_rules as sr
 from psar.trainkit.staleness_rules import AdaptiveRule, check_rule, delayed_edge
 

@@ -14,10 +14,12 @@ import math
 import grpc
 import pytest
 import torch
+
 from psar.ps import serde
 from psar.ps._gen.psar.v1 import ps_pb2 as pb
 from psar.ps.job import Job
 from psar.ps.server.shard import ShardState
+from psar.trainkit.config import PSConfig
 from psar.trainkit.optim import (
     StepAdjust,
     adjusted,
@@ -26,8 +28,6 @@ from psar.trainkit.optim import (
     lr_factor,
     staleness_lr_factor,
 )
-from psar.worker.config import PSConfig
-
 from tests.ps_fixtures import (
     applied_optimizer,
     init_chunks,

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from psar.ps.errors import DeadlineExceeded, InvalidArgument
 from psar.ps.headers import PushHeader
 from psar.ps.job import Job
 from psar.ps.server.shard import ShardState
 from psar.trainkit.optim import OptimizerConfig, ParamGroup, StepOptions
-
 from tests.procs import run_ps_workers, shards
 from tests.ps_fixtures import (
     grad_for,

@@ -12,8 +12,8 @@ import time
 from pathlib import Path
 
 import pytest
-from psar.worker.supervisor import ProcessError, Supervisor, descendants
 
+from psar.worker.supervisor import ProcessError, Supervisor, descendants
 from tests.test_launch import alive
 
 PY = sys.executable

@@ -11,10 +11,10 @@ import json
 import numpy as np
 import pytest
 import torch
+
 from psar.trainkit.optim import OptimizerConfig, build_optimizer
 from psar.worker.data import ShardedBatches
 from psar.worker.workloads import load_workload
-
 from tests.procs import run_ps_workers, run_torchrun, shards
 
 COMMON = ["--workload", "mlp", "--steps", "20", "--batch-size", "16", "--seed", "3",

@@ -16,6 +16,7 @@ from typing import Any
 import grpc
 import pytest
 import torch
+
 from psar.ps import serde
 from psar.ps._gen.psar.v1 import ps_pb2 as pb
 from psar.ps.client.grpc_transport import GrpcTransport
@@ -24,7 +25,6 @@ from psar.ps.client.tcp_transport import DataPlaneClient
 from psar.ps.client.transport import PullStream, Transport, TransportError
 from psar.ps.job import Job
 from psar.ps.partition import plan_slots
-
 from tests.ps_fixtures import PARAMS, grad_for, make_job, without_speculation
 from tests.test_dataplane import MAX_MESSAGE, TIMEOUT, Shard, header, items, shard
 

@@ -14,11 +14,11 @@ import dataclasses
 
 import pytest
 import torch
+
 from psar.ps.errors import NotFound
 from psar.ps.headers import PushHeader
 from psar.ps.server.shard import ShardState
 from psar.trainkit.optim import build_optimizer
-
 from tests.ps_fixtures import grad_for, init_values, make_job, make_state
 from tests.test_dataplane import config, header, items, shard
 from tests.test_transport_contract import door

@@ -11,12 +11,12 @@ import warnings
 
 import pytest
 import torch
+
 from psar.ps.server.config import SHARDS_PER_HOST_ENV, ServerConfig
 from psar.ps.server.metrics.prometheus import ShardMetrics
 from psar.ps.server.shard import ShardState
 from psar.ps.server.update import stepper
-from psar.worker.cli_gen import add_flags, build
-
+from psar.trainkit.cli_gen import add_flags, build
 from tests.ps_fixtures import grad_for, init_values, make_job, optimizer_config, pull, push
 
 

@@ -9,8 +9,8 @@ import os
 import numpy as np
 import pytest
 import torch
-from psar.worker.workloads.loader import load_workload
 
+from psar.worker.workloads.loader import load_workload
 from tests import procs
 from tests.procs import run_ps_workers, run_torchrun, shards
 

@@ -22,12 +22,17 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 # folder -> module prefixes none of its modules may load
+# The contracts (backend protocol, config tree, precision, recorder, flag generation) are
+# in trainkit/, the ground floor: the shard, the PS client and DDP are siblings above it,
+# none of them loads another or the worker package that drives them.
 WALLS = {
     "ps/server": ("psar.worker", "psar.allreduce", "psar.ps.client"),
-    "ps/client": ("psar.ps.server", "psar.allreduce"),
-    "allreduce": ("psar.ps",),
+    "ps/client": ("psar.ps.server", "psar.allreduce", "psar.worker"),
+    "allreduce": ("psar.ps", "psar.worker"),
     "trainkit": ("psar.ps", "psar.worker", "psar.allreduce"),
 }
+CLI = ("worker/cli.py", "worker/cli_parser.py")
+"""Only the CLI knows both the shard and the worker."""
 
 
 def modules_of(package: str, *, recursive: bool = True) -> list[str]:
@@ -168,7 +173,7 @@ def test_a_ddp_process_loads_nothing_of_the_parameter_server() -> None:
     the backend the loop picks, the DDP backend. None of it may load ps/."""
     code = (
         "import json, sys\n"
-        "from psar.worker.config import TrainConfig\n"
+        "from psar.trainkit.config import TrainConfig\n"
         "from psar.worker.loop import backend_class\n"
         "backend_class(TrainConfig(arch='allreduce'))\n"
         "print(json.dumps(sorted(m for m in sys.modules if m == 'psar.ps' or m.startswith('psar.ps.'))))\n"
@@ -197,3 +202,69 @@ def test_the_shard_is_composed_not_mixed_in() -> None:
                 if len(own) > 1:
                     mixed.append(f"{f.relative_to(ROOT)}: {n.name}({', '.join(own)})")
     assert not mixed, "classes mixing several of the project's bases:\n" + "\n".join(mixed)
+
+
+def test_only_the_cli_knows_the_shard() -> None:
+    """Outside the CLI, no module of worker/, ps/client/, allreduce/ or trainkit/ imports
+    the shard (psar.ps.server), at module level or inside a function."""
+    bad = []
+    for folder in ("worker", "ps/client", "allreduce", "trainkit"):
+        for f in sorted((ROOT / folder).rglob("*.py")):
+            rel = f.relative_to(ROOT).as_posix()
+            found = {m for m in _imports(f, rel, strict=True) if m.startswith("psar.ps.server")}
+            if found and rel not in CLI:
+                bad.append(f"{rel}: {sorted(found)}")
+    assert not bad, "modules besides the CLI that import the shard:\n" + "\n".join(bad)
+
+
+def _ps_modules_loaded(code: str, env: dict[str, str] | None = None) -> list[str]:
+    import os
+
+    out = subprocess.run(
+        [sys.executable, "-c", code + "\nimport json, sys\nprint(json.dumps(sorted("
+         "m for m in sys.modules if m == 'psar.ps' or m.startswith('psar.ps.'))))\n"],
+        cwd=ROOT, capture_output=True, text=True, env={**os.environ, **(env or {})},
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_prepare_under_allreduce_loads_nothing_of_the_parameter_server() -> None:
+    """A user's own loop under DDP (a real gloo group of one) through prepare(): no
+    psar.ps module is loaded, from the configuration to the first step and finish()."""
+    from tests.procs import free_port
+
+    code = (
+        "import torch\n"
+        "from psar.worker.own_loop import prepare\n"
+        "model = torch.nn.Linear(4, 2)\n"
+        "run = prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), seed=0)\n"
+        "run.backward(run.model(torch.ones(3, 4)).sum())\n"
+        "run.optimizer.step()\n"
+        "run.finish()\n"
+    )
+    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port()), "PSAR_ARCH": "allreduce"}  # fmt: skip
+    assert _ps_modules_loaded(code, env) == []
+
+
+def test_psar_train_allreduce_loads_nothing_of_the_parameter_server(tmp_path: Path) -> None:
+    """`psar train --arch allreduce` end to end (a gloo group of one, two steps): Python's
+    own import log (-X importtime) names no psar.ps module."""
+    import os
+
+    from tests.procs import free_port
+
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "psar", "train", "--arch", "allreduce",
+         "--steps", "2", "--eval-batches", "0", "--log-every", "1", "--run-dir", str(tmp_path)],
+        cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    imported = [
+        ln.rsplit("|", 1)[-1].strip() for ln in r.stderr.splitlines() if "import time:" in ln
+    ]
+    assert "psar.worker.loop" in imported and "psar.allreduce.backend" in imported
+    assert [m for m in imported if m == "psar.ps" or m.startswith("psar.ps.")] == []

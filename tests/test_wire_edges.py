@@ -20,12 +20,12 @@ from typing import Any
 
 import grpc
 import pytest
+
 from psar.ps import framing as fr
 from psar.ps import serde
 from psar.ps._gen.psar.v1 import ps_pb2 as pb
 from psar.ps.client.tcp_transport import DataPlaneClient, DataPlaneError
 from psar.ps.errors import MAX_DETAILS_CHARS, InvalidArgument, bound_details, quote
-
 from tests.ps_fixtures import grad_for, init_chunks, init_values, make_job, push_chunks
 from tests.test_dataplane import frames, header, items, piece, raw_conn, read_frame, shard
 

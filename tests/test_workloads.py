@@ -7,9 +7,10 @@ import textwrap
 
 import pytest
 import torch
+from torch.utils.data import TensorDataset
+
 from psar.worker.workloads import BUILTINS, Workload, load_workload
 from psar.worker.workloads.lm import ByteWindows, nats_to_bits
-from torch.utils.data import TensorDataset
 
 # Small option sets keep each build well under a second.
 SMALL = {

@@ -7,9 +7,10 @@ import time
 
 import torch
 import torch.nn.functional as F
-from psar.worker.workloads.base import Workload, seeded
 from torch import nn
 from torch.utils.data import TensorDataset
+
+from psar.worker.workloads.base import Workload, seeded
 
 
 class Tricky(nn.Module):

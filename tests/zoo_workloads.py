@@ -12,9 +12,10 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from psar.worker.workloads.base import Workload, seeded
 from torch import nn
 from torch.utils.data import TensorDataset
+
+from psar.worker.workloads.base import Workload, seeded
 
 D_IN, D_H, CLASSES, VOCAB = 8, 16, 8, 32
 

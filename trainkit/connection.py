@@ -1,11 +1,11 @@
 """How a worker reaches the shards: deadlines, reconnection, TLS and the data plane.
 
 Declared once, here, because two configs need the same fields: `psar train`'s [ps]
-section (worker/config.py PSConfig, whose flags --timeout-s, --reconnect-timeout-s,
+section (trainkit/config.py PSConfig, whose flags --timeout-s, --reconnect-timeout-s,
 --tls-* and --data-plane are generated from these fields and docstrings) and the
 worker's client (ps/client/client_config.py ClientConfig). Both inherit this class, so
 a default or a check changes in one place. It lives in trainkit, not in ps/client,
-because worker/config.py is imported by the DDP side too, which must not load ps
+because trainkit/config.py is imported by the DDP side too, which must not load ps
 (tests/test_walls.py).
 """
 

@@ -20,6 +20,7 @@ import math
 from typing import Any
 
 import torch
+
 from psar.trainkit.finite import all_finite
 from psar.trainkit.optim import (
     LossScaleConfig,

@@ -53,6 +53,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
+
 from psar.trainkit.optim import StepAdjust, async_momentum
 
 STALENESS_RULES = ("adaptive", "fixed", "momentum", "none")
@@ -121,7 +122,7 @@ def resolve_rule(
 
 
 class RuleSettings(Protocol):
-    """The fields --staleness-rule and its aliases set (psar.ps.job.Job, psar.worker.config.PSConfig)."""
+    """The fields --staleness-rule and its aliases set (psar.ps.job.Job, psar.trainkit.config.PSConfig)."""
 
     staleness_rule: str
     staleness_lr: bool

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
+
 from psar.trainkit.optim import ParamGroup
 
 SUPPORTED = {torch.optim.SGD: "sgd", torch.optim.AdamW: "adamw"}

@@ -23,13 +23,13 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 
-from psar.ps.server.config import ServerConfig
-from psar.worker import cli_gen
+from psar.trainkit import cli_gen
+from psar.trainkit.config import TrainConfig
 from psar.worker.cli_parser import build_parser
-from psar.worker.config import TrainConfig
 
 
 def _run_server(args: argparse.Namespace) -> int:
+    from psar.ps.server.config import ServerConfig
     from psar.ps.server.serve import serve
 
     cfg = cli_gen.build(ServerConfig, args, args.config)
@@ -167,7 +167,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("plan", "report", "launch", "compare"):
         return _delegated(argv[0])(argv[1:])
-    parser = build_parser()
+    words = [a for a in argv if not a.startswith("-")]
+    parser = build_parser(words[0] if words and words[0] in ("train", "server") else None)
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,

@@ -1,13 +1,12 @@
 """The `psar` argument parser: subcommands, and the train and server flags generated from
-their config dataclasses (worker/cli_gen.py). `psar launch` validates train flags with it."""
+their config dataclasses (trainkit/cli_gen.py). `psar launch` validates train flags with it."""
 
 from __future__ import annotations
 
 import argparse
 
-from psar.ps.server.config import ServerConfig
-from psar.worker import cli_gen
-from psar.worker.config import TrainConfig
+from psar.trainkit import cli_gen
+from psar.trainkit.config import TrainConfig
 
 EPILOG_TRAIN = """\
 examples:
@@ -43,6 +42,10 @@ def _train_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def _server_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    # Here, not at the top: only the CLI knows both the shard and the worker, and a
+    # worker (prepare(), psar launch) that parses train flags must not load the shard.
+    from psar.ps.server.config import ServerConfig
+
     p = sub.add_parser(
         "server",
         help="run one parameter-server shard",
@@ -55,15 +58,28 @@ def _server_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     return p
 
 
-def build_parser() -> argparse.ArgumentParser:
+def train_parser() -> argparse.ArgumentParser:
+    """`psar train`'s parser alone (prepare() and psar launch check train flags with it):
+    parse the flags without the word `train`."""
+    parser = argparse.ArgumentParser(prog="psar", allow_abbrev=False)
+    return _train_parser(parser.add_subparsers(dest="command"))
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The whole `psar` parser; with `command` ("train" or "server") only that
+    subcommand's flags are built (the other is a name), so `psar train` never loads the
+    shard's config and `psar server` never the worker's."""
     parser = argparse.ArgumentParser(
         prog="psar",
         description="Train the same PyTorch model under a parameter server or ring-allreduce.",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    _server_parser(sub)
-    _train_parser(sub)
+    for name, build in (("server", _server_parser), ("train", _train_parser)):
+        if command in (None, name):
+            build(sub)
+        else:
+            sub.add_parser(name, add_help=False)
     sub.add_parser("plan", help="predict per-step communication and memory", add_help=False)
     sub.add_parser("report", help="plots and a markdown table from a --run-dir", add_help=False)
     sub.add_parser("launch", help="start shards and workers on this machine", add_help=False)

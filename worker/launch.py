@@ -170,12 +170,13 @@ def validate(spec: LaunchSpec) -> None:
         raise ValueError(
             f"{bad[0]} is set by launch (--servers N, --workers N, --metrics-base-port)"
         )
-    from psar.worker import cli_gen, cli_parser
-    from psar.worker.config import TrainConfig
+    from psar.trainkit import cli_gen
+    from psar.trainkit.config import TrainConfig
+    from psar.worker import cli_parser
 
     argv = ["train", "--arch", spec.arch, *spec.train_args, *_ps_flags(spec, "127.0.0.1:1", 0)]
     try:
-        args = cli_parser.build_parser().parse_args(argv)
+        args = cli_parser.train_parser().parse_args(argv[1:])
     except SystemExit:
         raise ValueError("unknown or bad train flag (see `psar train --help`)") from None
     cli_gen.build(TrainConfig, args, args.config)

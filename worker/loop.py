@@ -6,7 +6,7 @@ combines gradients and updates weights, and the step is logged.
 
 `backend_class` is the only code here that reads --arch: everything after it (ranks,
 metrics label, report fields, who writes the report) comes from the backend, through
-the members worker/backend.py declares (tests/test_backend_protocol.py checks both).
+the members trainkit/backend.py declares (tests/test_backend_protocol.py checks both).
 """
 
 from __future__ import annotations
@@ -24,14 +24,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from psar.trainkit.backend import Backend, StepOutcome
+from psar.trainkit.config import TrainConfig
+from psar.trainkit.precision import PrecisionPolicy, pick_device, resolve
+from psar.trainkit.recorder import NullWorkerRecorder, WorkerRecorder
 from psar.trainkit.roles import resolve_local_rank, resolve_rank, resolve_world_size
 from psar.trainkit.seeding import seed_process
-from psar.worker.backend import Backend, StepOutcome
-from psar.worker.config import TrainConfig
 from psar.worker.data import ElasticBatches, ShardedBatches, evaluate
-from psar.worker.precision import PrecisionPolicy, pick_device, resolve
 from psar.worker.progress import Progress
-from psar.worker.recorder import NullWorkerRecorder, WorkerRecorder
 from psar.worker.records import StepLog, run_summary, write_report
 from psar.worker.workloads import Workload, load_workload
 

@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
 from psar.trainkit.prom import (
     DURATION_BUCKETS,
     OTHER,
@@ -48,7 +49,7 @@ PHASES: tuple[str, ...] = (
 
 class WorkerMetrics:
     """Metrics of one worker; every series carries the ``arch`` label (``ps``/``allreduce``).
-    Its recording methods are exactly psar.worker.recorder.WorkerRecorder's (tests/test_recorders.py)."""
+    Its recording methods are exactly psar.trainkit.recorder.WorkerRecorder's (tests/test_recorders.py)."""
 
     def __init__(self, registry: CollectorRegistry | None = None, *, arch: str) -> None:
         if arch not in ARCHS:

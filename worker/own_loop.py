@@ -20,7 +20,7 @@ train` flag may go there; `psar launch ... -- python train.py` sets it), else PS
 else ps where PSAR_SERVERS names shards and allreduce otherwise. Ranks come from the
 launcher's environment (torchrun, Slurm, Kubernetes, psar launch: docs/launch-contract.md).
 This module never asks which architecture runs: it builds the backend as the loop does
-(worker/loop.py) and speaks the Backend protocol (worker/backend.py) only.
+(worker/loop.py) and speaks the Backend protocol (trainkit/backend.py) only.
 """
 
 from __future__ import annotations
@@ -32,15 +32,16 @@ import shlex
 from collections.abc import Mapping, Sequence
 
 import torch
+
+from psar.trainkit.backend import Backend, StepOutcome
+from psar.trainkit.config import TrainConfig
 from psar.trainkit.optim import StepOptions
+from psar.trainkit.precision import pick_device, resolve
+from psar.trainkit.recorder import NullWorkerRecorder
 from psar.trainkit.seeding import seed_process
 from psar.trainkit.user_optim import current_lrs
-from psar.worker.backend import Backend, StepOutcome
-from psar.worker.config import TrainConfig
 from psar.worker.loop import make_backend, resolve_ranks
 from psar.worker.own_optimizer import distributed
-from psar.worker.precision import pick_device, resolve
-from psar.worker.recorder import NullWorkerRecorder
 from psar.worker.supervisor import free_port
 
 logger = logging.getLogger("psar.own_loop")
@@ -59,7 +60,8 @@ def config_of(args: Sequence[str] = (), env: Mapping[str, str] | None = None) ->
     """The TrainConfig of a loop of its own: DEFAULTS, then PSAR_ARGS (shell words), then
     `args`, parsed as `psar train` parses its flags; the architecture as the module
     docstring says."""
-    from psar.worker import cli_gen, cli_parser  # the CLI machinery, only when configuring
+    from psar.trainkit import cli_gen
+    from psar.worker import cli_parser  # the CLI machinery, only when configuring
 
     env = os.environ if env is None else env
     # The shards the launcher named, from `env` (the config itself reads os.environ).
@@ -70,9 +72,9 @@ def config_of(args: Sequence[str] = (), env: Mapping[str, str] | None = None) ->
             "ps" if env.get("PSAR_SERVERS") else "allreduce"
         )
         argv = ["--arch", arch, *argv]
-    parser = cli_parser.build_parser()
+    parser = cli_parser.train_parser()
     try:
-        parsed = parser.parse_args(["train", *argv])
+        parsed = parser.parse_args(argv)
     except SystemExit:
         raise ValueError(
             f"PSAR_ARGS / args {argv!r}: not `psar train` flags (see `psar train --help`)"

@@ -4,7 +4,7 @@ benchmarks and the tests (worker/report.py describes the fields): keys stay put.
 
 Every architecture-specific figure comes from the backend (its arch, mode, bytes, shard
 figures, report extras), never from the configuration, so this file works for any
-backend that satisfies worker/backend.py's protocol.
+backend that satisfies trainkit/backend.py's protocol.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import time
 from collections import Counter
 from typing import Any
 
-from psar.worker.backend import Backend, StepOutcome
-from psar.worker.config import TrainConfig
+from psar.trainkit.backend import Backend, StepOutcome
+from psar.trainkit.config import TrainConfig
 
 
 def staleness_summary(values: list[int]) -> dict[str, Any]:

@@ -29,10 +29,9 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from bench.lib import common as c
 from psar.worker import compare as cmp
 from psar.worker import report
-
-from bench.lib import common as c
 
 BASELINE = "allreduce"
 LOSS_BASELINE = "ps-sync"

@@ -36,9 +36,8 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from psar.worker.compare import smoothed
-
 from bench.lib import common as c
+from psar.worker.compare import smoothed
 
 LOSS_GOAL = 1.03
 BYTES_GOAL = 10.0

@@ -20,9 +20,9 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch
+
 from psar.ps.partition import plan_slots
 from psar.worker.plan_units import parse_params
-
 from tests.ps_fixtures import grad_for, make_job, make_state, pull, push
 
 RULES = ("momentum", "adaptive")

@@ -36,6 +36,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch
+
 from psar.trainkit.optim import async_momentum, delay_compensate_
 from psar.trainkit.staleness_rules import AdaptiveRule
 from psar.worker.data import ShardedBatches

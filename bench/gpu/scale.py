@@ -90,6 +90,7 @@ class Setup:
 def params(model: dict[str, int]) -> int:
     """Parameter count of the lm workload at these sizes (built on the meta device: free)."""
     import torch
+
     from psar.worker.workloads.lm import ByteLM
 
     with torch.device("meta"):

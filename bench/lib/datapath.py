@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable, Sequence
 
 import torch
+
 from psar.ps.client.psclient import ClientConfig, PSClient
 from psar.ps.client.tcp_transport import DEFAULT_MAX_FRAME_BYTES
 from psar.ps.job import Job

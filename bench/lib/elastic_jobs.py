@@ -21,9 +21,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from psar.worker.supervisor import descendants
-
 from bench.lib import common as c
+from psar.worker.supervisor import descendants
 
 _SHORT = "the epoch ran out before the schedule did; give more --batches or --compute-ms"
 RANK_SCRIPT = Path(__file__).resolve().parent / "elastic_rank.py"

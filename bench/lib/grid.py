@@ -33,11 +33,10 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from psar.worker.plan_verdict import CLOSE_CALL
-
 from bench.lib import common as c
 from bench.lib import cpucost
 from bench.lib.netem import probe_link, shape_all
+from psar.worker.plan_verdict import CLOSE_CALL
 
 TOLERANCE = 0.20
 GRIDS = {

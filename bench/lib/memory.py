@@ -32,11 +32,10 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from bench.lib import common as c
 from psar.worker.plan import build_parser, inputs_from_args
 from psar.worker.plan_model import plan
 from psar.worker.supervisor import descendants
-
-from bench.lib import common as c
 
 #: Issue #36's goals: a PS worker <= this x a DDP rank per parameter, plan within 15%.
 RATIO_GOAL = 0.3

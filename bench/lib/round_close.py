@@ -25,6 +25,7 @@ import statistics
 import time
 
 import torch
+
 from psar.ps import wire
 from psar.ps.headers import PushHeader
 from psar.ps.job import Job

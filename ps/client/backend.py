@@ -30,6 +30,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+
 from psar.ps import auth
 from psar.ps.client.backend_elastic import ElasticMixin, elastic_note
 from psar.ps.client.backend_local import LocalMixin
@@ -42,14 +43,14 @@ from psar.ps.client.psclient import ClientConfig, NeedsResync, PSClient
 from psar.ps.headers import PullHeader
 from psar.ps.job import Job, ModeTraits
 from psar.ps.partition import Slot, bytes_per_shard, check_every_shard_holds_a_slot, plan_slots
+from psar.trainkit.backend import StepOutcome
 from psar.trainkit.choices import chunk_rounds
+from psar.trainkit.config import TrainConfig
 from psar.trainkit.device_io import DeviceIO, state_to_host, to_host
 from psar.trainkit.optim import DynamicLossScale, StepOptions, effective_loss_scale, with_run_length
+from psar.trainkit.precision import PrecisionPolicy
+from psar.trainkit.recorder import NullWorkerRecorder, WorkerRecorder
 from psar.trainkit.sparse_tables import release_tables
-from psar.worker.backend import StepOutcome
-from psar.worker.config import TrainConfig
-from psar.worker.precision import PrecisionPolicy
-from psar.worker.recorder import NullWorkerRecorder, WorkerRecorder
 
 log = logging.getLogger("psar.ps")
 

@@ -15,6 +15,7 @@ import time
 from typing import Any
 
 import grpc
+
 from psar.ps.client.errors import PSClientError
 from psar.ps.job import Job
 

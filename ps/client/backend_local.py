@@ -15,9 +15,9 @@ from typing import Any
 
 from psar.ps.client.backend_resync import _MAX_RESYNCS
 from psar.ps.client.psclient import NeedsResync
+from psar.trainkit.backend import StepOutcome
 from psar.trainkit.local_sgd import LocalSteps, outer_optimizer_config
 from psar.trainkit.optim import OptimizerConfig, effective_loss_scale
-from psar.worker.backend import StepOutcome
 
 
 class LocalMixin:

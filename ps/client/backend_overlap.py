@@ -15,6 +15,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
+
 from psar.ps.client.errors import NeedsResync
 from psar.ps.client.host_cpu import CoLocatedCPU
 from psar.ps.client.overlap import PushBuckets

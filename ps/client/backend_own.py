@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
 from psar.ps.partition import Slot
 from psar.trainkit.optim import OptimizerConfig, ParamGroup, StepOptions
 from psar.trainkit.user_optim import describe

@@ -2,7 +2,7 @@
 
 The connection fields (timeouts, reconnect, TLS, data plane) are not declared here: they
 are inherited from psar.trainkit.connection.ConnectionConfig, the same class `psar train`'s
-[ps] section (worker/config.py PSConfig) inherits, so both have one default and one check
+[ps] section (trainkit/config.py PSConfig) inherits, so both have one default and one check
 each. `ClientConfig.of(cfg.ps, auth_token=...)` builds the client's config from a train
 config; tests and benchmarks still construct ClientConfig directly.
 """

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import grpc
+
 from psar.ps._gen.psar.v1 import ps_pb2 as pb
 from psar.ps.client.errors import PSClientError
 from psar.ps.client.grpc_transport import GrpcTransport

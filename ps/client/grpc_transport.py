@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
+
 from psar.ps._gen.psar.v1 import ps_pb2 as pb
 from psar.ps.client.transport import Incoming, Piece, PullStream, Transport, TransportError, Verdict
 

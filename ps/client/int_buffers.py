@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 
 import torch
+
 from psar.ps.job import MAX_INT_BUFFER_ELEMENTS
 
 log = logging.getLogger("psar.client")

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+
 from psar.ps import wire
 from psar.ps._gen.psar.v1 import ps_pb2 as pb
 

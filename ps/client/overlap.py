@@ -26,6 +26,7 @@ from concurrent.futures import thread as _futures_thread
 from typing import Any
 
 import torch
+
 from psar.ps.partition import Slot
 from psar.trainkit.device_io import DeviceIO, Event
 from psar.trainkit.optim import StepOptions

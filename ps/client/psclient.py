@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 
 import grpc
 import torch
+
 from psar.ps import auth, serde, wire
 from psar.ps._gen.psar.v1 import ps_pb2 as pb
 from psar.ps._gen.psar.v1 import ps_pb2_grpc as pb_grpc

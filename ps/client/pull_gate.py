@@ -27,9 +27,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
+
 from psar.ps.partition import Slot
 from psar.trainkit.device_io import DeviceIO, Event
-from torch.overrides import TorchFunctionMode
 
 
 def ungateable_reason(model: torch.nn.Module) -> str:

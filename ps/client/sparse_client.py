@@ -12,6 +12,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
+
 from psar.ps import serde, wire
 from psar.ps._gen.psar.v1 import ps_pb2 as pb
 from psar.ps.client.psclient import PSClient

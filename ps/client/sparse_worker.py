@@ -21,13 +21,14 @@ from collections import Counter
 from typing import Any
 
 import torch
+from torch import nn
+
 from psar.ps import wire
 from psar.ps.client import sparse_client
 from psar.ps.sparse_spec import TableSpec
 from psar.trainkit.device_io import to_device, to_host
 from psar.trainkit.finite import all_finite
 from psar.trainkit.sparse_tables import marked_tables
-from torch import nn
 
 log = logging.getLogger("psar.sparse")
 

@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
 import grpc
+
 from psar.ps import framing as fr
 from psar.ps import sealed, shm
 from psar.ps._gen.psar.v1 import ps_pb2 as pb

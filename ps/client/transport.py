@@ -29,6 +29,7 @@ from typing import Any, Protocol
 
 import grpc
 import torch
+
 from psar.ps import serde, wire
 from psar.ps._gen.psar.v1 import ps_pb2 as pb
 

@@ -1,4 +1,4 @@
-"""`psar server`'s flags: one dataclass, validated on construction (worker/cli_gen.py
+"""`psar server`'s flags: one dataclass, validated on construction (trainkit/cli_gen.py
 builds the CLI from it). Light on purpose: the `psar` console script loads it in every
 process, workers included, so it imports no part of the shard's machinery."""
 
@@ -38,7 +38,7 @@ class ServerConfig:
         "security": ("--tls-cert", "--tls-key", "--tls-ca", "--auth-token-file"),
         "metrics": ("--metrics-port", "--metrics-addr"),
     }  # fmt: skip
-    """`psar server --help`'s sections (worker/cli_gen.py; tests/test_cli.py: every flag in one)."""
+    """`psar server --help`'s sections (trainkit/cli_gen.py; tests/test_cli.py: every flag in one)."""
 
     bind: str = "127.0.0.1:50051"
     """HOST:PORT to listen on (port 0 picks a free one; 0.0.0.0 listens on every interface)."""

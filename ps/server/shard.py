@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+
 from psar.ps import wire
 from psar.ps.errors import FailedPrecondition, InvalidArgument, quote
 from psar.ps.job import Job

@@ -26,6 +26,7 @@ from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 import torch
+
 from psar.ps.errors import FailedPrecondition
 from psar.ps.headers import StepOptions
 from psar.ps.job import Job, ModeTraits

@@ -20,9 +20,10 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from psar.worker.workloads.base import Workload, opt_float, opt_int, seeded
 from torch import nn
 from torch.utils.data import TensorDataset
+
+from psar.worker.workloads.base import Workload, opt_float, opt_int, seeded
 
 __all__ = [
     "ByteLM",

@@ -27,9 +27,10 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from psar.worker.workloads.base import Workload, opt_bool, opt_float, opt_int, seeded
 from torch import nn
 from torch.utils.data import TensorDataset
+
+from psar.worker.workloads.base import Workload, opt_bool, opt_float, opt_int, seeded
 
 __all__ = ["RecsysModel", "make", "make_dataset", "zipf_ids"]
 

@@ -11,6 +11,7 @@ from concurrent.futures import Executor
 from typing import Any, NoReturn
 
 import torch
+
 from psar.ps import serde
 from psar.ps._gen.psar.v1 import ps_pb2 as pb
 from psar.ps.errors import InvalidArgument

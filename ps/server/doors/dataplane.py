@@ -40,6 +40,7 @@ import threading
 import time
 
 import grpc
+
 from psar.ps import framing as fr
 from psar.ps import sealed
 from psar.ps.server.doors.dataplane_conn import _Connection

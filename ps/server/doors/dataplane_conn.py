@@ -11,6 +11,7 @@ import time
 from typing import Any, Protocol
 
 import grpc
+
 from psar.ps import framing as fr
 from psar.ps import sealed, serde, shm
 from psar.ps._gen.psar.v1 import ps_pb2 as pb

@@ -25,6 +25,7 @@ from typing import Any
 
 import grpc
 import torch
+
 from psar.ps import serde
 from psar.ps._gen.psar.v1 import ps_pb2 as pb
 from psar.ps._gen.psar.v1 import ps_pb2_grpc as pb_grpc

@@ -11,6 +11,7 @@ from typing import Any
 
 import grpc
 import torch
+
 from psar.ps import serde, wire
 from psar.ps._gen.psar.v1 import ps_pb2 as pb
 from psar.ps.errors import InvalidArgument, PSError, bound_details, quote

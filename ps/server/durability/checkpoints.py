@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
+
 from psar.trainkit.atomic import atomic_save
 
 log = logging.getLogger("psar.checkpoint")

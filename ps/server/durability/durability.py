@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+
 from psar.ps import serde
 from psar.ps.errors import FailedPrecondition
 from psar.ps.job import Job

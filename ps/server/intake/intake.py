@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+
 from psar.ps.errors import DeadlineExceeded, Unavailable
 from psar.ps.headers import PushHeader, PushOutcome, StepOptions
 from psar.ps.server.intake import pacing

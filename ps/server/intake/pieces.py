@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
 from psar.ps import wire
 from psar.ps.errors import InvalidArgument, NotFound, quote
 from psar.ps.headers import PushHeader, StepOptions

@@ -26,6 +26,7 @@ from wsgiref.simple_server import WSGIServer
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
+
 from psar.ps.server.modes import BUILTIN
 from psar.trainkit.choices import DEFAULT_MODE
 from psar.trainkit.prom import (

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+
 from psar.ps.headers import PushOutcome
 from psar.ps.server.modes.rows import RowPolicy, RowsOnArrival
 from psar.ps.server.modes.view import ShardView

@@ -44,6 +44,7 @@ import threading
 from collections.abc import Callable
 
 import torch
+
 from psar.ps.errors import FailedPrecondition, InvalidArgument, quote
 
 UNIT = 2.0**24

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Collection
 
 import torch
+
 from psar.ps.errors import FailedPrecondition, InvalidArgument
 from psar.ps.headers import PushHeader, PushOutcome
 from psar.ps.job import Job

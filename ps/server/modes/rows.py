@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+
 from psar.ps.server.sparse.table import SparseTable
 
 

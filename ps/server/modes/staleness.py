@@ -37,6 +37,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+
 from psar.trainkit.optim import StepAdjust, async_momentum, delay_compensate_, staleness_lr_factor
 from psar.trainkit.staleness_rules import AdaptiveRule
 

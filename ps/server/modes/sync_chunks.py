@@ -39,6 +39,7 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 import torch
+
 from psar.ps.server.intake import pacing
 from psar.ps.server.modes.base import StagedPush
 from psar.ps.server.modes.exact_sum import ExactSum

@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterable, Mapping, Set
 from typing import Any, Protocol
 
 import torch
+
 from psar.ps.job import Job
 from psar.ps.server.metrics.recorder import ShardRecorder
 from psar.trainkit.optim import StepAdjust

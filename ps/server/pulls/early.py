@@ -31,6 +31,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
+
 from psar.ps import wire
 from psar.ps.errors import Cancelled
 from psar.ps.server.state import ShardData

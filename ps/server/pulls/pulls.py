@@ -11,6 +11,7 @@ from concurrent.futures import Executor
 from typing import Any
 
 import torch
+
 from psar.ps import wire
 from psar.ps.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
 from psar.ps.headers import PullHeader

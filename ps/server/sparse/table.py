@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
 from psar.ps.sparse_spec import TableSpec, init_rows, local_rows
 
 

@@ -18,6 +18,7 @@ from collections import Counter
 from typing import Any, Protocol
 
 import torch
+
 from psar.ps.errors import FailedPrecondition, InvalidArgument, NotFound, quote
 from psar.ps.server.modes.rows import RowPolicy, RowPush
 from psar.ps.server.sparse.table import SparseTable

@@ -15,6 +15,7 @@ forward), or the mean over the round's workers with --buffers average (sync).
 from __future__ import annotations
 
 import torch
+
 from psar.ps.errors import InvalidArgument, quote
 from psar.ps.job import Job
 

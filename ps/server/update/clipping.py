@@ -21,6 +21,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+
 from psar.trainkit.optim import StepAdjust
 
 EPS = 1e-6

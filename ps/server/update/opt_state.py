@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+
 from psar.ps import wire
 from psar.ps.errors import InvalidArgument, quote
 

@@ -40,6 +40,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any
 
 import torch
+
 from psar.trainkit.optim import StepAdjust, adjusted, build_optimizer
 
 if TYPE_CHECKING:

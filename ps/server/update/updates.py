@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable, Mapping, Set
 from typing import TYPE_CHECKING, Any
 
 import torch
+
 from psar.ps.errors import InvalidArgument
 from psar.ps.headers import StepOptions
 from psar.ps.job import Job

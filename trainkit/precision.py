@@ -12,6 +12,7 @@ import contextlib
 from dataclasses import dataclass
 
 import torch
+
 from psar.trainkit.dtypes import DTYPE_BY_NAME, NAME_BY_DTYPE
 
 PRECISIONS = ("auto", "fp32", "fp16", "bf16")

@@ -19,9 +19,9 @@ import torch
 if TYPE_CHECKING:  # annotations only: this module stays free of config/precision imports
     from typing import Self
 
+    from psar.trainkit.config import TrainConfig
     from psar.trainkit.optim import StepOptions
-    from psar.worker.config import TrainConfig
-    from psar.worker.precision import PrecisionPolicy
+    from psar.trainkit.precision import PrecisionPolicy
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """The training configuration: one tree of dataclasses, validated in __post_init__.
 
-`psar train`'s flags are generated from this tree (worker/cli_gen.py): each field is a
+`psar train`'s flags are generated from this tree (trainkit/cli_gen.py): each field is a
 flag, its docstring is the flag's help, and a TOML file given with --config fills the
 same fields (flags win). Sections [optimizer], [loss_scale], [ps], [ddp] in the file
 map to the nested dataclasses.
@@ -23,8 +23,8 @@ from psar.trainkit.choices import (
 )
 from psar.trainkit.connection import ConnectionConfig
 from psar.trainkit.optim import LossScaleConfig, OptimizerConfig
+from psar.trainkit.precision import check_weights_dtype
 from psar.trainkit.staleness_rules import rule_of
-from psar.worker.precision import check_weights_dtype
 
 ARCHS = ("ps", "allreduce")
 
@@ -319,7 +319,7 @@ class TrainConfig:
                     "--metrics-linger-s"),
         "benchmarks and tests": ("--slowdown", "--emulate-compute-ms", "--inject-overflow-step"),
     }  # fmt: skip
-    """`psar train --help`'s sections (worker/cli_gen.py; tests/test_cli.py: every flag in one)."""
+    """`psar train --help`'s sections (trainkit/cli_gen.py; tests/test_cli.py: every flag in one)."""
 
     arch: str = "ps"
     """Architecture: ps (parameter server) | allreduce (DDP under torchrun)."""
