@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from psar.worker.own_loop import prepare
+from psar import prepare
 
 
 class Net(torch.nn.Module):

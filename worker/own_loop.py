@@ -1,7 +1,7 @@
 """Your own training loop on psar: one call, `prepare(model, optimizer)`, and the loop runs
 under `--arch ps` or `--arch allreduce` unchanged (docs/own-loop.md).
 
-    from psar.worker.own_loop import prepare
+    from psar import prepare
 
     run = prepare(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), seed=0)
     sampler = DistributedSampler(data, num_replicas=run.world_size, rank=run.rank,
