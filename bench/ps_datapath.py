@@ -16,7 +16,7 @@ ratio_to_tcp = gbps / tcp_gbps, tcp_gbps being one-way raw TCP for the same payl
 (median of those transfers). The JSON document's `results` holds one object per (size,
 shards, transport): payload_mib, shards, transport, gbps, ratio_to_tcp, push/pull/TCP
 GB/s, cycle times and the settings. The shard's own update is measured by
-bench/shard_update.py, the CPU each byte costs by bench/cpu_rate.py.
+bench/shard_update.py, the CPU each byte costs by bench/experiments/cpu_rate.py.
 
     python -m bench.ps_datapath                       # 16,64,256 MiB x 1,2,4 shards
     python -m bench.ps_datapath --json --repeats 7

@@ -6,7 +6,7 @@
 # to $OUT (the device tool's folder) or runs/gpu; put the tables into docs/results.md
 # ("GPU") with date, device and torch, and the headline into bench/README.md.
 #
-#   bash bench/gpu_session.sh            # from the repository root
+#   bash bench/gpu/session.sh            # from the repository root
 set -u
 out=${OUT:-runs/gpu}
 mkdir -p "$out"
