@@ -23,6 +23,17 @@ ring's bandwidth term. The plan also models the 2 cores every emulated host shar
 and each worker's own CPU per step on them (`--worker-cpu-ms`, measured on one worker of
 the grid's workload: a sync step's compute phase lasts at least N*W/C). Goals: the plan's winner is the measured winner in every cell, each
 predicted step within +-20% of the measured one.
+
+Choices behind the defaults (measured; docs/results.md, 2026-12-02): the model is an MLP of
+80 MB of fp32 gradient, because the regime the grid is about is communication-bound (with
+the reference MLP, 7.45 MB, 30 ms of compute and fixed costs weigh as much as the link and
+the ideal PS is 1.25x the ring, not 1.5x); PS slots of 0.5 MiB (the plan assumes every shard
+holds P/S, and an early pull's tail is one slot per shard: 0.25 MiB measured within noise,
+1 MiB slower); TCP cubic in every host (this machine's bbr left some of 16 flows through
+tbf's queues 30% behind, and a sync round waits for the slowest; `--congestion system`
+keeps the host's). A winner is right when it is the measured one, or when the plan calls a
+tie (margin under 5%) and the measured margin is under 5% too (`strict_winner_right`: the
+bare comparison).
 """
 
 from __future__ import annotations
