@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
                    "cubic, Linux's default; 'system': what this machine's namespace has)")  # fmt: skip
     p.add_argument("--plan-cpu", action=argparse.BooleanOptionalAction, default=True,
                    help="--grid: the plan also models the 2 cores every emulated host shares "
-                   "(bench/cpu_rate.py measures each design's bytes per CPU-second first; "
+                   "(bench/experiments/cpu_rate.py measures each design's bytes per CPU-second first; "
                    "default), or the links alone")  # fmt: skip
     p.add_argument("--early-pull", action=argparse.BooleanOptionalAction, default=True,
                    help="--grid: ps-sync with --chunk-rounds shards and --early-pull workers "

@@ -10,13 +10,20 @@ plane (ps/server/doors/dataplane.py; one DataPlaneClient per shard, port from Ge
 parallel). Right before every cycle the same script times one raw loopback TCP transfer
 of the same payload (bench/baselines/tcp.py), so the ratio compares like with like on a
 noisy machine; by default it first waits (bounded) for the CPUs to be quiet.
+The wait (`--settle-s`, 20 s each time, `--settle-budget-s` 600 s in all) lasts until
+both CPUs are >= 80% idle over 0.25 s; `settle_wait_s` in the JSON says how long a row
+waited. Without it, 64 MiB runs minutes apart ranged 0.1-1.2 GB/s; with it, repeats agree
+within ~20%. Raw loopback TCP on this VM flips between ~3.5 and ~5.5 GB/s from one minute
+to the next, which the per-cycle TCP transfer follows. The slot chunk (4 MiB, what
+workers use) and gRPC's 1 MiB messages were chosen by measurement (64 MiB chunks no
+faster; 4 MiB messages slower; docs/results.md, 2026-11-29).
 
 GB/s = (push bytes + pull bytes) / median push+pull cycle time, 1e9 bytes per GB.
 ratio_to_tcp = gbps / tcp_gbps, tcp_gbps being one-way raw TCP for the same payload
 (median of those transfers). The JSON document's `results` holds one object per (size,
 shards, transport): payload_mib, shards, transport, gbps, ratio_to_tcp, push/pull/TCP
 GB/s, cycle times and the settings. The shard's own update is measured by
-bench/shard_update.py, the CPU each byte costs by bench/cpu_rate.py.
+bench/shard_update.py, the CPU each byte costs by bench/experiments/cpu_rate.py.
 
     python -m bench.ps_datapath                       # 16,64,256 MiB x 1,2,4 shards
     python -m bench.ps_datapath --json --repeats 7

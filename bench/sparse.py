@@ -14,6 +14,9 @@ the wire, samples/s (all workers), touched rows, and memory of the model per wor
   allreduced every step (fp32); skipped above --dense-max-rows.
 TorchRec's row-wise sharding would be the next baseline; it is used only where it imports
 (`torchrec_available` in the output says whether it did here; it is not run yet).
+On this machine it does not: `torchrec` 1.9.2 pulls the CUDA build of `fbgemm-gpu`, and
+`fbgemm-gpu-cpu` 1.9.0 fails to load against torch 2.13.0+cpu (an undefined symbol in
+`fbgemm_gpu_tbe_index_select.so`).
 
 Rates are total samples over the window in which every worker trains, after each one's
 first steps (bench/lib/common.py steady_rate; `--run-dir` step logs). Goals (issue #19): at

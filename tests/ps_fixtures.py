@@ -232,7 +232,7 @@ def reference_weights(
 
 def applied_optimizer(job: Job) -> OptimizerConfig:
     """The optimizer an async/ssp shard applies: the momentum rule for asynchrony
-    (docs/architectures.md): momentum (AdamW: beta1) minus 1 - 1/N, floored at 0, where
+    (docs/staleness-rule.md): momentum (AdamW: beta1) minus 1 - 1/N, floored at 0, where
     N > 1 workers push alone; written out here, not taken from the shard's code."""
     cfg = job.optimizer
     if job.mode not in APPLIED_ALONE or not job.momentum_correction or job.num_workers < 2:

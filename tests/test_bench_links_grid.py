@@ -203,7 +203,7 @@ def test_the_plan_models_the_shared_cores_with_the_measured_rates() -> None:
 
 @pytest.mark.slow
 def test_a_workers_own_cpu_per_step_is_measured(tmp_path: Path) -> None:
-    from bench import cpu_rate
+    from bench.experiments import cpu_rate
 
     steps = (5, 35)  # 30 steps of difference: start-up's noise spread thin
     small = g.train_args(1, 0.0, hidden=2048, batch=4)
@@ -215,7 +215,7 @@ def test_a_workers_own_cpu_per_step_is_measured(tmp_path: Path) -> None:
 
 
 def test_cpu_rate_cli_says_what_is_missing() -> None:
-    p = subprocess.run([sys.executable, "-m", "bench.cpu_rate", "--no-rates"], cwd=ROOT,
+    p = subprocess.run([sys.executable, "-m", "bench.experiments.cpu_rate", "--no-rates"], cwd=ROOT,
                        capture_output=True, text=True, timeout=120)  # fmt: skip
     assert p.returncode == 2 and "give --worker-train FLAGS too" in p.stderr
 
@@ -223,14 +223,14 @@ def test_cpu_rate_cli_says_what_is_missing() -> None:
 @pytest.mark.slow
 def test_cpu_rate_cli_measures_a_users_workload() -> None:
     flags = "--workload mlp --batch-size 32 --torch-threads 1 --log-every 0 --eval-batches 0"
-    p = subprocess.run([sys.executable, "-m", "bench.cpu_rate", "--no-rates", "--worker-train",
+    p = subprocess.run([sys.executable, "-m", "bench.experiments.cpu_rate", "--no-rates", "--worker-train",
                         flags], cwd=ROOT, capture_output=True, text=True, timeout=600)  # fmt: skip
     assert p.returncode == 0, p.stderr[-3000:]
     doc = json.loads(p.stdout)
     # A light step: the longer run was stretched until its CPU stood out of start-up's.
     assert 0 < doc["worker_cpu_seconds_per_step"] < 0.05
     assert doc["worker_cpu_ms_flag"].startswith("--worker-cpu-ms ")
-    bad = subprocess.run([sys.executable, "-m", "bench.cpu_rate", "--no-rates", "--worker-train",
+    bad = subprocess.run([sys.executable, "-m", "bench.experiments.cpu_rate", "--no-rates", "--worker-train",
                           "--workload nope"], cwd=ROOT, capture_output=True, text=True,
                          timeout=600)  # fmt: skip
     assert bad.returncode == 1 and "--worker-train: psar train failed" in bad.stderr
@@ -238,7 +238,7 @@ def test_cpu_rate_cli_measures_a_users_workload() -> None:
 
 @pytest.mark.slow
 def test_cpu_rates_are_measured_on_two_hosts() -> None:
-    p = subprocess.run([sys.executable, "-m", "bench.cpu_rate"], cwd=ROOT, capture_output=True,
+    p = subprocess.run([sys.executable, "-m", "bench.experiments.cpu_rate"], cwd=ROOT, capture_output=True,
                        text=True, timeout=600)  # fmt: skip
     if p.returncode != 0 and "namespace" in p.stderr + p.stdout:
         pytest.skip(p.stderr.strip()[-300:])

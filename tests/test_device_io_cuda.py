@@ -1,6 +1,6 @@
 """trainkit/device_io.py and the PS client's staging on a real CUDA device.
 
-Skipped without CUDA (CI has none); bench/gpu_session.sh runs it on a GPU machine. The
+Skipped without CUDA (CI has none); bench/gpu/session.sh runs it on a GPU machine. The
 same logic runs on a CPU in tests/test_device_io.py.
 """
 

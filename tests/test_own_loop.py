@@ -131,7 +131,7 @@ def test_fp16_with_accumulation(tmp_path: Path) -> None:
         train = run_ps_workers(addrs, 2, tmp_path, [*TRAIN_ARGS, *flags, "--grad-accum", "2"])
     for rank in (0, 1):
         # The documented tolerance between architectures in low precision
-        # (docs/architectures.md); the same architecture's own loop: exactly as fp32.
+        # (docs/architecture.md); the same architecture's own loop: exactly as fp32.
         assert _rel(ps[rank], ddp[rank]) <= 5e-3, (rank, ps[rank], ddp[rank])
         assert _rel(ps[rank], train[rank]["losses"]) <= 1e-5, (rank, train[rank]["losses"])
         assert ps["scales"][rank] == ddp["scales"][rank] == [1024.0] * STEPS

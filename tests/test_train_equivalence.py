@@ -102,7 +102,7 @@ def test_low_precision_curves_agree_and_overflow_skips_same_step(tmp_path, preci
     for path in tmp_path.glob("steps-*.jsonl"):
         rows = [json.loads(line) for line in path.read_text().splitlines()]
         assert [r["step"] for r in rows if r["skipped"]] == [4], path.name
-    # The documented tolerance between architectures in low precision (docs/architectures.md).
+    # The documented tolerance between architectures in low precision (docs/architecture.md).
     assert _rel(ps[0]["losses"], ddp["losses"]) <= 5e-3
     if precision == "fp16":
         # GradScaler semantics on both sides: the scale halved once.

@@ -37,7 +37,7 @@ def test_awkward_user_model_trains_under_both(tmp_path) -> None:
     assert a.keys() == b.keys()
     assert "norm.running_mean" in a and a["steps"].dtype == torch.long
     # Weights and float buffers alike: the shards keep rank 0's buffers, as DDP broadcasts
-    # them, and step no parameter that no worker used (docs/architectures.md).
+    # them, and step no parameter that no worker used (docs/architecture.md).
     for k in ("hidden.weight", "tied.weight", "unused.weight", "norm.running_mean"):
         torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-7)
 

@@ -113,7 +113,7 @@ class PSConfig(ConnectionConfig):
     carries it to every shard with Init, the other workers follow what the shards serve
     (no shard flag has to agree). Default (auto): on where some shard is on another host
     and the data plane may be used, off on one host, where it only costs CPU
-    (docs/architectures.md, "Early pulls"). --early-pull / --no-early-pull force it."""
+    (docs/architecture.md, "Early pulls"). --early-pull / --no-early-pull force it."""
     overlap_trial: int = 30
     """--overlap: after 5 warm-up steps, this many steps try push+pull overlap (if
     --pull-overlap), push only, and neither, in blocks of consecutive steps, twice over;

@@ -223,7 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_PS_CPU_RATE / 1e9,
         type=_flag_type(_positive_number, "ps-cpu-gbps"),
         help="GB/s one core moves through psar's PS data path, each end counting "
-        f"(python -m bench.cpu_rate; default {DEFAULT_PS_CPU_RATE / 1e9:g}, measured on a "
+        f"(python -m bench.experiments.cpu_rate; default {DEFAULT_PS_CPU_RATE / 1e9:g}, measured on a "
         "2-core AMD EPYC VM)",
     )
     p.add_argument(
@@ -239,7 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=_milliseconds,
         metavar="W",
         help="with --cpu-shared: CPU ms a worker spends per step besides moving bytes "
-        "(forward, backward, optimizer; `python -m bench.cpu_rate --no-rates --worker-train "
+        "(forward, backward, optimizer; `python -m bench.experiments.cpu_rate --no-rates --worker-train "
         "FLAGS` measures it on one worker of your workload): a step's compute phase lasts at "
         "least N*W/C (default 0: not counted)",
     )

@@ -20,7 +20,7 @@ FP32 = 4
 
 #: Bytes one core moves per second through each design's data path, each end counting
 #: (a push of M is M out of a worker and M into a shard), kernel networking included:
-#: `python -m bench.cpu_rate` on two hosts of an emulated LAN, this project's 2-core
+#: `python -m bench.experiments.cpu_rate` on two hosts of an emulated LAN, this project's 2-core
 #: x86-64 machine (AMD EPYC), 2026-12-02: psar's PS 2.06-2.44e9, gloo 2.75-2.90e9.
 DEFAULT_PS_CPU_RATE = 2.2e9
 DEFAULT_RING_CPU_RATE = 2.8e9
@@ -69,9 +69,9 @@ class PlanInputs:
     """Every host's processes run on the same cpu_cores: one machine emulating the
     cluster (bench/links.py's namespaces), or a whole job on one host."""
     ps_cpu_bytes_per_second: float = DEFAULT_PS_CPU_RATE
-    """Bytes one core moves per second through psar's PS data path (bench/cpu_rate.py)."""
+    """Bytes one core moves per second through psar's PS data path (bench/experiments/cpu_rate.py)."""
     allreduce_cpu_bytes_per_second: float = DEFAULT_RING_CPU_RATE
-    """Bytes one core moves per second through gloo's ring allreduce (bench/cpu_rate.py)."""
+    """Bytes one core moves per second through gloo's ring allreduce (bench/experiments/cpu_rate.py)."""
     worker_cpu_seconds: float = 0.0
     """W: CPU a worker process spends per step besides moving bytes (its forward and
     backward, its optimizer or the install of pulled weights). Only with cpu_shared, where

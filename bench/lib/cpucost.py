@@ -1,5 +1,5 @@
 """What moving bytes and training a step cost in CPU on this machine: the measurements
-behind `python -m bench.cpu_rate` (bench/cpu_rate.py says what each one is), used by the
+behind `python -m bench.experiments.cpu_rate` (bench/experiments/cpu_rate.py says what each one is), used by the
 crossover grid (bench/lib/grid.py) to model the cores its emulated hosts share."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Driving shards directly, as the data-path benchmarks do: push + pull cycles through a
-worker's client (`run_config`, bench/ps_datapath.py and bench/cpu_rate.py), and waiting
+worker's client (`run_config`, bench/ps_datapath.py and bench/experiments/cpu_rate.py), and waiting
 for a quiet machine before a timed transfer (`Settler`)."""
 
 from __future__ import annotations

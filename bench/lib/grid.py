@@ -19,10 +19,21 @@ stays under C. A rate is total samples over the window in which every worker tra
 predicts each cell: `step_seconds_no_overlap` (C + comm; nothing overlaps the padded
 compute), the winner, and the BytePS bound 2n(n-1)M/((n^2+kn-2k)B) with its gain over the
 ring's bandwidth term. The plan also models the 2 cores every emulated host shares
-(`--cpu-cores --cpu-shared`, rates of bench/cpu_rate.py measured once before the cells),
+(`--cpu-cores --cpu-shared`, rates of bench/experiments/cpu_rate.py measured once before the cells),
 and each worker's own CPU per step on them (`--worker-cpu-ms`, measured on one worker of
 the grid's workload: a sync step's compute phase lasts at least N*W/C). Goals: the plan's winner is the measured winner in every cell, each
 predicted step within +-20% of the measured one.
+
+Choices behind the defaults (measured; docs/results.md, 2026-12-02): the model is an MLP of
+80 MB of fp32 gradient, because the regime the grid is about is communication-bound (with
+the reference MLP, 7.45 MB, 30 ms of compute and fixed costs weigh as much as the link and
+the ideal PS is 1.25x the ring, not 1.5x); PS slots of 0.5 MiB (the plan assumes every shard
+holds P/S, and an early pull's tail is one slot per shard: 0.25 MiB measured within noise,
+1 MiB slower); TCP cubic in every host (this machine's bbr left some of 16 flows through
+tbf's queues 30% behind, and a sync round waits for the slowest; `--congestion system`
+keeps the host's). A winner is right when it is the measured one, or when the plan calls a
+tie (margin under 5%) and the measured margin is under 5% too (`strict_winner_right`: the
+bare comparison).
 """
 
 from __future__ import annotations
@@ -119,7 +130,7 @@ def plan_cell(n: int, s: int, k: int, mbit: float, latency_us: float, compute_ms
 
 
 def cpu_flags(cpu: dict | None) -> list[str]:
-    """`psar plan` flags of the CPU every emulated host shares (bench/cpu_rate.py's rates)."""
+    """`psar plan` flags of the CPU every emulated host shares (bench/experiments/cpu_rate.py's rates)."""
     if not cpu:
         return []
     return ["--cpu-cores", f"{cpu['cores']:g}", "--cpu-shared",
@@ -362,7 +373,7 @@ def table(doc: dict[str, Any]) -> str:
                   for x in doc["links"] if x.get("cpu")})  # fmt: skip
     cpu_text = (
         " The plan also models the CPU every host shares (`--cpu-cores C --cpu-shared "
-        "--worker-cpu-ms W`; measured by bench/cpu_rate.py: "
+        "--worker-cpu-ms W`; measured by bench/experiments/cpu_rate.py: "
         + "; ".join(f"ps {p:.2f}, ring {r:.2f} GB/s per core, {k:g} cores, at {m / 1e3:g} "
                     f"Gbit/s" + (f", W = {w:.0f} ms of CPU per worker per step" if w else "")
                     for m, p, r, k, w in cpu) + ")."

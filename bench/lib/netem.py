@@ -1,6 +1,6 @@
 """Emulated hosts for the benchmarks: network namespaces on a bridge (tests/netns.py)
 whose NICs tc shapes both ways, and what a link between two of them carries (raw TCP
-goodput and round trip). bench/links.py, bench/lib/grid.py, bench/cpu_rate.py and
+goodput and round trip). bench/links.py, bench/lib/grid.py, bench/experiments/cpu_rate.py and
 bench/experiments/local_sgd.py run their jobs on them."""
 
 from __future__ import annotations

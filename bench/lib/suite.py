@@ -6,7 +6,7 @@ so one failing benchmark is reported and the rest still run. RUN/summary.md hold
 machine, the goals (met or not, with the numbers) and every table; RUN/NAME/ holds each
 benchmark's JSON, markdown, plots and per-job logs. `--record` puts the summary into
 docs/results.md as its newest dated entry. The GPU benchmark runs apart, on a CUDA
-machine: `bash bench/gpu_session.sh`.
+machine: `bash bench/gpu/session.sh`.
 
     python -m bench --quick          # CI-sized
     python -m bench                  # the full set

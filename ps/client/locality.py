@@ -2,7 +2,7 @@
 
 An early pull sends a round's slots back while the worker's push still streams, so the
 link carries both directions at once; on one host there is no link to share, and the
-extra wake-ups and copies cost CPU the workers need (docs/results.md, "Early pulls"). A
+extra wake-ups and copies cost CPU the workers need (docs/results.md, 2026-12-01: early pulls). A
 host is this one when its address is a loopback address or one this machine can bind.
 """
 

@@ -1,4 +1,4 @@
-"""Overlapping a PS worker's communication with its compute (docs/architectures.md).
+"""Overlapping a PS worker's communication with its compute (docs/architecture.md).
 
 Push during backward (`PushBuckets`): like DDP's reducer, a hook on every parameter
 notes when its gradient is ready; parameters are grouped, in the order autograd

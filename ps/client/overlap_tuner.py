@@ -3,7 +3,7 @@
 Pushing during backward and pulling in forward order run communication on other
 threads at the same time as compute. That wins where a core is idle and loses where none
 is: the communicating threads then take their core from forward and backward (measured
-in docs/architectures.md: 1 worker + 1 shard on 2 cores, 18.6 ms/step with both, 20.5-21.0
+in docs/architecture.md: 1 worker + 1 shard on 2 cores, 18.6 ms/step with both, 20.5-21.0
 with neither; 2 workers + 1 shard, 24-25 with both, 22.8-23.5 with neither). A worker
 cannot know what else shares its cores, so it measures: after `warmup` steps, `trial`
 steps try the arms (push and pull overlapped; push only; neither), every worker on the

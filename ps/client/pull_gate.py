@@ -1,4 +1,4 @@
-"""Pulling in forward order (docs/architectures.md).
+"""Pulling in forward order (docs/architecture.md).
 
 Pull in forward order (`PullGate`): pulled pieces land straight in the parameters (CPU)
 while the next step's forward runs; forward waits until exactly the slots it reads have

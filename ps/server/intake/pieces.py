@@ -45,7 +45,7 @@ class PushTicket:
     absent: frozenset[str] = frozenset()
     """Slots the worker had no gradient for (its header's, then its verdict's list):
     their data counts as zeros, and a slot absent from every push of a round is not
-    stepped (DDP's find_unused_parameters semantics, docs/architectures.md)."""
+    stepped (DDP's find_unused_parameters semantics, docs/architecture.md)."""
     paced_s: float = 0.0
     """Seconds the shard held this push back to keep it in step (ps/server/intake/pacing.py)."""
     options: StepOptions | None = None

@@ -1,6 +1,6 @@
 """Per-chunk rounds (sync mode, `psar server --chunk-rounds`): a shard applies the
 optimizer to a slot as soon as every worker of the round has pushed that slot, while
-later slots are still arriving (issue #10; docs/architectures.md).
+later slots are still arriving (issue #10; docs/architecture.md).
 
 Why it is speculative: whether a round is skipped (any worker's overflow) is known only
 when every worker's push has ended — a worker learns its gradient is finite after its
@@ -207,7 +207,7 @@ class ChunkedSyncPolicy(SyncPolicy):
         sources: list | None = [p.grads for p in pushes]
         # A slot some push had no gradient for was applied early from bytes the verdict
         # then declared zeros (the shard zeroed them since): redo it from the zeros; a
-        # slot no push used is only restored, never stepped (docs/architectures.md).
+        # slot no push used is only restored, never stepped (docs/architecture.md).
         absent = frozenset().union(*(p.absent for p in pushes))
         unused = unused_by_all(pushes)
         buffers = view.buffer_values(sources)

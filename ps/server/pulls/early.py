@@ -1,5 +1,5 @@
 """Early pulls: a worker's pull that streams while its own push is still arriving (sync,
-`psar server --chunk-rounds`, the TCP data plane; docs/architectures.md, "Early pulls").
+`psar server --chunk-rounds`, the TCP data plane; docs/architecture.md, "Early pulls").
 
 Why: with per-chunk rounds a shard applies each slot as soon as every worker has pushed
 it (ps/server/modes/sync_chunks.py). An ordinary pull still waits for the whole round, so a

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.lib import common as c
 from bench.lib.cpucost import CYCLES, PAYLOAD_MIB, measure, worker_cpu_seconds
@@ -44,13 +44,13 @@ __all__ = ["CYCLES", "PAYLOAD_MIB", "measure", "worker_cpu_seconds"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """python -m bench.cpu_rate [--worker-train FLAGS] [--no-rates]: JSON on stdout."""
+    """python -m bench.experiments.cpu_rate [--worker-train FLAGS] [--no-rates]: JSON on stdout."""
     import argparse
     import shlex
     import tempfile
 
     p = argparse.ArgumentParser(
-        prog="python -m bench.cpu_rate",
+        prog="python -m bench.experiments.cpu_rate",
         description="The figures `psar plan --cpu-cores` needs from this machine: bytes per "
         "CPU-second of psar's PS data path and of gloo's ring (--ps-cpu-gbps, "
         "--allreduce-cpu-gbps: two hosts of an emulated LAN, needs root for network "

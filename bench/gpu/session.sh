@@ -3,10 +3,11 @@
 # 7 minutes; each step has its own timeout): the CUDA side of trainkit/device_io.py,
 # bench/gpu/check.py, bench/gpu/scale.py and the shard update benchmark on the machine's
 # cores. The processes they start run under worker/supervisor.py. Results go
-# to $OUT (the device tool's folder) or runs/gpu; put the tables into docs/results.md
-# ("GPU") with date, device and torch, and the headline into bench/README.md.
+# to $OUT (the device tool's folder) or runs/gpu; put a row (and the table) under the
+# day's date in docs/results.md with the device and torch, and the headline into
+# bench/README.md ("GPU").
 #
-#   bash bench/gpu_session.sh            # from the repository root
+#   bash bench/gpu/session.sh            # from the repository root
 set -u
 out=${OUT:-runs/gpu}
 mkdir -p "$out"
