@@ -157,7 +157,7 @@ def test_unknown_config_key_is_refused(tmp_path, capsys) -> None:
     f.write_text("stpes = 3\n")
     with pytest.raises(SystemExit):
         cli.main(["train", "--dry-run", "--config", str(f), "--servers", "h:1"])
-    assert "unknown key(s) ['stpes']" in capsys.readouterr().err
+    assert "unknown key stpes; did you mean steps?" in capsys.readouterr().err
 
 
 def test_console_script_help_lists_subcommands() -> None:

@@ -21,10 +21,9 @@ from psar.trainkit.choices import (
     chunk_rounds,
     local_sgd,
 )
+from psar.trainkit.cli_gen import everyday
 from psar.trainkit.connection import ConnectionConfig
-from psar.trainkit.optim import LossScaleConfig, OptimizerConfig
-from psar.trainkit.precision import check_weights_dtype
-from psar.trainkit.staleness_rules import rule_of
+from psar.trainkit.optim_config import LossScaleConfig, OptimizerConfig
 
 ARCHS = ("ps", "allreduce")
 
@@ -38,13 +37,13 @@ class PSConfig(ConnectionConfig):
     psar.trainkit.connection.ConnectionConfig, which the worker's ClientConfig inherits too:
     declared once, so the two cannot drift apart (ps/client/client_config.py)."""
 
-    servers: str = ""
+    servers: str = everyday("")
     """Comma-separated HOST:PORT of every shard, in shard order (or env PSAR_SERVERS)."""
-    rank: int = -1
+    rank: int = everyday(-1)
     """This worker's rank, 0..world_size-1 (default: env RANK, else 0)."""
-    world_size: int = 0
+    world_size: int = everyday(0)
     """Number of workers (default: env WORLD_SIZE, else 1)."""
-    mode: str = DEFAULT_MODE
+    mode: str = everyday(DEFAULT_MODE)
     """Consistency mode: sync | async | ssp | local (local SGD / DiLoCo: --sync-every;
     local also applies to --arch allreduce)."""
     max_workers: int = 0
@@ -58,7 +57,7 @@ class PSConfig(ConnectionConfig):
     a free rank (unless --rank names one), and it enters at the next round boundary on
     every shard. The job's size, length and schedule come from the shards; pass the
     job's other flags as its first workers got them."""
-    staleness: int = 1
+    staleness: int = everyday(1)
     """ssp: no worker runs more than this many clocks ahead of the slowest live worker."""
     staleness_rule: str = "adaptive"
     """async/ssp: how the shards apply a gradient computed on weights that moved since:
@@ -156,6 +155,10 @@ class PSConfig(ConnectionConfig):
             raise ValueError(
                 f"--buffers average needs --mode sync (a round to average over), not {self.mode}"
             )
+        # Here, not at the top: the rules need torch, and `psar ... --help` builds its
+        # flags from this tree without it.
+        from psar.trainkit.staleness_rules import rule_of
+
         # The fixed rule's flags select it; --no-momentum-correction alone selects none.
         self.staleness_rule = rule_of(self)
         if not 0.0 < self.staleness_lr_power <= 4.0:
@@ -249,7 +252,7 @@ class LocalConfig:
     now) are averaged over the workers and the outer optimizer applies the average to the
     shared weights (on the shards for ps, on every rank for allreduce)."""
 
-    sync_every: int = 0
+    sync_every: int = everyday(0)
     """--mode local: inner steps between synchronisations (H; required there, refused
     with any other mode)."""
     outer_optimizer: str = "nesterov"
@@ -321,25 +324,26 @@ class TrainConfig:
     }  # fmt: skip
     """`psar train --help`'s sections (trainkit/cli_gen.py; tests/test_cli.py: every flag in one)."""
 
-    arch: str = "ps"
+    arch: str = everyday("ps")
     """Architecture: ps (parameter server) | allreduce (DDP under torchrun)."""
-    workload: str = "mlp"
-    """Built-in workload (mlp, lm) or your own factory as package.module:function."""
-    workload_option: list[str] = field(default_factory=list)
+    workload: str = everyday("mlp")
+    """Built-in workload (mlp, lm, recsys; docs/workloads.md) or your own factory as
+    package.module:function."""
+    workload_option: list[str] = everyday(default_factory=list)
     """key=value passed to the workload factory (repeatable)."""
-    steps: int = 100
+    steps: int = everyday(100)
     """Optimizer steps to run (ignored when --epochs is given)."""
-    epochs: float = 0.0
+    epochs: float = everyday(0.0)
     """Run this many passes over the training data instead of --steps."""
-    batch_size: int = 32
+    batch_size: int = everyday(32)
     """Per-worker micro-batch size."""
     grad_accum: int = 1
     """Accumulate gradients over K micro-batches per step (one push / one allreduce per step)."""
-    seed: int = 0
+    seed: int = everyday(0)
     """Seed for the model's initial weights and the data order (same in both architectures);
     once the model is built, each process's torch/random/numpy generators are seeded from
     it and the rank, so dropout draws are the same run after run and under either --arch."""
-    precision: str = "auto"
+    precision: str = everyday("auto")
     """Compute precision: auto (fp16 on CUDA, bf16 on CPU) | fp32 | fp16 | bf16."""
     wire_dtype: str = "auto"
     """dtype of gradients on the wire: auto (as --precision) | fp32 | fp16 | bf16."""
@@ -349,20 +353,20 @@ class TrainConfig:
     the compute dtype on CUDA when --precision is fp16 or bf16, else fp32. A low-precision
     choice must match a low-precision --precision (fp16 weights under bf16 compute would
     mix dtypes in norms and losses)."""
-    device: str = "auto"
+    device: str = everyday("auto")
     """auto (cuda:LOCAL_RANK if CUDA is present, else cpu) | cpu | cuda."""
     threads: int = 0
     """torch compute threads of this process (--torch-threads, as in psar server; 0:
     torch's default)."""
-    save: str = ""
+    save: str = everyday("")
     """Write the final weights (a state_dict) here (rank 0)."""
-    report: str = ""
+    report: str = everyday("")
     """Write the summary JSON here; '{rank}' in the path is replaced by the worker's rank."""
-    run_dir: str = ""
+    run_dir: str = everyday("")
     """Write a per-step JSONL log of this process into this folder."""
     eval_batches: int = 20
     """Validation batches evaluated at the end (0: skip validation)."""
-    log_every: int = 10
+    log_every: int = everyday(10)
     """Rank 0 prints progress every this many steps (0: never)."""
     metrics_port: int = 0
     """Serve Prometheus /metrics on this port (+ LOCAL_RANK under torchrun; 0: off)."""
@@ -451,6 +455,8 @@ class TrainConfig:
                 "--max-workers and --join are for --arch ps (allreduce jobs change size "
                 "under torchrun --nnodes MIN:MAX, restarting from --checkpoint-dir)"
             )
+        from psar.trainkit.precision import check_weights_dtype  # torch: see PSConfig
+
         check_weights_dtype(self.worker_weights, self.precision)
         for opt in self.workload_option:
             if "=" not in opt:

@@ -168,7 +168,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv and argv[0] in ("plan", "report", "launch", "compare"):
         return _delegated(argv[0])(argv[1:])
     words = [a for a in argv if not a.startswith("-")]
-    parser = build_parser(words[0] if words and words[0] in ("train", "server") else None)
+    # Only the chosen subcommand's flags are built ("": none, for `psar --help`), so no
+    # --help loads torch or the other side's config.
+    parser = build_parser(words[0] if words and words[0] in ("train", "server") else "")
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,

@@ -6,7 +6,14 @@ from __future__ import annotations
 import argparse
 
 from psar.trainkit import cli_gen
+from psar.trainkit.cli_strict import StrictParser
 from psar.trainkit.config import TrainConfig
+
+CONFIG_HELP = (
+    "TOML file of settings, one [section] per part of the config tree as --help-all "
+    "groups them: top-level keys, then [optimizer], [ps], [ddp], [local], [loss_scale] "
+    "(e.g. steps = 200, then [optimizer] lr = 0.1); flags on the command line win"
+)
 
 EPILOG_TRAIN = """\
 examples:
@@ -24,14 +31,15 @@ examples:
 def _train_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "train",
-        help="run one worker of a training job",
-        description="Train a workload under a parameter server (--arch ps) or DDP "
-        "(--arch allreduce). Every flag can also be set in a TOML file given with "
-        "--config; flags on the command line win.",
+        help=SUMMARIES["train"],
+        usage="%(prog)s [-h] [--help-all] [--config FILE] [--dry-run] [FLAG ...]",
+        description="Train a workload under a parameter server (--arch ps) or DDP (--arch "
+        "allreduce).\nBelow: the everyday flags; --help-all lists every one. Any setting can "
+        "also come\nfrom a TOML file given with --config.",
         epilog=EPILOG_TRAIN,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--config", metavar="FILE", help="TOML file with the same keys as the flags")
+    p.add_argument("--config", metavar="FILE", help=CONFIG_HELP)
     p.add_argument(
         "--dry-run",
         action="store_true",
@@ -48,11 +56,18 @@ def _server_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "server",
-        help="run one parameter-server shard",
+        help=SUMMARIES["server"],
+        usage="%(prog)s [-h] [--help-all] [--config FILE] [--dry-run] [FLAG ...]",
         description="A parameter-server shard. It is model-agnostic: the worker of rank 0 "
-        "tells it its tensors, optimizer, consistency mode and number of workers.",
+        "tells it its tensors, optimizer, consistency mode and number of workers. Below: "
+        "the everyday flags; --help-all lists every one.",
     )
-    p.add_argument("--config", metavar="FILE", help="TOML file with the same keys as the flags")
+    p.add_argument(
+        "--config",
+        metavar="FILE",
+        help="TOML file of settings, keys as the flags' names with _ for - (e.g. "
+        'bind = "0.0.0.0:50051"); flags on the command line win',
+    )
     p.add_argument("--dry-run", action="store_true", help="validate flags, start nothing")
     cli_gen.add_flags(p, ServerConfig)
     return p
@@ -61,15 +76,21 @@ def _server_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 def train_parser() -> argparse.ArgumentParser:
     """`psar train`'s parser alone (prepare() and psar launch check train flags with it):
     parse the flags without the word `train`."""
-    parser = argparse.ArgumentParser(prog="psar", allow_abbrev=False)
+    parser = StrictParser(prog="psar")
     return _train_parser(parser.add_subparsers(dest="command"))
+
+
+SUMMARIES = {
+    "server": "run one parameter-server shard",
+    "train": "run one worker of a training job",
+}
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The whole `psar` parser; with `command` ("train" or "server") only that
     subcommand's flags are built (the other is a name), so `psar train` never loads the
-    shard's config and `psar server` never the worker's."""
-    parser = argparse.ArgumentParser(
+    shard's config and `psar server` never the worker's; with "" neither (`psar --help`)."""
+    parser = StrictParser(
         prog="psar",
         description="Train the same PyTorch model under a parameter server or ring-allreduce.",
     )
@@ -78,8 +99,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     for name, build in (("server", _server_parser), ("train", _train_parser)):
         if command in (None, name):
             build(sub)
-        else:
-            sub.add_parser(name, add_help=False)
+        else:  # a name only (`psar --help` lists it), which loads nothing
+            sub.add_parser(name, help=SUMMARIES[name], add_help=False)
     sub.add_parser("plan", help="predict per-step communication and memory", add_help=False)
     sub.add_parser("report", help="plots and a markdown table from a --run-dir", add_help=False)
     sub.add_parser("launch", help="start shards and workers on this machine", add_help=False)

@@ -23,9 +23,10 @@ from pathlib import Path
 from typing import Any
 
 from psar.trainkit.choices import DEFAULT_MODE, LOCAL_SGD_MODES, MODES, local_sgd
+from psar.trainkit.cli_strict import StrictParser
 from psar.worker import compare_repeats, report
 from psar.worker.intervals import format_interval
-from psar.worker.launch import LaunchSpec, add_launch_flags, auto_servers, launch
+from psar.worker.launch import LaunchSpec, add_launch_flags, auto_servers, launch, train_flags
 
 RUNS: dict[str, tuple[str, str]] = {
     "allreduce": ("allreduce", DEFAULT_MODE),
@@ -52,17 +53,17 @@ _OWN = ("--arch", "--mode", "--report", "--run-dir", "--metrics-port")
 DEFAULT_MLP_OPTIONS = ("in_dim=256", "hidden=512", "samples=65536")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+def build_parser() -> StrictParser:
+    p = StrictParser(
         prog="psar compare",
-        allow_abbrev=False,
         description=__doc__.split("\n\n", 1)[0],
         epilog="Any other flag is passed to every `psar train`. Exit code: 0 when every run "
         "finished, 1 when one failed (its row says so), 2 on bad flags, 128+N on signal N.",
     )
     add_launch_flags(p, job=False)
     p.add_argument("--steps", type=int, default=1000, help="steps per worker (default: 1000)")
-    p.add_argument("--workload", default="mlp", help="(default: mlp)")
+    p.add_argument("--workload", default="mlp", help="built-in mlp, lm, recsys, or your own "
+                   "factory as package.module:function (default: mlp)")  # fmt: skip
     p.add_argument("--precision", default="fp32", help="(default: fp32)")
     p.add_argument("--batch-size", type=int, default=64, help="per worker (default: 64)")
     p.add_argument("--seed", type=int, default=0, help="(default: 0)")
@@ -304,6 +305,7 @@ def _plots(run_dir: Path, result: dict[str, Any]) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
+    parser.refuse_unknown(extra, train_flags())
     if args.servers == 0:  # --servers auto
         args.servers = auto_servers(args.workers)
     try:

@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 from typing import TextIO
 
 from psar.trainkit.choices import DEFAULT_MODE, MODES, local_sgd
+from psar.trainkit.cli_strict import StrictParser
+from psar.trainkit.config import PSConfig
 from psar.worker.supervisor import Supervisor, free_port
 from psar.worker.torchrun_compat import torchrun_flags, torchrun_options
 
@@ -107,17 +109,17 @@ def add_launch_flags(p: argparse.ArgumentParser, *, job: bool = True) -> None:
                    "one per worker, 1 to 8 (default: 1)")  # fmt: skip
     p.add_argument("--workers", type=_count, default=2, metavar="N",
                    help="number of training processes (default: 2)")  # fmt: skip
-    p.add_argument("--staleness", type=int, default=1 if job else 2,
+    # psar train's own default (the config tree's), so launch, compare and train agree.
+    p.add_argument("--staleness", type=int, default=PSConfig.staleness,
                    help="ssp bound (default: %(default)s)")  # fmt: skip
     p.add_argument("--straggler", action="append", type=_straggler, default=[],
                    metavar="RANK:FACTOR", help="emulate a straggler: that worker gets "
                    "`--slowdown FACTOR` (its compute takes FACTOR times as long); repeatable")  # fmt: skip
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+def build_parser() -> StrictParser:
+    p = StrictParser(
         prog="psar launch",
-        allow_abbrev=False,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description=__doc__.split("\n\n", 1)[1].split(" See docs")[0],
         epilog="Any other flag is passed to every `psar train` (e.g. --workload, --steps, "
@@ -148,11 +150,22 @@ def parse(argv: Sequence[str]) -> LaunchSpec:
         argv, command = argv[: argv.index("--")], argv[argv.index("--") + 1 :]
         if not command:
             build_parser().error("nothing after --: give the command to run per worker")
-    args, rest = build_parser().parse_known_args(argv)
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    parser.refuse_unknown(rest, train_flags())
     args.straggler = dict(args.straggler)
     if args.servers == 0:
         args.servers = auto_servers(args.workers)
     return LaunchSpec(**vars(args), train_args=rest, command=command)
+
+
+def train_flags() -> list[str]:
+    """Every flag `psar train` accepts (launch and compare pass their other flags on to
+    it, so a flag neither knows is a typo, answered in their own usage)."""
+    from psar.trainkit.cli_strict import option_strings
+    from psar.worker import cli_parser
+
+    return option_strings(cli_parser.train_parser())
 
 
 def validate(spec: LaunchSpec) -> None:

@@ -12,6 +12,7 @@ import json
 import sys
 from collections.abc import Callable, Sequence
 
+from psar.trainkit.cli_strict import StrictParser
 from psar.worker.compare_repeats import positive_int
 from psar.worker.plan_command import launch_lines, train_flags
 from psar.worker.plan_model import PlanResult, plan
@@ -103,7 +104,7 @@ def _milliseconds(text: str) -> float:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``psar plan`` argument parser (prog="psar plan")."""
-    p = argparse.ArgumentParser(
+    p = StrictParser(
         prog="psar plan",
         description=(
             "Predict per-step communication, step time and memory of ring allreduce (DDP) "

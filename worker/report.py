@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from psar.trainkit.cli_strict import StrictParser
 from psar.worker.report_intervals import report_compare, write_interval_plot
 
 __all__ = [
@@ -340,7 +341,7 @@ def write_plots(series: list[RankSeries], out_dir: Path) -> list[Path]:
 
 def build_parser() -> argparse.ArgumentParser:
     """Arguments of ``psar report``."""
-    p = argparse.ArgumentParser(
+    p = StrictParser(
         prog="psar report",
         description="Summarize a run directory written by `psar train --run-dir DIR`: "
         "report.md with a table per run, and PNG plots (needs psar[plots]).",

@@ -1,6 +1,7 @@
 """`psar server`'s flags: one dataclass, validated on construction (trainkit/cli_gen.py
-builds the CLI from it). Light on purpose: the `psar` console script loads it in every
-process, workers included, so it imports no part of the shard's machinery."""
+builds the CLI from it; fields made with `everyday` are the ones `psar server --help`
+shows, --help-all the rest). Light on purpose: `psar server --help` loads it, so it
+imports neither torch nor the shard's machinery."""
 
 from __future__ import annotations
 
@@ -9,10 +10,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import ClassVar
 
-from psar.ps import wire
 from psar.ps.grpc_limits import DEFAULT_MAX_MESSAGE_BYTES
-from psar.ps.server.durability import checkpoints
 from psar.ps.server.membership.leases import DEFAULT_JOIN_GRACE_S, DEFAULT_LEASE_S
+from psar.trainkit.cli_gen import everyday
+
+# The values of psar.ps.wire.DEFAULT_MESSAGE_BYTES and checkpoints.DEFAULT_KEEP, written
+# out because both modules import torch and `psar server --help` must not
+# (tests/test_cli_help.py holds them equal).
+DEFAULT_MESSAGE_BYTES = 1 << 20
+DEFAULT_CHECKPOINT_KEEP = 3
 
 #: How many shards share this host (`psar server --torch-threads auto` divides its cores).
 SHARDS_PER_HOST_ENV = "PSAR_SHARDS_PER_HOST"
@@ -40,23 +46,23 @@ class ServerConfig:
     }  # fmt: skip
     """`psar server --help`'s sections (trainkit/cli_gen.py; tests/test_cli.py: every flag in one)."""
 
-    bind: str = "127.0.0.1:50051"
+    bind: str = everyday("127.0.0.1:50051")
     """HOST:PORT to listen on (port 0 picks a free one; 0.0.0.0 listens on every interface)."""
     threads: int = 64
     """gRPC handler threads (--rpc-threads). A pull waiting for its round (sync barrier, SSP) holds none:
     it parks on the server's event loop (ps/server/pulls/parking.py)."""
-    message_bytes: int = wire.DEFAULT_MESSAGE_BYTES
+    message_bytes: int = DEFAULT_MESSAGE_BYTES
     """Bytes of tensor data per streamed message (~1 MiB streams fastest here)."""
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     """Largest single message accepted or sent; bigger ones get RESOURCE_EXHAUSTED."""
-    metrics_port: int = 0
+    metrics_port: int = everyday(0)
     """Serve Prometheus /metrics on this port (0: no metrics endpoint)."""
     metrics_addr: str = "127.0.0.1"
     """Address the /metrics endpoint binds to."""
-    shard: int = -1
+    shard: int = everyday(-1)
     """Shard index for logs and metrics (default: env PSAR_SHARD, a StatefulSet pod
     ordinal, SLURM_PROCID, else 0)."""
-    torch_threads: str = "auto"
+    torch_threads: str = everyday("auto")
     """Threads of the shard's optimizer update: auto | N | 0. auto (the default, issue #36):
     the cores this process may use divided by the shards on this host (env
     PSAR_SHARDS_PER_HOST, which `psar launch` sets; else 1), at least 1. N > 1: a pool of
@@ -69,16 +75,16 @@ class ServerConfig:
     lease_s / 3)."""
     join_grace_s: float = DEFAULT_JOIN_GRACE_S
     """First lease term of a worker at job start and after a restore (slow starts)."""
-    checkpoint_dir: str = ""
+    checkpoint_dir: str = everyday("")
     """Write checkpoints into this folder (off when empty)."""
-    checkpoint_every: int = 0
+    checkpoint_every: int = everyday(0)
     """Checkpoint when the round (sync) or version (async/ssp) is a multiple of this
     (0: 100 in sync mode, or when no --checkpoint-interval is given)."""
     checkpoint_interval: float = 0.0
     """async/ssp: also checkpoint every this many seconds (0: off; sync mode uses rounds)."""
-    checkpoint_keep: int = checkpoints.DEFAULT_KEEP
+    checkpoint_keep: int = DEFAULT_CHECKPOINT_KEEP
     """Keep this many newest checkpoints (>= 2; sync rollbacks need an older one)."""
-    restore: str = ""
+    restore: str = everyday("")
     """Resume from the newest checkpoint in this folder that verifies (starts fresh if it
     holds none of this shard; refuses to start if it holds some but none verifies);
     checkpoints then go on into --checkpoint-dir, or this folder if that is empty."""
@@ -93,13 +99,13 @@ class ServerConfig:
     drain_timeout_s: float = 10.0
     """On SIGTERM, wait up to this long for the sync round in flight before the final
     checkpoint."""
-    tls_cert: str = ""
+    tls_cert: str = everyday("")
     """Serve TLS with this PEM certificate (needs --tls-key)."""
-    tls_key: str = ""
+    tls_key: str = everyday("")
     """PEM private key of --tls-cert."""
-    tls_ca: str = ""
+    tls_ca: str = everyday("")
     """Mutual TLS: only accept clients whose certificate this PEM CA signed."""
-    auth_token_file: str = ""
+    auth_token_file: str = everyday("")
     """Refuse calls without `authorization: Bearer <the token in this file>`."""
     chunk_rounds: bool = False
     """Not needed any more: per-chunk rounds (sync: each slot stepped as soon as every
@@ -126,7 +132,7 @@ class ServerConfig:
     closes as early as it can (TCP alone lets one push run far ahead and the pulls pile up
     at the end: ps/server/intake/pacing.py). 0 turns pacing off; results are the same bits
     either way."""
-    data_port: int = 0
+    data_port: int = everyday(0)
     """TCP port of the data plane (push and pull as plain frames next to gRPC, on the
     --bind host; docs/dataplane.md): 0 picks a free one, -1 turns it off. Workers learn
     it from GetJob. Under TLS it is TLS too (the same --tls-* files and token as gRPC)."""
