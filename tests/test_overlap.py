@@ -309,14 +309,15 @@ def test_a_step_whose_pull_failed_midway_is_skipped_not_pushed() -> None:
 
     from psar.ps.client.backend import PSBackend
     from psar.ps.client.errors import NeedsResync
+    from psar.trainkit.backend import BackendContext
     from psar.trainkit.config import PSConfig, TrainConfig
     from psar.trainkit.precision import resolve
     from tests.ps_fixtures import serving
 
     with serving() as (port, state):
         cfg = TrainConfig(arch="ps", ps=PSConfig(servers=f"127.0.0.1:{port}", rank=0, world_size=1))
-        b = PSBackend(cfg, resolve(torch.device("cpu"), "fp32", "fp32", "fp32"),
-                      rank=0, world_size=1, total_steps=100)  # fmt: skip
+        precision = resolve(torch.device("cpu"), "fp32", "fp32", "fp32")
+        b = PSBackend(BackendContext(cfg, precision, rank=0, world_size=1, total_steps=100))
         torch.manual_seed(0)
         m = b.setup(torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3)))
 

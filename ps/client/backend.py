@@ -43,7 +43,7 @@ from psar.ps.client.psclient import ClientConfig, NeedsResync, PSClient
 from psar.ps.headers import PullHeader
 from psar.ps.job import Job, ModeTraits
 from psar.ps.partition import Slot, bytes_per_shard, check_every_shard_holds_a_slot, plan_slots
-from psar.trainkit.backend import StepOutcome
+from psar.trainkit.backend import BackendContext, Reporting, StepOutcome
 from psar.trainkit.choices import chunk_rounds
 from psar.trainkit.config import TrainConfig
 from psar.trainkit.device_io import DeviceIO, state_to_host, to_host
@@ -57,8 +57,9 @@ log = logging.getLogger("psar.ps")
 
 class PSBackend(OverlapMixin, ResyncMixin, LocalMixin, OwnLoopMixin, ElasticMixin):
     arch = "ps"
-    reports_staleness = True  # async/ssp apply gradients to newer weights (sync: 0)
-    per_rank_reports = True  # each worker is its own process with its own staleness/faults
+    # async/ssp apply gradients to newer weights (sync: 0); each worker is its own
+    # process with its own staleness and faults.
+    reporting = Reporting(staleness=True, per_rank=True)
 
     @classmethod
     def rank_flags(cls, cfg: TrainConfig) -> tuple[int, int]:
@@ -66,49 +67,28 @@ class PSBackend(OverlapMixin, ResyncMixin, LocalMixin, OwnLoopMixin, ElasticMixi
         return cfg.ps.rank, cfg.ps.world_size
 
     @classmethod
-    def from_config(
-        cls,
-        cfg: TrainConfig,
-        precision: PrecisionPolicy,
-        *,
-        rank: int,
-        world_size: int,
-        total_steps: int,
-        metrics: Any,
-        find_unused_parameters: bool,
-    ) -> PSBackend:
+    def from_config(cls, ctx: BackendContext) -> PSBackend:
         """The loop's one way to build a backend (Backend protocol). A PS worker pushes
-        whichever gradients exist, so find_unused_parameters (a DDP need) is unused."""
-        del find_unused_parameters
-        sizes = {"rank": rank, "world_size": world_size, "total_steps": total_steps}
-        return cls(cfg, precision, metrics=metrics, **sizes)
+        whichever gradients exist, so ctx.find_unused_parameters (a DDP need) is unused."""
+        return cls(ctx)
 
-    def __init__(
-        self,
-        cfg: TrainConfig,
-        precision: PrecisionPolicy,
-        *,
-        rank: int,
-        world_size: int,
-        total_steps: int,
-        metrics: Any = None,
-    ) -> None:
+    def __init__(self, ctx: BackendContext) -> None:
+        cfg = ctx.cfg
         if cfg.local_sgd:  # pseudo-gradients go after the H-th backward: nothing to overlap
             cfg = dataclasses.replace(cfg, ps=dataclasses.replace(cfg.ps, overlap=False))
         self.local = None
         """--mode local: the inner optimizer and anchor (ps/client/backend_local.py)."""
+        self.ctx = ctx
         self.cfg = cfg
-        self.precision = precision
         self.mode = cfg.ps.mode
-        self.rank, self.world_size = rank, world_size
-        self.device = precision.device
-        self.total_steps = total_steps
+        self.total_steps = ctx.total_steps
+        metrics = ctx.metrics
         self.metrics: WorkerRecorder = metrics if metrics is not None else NullWorkerRecorder()
         self.addresses = cfg.ps.server_list()
         self.clock = 0
         self.bytes_pushed = 0
         self.bytes_pulled = 0
-        ls = effective_loss_scale(cfg.loss_scale, precision.loss_scaling)
+        ls = effective_loss_scale(cfg.loss_scale, ctx.precision.loss_scaling)
         self._ls_cfg = ls
         # Where the shards own the scale (their traits say) it comes with every pull;
         # elsewhere each worker keeps its own.
@@ -127,11 +107,36 @@ class PSBackend(OverlapMixin, ResyncMixin, LocalMixin, OwnLoopMixin, ElasticMixi
         self.rejoined = False
         self.traits: ModeTraits
         """How the shards' mode behaves (from GetJob, in setup)."""
-        self._init_elastic(cfg, world_size)
+        self._init_elastic(cfg, ctx.world_size)
         self.own: OwnOptimizer | None = None
         """A worker's own loop: the user's optimizer the shards run (backend_own.py)."""
         self._clip_total: float | None = None
         """This step's round squared norm, sent with its pull (clipping in rounds)."""
+
+    # What the worker is lives in ctx; a joiner's rank and size replace it (elastic).
+    @property
+    def rank(self) -> int:
+        return self.ctx.rank
+
+    @rank.setter
+    def rank(self, rank: int) -> None:
+        self.ctx = dataclasses.replace(self.ctx, rank=rank)
+
+    @property
+    def world_size(self) -> int:
+        return self.ctx.world_size
+
+    @world_size.setter
+    def world_size(self, n: int) -> None:
+        self.ctx = dataclasses.replace(self.ctx, world_size=n)
+
+    @property
+    def precision(self) -> PrecisionPolicy:
+        return self.ctx.precision
+
+    @property
+    def device(self) -> torch.device:
+        return self.ctx.device
 
     # ---- setup ----------------------------------------------------------------------
 
@@ -538,22 +543,24 @@ class PSBackend(OverlapMixin, ResyncMixin, LocalMixin, OwnLoopMixin, ElasticMixi
             out[s.param].view(-1)[s.start : s.start + s.numel].copy_(full[s.key])
         return out
 
-    def report_extras(self) -> dict[str, Any]:
-        """For the run's report (Backend protocol): fault figures, the overlap run, and the
-        integer buffers this worker ended with (carried through shard 0's headers)."""
-        extras = {**self.fault_report(), **self.overlap_report(), **self.local_report()}
+    def report(self, *, final: bool = False) -> dict[str, Any]:
+        """The bytes (Backend protocol); `final`: then the shards' figures (rank 0), the
+        fault figures, the overlap run, and the integer buffers this worker ended with
+        (carried through shard 0's headers)."""
+        out: dict[str, Any] = self.comm_bytes()
+        if not final:
+            return out
+        out["shards"] = self.client.stats() if self.rank == 0 else []
+        out.update({**self.fault_report(), **self.overlap_report(), **self.local_report()})
         if self.int_buffers:
-            extras["int_buffers"] = {k: list(v) for k, v in self.int_buffers.values().items()}
-        return extras
+            out["int_buffers"] = {k: list(v) for k, v in self.int_buffers.values().items()}
+        return out
 
-    def shard_stats(self) -> list[dict[str, Any]]:
-        return self.client.stats()
-
-    def abort(self) -> None:
-        self.buckets.abort()  # push streams end without a verdict: the shards refuse them
-        self.client.close()  # in-flight pulls and pushes end (cancelled)
-
-    def finish(self) -> None:
+    def finish(self, *, failed: bool = False) -> None:
+        if failed:
+            self.buckets.abort()  # push streams end without a verdict: the shards refuse them
+            self.client.close()  # in-flight pulls and pushes end (cancelled)
+            return
         self._await_pull()
         self.buckets.detach()
         self.gate.detach()

@@ -40,6 +40,7 @@ class ElasticMixin:
         """The elastic state, empty (PSBackend's constructor)."""
         self.deals_data = cfg.elastic
         """An elastic job: shard 0 deals this worker's batches (docs/elastic.md)."""
+        self.dealer = self if cfg.elastic else None
         self._data_plan: tuple[int, str] = (0, "")
         """Elastic data, rank 0: (the job's batch ids, how ids map to samples)."""
         self._deal: tuple[int, tuple[int, ...]] = (0, ())
