@@ -130,5 +130,6 @@ def test_restored_shard_gets_the_lost_push_again(tmp_path) -> None:
     want, _, _ = run(tmp_path / "plain", crash=False)
     got, outcomes, job = run(tmp_path / "crash", crash=True)
     assert not outcomes[0].skipped
-    assert job.x.restores == 1 and job.x.rolled_back_updates == 0 and job.x.clock == 2
+    faults = job.x.faults
+    assert faults.restores == 1 and faults.rolled_back_updates == 0 and job.x.clock == 2
     assert got == want  # both shards: the same round 2, means over both workers
