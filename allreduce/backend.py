@@ -27,7 +27,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from psar.allreduce import process_group
 from psar.allreduce.hooks import register_wire_dtype
 from psar.trainkit.atomic import atomic_save
-from psar.trainkit.backend import StepOutcome
+from psar.trainkit.backend import BackendContext, Reporting, StepOutcome
 from psar.trainkit.config import TrainConfig
 from psar.trainkit.device_io import state_to_host
 from psar.trainkit.finite import all_finite
@@ -67,9 +67,10 @@ def init_process_group(cfg: TrainConfig, device: torch.device) -> None:
 class DDPBackend:
     arch = "allreduce"
     mode = "ddp"
-    reports_staleness = False  # every rank applies the same gradient to the same weights
-    per_rank_reports = False  # ranks run in lockstep: rank 0's report speaks for the job
-    deals_data = False  # each rank cuts its shard from its rank (torchrun --nnodes: restarts)
+    # Every rank applies the same gradient to the same weights, in lockstep: rank 0's
+    # report speaks for the job.
+    reporting = Reporting(staleness=False, per_rank=False)
+    dealer = None  # each rank cuts its shard from its rank (torchrun --nnodes: restarts)
 
     @classmethod
     def rank_flags(cls, cfg: TrainConfig) -> tuple[int, int]:
@@ -77,45 +78,17 @@ class DDPBackend:
         return -1, 0
 
     @classmethod
-    def from_config(
-        cls,
-        cfg: TrainConfig,
-        precision: PrecisionPolicy,
-        *,
-        rank: int,
-        world_size: int,
-        total_steps: int,
-        metrics: Any,
-        find_unused_parameters: bool,
-    ) -> DDPBackend:
-        """The loop's one way to build a backend (Backend protocol). `metrics` is unused:
-        DDP's traffic runs inside torch, and the loop's own series cover this worker."""
-        del metrics
-        return cls(
-            cfg,
-            precision,
-            rank=rank,
-            world_size=world_size,
-            total_steps=total_steps,
-            find_unused_parameters=find_unused_parameters,
-        )
+    def from_config(cls, ctx: BackendContext) -> DDPBackend:
+        """The loop's one way to build a backend (Backend protocol). `ctx.metrics` is
+        unused: DDP's traffic runs inside torch, and the loop's own series cover this
+        worker."""
+        return cls(ctx)
 
-    def __init__(
-        self,
-        cfg: TrainConfig,
-        precision: PrecisionPolicy,
-        *,
-        rank: int,
-        world_size: int,
-        total_steps: int,
-        find_unused_parameters: bool = False,
-    ) -> None:
-        self.cfg = cfg
-        self.precision = precision
-        self.device = precision.device
-        self.rank, self.world_size = rank, world_size
-        self.total_steps = total_steps
-        self.find_unused = find_unused_parameters or cfg.ddp.find_unused_parameters
+    def __init__(self, ctx: BackendContext) -> None:
+        self.ctx = ctx
+        cfg = self.cfg = ctx.cfg
+        self.total_steps = ctx.total_steps
+        self.find_unused = ctx.find_unused_parameters or cfg.ddp.find_unused_parameters
         self.bytes_allreduced = 0
         self.loss_scale = 1.0
         self.start_step = 0
@@ -127,6 +100,22 @@ class DDPBackend:
         """--mode local: the inner optimizer and anchor (trainkit/local_sgd.py)."""
         if cfg.local_sgd:
             self.mode = cfg.ps.mode  # --mode local
+
+    @property
+    def rank(self) -> int:
+        return self.ctx.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.ctx.world_size
+
+    @property
+    def precision(self) -> PrecisionPolicy:
+        return self.ctx.precision
+
+    @property
+    def device(self) -> torch.device:
+        return self.ctx.device
 
     def setup(
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
@@ -315,12 +304,6 @@ class DDPBackend:
         for _, old in list_checkpoints(str(folder))[:-_KEEP] if prune else []:
             old.unlink(missing_ok=True)
 
-    def report_extras(self) -> dict[str, Any]:
-        """Fault figures (and --mode local's rounds) for the run's report (Backend protocol)."""
-        extras = {"start_step": self.start_step, "checkpoints_written": self.checkpoints_written,
-                  "optimizer_impl": optimizer_impl(self.optimizer)}  # fmt: skip
-        return {**extras, **(self.local.report() if self.local is not None else {})}
-
     def no_sync(self):  # noqa: ANN201 - DDP's own context manager
         if self.local is not None:
             return contextlib.nullcontext()  # a plain module: nothing to hold back
@@ -369,37 +352,36 @@ class DDPBackend:
         norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
         return float(norm)
 
-    def comm_bytes(self) -> dict[str, int]:
+    def report(self, *, final: bool = False) -> dict[str, Any]:
+        """The bytes; `final`: no shards, then the fault figures and --mode local's
+        rounds (Backend protocol)."""
         # A ring allreduce of M bytes over n ranks (reduce-scatter, then all-gather) sends
         # and receives 2(n-1)/n * M on every rank: what gloo's and NCCL's rings move
         # (tests/test_wire_bytes.py checks it against the ranks' interface counters).
         on_wire = ring_bytes(self.bytes_allreduced, self.world_size)
-        return {
+        out: dict[str, Any] = {
             "bytes_allreduced": self.bytes_allreduced,
             "bytes_sent": on_wire,
             "bytes_received": on_wire,
         }
+        if not final:
+            return out
+        out["shards"] = []
+        out.update(start_step=self.start_step, checkpoints_written=self.checkpoints_written,
+                   optimizer_impl=optimizer_impl(self.optimizer))  # fmt: skip
+        return {**out, **(self.local.report() if self.local is not None else {})}
 
     def state_dict(self) -> dict[str, Any]:
         return state_to_host(self.model.state_dict())  # --save: loads without a GPU
 
-    def shard_stats(self) -> list[dict[str, Any]]:
-        return []
-
-    def plan_data(self, total_batches: int, stream: str) -> None:
-        raise NotImplementedError("allreduce ranks cut their own data shard (deals_data)")
-
-    def next_batches(self, *, stop: bool = False) -> list[int] | None:
-        raise NotImplementedError("allreduce ranks cut their own data shard (deals_data)")
-
     def remote_optimizer_state(self) -> dict[str, dict[str, torch.Tensor]] | None:
         return None  # every rank's optimizer holds its own state
 
-    def abort(self) -> None:
-        """Nothing of ours waits on a step: DDP's collectives belong to torch, which the
-        process group timeout (--pg-timeout-s) ends."""
-
-    def finish(self) -> None:
+    def finish(self, *, failed: bool = False) -> None:
+        """`failed`: nothing of ours waits on a step: DDP's collectives belong to torch,
+        which the process group timeout (--pg-timeout-s) ends."""
+        if failed:
+            return
         if self.cfg.ddp.checkpoint_dir:
             self._save()
         process_group.end_process_group()

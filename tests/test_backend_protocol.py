@@ -3,8 +3,9 @@
 Three things keep "the loop never asks which architecture it runs on" true:
 - the loop reads cfg.arch in backend_class() only (its one dispatch point);
 - every member the loop and its records use on a backend is declared in the protocol;
-- both backends provide every declared member, with the same construction signature.
+- both backends provide every declared member, built from one BackendContext.
 A member used but undeclared would otherwise break only the architecture lacking it.
+The protocol stays small (issue #44): a test caps its members.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from psar.trainkit.backend import Backend
+from psar.trainkit.backend import Backend, BackendContext, Dealer, Reporting
 from psar.trainkit.config import PSConfig, TrainConfig
 from psar.trainkit.precision import resolve
 from psar.worker.loop import backend_class, make_backend
@@ -52,6 +53,11 @@ def _functions_enclosing(tree: ast.AST) -> dict[int, str]:
             for n in ast.walk(top):
                 where[id(n)] = top.name
     return where
+
+
+def _ctx(arch: str, **kw: object) -> BackendContext:
+    precision = resolve(torch.device("cpu"), "fp32", "fp32", "fp32")
+    return BackendContext(_cfg(arch), precision, rank=0, world_size=1, total_steps=3, **kw)
 
 
 def _cfg(arch: str) -> TrainConfig:
@@ -97,11 +103,13 @@ def test_loop_uses_only_declared_backend_members() -> None:
 @pytest.mark.parametrize("arch", ARCHS)
 def test_backend_provides_every_declared_member(arch: str) -> None:
     cls = backend_class(_cfg(arch))
-    precision = resolve(torch.device("cpu"), "fp32", "fp32", "fp32")
-    backend = make_backend(_cfg(arch), precision, rank=0, world_size=1, total_steps=3, metrics=None)
+    ctx = _ctx(arch)
+    backend = make_backend(ctx)
     assert isinstance(backend, cls) and isinstance(backend, Backend)
     assert cls.arch == arch == backend.arch
-    assert backend.precision is precision and backend.start_step == 0
+    assert backend.ctx is ctx and backend.start_step == 0
+    assert isinstance(cls.reporting, Reporting)
+    assert backend.dealer is None  # not an elastic job: each rank cuts its own data
     assert cls.rank_flags(TrainConfig(arch=arch)) == (-1, 0)  # nothing given: the env decides
     for name, is_method in _declared().items():
         assert hasattr(backend, name), f"{cls.__name__} lacks {name}"
@@ -113,7 +121,7 @@ def test_backend_provides_every_declared_member(arch: str) -> None:
             )
             kinds = [p.kind for p in have.parameters.values()]
             assert kinds == [p.kind for p in want.parameters.values()], name
-    for name in ("arch", "reports_staleness", "per_rank_reports", "rank_flags", "from_config"):
+    for name in ("arch", "reporting", "rank_flags", "from_config"):
         assert name in vars(cls) or any(name in vars(b) for b in cls.__mro__[1:-1]), (
             f"{cls.__name__}.{name} must be known before any instance exists"
         )
@@ -124,6 +132,28 @@ def test_both_backends_are_built_the_same_way() -> None:
     # Parameters, names, kinds, defaults and annotations alike; each returns its own class.
     params = [inspect.signature(c.from_config).parameters for c in (ps, ddp)]
     assert params[0] == params[1]
+    assert list(params[0]) == ["ctx"], "one context object, not a list of keywords"
+
+
+def test_the_protocol_stays_small() -> None:
+    """Issue #44 took it from 25 members to 16: what the report alone reads is one
+    report(), what an elastic job alone needs is one part (dealer), what a worker is
+    travels in ctx. A new member should fold into these rather than widen the protocol."""
+    assert len(_declared()) <= 16, sorted(_declared())
+    assert {"plan_data", "next_batches"} <= set(vars(Dealer))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_report_gives_the_bytes_and_at_the_end_the_shards(arch: str) -> None:
+    """report(): the byte counts only (each step's log line); final: the same counts,
+    then "shards" (rank 0's; [] without shards), then the architecture's extras."""
+    backend = make_backend(_ctx(arch))
+    if arch == "allreduce":  # the extras name the optimizer setup() builds
+        backend.optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+        out = backend.report(final=True)
+        assert list(out)[:4] == [*backend.report(), "shards"] and out["shards"] == []
+    step = backend.report()
+    assert {"bytes_sent", "bytes_received"} <= set(step) and "shards" not in step
 
 
 @pytest.mark.parametrize(

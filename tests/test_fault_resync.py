@@ -20,6 +20,7 @@ from psar.ps.server.config import ServerConfig
 from psar.ps.server.durability.checkpoints import CheckpointManager
 from psar.ps.server.serve import start_server, stop_server
 from psar.ps.server.shard import ShardState
+from psar.trainkit.backend import BackendContext
 from psar.trainkit.config import PSConfig, TrainConfig
 from psar.trainkit.precision import resolve
 from tests.fault_procs import Shard, wait_until
@@ -61,7 +62,7 @@ class Job:
             ),
         )
         precision = resolve(torch.device("cpu"), "fp32", "fp32", "fp32")
-        self.x = PSBackend(cfg, precision, rank=0, world_size=2, total_steps=10)
+        self.x = PSBackend(BackendContext(cfg, precision, rank=0, world_size=2, total_steps=10))
         self.m = self.x.setup(model())
         self.y = PSClient(self.x.addresses, worker=1, cfg=ClientConfig(timeout_s=30))
         self.y.set_slots(self.x.slots)
@@ -129,5 +130,6 @@ def test_restored_shard_gets_the_lost_push_again(tmp_path) -> None:
     want, _, _ = run(tmp_path / "plain", crash=False)
     got, outcomes, job = run(tmp_path / "crash", crash=True)
     assert not outcomes[0].skipped
-    assert job.x.restores == 1 and job.x.rolled_back_updates == 0 and job.x.clock == 2
+    faults = job.x.faults
+    assert faults.restores == 1 and faults.rolled_back_updates == 0 and job.x.clock == 2
     assert got == want  # both shards: the same round 2, means over both workers

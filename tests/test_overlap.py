@@ -309,14 +309,15 @@ def test_a_step_whose_pull_failed_midway_is_skipped_not_pushed() -> None:
 
     from psar.ps.client.backend import PSBackend
     from psar.ps.client.errors import NeedsResync
+    from psar.trainkit.backend import BackendContext
     from psar.trainkit.config import PSConfig, TrainConfig
     from psar.trainkit.precision import resolve
     from tests.ps_fixtures import serving
 
     with serving() as (port, state):
         cfg = TrainConfig(arch="ps", ps=PSConfig(servers=f"127.0.0.1:{port}", rank=0, world_size=1))
-        b = PSBackend(cfg, resolve(torch.device("cpu"), "fp32", "fp32", "fp32"),
-                      rank=0, world_size=1, total_steps=100)  # fmt: skip
+        precision = resolve(torch.device("cpu"), "fp32", "fp32", "fp32")
+        b = PSBackend(BackendContext(cfg, precision, rank=0, world_size=1, total_steps=100))
         torch.manual_seed(0)
         m = b.setup(torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3)))
 
@@ -326,16 +327,16 @@ def test_a_step_whose_pull_failed_midway_is_skipped_not_pushed() -> None:
             return b.step()
 
         assert not step().skipped and b.clock == 1
-        b._await_pull()
+        b.overlap.await_pull()
         failed: Future = Future()
         failed.set_exception(NeedsResync(0, "x", None, "restored: planted for the test"))
-        b._pull_future = failed
-        b.gate.begin()
-        b.gate.consumed = True  # a module already ran on the failed pull's weights
-        b.gate.fail()
+        b.overlap.pull_future = failed
+        b.overlap.gate.begin()
+        b.overlap.gate.consumed = True  # a module already ran on the failed pull's weights
+        b.overlap.gate.fail()
         out = step()
-        assert out.skipped and b.clock == 1 and b.resyncs == 1
-        assert b.fault_report()["unsent_steps"] == 1
+        assert out.skipped and b.clock == 1 and b.faults.resyncs == 1
+        assert b.report(final=True)["unsent_steps"] == 1
         assert state.stats()["worker_clocks"] == [1], "the mixed gradient was not pushed"
         assert not step().skipped and b.clock == 2
         assert state.stats()["worker_clocks"] == [2] and state.rounds == 2

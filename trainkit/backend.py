@@ -6,6 +6,10 @@ like ps-lite's push/pull/wait or torchtitan's parallelize_fn. Everything the loo
 from a backend is declared here, and tests/test_backend_protocol.py holds both classes
 (and the loop's source) to it: a member the loop needs but only one backend has would
 otherwise surface as an AttributeError in the other architecture's runs only.
+
+The protocol is kept small on purpose: what a worker is (rank, world size, precision)
+travels in one `BackendContext`; the figures only the report reads come from one
+`report()`; the data an elastic PS job deals is one part, `dealer`, None elsewhere.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ if TYPE_CHECKING:  # annotations only: this module stays free of config/precisio
     from psar.trainkit.config import TrainConfig
     from psar.trainkit.optim import StepOptions
     from psar.trainkit.precision import PrecisionPolicy
+    from psar.trainkit.recorder import WorkerRecorder
 
 
 @dataclass
@@ -49,17 +54,67 @@ class StepOutcome:
     of the last sync, at this sync (how far the inner steps took it)."""
 
 
+@dataclass(frozen=True)
+class BackendContext:
+    """Everything a backend is built from, the same for both architectures: the loop
+    (worker/loop.py) and a loop of its own (worker/own_loop.py) make one and hand it to
+    `from_config`; each backend takes what it needs. A PS worker joining a running job
+    learns its rank and the job's size in setup(): its backend's `ctx` is then replaced
+    by one saying so (read rank and world_size from `backend.ctx` after setup())."""
+
+    cfg: TrainConfig
+    precision: PrecisionPolicy
+    """The worker's resolved precision (its device too); the report's "wire_dtype"."""
+    rank: int
+    """-1: a worker joining an elastic job without --rank (shard 0 gives it one)."""
+    world_size: int
+    total_steps: int
+    """The run's length (schedules, the overlap trial)."""
+    metrics: WorkerRecorder | None = None
+    """The worker's recorder (PS: its transport series); None: nothing recorded."""
+    find_unused_parameters: bool = False
+    """The workload's hint that some parameters get no gradient (DDP must be told)."""
+
+    @property
+    def device(self) -> torch.device:
+        return self.precision.device
+
+
+@dataclass(frozen=True)
+class Reporting:
+    """What an architecture's report says, known before any instance exists."""
+
+    staleness: bool
+    """StepOutcome.staleness means something here (ps: a gradient may be applied to newer
+    weights than it was computed on); the report then carries its percentiles."""
+    per_rank: bool
+    """Every rank writes its own --report (ps workers are separate processes with their
+    own staleness and faults); False: rank 0 writes the job's (DDP ranks are lockstep)."""
+
+
+@runtime_checkable
+class Dealer(Protocol):
+    """The data of a job whose shards deal it (an elastic PS job, docs/elastic.md): the
+    loop trains on the batch ids next_batches() gives instead of cutting its own shard
+    from its rank, and a SIGTERM makes it leave after the step in flight."""
+
+    def plan_data(self, total_batches: int, stream: str) -> None:
+        """Before setup(): the job's batch ids are 0..total_batches-1 and `stream` says
+        how the workers map an id to samples."""
+        ...
+
+    def next_batches(self, *, stop: bool = False) -> list[int] | None:
+        """After setup() and after each step(): the batch ids of the next step; None when
+        the data is done or `stop` (the worker then has left the job)."""
+        ...
+
+
 @runtime_checkable
 class Backend(Protocol):
     # ---- what the class says before any instance exists -----------------------------
     arch: ClassVar[str]
     """'ps' or 'allreduce': the report's "arch", the metrics' arch label, log file names."""
-    reports_staleness: ClassVar[bool]
-    """StepOutcome.staleness means something here (ps: a gradient may be applied to newer
-    weights than it was computed on); the report then carries its percentiles."""
-    per_rank_reports: ClassVar[bool]
-    """Every rank writes its own --report (ps workers are separate processes with their
-    own staleness and faults); False: rank 0 writes the job's (DDP ranks are lockstep)."""
+    reporting: ClassVar[Reporting]
 
     @classmethod
     def rank_flags(cls, cfg: TrainConfig) -> tuple[int, int]:
@@ -68,47 +123,20 @@ class Backend(Protocol):
         ...
 
     @classmethod
-    def from_config(
-        cls,
-        cfg: TrainConfig,
-        precision: PrecisionPolicy,
-        *,
-        rank: int,
-        world_size: int,
-        total_steps: int,
-        metrics: Any,
-        find_unused_parameters: bool,
-    ) -> Self:
-        """The backend for one worker. Same signature on every backend, so the loop builds
-        either without knowing which; each takes what it needs (DDP: find_unused_parameters,
-        the workload's hint; PS: metrics, for its transport series)."""
+    def from_config(cls, ctx: BackendContext) -> Self:
+        """The backend for one worker: the loop's one way to build either."""
         ...
 
     # ---- per instance ---------------------------------------------------------------
+    ctx: BackendContext
+    """What it was built from; after setup(), with the rank and world size it runs at."""
     mode: str
     """The consistency mode for ps (--mode); for allreduce ddp, or --mode local's."""
-    rank: int
-    world_size: int
-    device: torch.device
-    precision: PrecisionPolicy
-    """The worker's resolved precision; the report's "wire_dtype" comes from it."""
     start_step: int
     """Steps an earlier process of this worker already did (0 for a fresh run); valid
     after setup(). The loop continues at start_step + 1 (docs/reliability.md)."""
-    deals_data: bool
-    """The job's data is dealt to this worker (an elastic PS job, docs/elastic.md): the
-    loop trains on the batch ids next_batches() gives instead of cutting its own shard
-    from its rank, and a SIGTERM makes it leave after the step in flight."""
-
-    def plan_data(self, total_batches: int, stream: str) -> None:
-        """deals_data, before setup(): the job's batch ids are 0..total_batches-1 and
-        `stream` says how the workers map an id to samples."""
-        ...
-
-    def next_batches(self, *, stop: bool = False) -> list[int] | None:
-        """deals_data, after setup() and after each step(): the batch ids of the next step;
-        None when the data is done or `stop` (the worker then has left the job)."""
-        ...
+    dealer: Dealer | None
+    """Where the shards deal the job's data (an elastic PS job): its part; else None."""
 
     def setup(
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
@@ -140,31 +168,23 @@ class Backend(Protocol):
         optimizer object holds it (DDP steps it locally)."""
         ...
 
-    def comm_bytes(self) -> dict[str, int]:
-        """Cumulative bytes this worker put on the wire (`bytes_sent`) and took off it
-        (`bytes_received`), counted the same way under both architectures (payload, no
-        protocol headers); plus each architecture's own: bytes_pushed/bytes_pulled (ps),
-        bytes_allreduced (the gradient payload given to allreduce)."""
-        ...
-
-    def shard_stats(self) -> list[dict[str, Any]]:
-        """The report's "shards": each parameter-server shard's own figures ([] where
-        there are no shards). Asked on rank 0 only."""
-        ...
-
-    def report_extras(self) -> dict[str, Any]:
-        """What this architecture adds to the run's report (fault figures, overlap)."""
+    def report(self, *, final: bool = False) -> dict[str, Any]:
+        """The figures this architecture adds to the step log and the run's report.
+        Always the cumulative bytes this worker put on the wire (`bytes_sent`) and took
+        off it (`bytes_received`), counted the same way under both architectures
+        (payload, no protocol headers), and each one's own: bytes_pushed/bytes_pulled
+        (ps), bytes_allreduced (the gradient payload given to allreduce). `final` (once,
+        after the last step): also "shards", each parameter-server shard's own figures
+        (rank 0; [] elsewhere and where there are no shards), then the architecture's
+        extras (fault figures, overlap, --mode local's rounds)."""
         ...
 
     def state_dict(self) -> dict[str, Any]:
         """The trained weights (fp32 where the architecture keeps them) for --save."""
         ...
 
-    def finish(self) -> None:
-        """Leave the job cleanly (nobody waits for this worker any more)."""
-        ...
-
-    def abort(self) -> None:
-        """The loop failed mid-step: release whatever waits on this step (threads,
-        streams) so the process can exit with the error."""
+    def finish(self, *, failed: bool = False) -> None:
+        """Leave the job cleanly (nobody waits for this worker any more). `failed`: the
+        loop failed mid-step; release only what waits on this step (threads, streams),
+        so the process can exit with the error."""
         ...

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from psar.trainkit.backend import Backend, StepOutcome
+from psar.trainkit.backend import Backend, BackendContext, StepOutcome
 from psar.trainkit.config import TrainConfig
 from psar.trainkit.precision import PrecisionPolicy, pick_device, resolve
 from psar.trainkit.recorder import NullWorkerRecorder, WorkerRecorder
@@ -53,26 +53,9 @@ def backend_class(cfg: TrainConfig) -> type[Backend]:
     return DDPBackend
 
 
-def make_backend(
-    cfg: TrainConfig,
-    precision: PrecisionPolicy,
-    *,
-    rank: int,
-    world_size: int,
-    total_steps: int,
-    metrics: WorkerRecorder,
-    find_unused_parameters: bool = False,
-) -> Backend:
+def make_backend(ctx: BackendContext) -> Backend:
     """One worker's backend, built the same way whichever the architecture."""
-    return backend_class(cfg).from_config(
-        cfg,
-        precision,
-        rank=rank,
-        world_size=world_size,
-        total_steps=total_steps,
-        metrics=metrics,
-        find_unused_parameters=find_unused_parameters,
-    )
+    return backend_class(ctx.cfg).from_config(ctx)
 
 
 def resolve_ranks(cfg: TrainConfig, env: dict[str, str]) -> tuple[int, int, int]:
@@ -137,8 +120,8 @@ def train(cfg: TrainConfig, env: dict[str, str] | None = None) -> dict[str, Any]
             run.total,
         )
         module = backend.setup(run.workload.model)
-        run.rank, run.world = backend.rank, backend.world_size  # a joiner learns them now
-        if not backend.deals_data:  # an elastic PS worker records it with every pull
+        run.rank, run.world = backend.ctx.rank, backend.ctx.world_size  # a joiner learns them
+        if backend.dealer is None:  # an elastic PS worker records it with every pull
             run.metrics.set_world_size(run.world)
         module.train()
         # Dropout and other draws during training: the same in every run of this job, and
@@ -178,17 +161,18 @@ def _prepare(cfg: TrainConfig, env: dict[str, str]) -> _Run:
         total = cfg.steps
         if cfg.epochs:
             total = max(1, math.ceil(cfg.epochs * batches.steps_per_epoch() / cfg.grad_accum))
-    backend = make_backend(
+    ctx = BackendContext(
         cfg,
         precision,
-        rank=rank,
-        world_size=world,
-        total_steps=total,
+        rank,
+        world,
+        total,
         metrics=metrics,
         find_unused_parameters=workload.find_unused_parameters,
     )
-    if backend.deals_data:
-        backend.plan_data(*data)
+    backend = make_backend(ctx)
+    if backend.dealer is not None:
+        backend.dealer.plan_data(*data)
     return _Run(cfg, rank, world, total, device, precision, metrics, workload, batches, backend)
 
 
@@ -252,13 +236,14 @@ def _steps(run: _Run, stop: _Stop) -> Iterator[tuple[int, list[int]]]:
     """(step, the batch indices of its micro-batches): the rank's own shard's up to the run's
     last step, or the ids the shards deal until the data is done or a SIGTERM came."""
     backend, accum = run.backend, run.cfg.grad_accum
-    if not backend.deals_data:
+    dealer = backend.dealer
+    if dealer is None:
         # A relaunched worker resumes where its checkpoint/shards say (docs/reliability.md).
         for step in range(backend.start_step + 1, run.total + 1):
             yield step, [(step - 1) * accum + micro for micro in range(accum)]
         return
     step = backend.start_step
-    while (ids := backend.next_batches(stop=stop.requested)) is not None:
+    while (ids := dealer.next_batches(stop=stop.requested)) is not None:
         step += 1
         yield step, ids
 
@@ -279,7 +264,7 @@ def _run_steps(run: _Run, module: torch.nn.Module, stop: _Stop) -> tuple[_Tally,
             tally.outcomes.append(outcome)
             _observe(run, step_loss, outcome, phases)
             elapsed = time.perf_counter() - start
-            dealt = batch_ids if backend.deals_data else None
+            dealt = batch_ids if backend.dealer is not None else None
             log.write(step, elapsed, step_loss, tally.samples, outcome, phases, dealt)
             progress.update(step, tally.samples / max(elapsed, 1e-9), step_loss, outcome)
             tally.last_step = step
@@ -361,7 +346,7 @@ def _finish(run: _Run, tally: _Tally, wall: float, *, stopped: bool = False) -> 
     """Validate, summarise, save, leave the job and write the report. `stopped`: a SIGTERM
     made it leave an elastic job early (no validation: it is being taken away)."""
     cfg, backend, rank, workload = run.cfg, run.backend, run.rank, run.workload
-    if backend.deals_data:
+    if backend.dealer is not None:
         run.total = tally.last_step
     val_loss = None
     if workload.val_dataset is not None and cfg.eval_batches and not stopped:
@@ -387,14 +372,14 @@ def _finish(run: _Run, tally: _Tally, wall: float, *, stopped: bool = False) -> 
     summary["val_loss"] = val_loss
     summary["val_loss_unit"] = workload.val_metric if workload.val_metric != "loss" else "nats"
     summary["rank"] = rank
-    if backend.deals_data:
+    if backend.dealer is not None:
         summary["stopped"] = stopped  # left on SIGTERM (else: the job's data was done)
-    summary["shards"] = backend.shard_stats() if rank == 0 else []
-    summary.update(backend.report_extras())
+    # The bytes already stand in the summary (same values): shards and extras follow.
+    summary.update(backend.report(final=True))
     if cfg.save and rank == 0:
         torch.save(backend.state_dict(), cfg.save)
     backend.finish()
-    if cfg.report and (backend.per_rank_reports or rank == 0):
+    if cfg.report and (backend.reporting.per_rank or rank == 0):
         write_report(cfg.report, rank, summary)
     return summary
 
@@ -407,7 +392,7 @@ def _aborting(backend: Backend) -> Iterator[None]:
         yield
     except BaseException:
         with contextlib.suppress(Exception):
-            backend.abort()
+            backend.finish(failed=True)
         raise
 
 

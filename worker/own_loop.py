@@ -33,7 +33,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from psar.trainkit.backend import Backend, StepOutcome
+from psar.trainkit.backend import Backend, BackendContext, StepOutcome
 from psar.trainkit.config import TrainConfig
 from psar.trainkit.optim import StepOptions
 from psar.trainkit.precision import pick_device, resolve
@@ -103,11 +103,11 @@ class OwnLoop:
         """Your optimizer's class, sharing your param groups: step() does the
         architecture's work (worker/own_optimizer.py)."""
         self.cfg = cfg
-        self.rank = backend.rank
+        self.rank = backend.ctx.rank
         """This worker's rank, 0..world_size-1: give it to your data sampler."""
-        self.world_size = backend.world_size
+        self.world_size = backend.ctx.world_size
         self.local_rank = local_rank
-        self.device = backend.device
+        self.device = backend.ctx.device
         """Where the model lives (cuda:LOCAL_RANK with --device auto and a GPU)."""
         self.arch = backend.arch
         """'ps' or 'allreduce', for your logs (your loop need not look at it)."""
@@ -145,7 +145,7 @@ class OwnLoop:
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """Autocast to the compute dtype --precision picks (fp32: none)."""
-        return self.backend.precision.autocast()
+        return self.backend.ctx.precision.autocast()
 
     def _step(self) -> None:
         options = StepOptions(lrs=current_lrs(self.optimizer), clip_norm=self._clip)
@@ -167,7 +167,7 @@ class OwnLoop:
     def __exit__(self, kind: object, exc: object, tb: object) -> None:
         if exc is not None:
             with contextlib.suppress(Exception):
-                self.backend.abort()
+                self.backend.finish(failed=True)
             return
         self.finish()
 
@@ -208,15 +208,16 @@ def prepare(
         torch.set_num_threads(cfg.threads)
     device = pick_device(cfg.device, local_rank)
     precision = resolve(device, cfg.precision, cfg.wire_dtype, cfg.worker_weights)
-    backend = make_backend(
+    ctx = BackendContext(
         cfg,
         precision,
-        rank=rank,
-        world_size=world,
-        total_steps=total_steps or UNKNOWN_LENGTH,
+        rank,
+        world,
+        total_steps or UNKNOWN_LENGTH,
         metrics=NullWorkerRecorder(),
         find_unused_parameters=cfg.ddp.find_unused_parameters,
     )
+    backend = make_backend(ctx)
     names = {id(p): n for n, p in model.named_parameters()}
     logger.info("rank %d/%d: %s (%s), a loop of its own", rank, world, backend.arch, backend.mode)
     module = backend.setup(model, optimizer)

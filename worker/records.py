@@ -56,8 +56,8 @@ def run_summary(
         "mode": backend.mode,
         "world_size": world,
         "workload": cfg.workload,
-        "precision": backend.precision.name,
-        "wire_dtype": str(backend.precision.wire).replace("torch.", ""),
+        "precision": backend.ctx.precision.name,
+        "wire_dtype": str(backend.ctx.precision.wire).replace("torch.", ""),
         "steps": total,
         "batch_size": cfg.batch_size,
         "grad_accum": cfg.grad_accum,
@@ -69,9 +69,9 @@ def run_summary(
         "final_train_loss": losses[-1] if losses else None,
         "skipped_steps": sum(o.skipped for o in outcomes),
         "final_loss_scale": outcomes[-1].loss_scale if outcomes else None,
-        **backend.comm_bytes(),
+        **backend.report(),
     }
-    if backend.reports_staleness:
+    if backend.reporting.staleness:
         # Skipped steps applied nothing, so their staleness describes no update.
         stale = [o.staleness for o in outcomes if o.staleness is not None and not o.skipped]
         summary["staleness"] = staleness_summary(stale)
@@ -81,7 +81,7 @@ def run_summary(
 def _wire_bytes(backend: Backend) -> dict[str, int]:
     """The step log's byte counts: on and off the wire, and `bytes`, their sum (the same
     count under both architectures: docs/metrics.md)."""
-    b = backend.comm_bytes()
+    b = backend.report()
     sent, received = b.get("bytes_sent", 0), b.get("bytes_received", 0)
     return {"bytes": sent + received, "bytes_sent": sent, "bytes_received": received}
 

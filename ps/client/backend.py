@@ -32,18 +32,18 @@ from typing import Any
 import torch
 
 from psar.ps import auth
-from psar.ps.client.backend_elastic import ElasticMixin, elastic_note
-from psar.ps.client.backend_local import LocalMixin
-from psar.ps.client.backend_overlap import OverlapMixin
-from psar.ps.client.backend_own import OwnLoopMixin, OwnOptimizer
-from psar.ps.client.backend_resync import _MAX_RESYNCS, ResyncMixin
+from psar.ps.client.backend_elastic import Elastic, elastic_note
+from psar.ps.client.backend_local import LocalRounds
+from psar.ps.client.backend_overlap import Overlap
+from psar.ps.client.backend_own import OwnLoopPart, OwnOptimizer
+from psar.ps.client.backend_resync import _MAX_RESYNCS, Resync
 from psar.ps.client.int_buffers import IntBuffers
 from psar.ps.client.locality import resolve_early_pull
 from psar.ps.client.psclient import ClientConfig, NeedsResync, PSClient
 from psar.ps.headers import PullHeader
 from psar.ps.job import Job, ModeTraits
 from psar.ps.partition import Slot, bytes_per_shard, check_every_shard_holds_a_slot, plan_slots
-from psar.trainkit.backend import StepOutcome
+from psar.trainkit.backend import BackendContext, Reporting, StepOutcome
 from psar.trainkit.choices import chunk_rounds
 from psar.trainkit.config import TrainConfig
 from psar.trainkit.device_io import DeviceIO, state_to_host, to_host
@@ -55,10 +55,15 @@ from psar.trainkit.sparse_tables import release_tables
 log = logging.getLogger("psar.ps")
 
 
-class PSBackend(OverlapMixin, ResyncMixin, LocalMixin, OwnLoopMixin, ElasticMixin):
+class PSBackend:
+    """One PS worker's backend: the step itself here; each concern a part it holds
+    (`overlap`, `faults`, `local`, `own`, `elastic`: ps/client/backend_*.py) and calls,
+    as the shard holds its components (ps/server/shard.py)."""
+
     arch = "ps"
-    reports_staleness = True  # async/ssp apply gradients to newer weights (sync: 0)
-    per_rank_reports = True  # each worker is its own process with its own staleness/faults
+    # async/ssp apply gradients to newer weights (sync: 0); each worker is its own
+    # process with its own staleness and faults.
+    reporting = Reporting(staleness=True, per_rank=True)
 
     @classmethod
     def rank_flags(cls, cfg: TrainConfig) -> tuple[int, int]:
@@ -66,72 +71,69 @@ class PSBackend(OverlapMixin, ResyncMixin, LocalMixin, OwnLoopMixin, ElasticMixi
         return cfg.ps.rank, cfg.ps.world_size
 
     @classmethod
-    def from_config(
-        cls,
-        cfg: TrainConfig,
-        precision: PrecisionPolicy,
-        *,
-        rank: int,
-        world_size: int,
-        total_steps: int,
-        metrics: Any,
-        find_unused_parameters: bool,
-    ) -> PSBackend:
+    def from_config(cls, ctx: BackendContext) -> PSBackend:
         """The loop's one way to build a backend (Backend protocol). A PS worker pushes
-        whichever gradients exist, so find_unused_parameters (a DDP need) is unused."""
-        del find_unused_parameters
-        sizes = {"rank": rank, "world_size": world_size, "total_steps": total_steps}
-        return cls(cfg, precision, metrics=metrics, **sizes)
+        whichever gradients exist, so ctx.find_unused_parameters (a DDP need) is unused."""
+        return cls(ctx)
 
-    def __init__(
-        self,
-        cfg: TrainConfig,
-        precision: PrecisionPolicy,
-        *,
-        rank: int,
-        world_size: int,
-        total_steps: int,
-        metrics: Any = None,
-    ) -> None:
+    def __init__(self, ctx: BackendContext) -> None:
+        cfg = ctx.cfg
         if cfg.local_sgd:  # pseudo-gradients go after the H-th backward: nothing to overlap
             cfg = dataclasses.replace(cfg, ps=dataclasses.replace(cfg.ps, overlap=False))
-        self.local = None
-        """--mode local: the inner optimizer and anchor (ps/client/backend_local.py)."""
+        self.ctx = ctx
         self.cfg = cfg
-        self.precision = precision
         self.mode = cfg.ps.mode
-        self.rank, self.world_size = rank, world_size
-        self.device = precision.device
-        self.total_steps = total_steps
+        self.total_steps = ctx.total_steps
+        metrics = ctx.metrics
         self.metrics: WorkerRecorder = metrics if metrics is not None else NullWorkerRecorder()
         self.addresses = cfg.ps.server_list()
         self.clock = 0
         self.bytes_pushed = 0
         self.bytes_pulled = 0
-        ls = effective_loss_scale(cfg.loss_scale, precision.loss_scaling)
+        ls = effective_loss_scale(cfg.loss_scale, ctx.precision.loss_scaling)
         self._ls_cfg = ls
         # Where the shards own the scale (their traits say) it comes with every pull;
         # elsewhere each worker keeps its own.
         self._local_scale = DynamicLossScale(ls)
         self.loss_scale = self._local_scale.scale
-        self._skipped_seen = 0
+        self.skipped_seen = 0
         self.instance = secrets.token_hex(8)
         self.start_step = 0
         """Steps already done by an earlier process of this worker (the loop resumes)."""
-        self.restores = 0
-        self.rolled_back_updates = 0
-        self.unsent_steps = 0
-        """Steps whose gradient was never pushed: a background pull broke after the step's
-        forward had used part of its weights (the clock stays; docs/reliability.md)."""
-        self.resyncs = 0
-        self.rejoined = False
         self.traits: ModeTraits
         """How the shards' mode behaves (from GetJob, in setup)."""
-        self._init_elastic(cfg, world_size)
-        self.own: OwnOptimizer | None = None
-        """A worker's own loop: the user's optimizer the shards run (backend_own.py)."""
-        self._clip_total: float | None = None
+        self.clip_total: float | None = None
         """This step's round squared norm, sent with its pull (clipping in rounds)."""
+        # The parts (ps/client/backend_*.py); the overlap's is made in setup().
+        self.faults = Resync(self)
+        """Re-registering with the shards, and the fault figures."""
+        self.elastic = Elastic(self, cfg, ctx.world_size)
+        """Joining a running job, the dealt data, leaving."""
+        self.dealer = self.elastic if cfg.elastic else None
+        self.local = LocalRounds(self) if cfg.local_sgd else None
+        """--mode local: the inner steps and the outer rounds."""
+        self.own = OwnLoopPart(self)
+        """A loop of the user's own: its optimizer on the shards, each step's options."""
+        self.overlap: Overlap
+        """Push during backward, pull during forward (setup() makes it)."""
+
+    # What the worker is lives in ctx; a joiner's rank and size replace it
+    # (backend_elastic.py).
+    @property
+    def rank(self) -> int:
+        return self.ctx.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.ctx.world_size
+
+    @property
+    def precision(self) -> PrecisionPolicy:
+        return self.ctx.precision
+
+    @property
+    def device(self) -> torch.device:
+        return self.ctx.device
 
     # ---- setup ----------------------------------------------------------------------
 
@@ -157,7 +159,7 @@ class PSBackend(OverlapMixin, ResyncMixin, LocalMixin, OwnLoopMixin, ElasticMixi
         ]
         self.params = dict(params)
         if optimizer is not None:
-            self.own = OwnOptimizer.of(optimizer, self.params)
+            self.own.optimizer = OwnOptimizer.of(optimizer, self.params)
         # Buffers (BatchNorm running stats) live on the shards too, as slots that are
         # never stepped: rank 0's values (or the mean, --buffers average) come back with
         # every pull, as DDP broadcasts rank 0's before every forward. Local SGD keeps
@@ -180,7 +182,7 @@ class PSBackend(OverlapMixin, ResyncMixin, LocalMixin, OwnLoopMixin, ElasticMixi
         # them, every worker follows what the shards then serve (below).
         # A loop of its own (and clipping) sends the step's learning rates and clip when
         # its optimizer steps, after backward: the shards apply whole rounds (Job says so).
-        self.sends_step_options = self.own is not None or bool(self.cfg.clip_grad_norm)
+        self.sends_step_options = self.own.optimizer is not None or bool(self.cfg.clip_grad_norm)
         self.early_pull = resolve_early_pull(
             self.cfg.ps.early_pull,
             eligible=chunk_rounds(self.mode)
@@ -205,7 +207,7 @@ class PSBackend(OverlapMixin, ResyncMixin, LocalMixin, OwnLoopMixin, ElasticMixi
         if self.rank == 0 and not self.cfg.ps.join:
             values = {s.key: to_host(self._view(s), torch.float32) for s in self.slots}
             try:
-                self.client.init(jobs, values, self._init_state())
+                self.client.init(jobs, values, self.own.init_state())
             except Exception as e:  # the waiting workers fail now, with this reason
                 self.client.report_init_failure(str(e))
                 raise
@@ -223,7 +225,7 @@ class PSBackend(OverlapMixin, ResyncMixin, LocalMixin, OwnLoopMixin, ElasticMixi
             model.to(self.precision.weights)
         got = self._await_jobs()
         if self.cfg.ps.join and got[0] is not None:
-            jobs = self._enter_running_job(jobs, got[0])
+            jobs = self.elastic.enter_running_job(jobs, got[0])
         for i, (want, have) in enumerate(zip(jobs, got, strict=True)):
             if have is None:
                 raise RuntimeError(
@@ -250,7 +252,7 @@ class PSBackend(OverlapMixin, ResyncMixin, LocalMixin, OwnLoopMixin, ElasticMixi
                     "--max-workers and the model on every worker"
                 )
         io = self.io
-        self._send = {s.key: io.host_buffer(s.numel, self.precision.wire) for s in self.slots}
+        self.send = {s.key: io.host_buffer(s.numel, self.precision.wire) for s in self.slots}
         self.early_pull = got[0].early_pull if got else self.early_pull
         asked = self.cfg.ps.early_pull
         if self.rank == 0 or (asked is not None and asked != self.early_pull):
@@ -261,27 +263,24 @@ class PSBackend(OverlapMixin, ResyncMixin, LocalMixin, OwnLoopMixin, ElasticMixi
         # and so do early pulls (their slots may arrive while backward still runs).
         self._views = {s.key: self._view(s) for s in self.slots}
         if io.cuda or self.early_pull:
-            self._recv = {
-                s.key: io.host_buffer(s.numel, self.precision.weights) for s in self.slots
-            }
+            self.recv = {s.key: io.host_buffer(s.numel, self.precision.weights) for s in self.slots}
         else:
-            self._recv = dict(self._views)
+            self.recv = dict(self._views)
         self._bwd_done = None
         self.versions = [0] * len(self.addresses)
-        self._seen_versions = [0] * len(self.addresses)
-        self._known_restores: list[int] | None = None
-        self._pushed: int | None = None
-        self._push_args: dict[str, Any] = {}
-        self._setup_overlap(model)
+        self.seen_versions = [0] * len(self.addresses)
+        self.pushed: int | None = None
+        self.push_args: dict[str, Any] = {}
+        self.overlap = Overlap(self, model)
         # Its verdict waits for step(): the step's options travel with it.
-        self.buckets.hold_verdict = self.own is not None or bool(self.cfg.clip_grad_norm)
-        self._resync(fresh=True)
+        self.overlap.buckets.hold_verdict = self.sends_step_options
+        self.faults.resync(fresh=True)
         self.start_step = self.clock
         self.client.start_heartbeats()
-        self._pull_resyncing()
-        self.buckets.begin_step()
-        if self.cfg.local_sgd:
-            self._setup_local()
+        self.pull_resyncing()
+        self.overlap.buckets.begin_step()
+        if self.local is not None:
+            self.local.setup()
         return model
 
     def _await_jobs(self) -> list[Job | None]:
@@ -301,11 +300,12 @@ class PSBackend(OverlapMixin, ResyncMixin, LocalMixin, OwnLoopMixin, ElasticMixi
 
     def _jobs(self) -> list[Job]:
         opt = with_run_length(self.cfg.optimizer, self.total_steps)
-        if self.cfg.local_sgd:  # the shards apply the outer optimizer
-            opt = self._outer_config()
-        data_batches, stream = self._data_plan if self.deals_data else (0, "")
-        if self.own is not None:  # the user's: its class, groups, and schedule of its own
-            opt = self.own.config
+        if self.local is not None:  # the shards apply the outer optimizer
+            opt = self.local.outer_config()
+        elastic, own = self.elastic, self.own.optimizer
+        data_batches, stream = elastic.data_plan if elastic.deals_data else (0, "")
+        if own is not None:  # the user's: its class, groups, and schedule of its own
+            opt = own.config
         return [
             Job(
                 mode=self.mode,
@@ -334,8 +334,8 @@ class PSBackend(OverlapMixin, ResyncMixin, LocalMixin, OwnLoopMixin, ElasticMixi
                 data_per_step=self.cfg.grad_accum * max(1, self.cfg.local.sync_every),
                 data_stream=stream,
                 param_groups=(
-                    self.own.groups_on([s for s in self.slots if s.shard == i])
-                    if self.own is not None
+                    own.groups_on([s for s in self.slots if s.shard == i])
+                    if own is not None
                     else ()
                 ),
                 chunk_rounds=self.early_pull,
@@ -358,11 +358,12 @@ class PSBackend(OverlapMixin, ResyncMixin, LocalMixin, OwnLoopMixin, ElasticMixi
 
     @contextlib.contextmanager
     def _accumulating(self) -> Iterator[None]:
-        self.buckets.accumulating = True
+        buckets = self.overlap.buckets
+        buckets.accumulating = True
         try:
             yield
         finally:
-            self.buckets.accumulating = False
+            buckets.accumulating = False
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         if self.local is not None:
@@ -371,36 +372,36 @@ class PSBackend(OverlapMixin, ResyncMixin, LocalMixin, OwnLoopMixin, ElasticMixi
 
     def step(self, options: StepOptions | None = None) -> StepOutcome:
         if self.local is not None:
-            return self._local_step(self.local)
+            return self.local.step()
         if options is None and self.cfg.clip_grad_norm:
             options = StepOptions(clip_norm=self.cfg.clip_grad_norm)
-        options = self._step_options(options)
+        options = self.own.step_options(options)
         t0 = time.perf_counter()
         # Pulled weights may overwrite the parameters only once the compute stream is
         # done with this step's backward (CUDA; None on a CPU).
         self._bwd_done = self.io.mark()
-        fwd_wait = self.gate.take_waited()
-        if self._push_future is None:
-            self._start_push()  # no hook fired (overlap off, or no gradient at all)
-        finite = self.buckets.finish(options)
-        if self._poisoned:
+        fwd_wait = self.overlap.gate.take_waited()
+        if self.overlap.push_future is None:
+            self.overlap.start_push()  # no hook fired (overlap off, or no gradient at all)
+        finite = self.overlap.buckets.finish(options)
+        if self.overlap.poisoned:
             # A background pull failed after this step's forward had used part of its
             # weights: the gradient is of mixed weights. It is not pushed; the clock
             # stays, so the next step fills the same round.
-            self._poisoned = False
-            self.unsent_steps += 1
-            self.buckets.begin_step()
+            self.overlap.poisoned = False
+            self.faults.unsent_steps += 1
+            self.overlap.buckets.begin_step()
             return StepOutcome(skipped=True, loss_scale=self.loss_scale, staleness=0)
-        future, self._push_future = self._push_future, None
-        self._push_args = {
+        future, self.overlap.push_future = self.overlap.push_future, None
+        self.push_args = {
             "dtype": self.precision.wire,
             "loss_scale": self.loss_scale,
             "overflow": not finite,
-            "absent": frozenset(self.buckets.absent),
+            "absent": frozenset(self.overlap.buckets.absent),
             "int_buffers": self.int_buffers.values(),
             "options": options,
         }
-        self._pushed = None
+        self.pushed = None
         replies = None
         for attempt in range(_MAX_RESYNCS):
             try:
@@ -411,55 +412,57 @@ class PSBackend(OverlapMixin, ResyncMixin, LocalMixin, OwnLoopMixin, ElasticMixi
                     replies = self.client.push(
                         clock=self.clock + 1,
                         base_versions=self.versions,
-                        grads=self._send,
+                        grads=self.send,
                         retry=True,
-                        **self._push_args,
+                        **self.push_args,
                     )
                 break
             except NeedsResync as e:
-                self._drop_early()  # its round will not close with this push
+                self.overlap.drop_early()  # its round will not close with this push
                 before = self.clock
-                self._resync(fresh=False, cause=e)
+                self.faults.resync(fresh=False, cause=e)
                 if self.traits.rounds and self.clock != before:
                     # The round this gradient was for is gone (rollback, or the others
                     # moved on without us): drop it and continue from the new weights.
-                    self._pull_resyncing()
-                    self._sync_scale()
-                    self.buckets.begin_step()
+                    self.pull_resyncing()
+                    self.sync_scale()
+                    self.overlap.buckets.begin_step()
                     return StepOutcome(skipped=True, loss_scale=self.loss_scale, staleness=0)
         if replies is None:
             raise RuntimeError(f"worker {self.rank}: could not resync with the shards")
         self.clock += 1
-        self._pushed = self.clock
+        self.pushed = self.clock
         for i, r in enumerate(replies):
-            self._seen_versions[i] = max(self._seen_versions[i], r.version)
+            self.seen_versions[i] = max(self.seen_versions[i], r.version)
         if finite:
-            self.bytes_pushed += sum(b.numel() * b.element_size() for b in self._send.values())
+            self.bytes_pushed += sum(b.numel() * b.element_size() for b in self.send.values())
         # Clipping in rounds: every shard's part of the round's squared norm, the total
         # then going with the pull (ps/server/update/clipping.py).
-        self._clip_total, grad_norm = self._round_total(options)
+        self.clip_total, grad_norm = self.own.round_total(options)
         t1 = time.perf_counter()
-        self._tune_overlap(t1)  # the push has ended: pick the arm of what follows
-        in_background = self.overlap_pull and self._arm[1] and self.clock < self.total_steps
-        if self._early is not None:  # --early-pull: this push's pull is streaming already
-            wait = self._await_headers(self._early)
+        self.overlap.tune(t1)  # the push has ended: pick the arm of what follows
+        in_background = (
+            self.overlap.pull_enabled and self.overlap.arm[1] and self.clock < self.total_steps
+        )
+        if self.overlap.early is not None:  # --early-pull: this push's pull is streaming already
+            wait = self.overlap.await_headers(self.overlap.early)
             if not in_background:
-                self._await_pull()
-                self.gate.settle_device()
+                self.overlap.await_pull()
+                self.overlap.gate.settle_device()
         elif in_background:
-            wait = self._pull_in_background()
+            wait = self.overlap.pull_in_background()
         else:
-            wait = self._pull_resyncing()  # the last step: everything lands before eval/save
+            wait = self.pull_resyncing()  # the last step: everything lands before eval/save
         t2 = time.perf_counter()
         staleness = max(int(r.staleness) for r in replies)
         if self.traits.shard_owns_loss_scale:
-            skipped = self._headers[0].skipped_rounds > self._skipped_seen
-            self._sync_scale()
+            skipped = self.headers[0].skipped_rounds > self.skipped_seen
+            self.sync_scale()
         else:
             skipped = not finite
             self._local_scale.update(overflow=skipped)
             self.loss_scale = self._local_scale.scale
-        self.buckets.begin_step()
+        self.overlap.buckets.begin_step()
         return StepOutcome(
             skipped=skipped,
             loss_scale=self.loss_scale,
@@ -472,59 +475,55 @@ class PSBackend(OverlapMixin, ResyncMixin, LocalMixin, OwnLoopMixin, ElasticMixi
             },
         )
 
-    def _sync_scale(self) -> None:
-        self._skipped_seen = self._headers[0].skipped_rounds
-        self.loss_scale = self._headers[0].loss_scale
+    def sync_scale(self) -> None:
+        self.skipped_seen = self.headers[0].skipped_rounds
+        self.loss_scale = self.headers[0].loss_scale
 
-    def _pull_resyncing(self) -> float:
+    def pull_resyncing(self) -> float:
         """_pull, re-registering first whenever a shard asks for it."""
         for _ in range(_MAX_RESYNCS):
             try:
                 return self._pull()
             except NeedsResync as e:
-                self._resync(fresh=False, cause=e, pushed=self._pushed)
+                self.faults.resync(fresh=False, cause=e, pushed=self.pushed)
         raise RuntimeError(f"worker {self.rank}: could not resync with the shards")
 
     def _pull(self) -> float:
         """Pull the newest weights this worker may see; returns seconds spent waiting."""
-        self._await_pull()
-        self.gate.settle_host()  # CUDA: the last copies out of the host buffers are done
+        self.overlap.await_pull()
+        self.overlap.gate.settle_host()  # CUDA: the last copies out of the host buffers are done
         dtype = self.precision.weights
         headers = self.client.pull(
-            clock=self.clock, dtype=dtype, out=self._recv, clip_total_sq=self._clip_total
+            clock=self.clock, dtype=dtype, out=self.recv, clip_total_sq=self.clip_total
         )
-        self._took_headers(headers)
-        self.gate.loaded_all()
+        self.took_headers(headers)
+        self.overlap.gate.loaded_all()
         # The shards answer only once the round/bound allows: time to the first reply
         # message is the wait; the rest of the pull is the transfer.
         return self.client.last_pull_wait_s
 
-    def _took_headers(self, headers: list[PullHeader]) -> None:
+    def took_headers(self, headers: list[PullHeader]) -> None:
         dtype = self.precision.weights
-        self._headers = headers
-        self.versions = [h.version for h in self._headers]
-        self._seen_versions = [
-            max(a, b) for a, b in zip(self._seen_versions, self.versions, strict=True)
+        self.headers = headers
+        self.versions = [h.version for h in self.headers]
+        self.seen_versions = [
+            max(a, b) for a, b in zip(self.seen_versions, self.versions, strict=True)
         ]
         self.bytes_pulled += sum(s.numel for s in self.slots) * dtype.itemsize
-        if self.int_buffers and self._headers:
-            self.int_buffers.load(self._headers[0].int_buffers)  # shard 0's: rank 0's
-        if self.deals_data and self._headers:  # shard 0 deals the next push's batches
-            deal = (self.clock + 1, tuple(self._headers[0].batches))
-            if deal != self._deal:
-                self._deal, self._deal_used = deal, 0
-            self.world_size_now = self._headers[0].live_workers
-            self.metrics.set_world_size(self.world_size_now)
+        if self.int_buffers and self.headers:
+            self.int_buffers.load(self.headers[0].int_buffers)  # shard 0's: rank 0's
+        if self.elastic.deals_data and self.headers:  # shard 0 deals the next push's batches
+            self.elastic.took_header(self.headers[0])
         if self.traits.shard_owns_loss_scale:
-            self.loss_scale = self._headers[0].loss_scale
+            self.loss_scale = self.headers[0].loss_scale
 
-    def _load_slot(self, key: str) -> Any:
+    def load_slot(self, key: str) -> Any:
         """A pulled slot is in its host buffer: copy it to its parameter (CUDA)."""
-        return self.io.load_in(self._views[key], self._recv[key], after=self._bwd_done)
+        return self.io.load_in(self._views[key], self.recv[key], after=self._bwd_done)
 
     def state_dict(self) -> dict[str, Any]:
-        self._await_pull()
-        self.gate.settle_device()
+        self.overlap.await_pull()
+        self.overlap.gate.settle_device()
         state = state_to_host(self.model.state_dict())
         if self.sparse:  # the worker holds no tables: fetch them from the shards
             state = self.sparse.fill_state(state)
@@ -538,27 +537,43 @@ class PSBackend(OverlapMixin, ResyncMixin, LocalMixin, OwnLoopMixin, ElasticMixi
             out[s.param].view(-1)[s.start : s.start + s.numel].copy_(full[s.key])
         return out
 
-    def report_extras(self) -> dict[str, Any]:
-        """For the run's report (Backend protocol): fault figures, the overlap run, and the
-        integer buffers this worker ended with (carried through shard 0's headers)."""
-        extras = {**self.fault_report(), **self.overlap_report(), **self.local_report()}
+    def comm_bytes(self) -> dict[str, int]:
+        """A PS worker sends its gradient once and receives the weights once (sparse
+        tables: the rows it pushed and pulled)."""
+        sparse = self.sparse.report() if getattr(self, "sparse", None) else {}
+        return {
+            "bytes_pushed": self.bytes_pushed,
+            "bytes_pulled": self.bytes_pulled,
+            "bytes_sent": self.bytes_pushed + sparse.get("sparse_bytes_pushed", 0),
+            "bytes_received": self.bytes_pulled + sparse.get("sparse_bytes_pulled", 0),
+        }
+
+    def remote_optimizer_state(self) -> dict[str, dict[str, torch.Tensor]] | None:
+        """The state of the user's optimizer where the shards hold it (Backend protocol;
+        backend_own.py)."""
+        return self.own.remote_state()
+
+    def report(self, *, final: bool = False) -> dict[str, Any]:
+        """The bytes (Backend protocol); `final`: then the shards' figures (rank 0), the
+        fault figures, the overlap run, and the integer buffers this worker ended with
+        (carried through shard 0's headers)."""
+        out: dict[str, Any] = self.comm_bytes()
+        if not final:
+            return out
+        out["shards"] = self.client.stats() if self.rank == 0 else []
+        out.update(self.faults.report())
+        out.update(self.overlap.report())
+        out.update(self.local.report() if self.local is not None else {})
         if self.int_buffers:
-            extras["int_buffers"] = {k: list(v) for k, v in self.int_buffers.values().items()}
-        return extras
+            out["int_buffers"] = {k: list(v) for k, v in self.int_buffers.values().items()}
+        return out
 
-    def shard_stats(self) -> list[dict[str, Any]]:
-        return self.client.stats()
-
-    def abort(self) -> None:
-        self.buckets.abort()  # push streams end without a verdict: the shards refuse them
-        self.client.close()  # in-flight pulls and pushes end (cancelled)
-
-    def finish(self) -> None:
-        self._await_pull()
-        self.buckets.detach()
-        self.gate.detach()
-        self._push_pool.shutdown(wait=False)
-        self._pull_pool.shutdown(wait=False)
-        if not self.left_job:
+    def finish(self, *, failed: bool = False) -> None:
+        if failed:
+            self.overlap.close(failed=True)
+            self.client.close()  # in-flight pulls and pushes end (cancelled)
+            return
+        self.overlap.close()
+        if not self.elastic.left_job:
             self.client.leave()
         self.client.close()

@@ -3,8 +3,9 @@
 batch ids shard 0 deals with each pull (the data follows membership), and leaving the job
 once its data is dealt or the worker was told to stop (SIGTERM).
 
-A mixin of ps/client/backend.py's PSBackend, which provides the client, rank, clock,
-local SGD state, pulls and the worker's config.
+A part of ps/client/backend.py's PSBackend (it holds one as `elastic`; in an elastic job
+it is also the backend's `dealer`, trainkit/backend.py), which provides the client, rank,
+clock, local SGD part, pulls and the worker's config.
 """
 
 from __future__ import annotations
@@ -17,86 +18,87 @@ from typing import Any
 import grpc
 
 from psar.ps.client.errors import PSClientError
+from psar.ps.headers import PullHeader
 from psar.ps.job import Job
 
 log = logging.getLogger("psar.ps")
 
 
-class ElasticMixin:
-    """Needs PSBackend's cfg, client, rank, clock, local, instance, world_size and
-    _await_pull."""
+class Elastic:
+    """Membership and dealt data. `backend`: the PSBackend (typed Any: in ps/ an import of
+    the backend here, even for annotations, would be a cycle)."""
 
-    cfg: Any
-    client: Any
-    rank: int
-    clock: int
-    local: Any
-    instance: str
-    world_size: int
-
-    _await_pull: Any  # OverlapMixin's
-
-    def _init_elastic(self, cfg: Any, world_size: int) -> None:
-        """The elastic state, empty (PSBackend's constructor)."""
-        self.deals_data = cfg.elastic
+    def __init__(self, backend: Any, cfg: Any, world_size: int) -> None:
+        self.b = backend
+        self.deals_data: bool = cfg.elastic
         """An elastic job: shard 0 deals this worker's batches (docs/elastic.md)."""
-        self._data_plan: tuple[int, str] = (0, "")
+        self.data_plan: tuple[int, str] = (0, "")
         """Elastic data, rank 0: (the job's batch ids, how ids map to samples)."""
-        self._deal: tuple[int, tuple[int, ...]] = (0, ())
+        self.deal: tuple[int, tuple[int, ...]] = (0, ())
         """Elastic data: (clock, the batch ids of that push's steps), from shard 0's last
         pull header (--mode local: the H inner steps of an outer round)."""
-        self._deal_used = 0
+        self.deal_used = 0
         """--mode local: ids of the deal the inner steps took so far."""
-        self._join_clock = 0
+        self.join_clock = 0
         """--join: the clock shard 0 said to register with (sync: the round after the
         open one; async/ssp: the slowest live worker's)."""
-        self._given_rank = False
+        self.given_rank = False
         """--join without --rank: shard 0 gave this worker its rank."""
         self.left_job = False
         self.world_size_now = world_size
         """The shards' live workers at the last pull (the job's size now)."""
 
+    def took_header(self, header: PullHeader) -> None:
+        """Shard 0's header of a pull: the batches of the next push, the job's size."""
+        b = self.b
+        deal = (b.clock + 1, tuple(header.batches))
+        if deal != self.deal:
+            self.deal, self.deal_used = deal, 0
+        self.world_size_now = header.live_workers
+        b.metrics.set_world_size(self.world_size_now)
+
     def plan_data(self, total_batches: int, stream: str) -> None:
         """Elastic data (Backend protocol): the job's batch ids, 0..total_batches-1, and how
         the workers map ids to samples (`stream`: a job whose workers disagree is refused).
         Rank 0 tells the shards with the job."""
-        self._data_plan = (total_batches, stream)
+        self.data_plan = (total_batches, stream)
 
     def next_batches(self, *, stop: bool = False) -> list[int] | None:
         """Elastic data (Backend protocol): the batch ids of the next step, dealt by shard
         0 with the last pull; None when the job's data is all dealt or `stop` (SIGTERM:
         leave after the step just done). Either way this worker leaves the job now: a
         sync round no longer waits for it, and what it was dealt goes to the others."""
-        clock, ids = self._deal
-        mid_round = self.local is not None and 0 < self._deal_used < len(ids)
-        if (not stop or mid_round) and clock == self.clock + 1 and self._deal_used < len(ids):
-            if self.local is None:
+        b = self.b
+        clock, ids = self.deal
+        mid_round = b.local is not None and 0 < self.deal_used < len(ids)
+        if (not stop or mid_round) and clock == b.clock + 1 and self.deal_used < len(ids):
+            if b.local is None:
                 return list(ids)  # a step whose push did not go out takes them again
             # --mode local leaves at an outer round's end: its inner steps count.
-            take = ids[self._deal_used : self._deal_used + self.cfg.grad_accum]
-            self._deal_used += len(take)
+            take = ids[self.deal_used : self.deal_used + b.cfg.grad_accum]
+            self.deal_used += len(take)
             return list(take)
         if not self.left_job:
             why = "asked to stop" if stop else "the job's data is all dealt"
-            log.info("worker %d: %s; leaving the job after step %d", self.rank, why, self.clock)
+            log.info("worker %d: %s; leaving the job after step %d", b.rank, why, b.clock)
             self._leave_job()
         return None
 
     def _leave_job(self) -> None:
-        self._await_pull()
-        self.client.leave()
+        self.b.overlap.await_pull()
+        self.b.client.leave()
         self.left_job = True
 
     def _join_when_room(self) -> dict[str, Any]:
         """Shard 0's Join, waiting up to --timeout-s while the job holds its --max-workers
         workers (a killed worker's rank is free once its lease runs out; a worker started
         to replace it should wait for that, not fail)."""
-        bound = self.cfg.ps.timeout_s
+        bound = self.b.cfg.ps.timeout_s
         deadline = time.monotonic() + bound
         said = 0.0
         while True:
             try:
-                return self.client.join(self.instance)
+                return self.b.client.join(self.b.instance)
             except PSClientError as e:
                 if e.code != grpc.StatusCode.RESOURCE_EXHAUSTED or time.monotonic() > deadline:
                     raise
@@ -105,7 +107,7 @@ class ElasticMixin:
                     said = time.monotonic()
                 time.sleep(0.5)
 
-    def _enter_running_job(self, jobs: list[Job], served: Job) -> list[Job]:
+    def enter_running_job(self, jobs: list[Job], served: Job) -> list[Job]:
         """--join: the job's size, length, data and schedule are the ones rank 0 chose
         (the shards hold them); without --rank, shard 0 gives this worker a free rank."""
         if not served.elastic:
@@ -113,12 +115,13 @@ class ElasticMixin:
                 f"--join: the job on the shards keeps its {served.num_workers} workers; start "
                 "it with --max-workers N (every worker) to let workers join it"
             )
-        if self.rank < 0:
+        b = self.b
+        if b.rank < 0:
             reply = self._join_when_room()
-            self.rank, self._join_clock = reply["worker"], reply["clock"]
-            self._given_rank = True
-            log.info("worker %d: joined a job of %d live workers", self.rank, reply["live_workers"])
-        self.world_size = served.num_workers
+            b.ctx = dataclasses.replace(b.ctx, rank=reply["worker"])
+            self.join_clock, self.given_rank = reply["clock"], True
+            log.info("worker %d: joined a job of %d live workers", b.rank, reply["live_workers"])
+        b.ctx = dataclasses.replace(b.ctx, world_size=served.num_workers)
         keep = ("num_workers", "max_workers", "data_batches")
         return [
             dataclasses.replace(

@@ -1,8 +1,9 @@
 """PSBackend's overlap of communication with compute (ps/client/overlap.py does the pieces).
 
-A mixin so ps/client/backend.py keeps to the step itself: the push opens from the first full
-gradient bucket during backward; the pull runs on in the background after step()
-returns, and the next forward waits only for the layers it reaches.
+A part of the PSBackend (it holds one as `overlap`, made in setup()), so
+ps/client/backend.py keeps to the step itself: the push opens from the first full gradient
+bucket during backward; the pull runs on in the background after step() returns, and the
+next forward waits only for the layers it reaches.
 """
 
 from __future__ import annotations
@@ -26,93 +27,86 @@ from psar.ps.headers import PullHeader
 log = logging.getLogger("psar.ps")
 
 
-class OverlapMixin:
-    """Needs PSBackend's client, params, slots, _send, _recv, versions, clock, ..."""
+class Overlap:
+    """The push buckets, the pull gate, the trial of arms and the threads that push and
+    pull. `backend`: the PSBackend whose client, slots, buffers and clock it works on
+    (typed Any: in ps/ an import of the backend here, even for annotations, would be a
+    cycle)."""
 
-    cfg: Any
-    client: Any
-    device: torch.device
-    sparse: Any
-    params: dict[str, torch.Tensor]
-    clock: int
-    rank: int
-    _clip_total: float | None
-
-    def _setup_overlap(self, model: torch.nn.Module) -> None:
-        ps = self.cfg.ps
+    def __init__(self, backend: Any, model: torch.nn.Module) -> None:
+        self.b = b = backend
+        ps = b.cfg.ps
         # Sparse row pushes must precede the dense push of their clock, so with sparse
         # tables the dense push starts after backward (ps/client/sparse_worker.py).
-        self.overlap = ps.overlap and not self.sparse
+        self.enabled = ps.overlap and not b.sparse
         self.buckets = PushBuckets(
-            self.params,
-            self.slots,
-            self._send,
-            num_shards=len(self.addresses),
+            b.params,
+            b.slots,
+            b.send,
+            num_shards=len(b.addresses),
             bucket_bytes=int(ps.bucket_mib * (1 << 20)),
-            on_first_bucket=self._first_bucket if self.overlap else lambda: None,
-            io=self.io,
-            buffers=self.buffers,
+            on_first_bucket=self._first_bucket if self.enabled else lambda: None,
+            io=b.io,
+            buffers=b.buffers,
         )
-        if self.sparse:
-            self.buckets.decide = lambda finite: self.sparse.push(
-                self.clock + 1, finite, self.loss_scale
-            )
+        if b.sparse:
+            self.buckets.decide = lambda finite: b.sparse.push(b.clock + 1, finite, b.loss_scale)
         # On CUDA pulled bytes land in pinned buffers; each slot goes to the device as
         # soon as it is complete, and forward waits for exactly the slots it reaches.
         # Early pulls land in host buffers too (a slot may arrive while backward still
         # runs), copied into the parameters once the round's header says they hold.
-        staged = self.io.cuda or self.early_pull
-        self.gate = PullGate(self.slots, self.io, self._load_slot if staged else None)
+        staged = b.io.cuda or b.early_pull
+        self.gate = PullGate(b.slots, b.io, b.load_slot if staged else None)
         self.gate.on_failure = self._recover_pull
-        self.overlap_pull = self.overlap and ps.pull_overlap
-        why = ungateable_reason(model) if self.overlap_pull else ""
+        self.pull_enabled = self.enabled and ps.pull_overlap
+        why = ungateable_reason(model) if self.pull_enabled else ""
         if why:
             # The gate could not make forward wait for every weight it reads: pulling
             # before forward keeps the bits those of a run without pull overlap.
             log.warning(
                 "worker %d: pull overlap off: %s, so forward's parameter reads cannot be "
                 "gated; pulling before each forward instead",
-                self.rank,
+                b.rank,
                 why,
             )
-            self.overlap_pull = False
+            self.pull_enabled = False
         # The trial's arms: what is configured first, then the cheaper ones.
-        arms: list[Arm] = [(True, True)] if self.overlap_pull else []
-        arms += [(True, False), (False, False)] if self.overlap else [(False, False)]
+        arms: list[Arm] = [(True, True)] if self.pull_enabled else []
+        arms += [(True, False), (False, False)] if self.enabled else [(False, False)]
         host = CoLocatedCPU(
             ps.overlap_host_busy,
-            cpu_compute=self.device.type == "cpu",
-            in_shared_memory=self.client.shards_in_shared_memory,
+            cpu_compute=b.device.type == "cpu",
+            in_shared_memory=b.client.shards_in_shared_memory,
         )
-        self.tuner = OverlapTuner(self.total_steps, ps.overlap_trial, arms, host=host)
+        self.tuner = OverlapTuner(b.total_steps, ps.overlap_trial, arms, host=host)
         self._step_index = 0
         self._step_started: float | None = None
-        self._arm: Arm = arms[0]
-        if self.overlap:
+        self.arm: Arm = arms[0]
+        if self.enabled:
             self.buckets.attach()
-        if self.overlap_pull:
-            self.gate.attach(model, {**self.params, **self.buffers})
+        if self.pull_enabled:
+            self.gate.attach(model, {**b.params, **b.buffers})
         self._push_pool = ThreadPoolExecutor(1, thread_name_prefix="psar-push")
         self._pull_pool = ThreadPoolExecutor(1, thread_name_prefix="psar-pull")
-        self._push_future: Future | None = None
-        self._pull_future: Future | None = None
-        self._early: _Pulling | None = None
+        self.push_future: Future | None = None
+        self.pull_future: Future | None = None
+        self.early: _Pulling | None = None
         """The early pull of the step whose push is streaming (--early-pull)."""
-        self._poisoned = False
+        self.poisoned = False
 
-    def _tune_overlap(self, now: float) -> None:
+    def tune(self, now: float) -> None:
         """This step's push has ended: time the interval since the last one ended and
         pick the arm of this step's pull and the next step's push (ps/client/overlap_tuner.py)."""
         t = self.tuner
         if self._step_started is not None and t.record(
-            self._step_index - 1, self._arm, now - self._step_started
+            self._step_index - 1, self.arm, now - self._step_started
         ):
-            (log.info if self.rank == 0 else log.debug)("worker %d: %s", self.rank, t.summary())
+            (log.info if self.b.rank == 0 else log.debug)("worker %d: %s", self.b.rank, t.summary())
         self._step_started = now
-        self._arm = t.arm(self._step_index)
+        self.arm = t.arm(self._step_index)
         self._step_index += 1
 
-    def overlap_report(self) -> dict[str, Any]:
+    def report(self) -> dict[str, Any]:
         """For the run's report: the overlap that ran, and the trial's figures."""
         t = self.tuner
         push, pull = t.decision if t.decision is not None else t.arms[0]
@@ -126,32 +120,32 @@ class OverlapMixin:
     def _first_bucket(self) -> None:
         """Backward filled its first bucket: stream now, unless this step's arm pushes
         after backward (the buckets wait in their queues for step())."""
-        if self._arm[0]:
-            self._start_push()
+        if self.arm[0]:
+            self.start_push()
 
-    def _start_push(self) -> None:
+    def start_push(self) -> None:
         """Open this step's push streams (from the first full bucket, during backward;
         else from step()). Once per step."""
-        if self._push_future is not None:
+        if self.push_future is not None:
             return
-        self._await_pull()  # the previous pull has landed everywhere (normally long ago)
-        if self._poisoned:
+        self.await_pull()  # the previous pull has landed everywhere (normally long ago)
+        if self.poisoned:
             return  # this step's gradient is never sent (see step())
-        self._push_future = self._push_pool.submit(
-            self.client.push,
-            clock=self.clock + 1,
-            base_versions=list(self.versions),
-            dtype=self.precision.wire,
-            loss_scale=self.loss_scale,
+        self.push_future = self._push_pool.submit(
+            self.b.client.push,
+            clock=self.b.clock + 1,
+            base_versions=list(self.b.versions),
+            dtype=self.b.precision.wire,
+            loss_scale=self.b.loss_scale,
             items=self.buckets.items,
-            int_buffers=self.int_buffers.values(),  # forward has counted this step
+            int_buffers=self.b.int_buffers.values(),  # forward has counted this step
         )
-        if self.early_pull:  # the pull of this very push, streaming back as slots apply
-            self._early = self._open_pull(self.clock + 1, early=True)
+        if self.b.early_pull:  # the pull of this very push, streaming back as slots apply
+            self.early = self._open_pull(self.b.clock + 1, early=True)
 
     def _open_pull(self, clock: int, *, early: bool = False) -> _Pulling:
         """Start a pull in the background (the gate closes on every slot)."""
-        p = _Pulling(len(self.addresses))
+        p = _Pulling(len(self.b.addresses))
 
         def ended(f: Future) -> None:
             if f.exception() is None:
@@ -162,59 +156,59 @@ class OverlapMixin:
 
         self.gate.begin()
         p.fut = self._pull_pool.submit(
-            self.client.pull,
+            self.b.client.pull,
             clock=clock,
-            dtype=self.precision.weights,
-            out=self._recv,
+            dtype=self.b.precision.weights,
+            out=self.b.recv,
             on_header=p.on_header,
             on_piece=self.gate.landed,
             early=early,
             cutter=p.cutters,
-            clip_total_sq=self._clip_total,  # clipping in rounds (backend_own.py)
+            clip_total_sq=self.b.clip_total,  # clipping in rounds (backend_own.py)
         )
         p.fut.add_done_callback(ended)
         return p
 
-    def _drop_early(self) -> None:
+    def drop_early(self) -> None:
         """This step's push failed: cut its early pull short (its round will not close
         with this push) and forget it; what it landed never reached the parameters."""
-        p, self._early = self._early, None
+        p, self.early = self.early, None
         if p is None:
             return
         for cut in p.cutters:
             cut()
         p.fut.exception()  # waits; its error is the push's to handle
 
-    def _pull_in_background(self) -> float:
+    def pull_in_background(self) -> float:
         """Start the pull and return once every shard's header is in (the round closed;
         the data follows while the next forward runs); returns the seconds waited."""
-        return self._await_headers(self._open_pull(self.clock))
+        return self.await_headers(self._open_pull(self.b.clock))
 
-    def _await_headers(self, p: _Pulling) -> float:
+    def await_headers(self, p: _Pulling) -> float:
         """Return once every shard's header of pull `p` is in; the seconds waited."""
         t0 = time.perf_counter()
         p.arrived.wait()
         fut = p.fut
         headers, waits = p.headers, p.waits
-        if p is self._early:  # its clock started with the push: time blocked here only
-            self._early = None
+        if p is self.early:  # its clock started with the push: time blocked here only
+            self.early = None
             waits = [time.perf_counter() - t0]
         if fut.done() and fut.exception() is not None:
             err = fut.exception()
             if not isinstance(err, NeedsResync):
                 raise err
             # Nothing ran on these weights yet: resync and pull again, in full.
-            self._resync(fresh=False, cause=err, pushed=self._pushed)
-            wait = self._pull_resyncing()
+            self.b.faults.resync(fresh=False, cause=err, pushed=self.b.pushed)
+            wait = self.b.pull_resyncing()
             self.gate.recovered()
             return wait
-        self._pull_future = fut
-        self._took_headers([h for h in headers if h is not None])
+        self.pull_future = fut
+        self.b.took_headers([h for h in headers if h is not None])
         return max(waits)
 
-    def _await_pull(self) -> None:
+    def await_pull(self) -> None:
         """Wait until the pull in flight (if any) has landed in full."""
-        fut = self._pull_future
+        fut = self.pull_future
         if fut is not None:
             fut.exception()  # waits
             self._recover_pull()
@@ -223,7 +217,7 @@ class OverlapMixin:
         """The background pull ended; if it failed, pull again in full (resyncing as the
         shards ask). If a forward already ran on part of its weights, this step's
         gradient is of mixed weights: it is not pushed (step() skips it)."""
-        fut, self._pull_future = self._pull_future, None
+        fut, self.pull_future = self.pull_future, None
         if fut is None:
             return
         err = fut.exception()
@@ -231,11 +225,23 @@ class OverlapMixin:
             return
         if not isinstance(err, NeedsResync):
             raise err
-        self._poisoned = self._poisoned or self.gate.consumed
-        log.warning("worker %d: pull failed mid-transfer (%s); pulling again", self.rank, err)
-        self._resync(fresh=False, cause=err, pushed=self._pushed)
-        self._pull_resyncing()
+        self.poisoned = self.poisoned or self.gate.consumed
+        log.warning("worker %d: pull failed mid-transfer (%s); pulling again", self.b.rank, err)
+        self.b.faults.resync(fresh=False, cause=err, pushed=self.b.pushed)
+        self.b.pull_resyncing()
         self.gate.recovered()
+
+    def close(self, *, failed: bool = False) -> None:
+        """The run ended: the last pull lands, the hooks come off, the threads end.
+        `failed`: push streams end without a verdict (the shards refuse them)."""
+        if failed:
+            self.buckets.abort()
+            return
+        self.await_pull()
+        self.buckets.detach()
+        self.gate.detach()
+        self._push_pool.shutdown(wait=False)
+        self._pull_pool.shutdown(wait=False)
 
 
 class _Pulling:

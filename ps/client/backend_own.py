@@ -3,8 +3,8 @@ optimizer shipped to the shards (its class, each parameter group's hyper-paramet
 state), each step's learning rates and clipping (psar.trainkit.optim.StepOptions), and the
 optimizer's state read back for `optimizer.state_dict()`.
 
-A mixin of ps/client/backend.py's PSBackend, which provides the client, slots, params,
-traits, loss scale and clock.
+A part of ps/client/backend.py's PSBackend (it holds one as `own`), which provides the
+client, slots, params, traits, loss scale and clock.
 """
 
 from __future__ import annotations
@@ -64,26 +64,24 @@ class OwnOptimizer:
         )
 
 
-class OwnLoopMixin:
-    """Needs PSBackend's client, slots, params, traits, loss_scale and clock."""
+class OwnLoopPart:
+    """The user's optimizer on the shards, and each step's options. `backend`: the
+    PSBackend (typed Any: in ps/ an import of the backend here, even for annotations,
+    would be a cycle)."""
 
-    own: OwnOptimizer | None
-    client: Any
-    slots: list[Slot]
-    params: dict[str, torch.Tensor]
-    traits: Any
-    loss_scale: float
-    clock: int
-    _await_pull: Any
+    def __init__(self, backend: Any) -> None:
+        self.b = backend
+        self.optimizer: OwnOptimizer | None = None
+        """A worker's own loop: the user's optimizer the shards run (setup() on)."""
 
-    def _init_state(self) -> dict[str, dict[str, torch.Tensor]] | None:
+    def init_state(self) -> dict[str, dict[str, torch.Tensor]] | None:
         """The user's optimizer state by slot, for rank 0's Init (a resumed loop)."""
-        if self.own is None or not self.own.optimizer.state:
+        if self.optimizer is None or not self.optimizer.optimizer.state:
             return None
-        state = self.own.optimizer.state
+        state = self.optimizer.optimizer.state
         out: dict[str, dict[str, torch.Tensor]] = {}
-        for s in self.slots:
-            p = self.params.get(s.param)
+        for s in self.b.slots:
+            p = self.b.params.get(s.param)
             if p is None or p not in state:
                 continue
             values = {}
@@ -103,15 +101,16 @@ class OwnLoopMixin:
             out[s.key] = values
         return out
 
-    def remote_optimizer_state(self) -> dict[str, dict[str, torch.Tensor]] | None:
+    def remote_state(self) -> dict[str, dict[str, torch.Tensor]]:
         """The optimizer state the shards hold, by parameter name, in each parameter's
         shape (0-d values, AdamW's step, as they are): what torch's optimizer of the same
-        class would hold after the same steps (Backend protocol)."""
-        self._await_pull()
-        by_slot = self.client.optimizer_state()
+        class would hold after the same steps."""
+        b = self.b
+        b.overlap.await_pull()
+        by_slot = b.client.optimizer_state()
         out: dict[str, dict[str, torch.Tensor]] = {}
-        for s in self.slots:
-            p = self.params.get(s.param)
+        for s in b.slots:
+            p = b.params.get(s.param)
             if p is None:
                 continue  # a buffer slot: no optimizer state
             for name, v in by_slot.get(s.key, {}).items():
@@ -123,32 +122,33 @@ class OwnLoopMixin:
                     mine[name] = torch.zeros(p.numel())
                 mine[name][s.start : s.start + s.numel].copy_(v)
         return {
-            n: {k: v if v.dim() == 0 else v.view_as(self.params[n]) for k, v in d.items()}
+            n: {k: v if v.dim() == 0 else v.view_as(b.params[n]) for k, v in d.items()}
             for n, d in out.items()
         }
 
-    def _step_options(self, options: StepOptions | None) -> StepOptions | None:
+    def step_options(self, options: StepOptions | None) -> StepOptions | None:
         """This step's options as the shards take them: in modes without rounds a push is
         the update, clipped by the norm of this worker's own gradient (sent along)."""
-        if options is None or options.clip_norm <= 0 or self.traits.rounds:
+        b = self.b
+        if options is None or options.clip_norm <= 0 or b.traits.rounds:
             return options
-        norms = [torch.linalg.vector_norm(p.grad.float()) for p in self.params.values()
+        norms = [torch.linalg.vector_norm(p.grad.float()) for p in b.params.values()
                  if p.grad is not None]  # fmt: skip
         # As clip_grad_norm_ takes it: the norm of the per-parameter norms.
         norm = float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0
-        norm /= self.loss_scale
+        norm /= b.loss_scale
         # A non-finite norm is an overflow: the push says so, and is dropped.
         return dataclasses.replace(options, grad_norm=norm if math.isfinite(norm) else 0.0)
 
-    def _round_total(self, options: StepOptions | None) -> tuple[float | None, float | None]:
+    def round_total(self, options: StepOptions | None) -> tuple[float | None, float | None]:
         """After this step's push, with clipping: (the round's squared norm over every
         shard to send with the pull, its norm) in modes with rounds; (None, the worker's
         own norm) in the others; (None, None) without clipping."""
         if options is None or options.clip_norm <= 0:
             return None, None
-        if not self.traits.rounds:
+        if not self.b.traits.rounds:
             return None, options.grad_norm
-        parts = self.client.round_norm(self.clock)
+        parts = self.b.client.round_norm(self.b.clock)
         total = 0.0
         for part, _skipped in parts:  # shard order: the same sum on every worker
             total += part

@@ -1,9 +1,10 @@
 """PSBackend's fault handling: re-registering with the shards (docs/reliability.md).
 
-A mixin so ps/client/backend.py keeps to the step itself. When a shard says it was restored
-or rolled back, or that the worker's lease expired, the worker re-registers
-(`_resync`); in sync mode it first rolls every shard back to the same checkpointed
-round, so the job stays consistent.
+A part of the PSBackend (it holds one as `faults`), so ps/client/backend.py keeps to the
+step itself. When a shard says it was restored or rolled back, or that the worker's lease
+expired, the worker re-registers (`resync`); in sync mode it first rolls every shard back
+to the same checkpointed round, so the job stays consistent. The part keeps the fault
+figures the report shows.
 """
 
 from __future__ import annotations
@@ -12,32 +13,35 @@ import logging
 from typing import Any
 
 from psar.ps.client.errors import NeedsResync
-from psar.ps.job import ModeTraits
 
 log = logging.getLogger("psar.ps")
 _MAX_RESYNCS = 50
 
 
-class ResyncMixin:
-    """Needs: client, traits, rank, clock, versions, addresses, _send, _push_args,
-    _known_restores, _seen_versions, restores, rolled_back_updates, unsent_steps, resyncs,
-    rejoined, instance (set by PSBackend)."""
+class Resync:
+    """Re-registering, and the fault figures. `backend`: the PSBackend whose client,
+    clock, versions and send buffers it works on (typed Any: in ps/ an import of the
+    backend here, even for annotations, would be a cycle)."""
 
-    client: Any
-    traits: ModeTraits
-    rank: int
-    clock: int
-    _join_clock: int
-    _given_rank: bool
+    def __init__(self, backend: Any) -> None:
+        self.b = backend
+        self.restores = 0
+        self.rolled_back_updates = 0
+        self.unsent_steps = 0
+        """Steps whose gradient was never pushed: a background pull broke after the step's
+        forward had used part of its weights (the clock stays; docs/reliability.md)."""
+        self.resyncs = 0
+        self.rejoined = False
+        self._known_restores: list[int] | None = None
 
     @property
     def _in_rounds(self) -> bool:
         """The shards update in rounds every worker joins (their mode's traits: sync, and
         local SGD's outer rounds): a restore is followed by every shard, and clocks count
         rounds."""
-        return self.traits.rounds
+        return self.b.traits.rounds
 
-    def _resync(
+    def resync(
         self, *, fresh: bool, cause: Exception | None = None, pushed: int | None = None
     ) -> None:
         """(Re-)register on every shard and agree on this worker's clock.
@@ -52,67 +56,69 @@ class ResyncMixin:
         push with its crash: the worker joins that open round and pushes it again.
         """
         if cause is not None:
-            log.warning("worker %d: %s; re-registering", self.rank, cause)
+            log.warning("worker %d: %s; re-registering", self.b.rank, cause)
             self.resyncs += 1
-        old_inc, old_clock = list(self.client.incarnations), self.clock
+        old_inc, old_clock = list(self.b.client.incarnations), self.b.clock
         for _ in range(_MAX_RESYNCS):
-            q = self.client.register(query=True)
+            q = self.b.client.register(query=True)
             if self._in_rounds:
                 flagged = [r["rounds"] for r in q if r["restored"]]
                 ahead = [r["shard"] for r in q if flagged and r["rounds"] > min(flagged)]
                 if ahead:
                     for i in ahead:
-                        self.client.rollback(i, min(flagged))
+                        self.b.client.rollback(i, min(flagged))
                     continue
                 clock = max([r["rounds"] for r in q] + [r["clock"] for r in q])
             else:
-                clock = max(r["clock"] for r in q) if fresh else self.clock
+                clock = max(r["clock"] for r in q) if fresh else self.b.clock
             if fresh:  # --join: where shard 0 said to enter (docs/elastic.md)
-                clock = max(clock, self._join_clock)
+                clock = max(clock, self.b.elastic.join_clock)
             lost = []
             if self._in_rounds and pushed is not None and pushed == clock:
                 lost = [r["shard"] for r in q if r["clock"] < clock and r["rounds"] == clock - 1]
             try:
                 regs = self._register(clock, lost)
                 if lost:
-                    self.client.push(
+                    self.b.client.push(
                         clock=clock,
                         base_versions=[r["version"] for r in q],
-                        grads=self._send,
+                        grads=self.b.send,
                         retry=True,
                         shards=lost,
-                        **self._push_args,
+                        **self.b.push_args,
                     )
             except NeedsResync as e:  # too late (the round closed meanwhile) or restored
-                log.info("worker %d: register: %s; again", self.rank, e)
+                log.info("worker %d: register: %s; again", self.b.rank, e)
                 continue
             break
         else:
-            raise RuntimeError(f"worker {self.rank}: could not register with the shards")
-        self.clock = clock
+            raise RuntimeError(f"worker {self.b.rank}: could not register with the shards")
+        self.b.clock = clock
         self.rejoined = self.rejoined or any(r["rejoined"] for r in regs)
         self._count_restores(regs, old_inc, old_clock, fresh)
-        self.versions = [min(v, r["version"]) for v, r in zip(self.versions, regs, strict=True)]
+        self.b.versions = [min(v, r["version"]) for v, r in zip(self.b.versions, regs, strict=True)]
 
     def _register(self, clock: int, rejoin_open: list[int]) -> list[dict[str, Any]]:
         """Register at `clock` everywhere, except on the shards in `rejoin_open`, where
         the worker joins the open round (clock - 1) to push it again."""
         if not rejoin_open:
-            joined = self._given_rank and not self.start_step and self.clock == 0
-            return self.client.register(clock=clock, instance=self.instance, joined=joined)
-        rest = [i for i in range(len(self.addresses)) if i not in rejoin_open]
+            joined = self.b.elastic.given_rank and not self.b.start_step and self.b.clock == 0
+            return self.b.client.register(clock=clock, instance=self.b.instance, joined=joined)
+        rest = [i for i in range(len(self.b.addresses)) if i not in rejoin_open]
         got = dict(
             zip(
                 rejoin_open,
-                self.client.register(clock=clock - 1, instance=self.instance, shards=rejoin_open),
+                self.b.client.register(
+                    clock=clock - 1, instance=self.b.instance, shards=rejoin_open
+                ),
                 strict=True,
             )
         )
         if rest:
-            regs = self.client.register(clock=clock, instance=self.instance, shards=rest)
+            regs = self.b.client.register(clock=clock, instance=self.b.instance, shards=rest)
             got.update(zip(rest, regs, strict=True))
-        log.warning("worker %d: re-pushing round %d to shards %s", self.rank, clock, rejoin_open)
-        return [got[i] for i in range(len(self.addresses))]
+        log.warning("worker %d: re-pushing round %d to shards %s", self.b.rank, clock, rejoin_open)
+        return [got[i] for i in range(len(self.b.addresses))]
 
     def _count_restores(
         self, regs: list[dict[str, Any]], old_inc: list[int], old_clock: int, fresh: bool
@@ -126,40 +132,30 @@ class ResyncMixin:
             return
         if any(r["restores"] > k for r, k in zip(regs, known, strict=True)):
             if self._in_rounds:
-                lost = max(0, old_clock - self.clock)
+                lost = max(0, old_clock - self.b.clock)
             else:
                 lost = max(
                     (
                         max(0, seen - r["version"])
-                        for seen, r, inc in zip(self._seen_versions, regs, old_inc, strict=True)
+                        for seen, r, inc in zip(self.b.seen_versions, regs, old_inc, strict=True)
                         if r["incarnation"] != inc
                     ),
                     default=0,
                 )
             self.restores += 1
             self.rolled_back_updates += lost
-            log.warning("worker %d: shards restored; %d updates rolled back", self.rank, lost)
-        self._seen_versions = [r["version"] for r in regs]
+            log.warning("worker %d: shards restored; %d updates rolled back", self.b.rank, lost)
+        self.b.seen_versions = [r["version"] for r in regs]
 
-    def fault_report(self) -> dict[str, Any]:
+    def report(self) -> dict[str, Any]:
         """Fault-tolerance figures for the run's report."""
+        b = self.b
         return {
-            "start_step": self.start_step,
+            "start_step": b.start_step,
             "restores": self.restores,
             "rolled_back_updates": self.rolled_back_updates,
             "unsent_steps": self.unsent_steps,
             "resyncs": self.resyncs,
             "rejoined": self.rejoined,
-            **(self.sparse.report() if self.sparse else {}),
-        }
-
-    def comm_bytes(self) -> dict[str, int]:
-        # A PS worker sends its gradient once and receives the weights once (sparse
-        # tables: the rows it pushed and pulled).
-        sparse = self.sparse.report() if getattr(self, "sparse", None) else {}
-        return {
-            "bytes_pushed": self.bytes_pushed,
-            "bytes_pulled": self.bytes_pulled,
-            "bytes_sent": self.bytes_pushed + sparse.get("sparse_bytes_pushed", 0),
-            "bytes_received": self.bytes_pulled + sparse.get("sparse_bytes_pulled", 0),
+            **(b.sparse.report() if b.sparse else {}),
         }
