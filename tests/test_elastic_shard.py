@@ -167,6 +167,20 @@ def test_a_joiner_never_replaces_a_rank_another_instance_holds(mode: str) -> Non
     assert st.instances[given] == "j" and st.instances[1] == "one"
 
 
+def test_a_joiners_rank_is_not_taken_over_by_a_plain_register_while_it_holds_it() -> None:
+    st, *_ = elastic_shard("async", 2, max_workers=3)
+    w = st.members.join("j")["worker"]
+    st.members.register(w, 0, instance="j", joined=True)
+    before = _membership(st)
+    with pytest.raises(FailedPrecondition, match="took it through Join"):
+        st.members.register(w, 0, instance="static")  # a fixed --rank process, say
+    assert _membership(st) == before and st.rejoins == 0
+    st.members.register(w, 0, instance="j")  # the joiner's own re-register: fine
+    st.members.leave(w, "j")
+    st.members.register(w, 0, instance="static")  # free once the joiner left
+    assert st.instances[w] == "static" and w in st.live
+
+
 # ---- sync: entering at a round boundary ----------------------------------------------------
 
 

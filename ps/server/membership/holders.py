@@ -9,9 +9,11 @@ Register with joined=true would replace a live rank's record. A refusal is
 FAILED_PRECONDITION (reason not_holder) and changes nothing: it is raised under the
 shard's lock before any state is touched.
 
-What stays open, by design: a Register without joined from a new instance takes the rank
-over (a restarted process of a fixed rank rejoins at once, even while its old lease
-holds: docs/reliability.md); the job's token is what keeps strangers from doing that.
+A Register without joined from a new instance takes the rank over (a restarted process
+of a fixed rank rejoins at once, even while its old lease holds: docs/reliability.md),
+except a rank a joiner took through Join while that joiner holds it (a restarted
+joiner asks Join again; it never comes back as its old rank). The job's token is what
+keeps strangers from taking a fixed rank over that way.
 """
 
 from __future__ import annotations
@@ -65,5 +67,21 @@ def check_joiner(d: ShardData, worker: int, instance: str) -> None:
             f"worker {worker} is held by another instance (live, waiting for its round, "
             "or given to another joiner): a joiner registers only the rank Join gave "
             "it; ask shard 0's Join for a rank. Nothing changed",
+            reason="not_holder",
+        )
+
+
+def check_takeover(d: ShardData, joined: dict[int, str], worker: int, instance: str) -> None:
+    """A Register without joined from another instance than the holder's: a restart of
+    a fixed rank (let through), unless a joiner took the rank through Join and holds it
+    now (live or waiting for its round): that one is not replaced."""
+    holder = d.instances.get(worker, "")
+    if not holder or instance == holder or joined.get(worker) != holder:
+        return
+    if worker in d.live or worker in d.joining:
+        raise FailedPrecondition(
+            f"worker {worker} is held by the joiner that took it through Join: another "
+            "instance may not register it; start a new worker with --join (it gets a free "
+            "rank). Nothing changed",
             reason="not_holder",
         )

@@ -28,7 +28,7 @@ from typing import Any
 
 from psar.ps.errors import Aborted, FailedPrecondition, InvalidArgument, ResourceExhausted
 from psar.ps.headers import PushHeader
-from psar.ps.server.membership.holders import check_holder, check_joiner
+from psar.ps.server.membership.holders import check_holder, check_joiner, check_takeover
 from psar.ps.server.modes.view import ShardView
 from psar.ps.server.state import ShardData
 
@@ -64,6 +64,9 @@ class Membership:
     def __init__(self, data: ShardData, view: ShardView) -> None:
         self.data = data
         self.view = view
+        self.joined: dict[int, str] = {}
+        """rank -> the instance that took it through Join (a Register with joined=true):
+        another instance may not take it over while it is live (holders.py)."""
 
     def check_worker(self, worker: int) -> None:
         job = self.data.require_job()
@@ -246,6 +249,8 @@ class Membership:
             rejoined = False
             if joined and not query:
                 check_joiner(d, worker, instance)
+            elif not query:
+                check_takeover(d, self.joined, worker, instance)
             if not query:
                 was_live = worker in d.live
                 old = d.instances.get(worker, "")
@@ -268,6 +273,8 @@ class Membership:
                 d.expired.discard(worker)
                 if instance:
                     d.instances[worker] = instance
+                if joined:
+                    self.joined[worker] = instance
             return {
                 "incarnation": d.incarnation,
                 "clock": d.clocks[worker],
