@@ -19,6 +19,18 @@ or in another PID namespace, finds no such segment and the connection keeps the 
 and never opens a file the worker names anywhere else. Segments are offered only without
 TLS: under TLS the user asked for the bytes to travel encrypted.
 
+**The segment must belong to the connecting peer** (`peer_holds`). A shard may be able
+to open far more /proc paths than the peer could (a root shard: every process's), so
+without this a local user who reaches the data port could make it read pushes from, and
+write pulls into, any other process's sealed memfd (a confused deputy, issue #45). So
+the process PID that the path names must hold the very socket of this connection: the
+peer's end is found in the kernel's TCP table (/proc/net/tcp and tcp6: the row whose
+local address is the connection's remote one and whose remote address is its local
+one gives the socket's inode), and /proc/PID/fd must hold `socket:[inode]`. A process
+holds another's socket only if that one handed it over, so the segment is the peer's.
+After the check the opened memfd is compared with what /proc/PID/fd/FD is now (the same
+file), so a PID that exited and was reused in between cannot pass.
+
 A segment is a ring. Each call (push or pull) numbers its bytes from 0 (`shm_at` in a
 frame is that number; the piece lies at HEADER + shm_at mod the ring's size, never
 across its end, 64-byte aligned), and its receiver, once it has copied a piece out,
@@ -35,6 +47,7 @@ import fcntl
 import mmap
 import os
 import re
+import socket
 import stat
 import struct
 import sys
@@ -108,9 +121,14 @@ class Segment:
         return seg
 
     @classmethod
-    def attach(cls, path: str, nonce: bytes, max_bytes: int = MAX_BYTES) -> Segment:
-        """A shard's view of a worker's segment; SegmentRefused says why not."""
-        if not _PATH.fullmatch(path):
+    def attach(
+        cls, path: str, nonce: bytes, peer: socket.socket, max_bytes: int = MAX_BYTES
+    ) -> Segment:
+        """A shard's view of the segment the peer of connection `peer` (the shard's end
+        of its TCP socket) offered; SegmentRefused says why not: among others, a
+        segment held by any process but the one holding the peer's end of `peer`."""
+        m = _PATH.fullmatch(path)
+        if not m:
             raise SegmentRefused(f"segment path {path[:80]!r} is not /proc/PID/fd/FD")
         if len(nonce) != NONCE_BYTES:
             raise SegmentRefused(f"segment nonce of {len(nonce)} bytes, not {NONCE_BYTES}")
@@ -119,7 +137,18 @@ class Segment:
         except OSError as e:
             raise SegmentRefused(f"cannot open {path} ({e.strerror}): not this host?") from None
         try:
+            if not peer_holds(int(m.group(1)), peer):
+                raise SegmentRefused(
+                    f"{path} is not the connecting peer's: process {m.group(1)} does not "
+                    "hold this connection's socket"
+                )
             st = os.fstat(fd)
+            try:
+                now = os.stat(path)
+            except OSError:
+                raise SegmentRefused(f"{path} went away while it was checked") from None
+            if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+                raise SegmentRefused(f"{path} changed while it was checked")
             if not stat.S_ISREG(st.st_mode):
                 raise SegmentRefused(f"{path} is not a memory file")
             try:
@@ -207,6 +236,71 @@ class Segment:
             self._map.close()
         except BufferError:  # a view of it is still alive somewhere: the GC unmaps it
             pass
+
+
+def peer_holds(pid: int, sock: socket.socket) -> bool:
+    """Does process `pid` hold the other end of TCP connection `sock` (this host, this
+    network namespace)? False where that cannot be established (not TCP, no such row,
+    a process whose fds this one may not list)."""
+    try:
+        local, remote = sock.getsockname(), sock.getpeername()
+    except OSError:
+        return False
+    if sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return False
+    # The peer's socket: its local address is our remote one, its remote ours.
+    want = (_packed(remote[0]), remote[1], _packed(local[0]), local[1])
+    inode = _tcp_inode(want)
+    if not inode:
+        return False
+    link = f"socket:[{inode}]"
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}") == link:
+                return True
+        except OSError:  # closed meanwhile
+            continue
+    return False
+
+
+_V4_MAPPED = bytes(10) + b"\xff\xff"
+
+
+def _packed(ip: str) -> bytes:
+    """An address as 4 bytes (IPv4, and IPv4-mapped IPv6) or 16."""
+    ip = ip.split("%", 1)[0]
+    raw = socket.inet_pton(socket.AF_INET6 if ":" in ip else socket.AF_INET, ip)
+    return raw[12:] if raw[:12] == _V4_MAPPED else raw
+
+
+def _table_address(text: str) -> tuple[bytes, int]:
+    """/proc/net/tcp's HEX:PORT: the address as 32-bit words in host byte order."""
+    hexaddr, port = text.split(":")
+    raw = b"".join(
+        int(hexaddr[i : i + 8], 16).to_bytes(4, sys.byteorder) for i in range(0, len(hexaddr), 8)
+    )
+    return (raw[12:] if raw[:12] == _V4_MAPPED else raw), int(port, 16)
+
+
+def _tcp_inode(want: tuple[bytes, int, bytes, int]) -> int:
+    """The inode of the TCP socket whose (local, remote) addresses are `want`; 0: none."""
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                next(f, None)  # the column names
+                for line in f:
+                    fields = line.split()
+                    if len(fields) < 10:
+                        continue
+                    if (*_table_address(fields[1]), *_table_address(fields[2])) == want:
+                        return int(fields[9])
+        except (OSError, ValueError):
+            continue
+    return 0
 
 
 def copy(dst: torch.Tensor, data: memoryview, dst_view: memoryview) -> None:

@@ -194,7 +194,10 @@ def test_the_ring_reuses_what_the_receiver_has_read() -> None:
     """The sender places a piece only over bytes the receiver has read, never across the
     ring's end; with no room it says so (the piece then goes in the socket)."""
     seg = Segment.create(256)
-    peer = Segment.attach(seg.path, seg.nonce)  # the receiver's own mapping
+    listener = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(listener.getsockname())
+    conn, _ = listener.accept()
+    peer = Segment.attach(seg.path, seg.nonce, conn)  # the receiver's own mapping
     try:
         assert bytes(seg.view[: shm.NONCE_BYTES]) == seg.nonce
         seg.begin()
@@ -218,10 +221,12 @@ def test_the_ring_reuses_what_the_receiver_has_read() -> None:
         with pytest.raises(ValueError, match="inside the shared segment's ring"):
             peer.get(0, 257)
         with pytest.raises(SegmentRefused, match="not /proc"):
-            Segment.attach("/dev/shm/x", seg.nonce)
+            Segment.attach("/dev/shm/x", seg.nonce, conn)
     finally:
         peer.close()
         seg.close()
+        for sock in (conn, client, listener):
+            sock.close()
 
 
 def test_a_small_ring_carries_a_model_larger_than_itself() -> None:

@@ -112,6 +112,75 @@ def test_a_joiner_is_not_counted_as_a_rejoin_even_on_a_used_rank() -> None:
     assert st.rejoins == 0 and 1 in st.live
 
 
+# ---- a rank belongs to the instance that registered it (issue #45) ----------------------------
+
+
+def _membership(st: ShardState) -> tuple:
+    return (sorted(st.live), sorted(st.left), dict(st.joining), dict(st.instances), st.leaves)
+
+
+def test_only_the_ranks_holder_may_leave_it() -> None:
+    st, *_ = elastic_shard("async", 2)
+    st.members.register(0, 0, instance="zero")
+    st.members.register(1, 0, instance="one")
+    before = _membership(st)
+    for who in ("", "zero", "intruder"):  # no instance, another worker's, a stranger's
+        with pytest.raises(FailedPrecondition, match="instance") as e:
+            st.members.leave(1, who)
+        assert e.value.reason == "not_holder"
+        assert _membership(st) == before  # refused: nothing changed
+    assert st.members.leave(1, "one") == 1 and st.live == {0}
+    assert st.members.leave(1, "one") == 1  # its retry is harmless
+
+
+def test_a_stale_leave_of_a_previous_holder_is_refused() -> None:
+    st, *_ = elastic_shard("async", 2, max_workers=2)
+    st.members.register(1, 0, instance="old")
+    st.members.leave(1, "old")
+    w = st.members.join("new")["worker"]
+    st.members.register(w, 0, instance="new", joined=True)
+    before = _membership(st)
+    with pytest.raises(FailedPrecondition, match="another instance"):
+        st.members.leave(1, "old")  # the old holder's Leave, arriving late
+    assert _membership(st) == before and 1 in st.live
+
+
+def test_a_rank_nobody_registered_cannot_be_left() -> None:
+    st, *_ = elastic_shard("async", 2)
+    with pytest.raises(FailedPrecondition, match="no registered instance"):
+        st.members.leave(1, "anyone")
+    assert st.live == {0, 1} and st.leaves == 0
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_joiner_never_replaces_a_rank_another_instance_holds(mode: str) -> None:
+    st, *_ = elastic_shard(mode, 2, max_workers=4)
+    st.members.register(1, 0, instance="one")
+    given = st.members.join("j")["worker"]  # rank 2, reserved for "j"
+    before = _membership(st)
+    for rank, who in ((1, "j"), (1, "intruder"), (given, "intruder"), (given, ""), (0, "j")):
+        with pytest.raises(FailedPrecondition, match="joined=true|another instance"):
+            st.members.register(rank, 0, instance=who, joined=True)
+        assert _membership(st) == before  # refused: nothing changed
+    st.members.register(given, 0, instance="j", joined=True)  # the joiner itself
+    st.members.register(given, 0, instance="j", joined=True)  # and its retry
+    assert st.instances[given] == "j" and st.instances[1] == "one"
+
+
+def test_a_joiners_rank_is_not_taken_over_by_a_plain_register_while_it_holds_it() -> None:
+    st, *_ = elastic_shard("async", 2, max_workers=3)
+    w = st.members.join("j")["worker"]
+    st.members.register(w, 0, instance="j", joined=True)
+    before = _membership(st)
+    with pytest.raises(FailedPrecondition, match="took it through Join"):
+        st.members.register(w, 0, instance="static")  # a fixed --rank process, say
+    assert _membership(st) == before and st.rejoins == 0
+    st.members.register(w, 0, instance="j")  # the joiner's own re-register: fine
+    st.members.leave(w, "j")
+    st.members.register(w, 0, instance="static")  # free once the joiner left
+    assert st.instances[w] == "static" and w in st.live
+
+
 # ---- sync: entering at a round boundary ----------------------------------------------------
 
 

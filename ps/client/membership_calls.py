@@ -1,4 +1,5 @@
-"""PSClient's membership calls: Register, Rollback, Heartbeat (docs/reliability.md), and
+"""PSClient's membership calls: Register, Join, Leave, Rollback, Heartbeat
+(docs/reliability.md, docs/elastic.md), and
 rank 0's report that it could not initialise the shards (ReportInitFailure).
 
 A mixin of psar.ps.client.psclient.PSClient, which provides the stubs, `_retrying`, `_each`,
@@ -37,6 +38,9 @@ class MembershipCalls:
     incarnations: list[int]
     lease_s: float
     worker: int
+    instance: str = ""
+    """The instance this client last registered or joined as: its Leave names it (a shard
+    refuses a Leave from anyone but the rank's holder)."""
 
     def register(
         self,
@@ -50,6 +54,8 @@ class MembershipCalls:
         """Register (or with query, only read the record) on every shard or `shards`.
         Each reply's incarnation becomes the one this client's requests carry. joined:
         this worker's rank came from Join (a new worker, never counted as a rejoin)."""
+        if instance and not query:
+            self.instance = instance
 
         def one(i: int) -> dict[str, Any]:
             req = pb.RegisterRequest(
@@ -85,7 +91,20 @@ class MembershipCalls:
             ),
         )
         self.worker = r.worker
+        self.instance = instance
         return {"worker": r.worker, "live_workers": r.live_workers, "clock": r.clock}
+
+    def leave(self) -> None:
+        """Tell every shard this worker is done, so nobody waits for it. It names the
+        instance this client registered as: only the rank's holder may leave it."""
+        req = pb.LeaveRequest(worker=self.worker, instance=self.instance)
+
+        def one(i: int) -> Any:
+            return self._retrying(
+                i, lambda _r: self._stubs[i].Leave(req, timeout=self.cfg.timeout_s)
+            )
+
+        self._each(one)
 
     def rollback(self, shard: int, max_round: int) -> dict[str, Any]:
         """sync: roll `shard` back to its newest checkpoint at a round <= max_round."""

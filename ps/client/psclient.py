@@ -413,19 +413,6 @@ class PSClient(DataPlaneCalls, MembershipCalls, OptimizerCalls):
         self.last_pull_wait_s = max(waits)
         return headers
 
-    def leave(self) -> None:
-        """Tell every shard this worker is done, so nobody waits for it."""
-
-        def one(i: int) -> Any:
-            return self._retrying(
-                i,
-                lambda _r: self._stubs[i].Leave(
-                    pb.LeaveRequest(worker=self.worker), timeout=self.cfg.timeout_s
-                ),
-            )
-
-        self._each(one)
-
     def close(self) -> None:
         self._beat_stop.set()
         self.waits.close()

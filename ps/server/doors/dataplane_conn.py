@@ -213,13 +213,14 @@ class _Connection:
         self.metrics.data_connection("shm" if self.segment is not None else "socket")
 
     def _attach(self, path: str, nonce: bytes) -> bool:
-        """The worker's shared-memory segment, where this shard may and can attach: a
-        segment refused is not an error (another host, another PID namespace), the
-        connection keeps the socket."""
+        """The worker's shared-memory segment, where this shard may and can attach and
+        the segment is the connecting peer's own (ps/shm.py: the process the path names
+        holds this connection's socket): a segment refused is not an error (another
+        host, another PID namespace), the connection keeps the socket."""
         if not self.server.shm or self.server.tls:
             return False
         try:
-            self.segment = shm.Segment.attach(path, nonce)
+            self.segment = shm.Segment.attach(path, nonce, self.sock)
         except shm.SegmentRefused:
             self.server._count("shm_refused")
             return False

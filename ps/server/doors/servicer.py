@@ -366,7 +366,9 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
 
     def Leave(self, request: pb.LeaveRequest, context: grpc.ServicerContext) -> Any:
         try:
-            return pb.LeaveReply(live_workers=self.state.members.leave(request.worker))
+            return pb.LeaveReply(
+                live_workers=self.state.members.leave(request.worker, request.instance)
+            )
         except PSError as e:
             self._fail(context, "Leave", e)
 

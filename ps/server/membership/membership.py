@@ -15,6 +15,8 @@ public method. The rules, per mode (docs/reliability.md has the whole protocol):
   adds it at the same round boundary.
 - Join (elastic jobs, shard 0): a new worker is given a free rank, then registers with it
   on every shard as above (docs/elastic.md).
+- A rank belongs to the instance that registered it: a Leave naming another instance,
+  and a joiner's Register for a rank another instance holds, are refused (holders.py).
 - Elastic data (shard 0): a worker leaving the live set gives back the batch ids it was
   dealt and did not push (ps/server/membership/ledger.py), so another worker trains on them.
 """
@@ -26,6 +28,7 @@ from typing import Any
 
 from psar.ps.errors import Aborted, FailedPrecondition, InvalidArgument, ResourceExhausted
 from psar.ps.headers import PushHeader
+from psar.ps.server.membership.holders import check_holder, check_joiner, check_takeover
 from psar.ps.server.modes.view import ShardView
 from psar.ps.server.state import ShardData
 
@@ -61,6 +64,9 @@ class Membership:
     def __init__(self, data: ShardData, view: ShardView) -> None:
         self.data = data
         self.view = view
+        self.joined: dict[int, str] = {}
+        """rank -> the instance that took it through Join (a Register with joined=true):
+        another instance may not take it over while it is live (holders.py)."""
 
     def check_worker(self, worker: int) -> None:
         job = self.data.require_job()
@@ -143,12 +149,17 @@ class Membership:
                 d.metrics.lease_expired()
             return gone
 
-    def leave(self, worker: int) -> int:
+    def leave(self, worker: int, instance: str | None = None) -> int:
         """`worker` is done: nobody waits for it any more. Returns live workers left.
-        A push it made before counts (sync: in its round), whatever arrives after."""
+        A push it made before counts (sync: in its round), whatever arrives after.
+        instance: who asks (a Leave on the wire always names one, "" if its client did
+        not): only the instance holding the rank may leave it (holders.py); None only
+        for the shard's own callers (tests driving a ShardState)."""
         d = self.data
         with d.cond:
             self.check_worker(worker)
+            if instance is not None:
+                check_holder(d, worker, instance)
             if worker not in d.left:
                 d.leaves += 1
             d.left.add(worker)
@@ -236,6 +247,10 @@ class Membership:
             job = d.job
             assert job is not None
             rejoined = False
+            if joined and not query:
+                check_joiner(d, worker, instance)
+            elif not query:
+                check_takeover(d, self.joined, worker, instance)
             if not query:
                 was_live = worker in d.live
                 old = d.instances.get(worker, "")
@@ -258,6 +273,8 @@ class Membership:
                 d.expired.discard(worker)
                 if instance:
                     d.instances[worker] = instance
+                if joined:
+                    self.joined[worker] = instance
             return {
                 "incarnation": d.incarnation,
                 "clock": d.clocks[worker],

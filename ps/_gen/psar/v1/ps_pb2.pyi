@@ -491,10 +491,12 @@ class PullChunk(_message.Message):
     def __init__(self, header: _Optional[_Union[PullHeader, _Mapping]] = ..., data: _Optional[_Union[TensorData, _Mapping]] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
-    __slots__ = ("worker",)
+    __slots__ = ("worker", "instance")
     WORKER_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_FIELD_NUMBER: _ClassVar[int]
     worker: int
-    def __init__(self, worker: _Optional[int] = ...) -> None: ...
+    instance: str
+    def __init__(self, worker: _Optional[int] = ..., instance: _Optional[str] = ...) -> None: ...
 
 class LeaveReply(_message.Message):
     __slots__ = ("live_workers",)
