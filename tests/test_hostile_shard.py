@@ -1,0 +1,93 @@
+"""Hostile cases of issue #45 (wire and shard): every refused request gets its status, not
+a dropped connection or UNKNOWN, and leaves the shard's state digest unchanged.
+
+- A data-plane piece whose `shm_at` is 2^64-1 (defect 4): its end does not fit the
+  segment's 64-bit stream position; the shard dropped the connection with no status
+  frame (an unhandled struct.error). Now INVALID_ARGUMENT naming the field.
+- Step options through a real shard process over gRPC (defect 1): learning rates the
+  masters' fp32 cannot take, above the cap, or options on a job that did not declare
+  them: INVALID_ARGUMENT, the state digest unchanged, and the sync round still closes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from pathlib import Path
+
+import grpc
+import pytest
+
+from psar.ps import framing as fr
+from psar.ps import wire
+from psar.ps._gen.psar.v1 import ps_pb2 as pb
+from psar.ps.shm import Segment
+from tests import hostile as h
+from tests.ps_fixtures import weights_digest
+from tests.test_dataplane import END, header, read_frame
+from tests.test_dataplane_shm import _hello, live
+
+SC = grpc.StatusCode
+
+
+@pytest.mark.parametrize("at", [(1 << 64) - 1, (1 << 64) - 16])
+def test_a_piece_whose_shm_at_overflows_gets_a_status_and_changes_nothing(at: int) -> None:
+    seg = Segment.create(4096)
+    try:
+        with live() as s:
+            before, digest = weights_digest(s.state), s.state.state_digest()
+            sock, status = _hello(s.port, seg.path, seg.nonce)
+            assert status.shm
+            key = s.job.slots[0].key
+            bad = pb.DataFrame(piece=pb.DataPiece(key=key, shm_at=at, shm_bytes=16))
+            frames = fr.encode(pb.DataFrame(push_header=header(0, 1))) + fr.encode(bad)
+            sock.sendall(frames + fr.encode(END))
+            reply = read_frame(sock)
+            sock.close()
+            assert reply.status.code == SC.INVALID_ARGUMENT.value[0], reply
+            assert "shm_at" in reply.status.details
+            assert weights_digest(s.state) == before and s.state.state_digest() == digest
+    finally:
+        seg.close()
+
+
+BAD = [3.5e38, 1.7976931348623157e308, 1e30, float("nan"), -0.5, float("inf")]
+
+
+def _push(s: h.HostileShard, worker: int, lr: float | None) -> SC | None:
+    """An fp32 push of `worker` into the open round, with step options when `lr` is given."""
+    clock, version = s.next_push(worker)
+    head = pb.PushHeader(worker=worker, clock=clock, base_version=version, dtype=pb.FLOAT32,
+                         loss_scale=1.0, incarnation=s.incarnation)  # fmt: skip
+    if lr is not None:
+        head.options.CopyFrom(pb.StepOptions(lrs=[lr]))
+    chunks = [pb.PushChunk(header=head)]
+    for key, t in h.gradient(s.job, random.Random(worker)).items():
+        for off, data in wire.iter_pieces(t.contiguous(), h.PIECE_BYTES):
+            chunks.append(pb.PushChunk(data=pb.TensorData(key=key, offset=off, data=data)))
+    try:
+        s.stub.Push(iter(chunks), timeout=h.TIMEOUT)
+    except grpc.RpcError as e:
+        return e.code()
+    return None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("declared", [True, False])
+def test_hostile_step_options_leave_the_state_untouched(tmp_path: Path, declared: bool) -> None:
+    s = h.HostileShard(tmp_path, mode="sync")
+    s.job = dataclasses.replace(s.job, step_options=declared)
+    try:
+        s.start()
+        before = s.trace()
+        bad = BAD if declared else [0.01]
+        for lr in bad:
+            for worker in (0, 1):
+                assert _push(s, worker, lr) == SC.INVALID_ARGUMENT, lr
+                assert s.trace() == before, lr
+        assert not s.new_tracebacks()
+        for worker in (0, 1):  # not wedged: the round closes with honest pushes
+            assert _push(s, worker, 0.01 if declared else None) is None
+        assert s.trace()[2] == 1  # one round closed
+    finally:
+        s.close()
