@@ -326,12 +326,6 @@ class Intake:
                     skip = ticket.absent | ticket.raw
                     staged.grads = {k: g for k, g in grads.items() if k not in skip}
                 outcome = self._hand_over(ticket, staged, options)
-                if d.ledger is not None:  # elastic data: this step's batches are done
-                    d.ledger.consume(h.worker, h.clock)
-                if h.int_buffers and policy.takes_int_buffers(
-                    d.int_buffers.held(h.clock), h.worker
-                ):
-                    d.int_buffers.put(h.clock, h.worker, h.int_buffers)
                 if ticket.exact is not None:  # what it added stays: its scratch may go
                     ticket.exact.accept(h.worker, h.clock)
                 d.metrics.push_accepted()
@@ -353,6 +347,13 @@ class Intake:
         policy = self.updates.policy
         clock, before, at = d.clocks[h.worker], d.step_options, (d.rounds, d.version)
         d.clocks[h.worker] = h.clock
+        deal = None
+        if d.ledger is not None:  # elastic data: this step's batches are done
+            deal = d.ledger.deals.get(h.worker, {}).get(h.clock)
+            d.ledger.consume(h.worker, h.clock)
+        ints = d.int_buffers.by_clock.get(h.clock)
+        if h.int_buffers and policy.takes_int_buffers(d.int_buffers.held(h.clock), h.worker):
+            d.int_buffers.put(h.clock, h.worker, h.int_buffers)
         ticket.accepted = True
         self.updates.take_options(options)
         try:
@@ -363,6 +364,13 @@ class Intake:
                 ticket.accepted = False
                 d.clocks[h.worker] = clock
                 d.step_options = before
+                if deal is not None and d.ledger is not None:  # the batches are its again
+                    d.ledger.deals.setdefault(h.worker, {})[h.clock] = deal
+                    d.ledger.consumed -= len(deal)
+                if ints is not None:
+                    d.int_buffers.by_clock[h.clock] = ints
+                else:
+                    d.int_buffers.by_clock.pop(h.clock, None)
                 policy.accept_failed(self.updates, h.worker)
             d.cond.notify_all()
             what = "its round was skipped" if closed else "nothing of it was applied"
