@@ -4,6 +4,8 @@ a dropped connection or UNKNOWN, and leaves the shard's state digest unchanged.
 - A data-plane piece whose `shm_at` is 2^64-1 (defect 4): its end does not fit the
   segment's 64-bit stream position; the shard dropped the connection with no status
   frame (an unhandled struct.error). Now INVALID_ARGUMENT naming the field.
+- Pushes cut off mid-stream under --chunk-rounds (defect 2): no chunk applied early
+  from a cut push stays applied (the masters equal a replay of the accepted pushes).
 - Step options through a real shard process over gRPC (defect 1): learning rates the
   masters' fp32 cannot take, above the cap, or options on a job that did not declare
   them: INVALID_ARGUMENT, the state digest unchanged, and the sync round still closes.
@@ -13,16 +15,21 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
+import torch
 
 from psar.ps import framing as fr
 from psar.ps import wire
 from psar.ps._gen.psar.v1 import ps_pb2 as pb
 from psar.ps.shm import Segment
 from tests import hostile as h
+from tests.hostile_wire import replay_grpc_push
 from tests.ps_fixtures import weights_digest
 from tests.test_dataplane import END, header, read_frame
 from tests.test_dataplane_shm import _hello, live
@@ -91,3 +98,70 @@ def test_hostile_step_options_leave_the_state_untouched(tmp_path: Path, declared
         assert s.trace()[2] == 1  # one round closed
     finally:
         s.close()
+
+
+def _cut_push(s: h.HostileShard, call: object, w: int, head: pb.PushHeader, rng: random.Random,
+              dtype: torch.dtype) -> list[bytes] | None:  # fmt: skip
+    """One push of `w` into the open round, cut off (the client's stream fails) at a random
+    message 6 times in 10; its raw messages when accepted."""
+    chunks = [pb.PushChunk(header=head)]
+    for key, t in h.gradient(s.job, rng).items():
+        for off, data in wire.iter_pieces(t.to(dtype).contiguous(), h.PIECE_BYTES):
+            chunks.append(pb.PushChunk(data=pb.TensorData(key=key, offset=off, data=data)))
+    raw = [c.SerializeToString() for c in chunks]
+    cut = rng.random() < 0.6
+    n = rng.randrange(1, len(raw) + 1) if cut else len(raw)
+
+    def messages() -> Iterator[bytes]:
+        yield from raw[:n]
+        if cut:
+            time.sleep(rng.random() * 0.02)  # the other worker's slots may land meanwhile
+            raise RuntimeError("cut off")  # grpc cancels the call
+
+    try:
+        call(messages(), timeout=h.TIMEOUT)  # type: ignore[operator]
+    except grpc.RpcError:
+        return None
+    return raw
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16-exact"])
+def test_hostile_cut_pushes_under_chunk_rounds_leave_no_chunk_applied(
+    tmp_path: Path, dtype: torch.dtype
+) -> None:
+    """Issue #45 defect 2: two workers push each round at once over gRPC, most pushes cut
+    off mid-stream, under --chunk-rounds: every round's masters equal the mirror's replay
+    of the accepted pushes (whole rounds), so no chunk applied early from a cut push
+    stays; and the cuts did meet early-applied chunks (undos happened)."""
+    wire_dtype = pb.FLOAT32 if dtype == torch.float32 else pb.FLOAT16
+    with h.hostile_shard(tmp_path, mode="sync", extra=("--chunk-rounds",)) as s:
+        call = s.channel.stream_unary("/psar.v1.ParameterServer/Push",
+                                      request_serializer=h._identity,
+                                      response_deserializer=pb.PushReply.FromString)  # fmt: skip
+        for r in range(12):
+            clock, version = s.mirror.rounds + 1, s.mirror.version
+            accepted: dict[int, list[bytes]] = {}
+
+            def worker(w: int, rng: random.Random, clock: int = clock, version: int = version,
+                       accepted: dict[int, list[bytes]] = accepted) -> None:  # fmt: skip
+                head = pb.PushHeader(worker=w, clock=clock, base_version=version,
+                                     dtype=wire_dtype, loss_scale=1.0,
+                                     incarnation=s.incarnation)  # fmt: skip
+                while w not in accepted:
+                    raw = _cut_push(s, call, w, head, rng, dtype)
+                    if raw is not None:
+                        accepted[w] = raw
+
+            threads = [threading.Thread(target=worker, args=(w, random.Random(r * 2 + w)))
+                       for w in (0, 1)]  # fmt: skip
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(timeout=120)
+            for w in (0, 1):
+                assert replay_grpc_push(s.mirror, accepted[w])
+            assert s.trace() == s.mirror_trace(), f"round {r + 1}"
+        stats = s.stub.Stats(pb.StatsRequest(), timeout=h.TIMEOUT)
+        assert stats.chunks_applied_early > 0 and stats.chunk_undos > 0
+        assert not s.new_tracebacks()
