@@ -165,3 +165,50 @@ def test_hostile_cut_pushes_under_chunk_rounds_leave_no_chunk_applied(
         stats = s.stub.Stats(pb.StatsRequest(), timeout=h.TIMEOUT)
         assert stats.chunks_applied_early > 0 and stats.chunk_undos > 0
         assert not s.new_tracebacks()
+
+
+def test_an_unforeseen_error_in_a_piece_is_internal_on_both_doors() -> None:
+    """A bug the checks missed (here: the intake raising a RuntimeError on a piece) is
+    INTERNAL with a message on gRPC and an INTERNAL status frame on the data plane, never
+    UNKNOWN or a dropped connection, and the push changes nothing."""
+    from psar.ps import auth
+    from psar.ps._gen.psar.v1 import ps_pb2_grpc as pb_grpc
+    from psar.ps.server.config import ServerConfig
+    from psar.ps.server.serve import start_server, stop_server
+    from tests.ps_fixtures import init_values, make_job
+
+    server, port, state = start_server(ServerConfig(bind="127.0.0.1:0", threads=4))
+    try:
+        job = make_job("sync", num_workers=2)
+        state.init(job, init_values(job))
+        digest = state.state_digest()
+
+        def broken(*_a: object, **_k: object) -> None:
+            raise RuntimeError("a bug")
+
+        state.intake.add_data = broken  # type: ignore[method-assign]
+        state.intake.add_data_from = broken  # type: ignore[method-assign]
+        key = job.slots[0].key
+        head = pb.PushHeader(worker=0, clock=1, base_version=0, dtype=pb.FLOAT32, loss_scale=1.0)
+        piece = pb.TensorData(key=key, offset=0, data=bytes(16))
+        channel = auth.make_channel(f"127.0.0.1:{port}", [])
+        try:
+            stub = pb_grpc.ParameterServerStub(channel)
+            chunks = [pb.PushChunk(header=head), pb.PushChunk(data=piece)]
+            with pytest.raises(grpc.RpcError) as e:
+                stub.Push(iter(chunks), timeout=30)
+            assert e.value.code() == SC.INTERNAL and "a bug" in e.value.details()
+        finally:
+            channel.close()
+        assert state.state_digest() == digest
+        dp = server.psar_dataplane  # type: ignore[attr-defined]
+        sock, status = _hello(dp.port, "", b"")
+        frames = fr.encode(pb.DataFrame(push_header=head))
+        frames += fr.encode(pb.DataFrame(piece=pb.DataPiece(key=key, offset=0)), 16) + bytes(16)
+        sock.sendall(frames + fr.encode(END))
+        reply = read_frame(sock)
+        sock.close()
+        assert reply.status.code == SC.INTERNAL.value[0] and "a bug" in reply.status.details
+        assert state.state_digest() == digest
+    finally:
+        stop_server(server)
