@@ -3,7 +3,7 @@
 Through the shard's own intake (begin_push / add_data / add_verdict / finish_push, as
 both doors drive it): the same pushes delivered in every order, whole or with their pieces
 interleaved, by 2 to 8 workers, give bit-identical masters, equal to the exact mean
-rounded once for 2, 4 and 8 workers (which the rank-order fp32 sum of wide-ranging fp16
+rounded once for any number of workers (which the rank-order fp32 sum of wide-ranging fp16
 values is not); the gradient memory is the same for 2 workers as for 8 (pushes one after another); a push
 that is not accepted (cancelled, cut off, non-finite, malformed, superseded) leaves the
 sum and the masters untouched; an overflow skips the round; bad input is refused naming what
@@ -104,14 +104,28 @@ def _round(st: ShardState, grads: list[dict[str, torch.Tensor]], order: list[int
 
 
 def _exact_mean(values: list[torch.Tensor]) -> torch.Tensor:
-    """The mean of fp16 values / SCALE as documented: the integer sum converted once to
-    fp32, divided once; for a power-of-two count that is the exact mean rounded once."""
+    """The mean of fp16 values / SCALE as documented: the exact sum divided by the count
+    and the scale, rounded once to fp32 (nearest, ties to even), for any count. For a
+    power-of-two count that is also the integer sum converted once to fp32, divided once."""
     ints = torch.stack([(t.to(torch.float32) * UNIT).to(torch.int64) for t in values]).sum(0)
-    mean = ints.to(torch.float32) / (UNIT * SCALE * len(values))
-    if len(values) & (len(values) - 1) == 0:
-        exact = (ints.to(torch.float64) / (UNIT * SCALE * len(values))).to(torch.float32)
+    n = len(values)
+    if n & (n - 1) == 0:
+        mean = ints.to(torch.float32) / (UNIT * SCALE * n)
+        exact = (ints.to(torch.float64) / (UNIT * SCALE * n)).to(torch.float32)
         assert torch.equal(mean, exact)
-    return mean
+        return mean
+    div = Fraction(UNIT) * Fraction(SCALE) * n
+    return torch.tensor([_round_fp32(Fraction(a) / div) for a in ints.tolist()])
+
+
+def _round_fp32(x: Fraction) -> float:
+    """`x` rounded to the nearest fp32 (ties to even), by exact comparison with the
+    fp32 values around fp64's nearest (independent of the shard's arithmetic)."""
+    c = torch.tensor(float(x), dtype=torch.float32)
+    cands = [c, torch.nextafter(c, c.new_tensor(float("inf"))),
+             torch.nextafter(c, c.new_tensor(float("-inf")))]  # fmt: skip
+    best = min(cands, key=lambda v: (abs(Fraction(v.item()) - x), int(v.view(torch.int32)) & 1))
+    return best.item()
 
 
 def _masters(st: ShardState) -> dict[str, torch.Tensor]:
@@ -642,3 +656,21 @@ def test_a_round_first_push_with_a_loss_scale_past_fp32s_mean_is_refused_and_dec
     s.open(1, SCALE, expected=2, shard_scale=SCALE)
     assert s.scale == SCALE
     s.open(1, SCALE, expected=2, shard_scale=SCALE)  # the round's second push, same scale
+
+
+@pytest.mark.parametrize("count", [3, 5, 6, 7, 12, 100, 3 * 4096])
+def test_the_mean_is_the_correctly_rounded_mean_of_the_exact_sum(count: int) -> None:
+    """Issue #45 defect 18: a 3-worker fp16 round's mean was the exact sum rounded to fp32,
+    then divided (98 of 1,024 elements an ulp off). Now: the exact sum divided, rounded
+    once, for any count, wide-ranging values and sums near the largest (the far path)."""
+    rng = torch.Generator().manual_seed(count)
+    vals = [_wide_fp16(400, rng) for _ in range(count)]
+    acc = torch.stack([fixed_point(v) for v in vals]).sum(0)
+    top = int(fixed_point(torch.tensor([65504.0], dtype=torch.float16))) * count
+    acc[:8] = torch.tensor([top - i for i in range(8)])  # |q| >= 2^25: the sticky path
+    acc[8:12] = torch.tensor([1, -1, count + 1, -(3 * count) // 2])  # tiny, and ties
+    for scale in (SCALE, 1.0, 2.0**20):
+        div = Fraction(UNIT) * Fraction(scale) * count
+        want = torch.tensor([_round_fp32(Fraction(a) / div) for a in acc.tolist()])
+        got = exact_sum.exact_mean(acc, count, UNIT * scale, out=torch.empty(400))
+        assert torch.equal(got, want), (got != want).sum().item()

@@ -95,7 +95,7 @@ def test_ps_job_across_namespaces(lan3, tmp_path) -> None:
     for i, port in enumerate(SHARD_PORTS):
         argv = [PY, "-m", "psar.worker.cli", "server", "--bind", f"{shards_host.addr}:{port}",
                 "--shard", str(i), "--metrics-port", str(METRICS + i),
-                "--metrics-addr", shards_host.addr]  # fmt: skip
+                "--metrics-addr", shards_host.addr, "--allow-insecure-bind"]  # fmt: skip
         out = subprocess.PIPE
         p = shards_host.popen(
             argv, stdout=out, stderr=subprocess.STDOUT, text=True, env=_env(), cwd=ROOT

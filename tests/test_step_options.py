@@ -44,7 +44,15 @@ LRS = [(0.1, 0.05), (0.07, 0.0), (0.02, 0.2)]
 """Each step's learning rates, as a worker's LR scheduler changes them."""
 
 
-def own_job(mode: str, name: str, *, shard: int = 0, num_shards: int = 1, workers: int = 2) -> Job:
+def own_job(
+    mode: str,
+    name: str,
+    *,
+    shard: int = 0,
+    num_shards: int = 1,
+    workers: int = 2,
+    step_options: bool = True,
+) -> Job:
     groups = SGD_GROUPS if name == "sgd" else ADAMW_GROUPS
     slots = make_slots(num_shards=num_shards, shard=shard)
     held = {s.param for s in slots}
@@ -56,6 +64,7 @@ def own_job(mode: str, name: str, *, shard: int = 0, num_shards: int = 1, worker
         shard_index=shard,
         num_shards=num_shards,
         momentum_correction=False,
+        step_options=step_options,
         param_groups=tuple(
             ParamGroup(**{**g.__dict__, "params": tuple(n for n in g.params if n in held)})
             for g in groups
@@ -150,14 +159,14 @@ def test_a_job_that_says_it_sends_step_options_is_refused_at_init_by_a_chunking_
     # Rank 0 of a loop of its own (or with clipping) says so in the job: a shard started
     # with --chunk-rounds refuses the Init, naming the flag, and holds no job afterwards;
     # without the flag, or in a mode without rounds, the same job is served.
-    job = dataclasses.replace(own_job("sync", "sgd"), step_options=True)
+    job = own_job("sync", "sgd")
     st = ShardState(chunk_rounds=True)
     with pytest.raises(InvalidArgument, match="start the shards without --chunk-rounds"):
         st.init(job, init_values(job))
     assert not st.initialized
     plain = ShardState()
     assert plain.init(job, init_values(job)) is False
-    unrounded = dataclasses.replace(own_job("async", "sgd"), step_options=True)
+    unrounded = own_job("async", "sgd")
     assert ShardState(chunk_rounds=True).init(unrounded, init_values(unrounded)) is False
     with pytest.raises(ValueError, match="cannot have chunk_rounds"):
         dataclasses.replace(job, chunk_rounds=True)
@@ -165,7 +174,7 @@ def test_a_job_that_says_it_sends_step_options_is_refused_at_init_by_a_chunking_
 
 def test_step_options_are_refused_by_a_shard_applying_chunks_early() -> None:
     # A job that did not say so (a client from before the field) is refused at the push.
-    job = own_job("sync", "sgd")
+    job = own_job("sync", "sgd", step_options=False)
     st = ShardState(chunk_rounds=True)
     st.init(job, init_values(job))
     with pytest.raises(InvalidArgument, match="--chunk-rounds"):

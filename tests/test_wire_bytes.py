@@ -72,7 +72,8 @@ def _ps_run(lan: netns.Lan, tmp: Path, steps: int) -> tuple[list[tuple[int, int]
     interface's (tx, rx) during the job and its report."""
     shard_host = lan["shards"]
     shard = shard_host.popen(
-        [PY, "-m", "psar.worker.cli", "server", "--bind", f"{shard_host.addr}:0"],
+        [PY, "-m", "psar.worker.cli", "server", "--bind", f"{shard_host.addr}:0",
+         "--allow-insecure-bind"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(), cwd=ROOT)  # fmt: skip
     addr = None
     for _ in range(200):

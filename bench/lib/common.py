@@ -100,6 +100,8 @@ def start_shards(sup: Supervisor, n: int, *, hosts: Sequence[Any] | None = None,
         env = child_env({"PSAR_SHARDS_PER_HOST": str(n)})
     for i in range(n):
         argv = [*PSAR, "server", "--bind", f"{binds[i]}:0", "--shard", str(i), *server]
+        if hosts:  # a test LAN of network namespaces: no token, no TLS, by decision
+            argv.append("--allow-insecure-bind")
         sup.start(f"shard{i}", on(hosts[i] if hosts else None, argv), env=env, persistent=True,
                   cpus=cpus)  # fmt: skip
     return [f"{binds[i]}:{sup.wait_line(f'shard{i}', _LISTEN, timeout).group(2)}"

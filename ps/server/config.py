@@ -5,12 +5,14 @@ imports neither torch nor the shard's machinery."""
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import ClassVar
 
 from psar.ps.grpc_limits import DEFAULT_MAX_MESSAGE_BYTES
+from psar.ps.server import limits
 from psar.ps.server.membership.leases import DEFAULT_JOIN_GRACE_S, DEFAULT_LEASE_S
 from psar.trainkit.cli_gen import everyday
 
@@ -35,13 +37,15 @@ class ServerConfig:
     HELP_GROUPS: ClassVar[dict[str, tuple[str, ...]]] = {
         "shard": ("--bind", "--shard", "--rpc-threads", "--torch-threads", "--message-bytes",
                   "--max-message-bytes", "--chunk-rounds", "--exact-fp16-sum", "--push-lead-mib",
-                  "--malloc-mmap-threshold-mib"),
+                  "--malloc-mmap-threshold-mib", "--max-step-lr", "--max-job-workers",
+                  "--max-job-slots"),
         "data plane": ("--data-port", "--data-idle-s", "--data-max-conns-per-peer",
                        "--data-shm", "--data-tls-records", "--data-sealed-records"),
         "reliability": ("--lease-s", "--join-grace-s", "--checkpoint-dir", "--checkpoint-every",
                         "--checkpoint-interval", "--checkpoint-keep", "--restore",
                         "--restore-or-fresh", "--init-timeout-s", "--drain-timeout-s"),
-        "security": ("--tls-cert", "--tls-key", "--tls-ca", "--auth-token-file"),
+        "security": ("--tls-cert", "--tls-key", "--tls-ca", "--auth-token-file",
+                     "--allow-insecure-bind"),
         "metrics": ("--metrics-port", "--metrics-addr"),
     }  # fmt: skip
     """`psar server --help`'s sections (trainkit/cli_gen.py; tests/test_cli.py: every flag in one)."""
@@ -158,6 +162,20 @@ class ServerConfig:
     data_max_conns_per_peer: int = 256
     """Data-plane connections one peer address may hold at once; more are refused with
     RESOURCE_EXHAUSTED (a worker keeps ~2 per shard: raise it for many workers per host)."""
+    max_step_lr: float = limits.DEFAULT_MAX_STEP_LR
+    """The largest learning rate a push's step options may carry (a loop of its own ships
+    its scheduler's rates); larger ones are refused, as are any above fp32's largest value
+    (the masters' dtype) whatever this says."""
+    max_job_workers: int = limits.DEFAULT_MAX_JOB_WORKERS
+    """The most workers (an elastic job: its --max-workers) a job may declare at Init."""
+    max_job_slots: int = limits.DEFAULT_MAX_JOB_SLOTS
+    """The most slots a job may give this shard at Init."""
+    allow_insecure_bind: bool = False
+    """Listen on a non-loopback --bind without both --auth-token-file and TLS (--tls-cert,
+    --tls-key), or serve /metrics (no token, no TLS) on a non-loopback --metrics-addr.
+    Without it such a shard refuses to start (and --dry-run says so): anyone who reaches
+    the port could push gradients, read the model, or evict workers. Say it only for a
+    network you trust (a cluster's private network, a Kubernetes pod network)."""
     malloc_mmap_threshold_mib: float = 1.0
     """glibc only: buffers of at least this many MiB are mapped on their own and go back to
     the OS once freed, instead of staying on malloc's heaps, whose threshold otherwise rises
@@ -226,6 +244,42 @@ class ServerConfig:
                 "agreed inside the data plane's TLS handshake"
             )
 
+        self.limits()  # the bounds' own checks
+        self._check_exposure(host)
+
+    def limits(self) -> limits.ShardLimits:
+        """The bounds this shard holds its clients to (ps/server/limits.py)."""
+        return limits.ShardLimits(
+            max_step_lr=self.max_step_lr,
+            max_job_workers=self.max_job_workers,
+            max_job_slots=self.max_job_slots,
+        )
+
+    def _check_exposure(self, host: str) -> None:
+        """Exposure is a decision (issue #45): a non-loopback listener without a token
+        and TLS starts only with --allow-insecure-bind."""
+        if self.allow_insecure_bind:
+            return
+        if not is_loopback(host) and not (self.auth_token_file and self.tls_cert):
+            missing = " and ".join(
+                what
+                for what, given in (("--auth-token-file", self.auth_token_file),
+                                    ("TLS (--tls-cert, --tls-key)", self.tls_cert))
+                if not given
+            )  # fmt: skip
+            raise ValueError(
+                f"--bind {self.bind} listens beyond this host without {missing}: anyone who "
+                "reaches the port could push gradients, read the model or evict workers. "
+                "Give --auth-token-file and --tls-cert/--tls-key, bind 127.0.0.1, or say "
+                "--allow-insecure-bind (a network you trust)"
+            )
+        if self.metrics_port and not is_loopback(self.metrics_addr):
+            raise ValueError(
+                f"--metrics-addr {self.metrics_addr} serves /metrics beyond this host, with "
+                "no token and no TLS: bind it to 127.0.0.1 (scrape through a local agent), "
+                "or say --allow-insecure-bind (a network you trust)"
+            )
+
     @property
     def checkpoint_folder(self) -> str:
         return self.checkpoint_dir or self.restore
@@ -254,3 +308,16 @@ def _cores() -> int:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # not Linux
         return os.cpu_count() or 1
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (an IP address, `[v6]`, or `localhost`) reaches this host only.
+    0.0.0.0 and :: (every interface) and any other name are not: a name is not resolved
+    here (it may name any interface, and --dry-run needs no DNS)."""
+    host = host.strip().removeprefix("[").removesuffix("]")
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -60,6 +60,7 @@ def build_state(cfg: ServerConfig, metrics: Any = None) -> ShardState:
         exact_fp16_sum=cfg.exact_fp16_sum,
         update_threads=cfg.update_threads(),
         push_lead_bytes=int(cfg.push_lead_mib * (1 << 20)),
+        limits=cfg.limits(),
     )
     if cfg.restore:
         found = _find_restore(cfg.restore, shard, fresh_ok=cfg.restore_or_fresh)

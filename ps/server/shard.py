@@ -35,6 +35,7 @@ from psar.ps.job import Job
 from psar.ps.server.durability.checkpoints import CheckpointManager
 from psar.ps.server.durability.durability import Durability, new_incarnation
 from psar.ps.server.intake.intake import Intake
+from psar.ps.server.limits import ShardLimits
 from psar.ps.server.membership.leases import DEFAULT_JOIN_GRACE_S, DEFAULT_LEASE_S, LeaseTable
 from psar.ps.server.membership.ledger import ledger_for
 from psar.ps.server.membership.membership import Membership
@@ -68,6 +69,7 @@ class ShardState(ShardData):
         update_threads: int = 1,
         push_lead_bytes: int = 0,
         exact_fp16_sum: bool = True,
+        limits: ShardLimits | None = None,
     ) -> None:
         super().__init__(
             modes=modes,
@@ -78,6 +80,7 @@ class ShardState(ShardData):
             chunk_rounds=chunk_rounds,
             push_lead_bytes=push_lead_bytes,
             exact_fp16_sum=exact_fp16_sum,
+            limits=limits,
         )
         self.updates = Updates(
             self,
@@ -172,6 +175,7 @@ class ShardState(ShardData):
         on a job this shard cannot serve (its mode, its configuration: InvalidArgument)."""
         served = self.modes.serve(job)
         if self.job is None:
+            self.limits.check_job(job)  # before the job sizes anything (Init's buffers)
             return False
         if self.job == served:
             return True

@@ -30,6 +30,7 @@ import torch
 from psar.ps.errors import FailedPrecondition
 from psar.ps.headers import StepOptions
 from psar.ps.job import Job, ModeTraits
+from psar.ps.server.limits import ShardLimits
 from psar.ps.server.membership.leases import LeaseTable
 from psar.ps.server.membership.ledger import DataLedger
 from psar.ps.server.metrics.recorder import ShardRecorder
@@ -57,6 +58,7 @@ class ShardData:
         chunk_rounds: bool,
         push_lead_bytes: int,
         exact_fp16_sum: bool = True,
+        limits: ShardLimits | None = None,
     ) -> None:
         self.cond = threading.Condition()
         """The shard's lock; every state change is made holding it."""
@@ -73,6 +75,8 @@ class ShardData:
         """sync: sum a round's fp16 pushes exactly as they arrive, in an int64 accumulator
         per slot (ps/server/modes/exact_sum.py), not staged per worker."""
         self.push_lead_bytes = push_lead_bytes
+        self.limits = limits if limits is not None else ShardLimits()
+        """The bounds on what clients declare and send (ps/server/limits.py)."""
         """Per-chunk rounds, data plane: read a push at most this far ahead of the slowest
         push of its round still streaming (ps/server/intake/pacing.py); 0: no pacing."""
         # ---- the job and the update ----------------------------------------------------

@@ -6,6 +6,7 @@ do, so both doors refuse the same things with the same words."""
 from __future__ import annotations
 
 import hmac
+import logging
 import socket
 import time
 from typing import Any, Protocol
@@ -19,6 +20,8 @@ from psar.ps.errors import InvalidArgument, PSError, bound_details
 from psar.ps.server.doors.calls import PushCall, start_pull, start_pull_early
 from psar.ps.server.metrics.recorder import ShardRecorder
 from psar.ps.server.shard import ShardState
+
+log = logging.getLogger(__name__)
 
 _DRAIN_AFTER_ERROR_S = 2.0
 
@@ -132,6 +135,14 @@ class _Connection:
             )
         except OSError:
             pass  # reset by the worker, or closed by shutdown
+        except Exception as e:  # noqa: BLE001 - a bug the checks missed: say so, never drop
+            log.exception("data-plane connection: unexpected error")
+            self._close_with(
+                grpc.StatusCode.INTERNAL,
+                f"internal error on this data-plane connection ({type(e).__name__}: {e}); "
+                "a push in it applies nothing: retry it on a new connection, and report "
+                "this with the shard's log",
+            )
         finally:
             if self.segment is not None:
                 self.segment.close()
@@ -326,6 +337,12 @@ class _Connection:
                 reason="malformed",
             )
         segment, at = self.segment, piece.shm_at
+        if at + piece.shm_bytes >= 1 << 64:  # its end is stored as a u64 (shm.CONSUMED)
+            raise InvalidArgument(
+                f"piece shm_at {at} + shm_bytes {piece.shm_bytes} is past the 64-bit stream "
+                "position a segment counts in: give the offset its earlier pieces reached",
+                reason="malformed",
+            )
         try:
             data = segment.get(at, piece.shm_bytes)
         except ValueError as e:

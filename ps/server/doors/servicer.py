@@ -16,6 +16,7 @@ refuse the same things with the same words.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -42,6 +43,8 @@ from psar.ps.server.doors.calls import PushCall, round_norm_args, start_pull_par
 from psar.ps.server.pulls.parking import wait_until
 from psar.ps.server.shard import ShardState
 from psar.ps.server.update.opt_state import StateCollector
+
+log = logging.getLogger(__name__)
 
 
 class StreamBroken(InvalidArgument):
@@ -302,6 +305,13 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             if cut.is_set():  # answered ABORTED by _cut_off; grpc.aio ends the call quietly
                 return None
             self._fail(context, "Push", e)
+        except Exception as e:  # noqa: BLE001 - a bug the checks missed: INTERNAL, never UNKNOWN
+            if cut.is_set():
+                return None
+            log.exception("Push: unexpected error")
+            self._fail(context, "Push", PSError(
+                f"Push: internal error ({type(e).__name__}: {e}); retry the push with retry=true "
+                "(acknowledged if it counted), and report this with the shard's log", reason="internal"))  # fmt: skip
         finally:
             if call is not None:
                 call.release()

@@ -16,6 +16,7 @@ newer push, on either door, cuts off its stalled one instead of waiting for its 
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -23,7 +24,7 @@ from typing import Any
 
 import torch
 
-from psar.ps.errors import DeadlineExceeded, Unavailable
+from psar.ps.errors import DeadlineExceeded, PSError, Unavailable
 from psar.ps.headers import PushHeader, PushOutcome, StepOptions
 from psar.ps.server.intake import pacing
 from psar.ps.server.intake.pieces import (
@@ -47,6 +48,8 @@ from psar.ps.server.modes.base import StagedPush
 from psar.ps.server.state import ShardData
 from psar.ps.server.update.buffers import check_int_buffers
 from psar.ps.server.update.updates import Updates
+
+log = logging.getLogger(__name__)
 
 
 class Intake:
@@ -306,6 +309,9 @@ class Intake:
                 policy = self.updates.policy
                 self.members.check_clock(h)
                 policy.check_push(self.updates, h.worker, h.clock, h.base_version)
+                options = ticket.options or h.options
+                if options.given:  # checked on arrival; again before anything changes
+                    self.updates.take_options(options, check_only=True)
                 staged = StagedPush(
                     h.worker, h.clock, h.base_version, h.overflow, grads, ticket.absent
                 )
@@ -319,20 +325,60 @@ class Intake:
                         self.updates.set_buffers({k: grads[k] for k in ticket.raw})
                     skip = ticket.absent | ticket.raw
                     staged.grads = {k: g for k, g in grads.items() if k not in skip}
-                d.clocks[h.worker] = h.clock
-                if d.ledger is not None:  # elastic data: this step's batches are done
-                    d.ledger.consume(h.worker, h.clock)
-                if h.int_buffers and policy.takes_int_buffers(
-                    d.int_buffers.held(h.clock), h.worker
-                ):
-                    d.int_buffers.put(h.clock, h.worker, h.int_buffers)
-                ticket.accepted = True
-                self.updates.take_options(ticket.options or h.options)
+                outcome = self._hand_over(ticket, staged, options)
                 if ticket.exact is not None:  # what it added stays: its scratch may go
                     ticket.exact.accept(h.worker, h.clock)
-                outcome = policy.accept(self.updates, staged)
                 d.metrics.push_accepted()
                 d.cond.notify_all()
                 return outcome, d.version, False
         finally:
             ticket.release()
+
+    def _hand_over(
+        self, ticket: PushTicket, staged: StagedPush, options: StepOptions
+    ) -> PushOutcome:
+        """Hand a checked push to the rule (under the lock). An error the checks did not
+        foresee (a bug, or a value they missed: issue #45's learning rate that the fp32
+        step could not take) is INTERNAL, never UNKNOWN, and leaves no round open: a push
+        whose round did not close is undone (its clock, its options, its place in the
+        round; ticket.release() then withdraws its data), and a round whose close failed
+        is skipped, so the workers' next pushes find the next round open."""
+        d, h = self.data, ticket.header
+        policy = self.updates.policy
+        clock, before, at = d.clocks[h.worker], d.step_options, (d.rounds, d.version)
+        d.clocks[h.worker] = h.clock
+        deal = None
+        if d.ledger is not None:  # elastic data: this step's batches are done
+            deal = d.ledger.deals.get(h.worker, {}).get(h.clock)
+            d.ledger.consume(h.worker, h.clock)
+        ints = d.int_buffers.by_clock.get(h.clock)
+        if h.int_buffers and policy.takes_int_buffers(d.int_buffers.held(h.clock), h.worker):
+            d.int_buffers.put(h.clock, h.worker, h.int_buffers)
+        ticket.accepted = True
+        self.updates.take_options(options)
+        try:
+            return policy.accept(self.updates, staged)
+        except Exception as e:
+            closed = (d.rounds, d.version) != at
+            if not closed:
+                ticket.accepted = False
+                d.clocks[h.worker] = clock
+                d.step_options = before
+                if deal is not None and d.ledger is not None:  # the batches are its again
+                    d.ledger.deals.setdefault(h.worker, {})[h.clock] = deal
+                    d.ledger.consumed -= len(deal)
+                if ints is not None:
+                    d.int_buffers.by_clock[h.clock] = ints
+                else:
+                    d.int_buffers.by_clock.pop(h.clock, None)
+                policy.accept_failed(self.updates, h.worker)
+            d.cond.notify_all()
+            what = "its round was skipped" if closed else "nothing of it was applied"
+            log.exception("worker %d's push of clock %d failed in the update", h.worker, h.clock)
+            raise PSError(
+                f"internal error applying worker {h.worker}'s push of clock {h.clock} "
+                f"({type(e).__name__}: {e}); {what}: "
+                + ("pull and go on" if closed else "retry the push")
+                + ", and report this with the shard's log",
+                reason="internal",
+            ) from None

@@ -122,6 +122,10 @@ class UpdatePolicy(ABC):
         (refused, cut off, superseded): whatever it decided about its round must go with
         it (under the lock)."""
 
+    def accept_failed(self, view: ShardView, worker: int) -> None:  # noqa: B027
+        """`accept` of `worker`'s push raised before its round closed (a bug the checks
+        did not foresee): forget the push, as if it had never been handed over."""
+
     def gradient_bytes(self) -> int:
         """Bytes of gradients the rule holds itself (an exact sum's accumulators)."""
         return 0

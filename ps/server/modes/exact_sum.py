@@ -9,10 +9,10 @@ finite (from a small per-push scratch of the slot's fp16 bytes, ps/server/intake
 the round's close converts each slot once (`mean`) and steps. Integer addition is
 associative: the sum, and so the mean and the masters, are bit for bit the same whatever
 order the pushes arrive or interleave in, and the close costs one conversion instead of
-n-1 fp32 sums. The mean is the exact sum converted once to fp32 and divided once by
-2^24 x loss scale x the slot's worker count (one pass, int64 in, fp32 out): correctly
-rounded where that count is a power of two (loss scales are powers of two: the division
-is then exact), within an ulp otherwise, and never dependent on order. fp32 and bf16
+n-1 fp32 sums. The mean is the exact sum divided by 2^24 x loss scale x the slot's worker
+count, rounded once to fp32 (`exact_mean`): the correctly rounded mean of the exact sum for
+any worker count (the loss scale a power of two, as GradScaler's are), and never dependent
+on order. fp32 and bf16
 rounds keep the rank-order fp32 sum that equals DDP's (rounds.py).
 
 What is in the sum: a slot counts a worker once its bytes arrived whole and finite (or
@@ -286,7 +286,7 @@ class ExactSum:
             buf.zero_()  # no data this round (every worker counted zeros for it)
         else:
             assert self.scale is not None
-            torch.div(acc, UNIT * self.scale * count, out=buf)
+            exact_mean(acc, count, UNIT * self.scale, out=buf)
         self._ready[key] = self._changed.get(key, 0)
 
     def _open_for(self, round_: int) -> bool:
@@ -334,3 +334,38 @@ def into_fixed(acc: torch.Tensor, values: torch.Tensor, op: Callable[..., object
         b = min(n, a + CHUNK)
         f = f32[: b - a].copy_(values[a:b]).mul_(UNIT)
         op(acc[a:b], i64[: b - a].copy_(f))
+
+
+POW2_FAST = 1 << 12
+"""Up to this many workers, a power-of-two count takes the one-pass path: the sum (below
+2^53) converts to fp32 with one rounding and the division by a power of two is exact."""
+
+
+def exact_mean(acc: torch.Tensor, count: int, unit: float, out: torch.Tensor) -> torch.Tensor:
+    """`acc / (count x unit)` rounded once to fp32 into `out`: the correctly rounded mean
+    of the exact int64 sum `acc` of `count` workers' fixed-point values (`unit`: 2^24 x
+    loss scale, a power of two). Why not one fp32 division: the sum rounded to fp32 first
+    and the quotient rounded again is off by an ulp for some elements where `count` is not
+    a power of two (issue #45: 98 of 1,024 over 3 workers).
+
+    How, for any count below 2^28 (the shard bounds a job's workers far below): every
+    addend is below 2^40 in magnitude, so is the quotient x = acc / count. Split it exactly
+    (integer division toward zero) as x = q + r / count. Where |q| >= 2^25, x's rounding to
+    24 bits depends only on q and whether r is zero: 2q + sign(r) is exact in fp64 and
+    rounds, halved, as x does. Elsewhere q + r / count in fp64 is within 2^-28 of an ulp32
+    of x, closer than x is to any fp32 midpoint it is not on (those are multiples of
+    ulp32 / 2 / count away), so rounding it to fp32 rounds as x does. Dividing by `unit`
+    (a power of two, no fp32 subnormal in reach: |mean| >= 2^-88 / count) is exact."""
+    if count & (count - 1) == 0 and count <= POW2_FAST:
+        return torch.div(acc, unit * count, out=out)
+    n = acc.numel()
+    for a in range(0, n, CHUNK):
+        b = min(n, a + CHUNK)
+        part = acc[a:b]
+        q = torch.div(part, count, rounding_mode="trunc")
+        r = part - q * count
+        near = q.to(torch.float64) + r.to(torch.float64) / count
+        far = (2 * q + torch.sign(r)).to(torch.float64).mul_(0.5)
+        x = torch.where(q.abs() >= 1 << 25, far, near)
+        out[a:b].copy_(x.div_(unit))
+    return out

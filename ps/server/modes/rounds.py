@@ -128,6 +128,10 @@ class SyncPolicy(UpdatePolicy):
     def push_not_accepted(self, view: ShardView, worker: int) -> None:
         self.under_way.discard(worker)
 
+    def accept_failed(self, view: ShardView, worker: int) -> None:
+        self.pending.pop(worker, None)
+        self.under_way.discard(worker)
+
     def gradient_bytes(self) -> int:
         return self.exact.nbytes() if self.exact is not None else 0
 
@@ -141,8 +145,13 @@ class SyncPolicy(UpdatePolicy):
         self.under_way.clear()  # a push still streaming (its worker left) is refused at its end
         if exact is not None:  # withdraws a push still in flight (its worker left)
             exact.close({p.worker for p in pushes})  # nothing lands any more; reset below
+        at = (view.rounds, view.version)
         try:
             self._close(view, pushes, exact)
+        except Exception:
+            if (view.rounds, view.version) == at:  # never a round left open (issue #45)
+                view.skip_round("internal")
+            raise
         finally:
             if exact is not None:
                 exact.reset()

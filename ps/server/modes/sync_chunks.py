@@ -127,9 +127,19 @@ class ChunkedSyncPolicy(SyncPolicy):
             self._wake.notify()
 
     def push_dropped(self, view: ShardView, ticket: PushTicket) -> None:
-        if self.tickets.get(ticket.header.worker) is ticket:
-            del self.tickets[ticket.header.worker]
+        w = ticket.header.worker
+        if self.tickets.get(w) is ticket:
+            del self.tickets[w]
             self._undo(view)
+        elif w not in self.pending and self._applied_with(w):
+            # Defensive (issue #45: a cut-off push left early chunks applied): a slot that
+            # took the mean with a worker whose push is not accepted does not hold. An
+            # undo is always safe: the close applies the restored slots again.
+            self._undo(view)
+
+    def _applied_with(self, worker: int) -> bool:
+        with self._apply_lock:
+            return any(worker in ws for ws in self.applied.values())
 
     def on_leave(self, view: ShardView, worker: int) -> None:
         if worker not in self.pending:

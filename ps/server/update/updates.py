@@ -241,8 +241,9 @@ class Updates:
 
     def take_options(self, options: StepOptions, *, check_only: bool = False) -> None:
         """The push about to be handed to the rule says this of its step (its update, or
-        the round it closes, takes it); refused where the job cannot honour it (checked
-        as soon as they arrive: check_only)."""
+        the round it closes, takes it); refused where the job cannot honour it, did not
+        declare step options, or a value cannot be stepped with (ps/server/limits.py):
+        checked as soon as they arrive (check_only), before anything changes."""
         d = self.data
         job = d.require_job()
         groups = max(1, len(job.param_groups))
@@ -258,6 +259,8 @@ class Updates:
                 "shard applies rounds chunk by chunk (--chunk-rounds): start it without",
                 reason="malformed",
             )
+        if options.given:
+            d.limits.check_options(options, job)
         if not check_only:
             d.step_options = options
 
