@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from psar.worker.launch import LaunchSpec, launch, parse
+from psar.worker.launch import LaunchSpec, launch, parse, validate
 from psar.worker.supervisor import descendants
 
 FAST = ["--steps", "10", "--eval-batches", "2", "--log-every", "5", "--precision", "fp32"]
@@ -196,3 +196,17 @@ def test_cli_routes_launch_and_compare(capsys) -> None:
         main(["--help"])
     helptext = capsys.readouterr().out
     assert "launch" in helptext and "compare" in helptext
+
+
+def test_a_non_loopback_bind_host_is_a_decision(tmp_path: Path) -> None:
+    """Shards on a non-loopback --bind-host without a token and TLS refuse to start
+    (psar server); launch says so before starting anything, naming the flag that
+    decides it, and passes that flag on to the shards."""
+    s = spec(tmp_path, "--steps", "1", arch="ps", workers=2, bind_host="192.0.2.1")
+    assert launch(s) == 2
+    assert "--bind-host 192.0.2.1 is not loopback" in s.err.getvalue()
+    assert "--allow-insecure-bind" in s.err.getvalue() and s.pids == []
+    ok = parse(["--arch", "ps", "--bind-host", "192.0.2.1", "--allow-insecure-bind"])
+    assert ok.allow_insecure_bind
+    validate(ok)  # accepted: the user said so
+    validate(parse(["--arch", "allreduce", "--bind-host", "192.0.2.1"]))  # no shard, no metrics

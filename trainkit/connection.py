@@ -11,6 +11,7 @@ because trainkit/config.py is imported by the DDP side too, which must not load 
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass
 
 DATA_PLANES = ("auto", "tcp", "grpc")
@@ -72,3 +73,16 @@ class ConnectionConfig:
     def tls(self) -> bool:
         """TLS is on when any --tls-* file is given."""
         return bool(self.tls_ca or self.tls_cert or self.tls_key)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (an IP address, `[v6]`, or `localhost`) reaches this host only.
+    0.0.0.0 and :: (every interface) and any other name are not: a name is not resolved
+    here (it may name any interface, and --dry-run needs no DNS)."""
+    host = host.strip().removeprefix("[").removesuffix("]")
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -34,6 +34,7 @@ from typing import TextIO
 from psar.trainkit.choices import DEFAULT_MODE, MODES, local_sgd
 from psar.trainkit.cli_strict import StrictParser
 from psar.trainkit.config import PSConfig
+from psar.trainkit.connection import is_loopback
 from psar.worker.supervisor import Supervisor, free_port
 from psar.worker.torchrun_compat import torchrun_flags, torchrun_options
 
@@ -57,6 +58,7 @@ class LaunchSpec:
     staleness: int = 1
     metrics_base_port: int = 0
     bind_host: str = "127.0.0.1"
+    allow_insecure_bind: bool = False
     straggler: dict[int, float] = field(default_factory=dict)
     timeout: float = 0.0
     train_args: list[str] = field(default_factory=list)
@@ -137,6 +139,9 @@ def build_parser() -> StrictParser:
                    help="give every process a /metrics port: shards P.., workers after them")  # fmt: skip
     p.add_argument("--bind-host", default="127.0.0.1", help="address shards, the "
                    "rendezvous and /metrics bind to (default: 127.0.0.1)")  # fmt: skip
+    p.add_argument("--allow-insecure-bind", action="store_true",
+                   help="let shards (and /metrics) listen on a non-loopback --bind-host "
+                   "without a token and TLS (psar server --allow-insecure-bind)")  # fmt: skip
     p.add_argument("--timeout", type=float, default=0.0, metavar="SECONDS",
                    help="stop everything after this long (0: never)")  # fmt: skip
     p.add_argument("--grace", type=float, default=10.0, metavar="SECONDS",
@@ -176,6 +181,18 @@ def validate(spec: LaunchSpec) -> None:
         raise ValueError(
             f"--mode {spec.mode} runs psar's own inner optimizer: a script of your own runs "
             "under --mode sync, async or ssp"
+        )
+    if (
+        not is_loopback(spec.bind_host)
+        and not spec.allow_insecure_bind
+        and (spec.arch == "ps" or spec.metrics_base_port)
+    ):
+        # Exposure is a decision (issue #45): the shards would refuse to start anyway.
+        raise ValueError(
+            f"--bind-host {spec.bind_host} is not loopback: shards and /metrics there would "
+            "serve anyone who reaches this host without a token or TLS; pass "
+            "--allow-insecure-bind to say so (on a private network only), or run psar "
+            "server yourself with --auth-token-file, --tls-cert and --tls-key"
         )
     if bad := [r for r in spec.straggler if r >= spec.workers]:
         raise ValueError(f"--straggler {bad[0]}:...: rank must be < --workers {spec.workers}")
@@ -279,7 +296,8 @@ class _Job:
         # No per-chunk flag: rank 0's Init tells the shards how the job's rounds run.
         for i in range(s.servers):
             cmd = [sys.executable, "-m", "psar.worker.cli", "server", "--bind", f"{s.bind_host}:0",
-                   "--shard", str(i), *self._metrics(p + i)]  # fmt: skip
+                   "--shard", str(i), *self._metrics(p + i),
+                   *(["--allow-insecure-bind"] if s.allow_insecure_bind else [])]  # fmt: skip
             # All on this host: `--torch-threads auto` splits the cores between them.
             self._spawn(f"shard{i}", "shard", i, cmd, {"PSAR_SHARDS_PER_HOST": str(s.servers)})
 

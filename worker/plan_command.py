@@ -63,6 +63,7 @@ def launch_lines(result: PlanResult) -> list[str]:
     return [
         f"launch ({result.winner}): {s} shard{'s' if s != 1 else ''} {where}, then the "
         f"{n} worker{'s' if n != 1 else ''} (RANK 0..{n - 1}):",
-        f"  psar server --bind 0.0.0.0:{SHARD_PORT}",
+        f"  psar server --bind 0.0.0.0:{SHARD_PORT} --auth-token-file TOKEN "
+        "--tls-cert CERT --tls-key KEY",
         f"  psar train --arch ps --servers {servers} --world-size {n} --rank RANK {flags}",
     ]

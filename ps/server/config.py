@@ -5,7 +5,6 @@ imports neither torch nor the shard's machinery."""
 
 from __future__ import annotations
 
-import ipaddress
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -15,6 +14,7 @@ from psar.ps.grpc_limits import DEFAULT_MAX_MESSAGE_BYTES
 from psar.ps.server import limits
 from psar.ps.server.membership.leases import DEFAULT_JOIN_GRACE_S, DEFAULT_LEASE_S
 from psar.trainkit.cli_gen import everyday
+from psar.trainkit.connection import is_loopback
 
 # The values of psar.ps.wire.DEFAULT_MESSAGE_BYTES and checkpoints.DEFAULT_KEEP, written
 # out because both modules import torch and `psar server --help` must not
@@ -308,16 +308,3 @@ def _cores() -> int:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # not Linux
         return os.cpu_count() or 1
-
-
-def is_loopback(host: str) -> bool:
-    """Whether `host` (an IP address, `[v6]`, or `localhost`) reaches this host only.
-    0.0.0.0 and :: (every interface) and any other name are not: a name is not resolved
-    here (it may name any interface, and --dry-run needs no DNS)."""
-    host = host.strip().removeprefix("[").removesuffix("]")
-    if host.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
