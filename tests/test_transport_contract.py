@@ -375,7 +375,7 @@ def test_psclient_gets_the_same_results_over_either_data_plane() -> None:
             with PSClient([f"127.0.0.1:{s.port}"], worker=0, cfg=cfg) as c:
                 c.set_slots(plan_slots(PARAMS, 1, chunk_bytes=32))
                 assert c.get_jobs(wait=True) == [job]
-                used = c._transport(0)
+                used = c.doors.transport(0)
                 assert isinstance(used, GrpcTransport if plane == "grpc" else DataPlaneClient)
                 replies = [
                     c.push(clock=k, base_versions=[k - 1], dtype=torch.float32, grads=grad_for(job, 0, k))[0]

@@ -204,26 +204,15 @@ def _mixed_in(folder: str) -> list[str]:
     return mixed
 
 
-KNOWN_MIXED = {
-    "ps/client": [
-        "ps/client/psclient.py: PSClient(DataPlaneCalls, MembershipCalls, OptimizerCalls)"
-    ]
-}
-"""Left as they are, to be taken apart on their own: the gRPC client's three groups of
-calls (issue #44 item 4 took the PS backend apart; the client is not its room)."""
-
-
 @pytest.mark.parametrize("folder", ["ps/server", "ps/client", "allreduce"])
 def test_the_shard_and_the_backends_are_composed_not_mixed_in(folder: str) -> None:
     """No class of the shard or of either backend has more than one base of the
     project's own, nor is a mixin: the shard's components are attributes of ShardState,
     the PS backend's parts (overlap, resync, local SGD, own optimizer, elastic
-    membership) attributes of PSBackend, each called, not inherited."""
+    membership) attributes of PSBackend, the gRPC client's groups of calls (doors,
+    membership, optimizer) attributes of PSClient, each called, not inherited."""
     mixed = _mixed_in(folder)
-    # Exact: a class taken apart must leave KNOWN_MIXED too.
-    assert mixed == KNOWN_MIXED.get(folder, []), (
-        "classes mixing several of the project's bases:\n" + "\n".join(mixed)
-    )
+    assert mixed == [], "classes mixing several of the project's bases:\n" + "\n".join(mixed)
 
 
 def test_the_mixin_check_finds_a_mixin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

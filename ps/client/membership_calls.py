@@ -2,7 +2,7 @@
 (docs/reliability.md, docs/elastic.md), and
 rank 0's report that it could not initialise the shards (ReportInitFailure).
 
-A mixin of psar.ps.client.psclient.PSClient, which provides the stubs, `_retrying`, `_each`,
+A part of psar.ps.client.psclient.PSClient (it holds one), which provides the stubs, `_retrying`, `_each`,
 `incarnations`, `lease_s` and the heartbeat thread's stop event.
 """
 
@@ -30,17 +30,11 @@ class InitFailed(PSClientError):
 
 
 class MembershipCalls:
-    """Register (and query), Rollback and Heartbeat on the shards."""
+    """A part of PSClient: Register (and query), Join, Leave, Rollback and Heartbeat on the shards; the client holds the state they change (instance, incarnations, lease_s, the heartbeat thread)."""
 
-    _stubs: list[Any]
-    _beat: threading.Thread | None
-    _beat_stop: threading.Event
-    incarnations: list[int]
-    lease_s: float
-    worker: int
-    instance: str = ""
-    """The instance this client last registered or joined as: its Leave names it (a shard
-    refuses a Leave from anyone but the rank's holder)."""
+    def __init__(self, client: Any) -> None:
+        self.c = client
+        """The PSClient this part serves: its stubs, retries and per-shard state."""
 
     def register(
         self,
@@ -55,17 +49,17 @@ class MembershipCalls:
         Each reply's incarnation becomes the one this client's requests carry. joined:
         this worker's rank came from Join (a new worker, never counted as a rejoin)."""
         if instance and not query:
-            self.instance = instance
+            self.c.instance = instance
 
         def one(i: int) -> dict[str, Any]:
             req = pb.RegisterRequest(
-                worker=self.worker, clock=clock, query=query, instance=instance, joined=joined
+                worker=self.c.worker, clock=clock, query=query, instance=instance, joined=joined
             )
-            r = self._retrying(
-                i, lambda _r: self._stubs[i].Register(req, timeout=self.cfg.timeout_s)
+            r = self.c._retrying(
+                i, lambda _r: self.c._stubs[i].Register(req, timeout=self.c.cfg.timeout_s)
             )
-            self.incarnations[i] = r.incarnation
-            self.lease_s = max(self.lease_s, r.lease_s)
+            self.c.incarnations[i] = r.incarnation
+            self.c.lease_s = max(self.c.lease_s, r.lease_s)
             return {
                 "shard": i,
                 "incarnation": r.incarnation,
@@ -79,39 +73,39 @@ class MembershipCalls:
                 "restores": r.restores,
             }
 
-        return self._each(one, shards)
+        return self.c._each(one, shards)
 
     def join(self, instance: str) -> dict[str, Any]:
         """Elastic jobs: ask shard 0 for a free rank ({worker, live_workers, clock}: the
         clock to register with). The client then speaks as that worker."""
-        r = self._retrying(
+        r = self.c._retrying(
             0,
-            lambda _r: self._stubs[0].Join(
-                pb.JoinRequest(instance=instance), timeout=self.cfg.timeout_s
+            lambda _r: self.c._stubs[0].Join(
+                pb.JoinRequest(instance=instance), timeout=self.c.cfg.timeout_s
             ),
         )
-        self.worker = r.worker
-        self.instance = instance
+        self.c.worker = r.worker
+        self.c.instance = instance
         return {"worker": r.worker, "live_workers": r.live_workers, "clock": r.clock}
 
     def leave(self) -> None:
         """Tell every shard this worker is done, so nobody waits for it. It names the
         instance this client registered as: only the rank's holder may leave it."""
-        req = pb.LeaveRequest(worker=self.worker, instance=self.instance)
+        req = pb.LeaveRequest(worker=self.c.worker, instance=self.c.instance)
 
         def one(i: int) -> Any:
-            return self._retrying(
-                i, lambda _r: self._stubs[i].Leave(req, timeout=self.cfg.timeout_s)
+            return self.c._retrying(
+                i, lambda _r: self.c._stubs[i].Leave(req, timeout=self.c.cfg.timeout_s)
             )
 
-        self._each(one)
+        self.c._each(one)
 
     def rollback(self, shard: int, max_round: int) -> dict[str, Any]:
         """sync: roll `shard` back to its newest checkpoint at a round <= max_round."""
-        r = self._retrying(
+        r = self.c._retrying(
             shard,
-            lambda _r: self._stubs[shard].Rollback(
-                pb.RollbackRequest(max_round=max_round), timeout=self.cfg.timeout_s
+            lambda _r: self.c._stubs[shard].Rollback(
+                pb.RollbackRequest(max_round=max_round), timeout=self.c.cfg.timeout_s
             ),
         )
         return {
@@ -127,24 +121,24 @@ class MembershipCalls:
         it runs while rank 0 is already failing (a shard it cannot reach is logged)."""
 
         def one(i: int) -> None:
-            req = serde.init_failure_to_pb(self.worker, error)
+            req = serde.init_failure_to_pb(self.c.worker, error)
             try:
-                self._stubs[i].ReportInitFailure(req, timeout=self.cfg.timeout_s)
+                self.c._stubs[i].ReportInitFailure(req, timeout=self.c.cfg.timeout_s)
             except grpc.RpcError as e:
                 log.warning("could not tell shard %d that the init failed: %s", i, e)
 
         try:
-            self._each(one)
+            self.c._each(one)
         except Exception:  # noqa: BLE001 - never hide the init's own error behind this
             log.exception("could not tell the shards that the init failed")
 
     def heartbeat(self) -> list[bool | None]:
         """One heartbeat to every shard: live or not (None where it failed)."""
         out: list[bool | None] = []
-        for i, stub in enumerate(self._stubs):
+        for i, stub in enumerate(self.c._stubs):
             try:
-                timeout = max(0.5, self.lease_s / 3) if self.lease_s else 5.0
-                r = stub.Heartbeat(pb.HeartbeatRequest(worker=self.worker), timeout=timeout)
+                timeout = max(0.5, self.c.lease_s / 3) if self.c.lease_s else 5.0
+                r = stub.Heartbeat(pb.HeartbeatRequest(worker=self.c.worker), timeout=timeout)
                 out.append(r.live)
             except grpc.RpcError as e:
                 log.debug("heartbeat to shard %d failed: %s", i, e)
@@ -153,24 +147,25 @@ class MembershipCalls:
 
     def start_heartbeats(self, lease_s: float | None = None) -> None:
         """Heartbeat every lease_s / 3 from a daemon thread until close()."""
-        lease = lease_s or self.lease_s
-        if self._beat is not None or not lease:
+        lease = lease_s or self.c.lease_s
+        if self.c._beat is not None or not lease:
             return
         period = lease / 3
 
         def run() -> None:
-            while not self._beat_stop.wait(period):
+            while not self.c._beat_stop.wait(period):
                 self.heartbeat()
 
-        self._beat = threading.Thread(target=run, name="psar-heartbeat", daemon=True)
-        self._beat.start()
+        self.c._beat = threading.Thread(target=run, name="psar-heartbeat", daemon=True)
+        self.c._beat.start()
 
     def stats(self) -> list[dict[str, Any]]:
         """Each shard's counters (version, rounds, clocks, staleness histogram, digest)."""
 
         def one(i: int) -> dict[str, Any]:
-            r = self._retrying(
-                i, lambda _r: self._stubs[i].Stats(pb.StatsRequest(), timeout=self.cfg.timeout_s)
+            r = self.c._retrying(
+                i,
+                lambda _r: self.c._stubs[i].Stats(pb.StatsRequest(), timeout=self.c.cfg.timeout_s),
             )
             return {
                 "version": r.version,
@@ -209,4 +204,4 @@ class MembershipCalls:
                 "gradient_bytes": r.gradient_bytes,
             }
 
-        return self._each(one)
+        return self.c._each(one)

@@ -3,13 +3,13 @@ for clipping on the shards (RoundNorm, ps/server/update/clipping.py), and the op
 state of every slot (OptimizerState) for `optimizer.state_dict()`; rank 0's Init may
 carry that state back (PSClient.init's `opt_state`).
 
-A mixin of psar.ps.client.psclient.PSClient, which provides the stubs, `_retrying`, `_each`,
+A part of psar.ps.client.psclient.PSClient (it holds one), which provides the stubs, `_retrying`, `_each`,
 `incarnations` and the config.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -22,14 +22,11 @@ StateBySlot = dict[str, dict[str, torch.Tensor]]
 
 
 class OptimizerCalls:
-    """RoundNorm and OptimizerState on the shards."""
+    """A part of PSClient: RoundNorm and OptimizerState on the shards."""
 
-    _stubs: list[Any]
-    _retrying: Callable[..., Any]
-    _each: Callable[..., list[Any]]
-    incarnations: list[int]
-    worker: int
-    cfg: Any
+    def __init__(self, client: Any) -> None:
+        self.c = client
+        """The PSClient this part serves: its stubs, retries and per-shard state."""
 
     def round_norm(self, clock: int) -> list[tuple[float, bool]]:
         """Every shard's part of round `clock`'s squared norm, and whether it skipped the
@@ -37,14 +34,14 @@ class OptimizerCalls:
 
         def one(i: int) -> tuple[float, bool]:
             req = pb.RoundNormRequest(
-                worker=self.worker, clock=clock, incarnation=self.incarnations[i]
+                worker=self.c.worker, clock=clock, incarnation=self.c.incarnations[i]
             )
-            reply = self._retrying(
-                i, lambda _r: self._stubs[i].RoundNorm(req, timeout=self.cfg.pull_timeout_s)
+            reply = self.c._retrying(
+                i, lambda _r: self.c._stubs[i].RoundNorm(req, timeout=self.c.cfg.pull_timeout_s)
             )
             return reply.sq_norm, reply.skipped
 
-        return self._each(one)
+        return self.c._each(one)
 
     def optimizer_state(self) -> StateBySlot:
         """The optimizer state of every slot of every shard."""
@@ -52,8 +49,8 @@ class OptimizerCalls:
         def one(i: int) -> StateBySlot:
             def call(_retry: bool) -> StateBySlot:
                 got: StateBySlot = {}
-                req = pb.OptimizerStateRequest(worker=self.worker)
-                for c in self._stubs[i].OptimizerState(req, timeout=self.cfg.timeout_s):
+                req = pb.OptimizerStateRequest(worker=self.c.worker)
+                for c in self.c._stubs[i].OptimizerState(req, timeout=self.c.cfg.timeout_s):
                     slot = got.setdefault(c.slot, {})
                     if c.name not in slot:
                         slot[c.name] = torch.empty(()) if c.scalar else torch.empty(c.numel)
@@ -62,10 +59,10 @@ class OptimizerCalls:
                     flat[c.offset : c.offset + piece.numel()].copy_(piece)
                 return got
 
-            return self._retrying(i, call)
+            return self.c._retrying(i, call)
 
         out: StateBySlot = {}
-        for part in self._each(one):
+        for part in self.c._each(one):
             out.update(part)
         return out
 

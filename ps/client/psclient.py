@@ -55,8 +55,11 @@ log = logging.getLogger("psar.client")
 T = TypeVar("T")
 
 
-class PSClient(DataPlaneCalls, MembershipCalls, OptimizerCalls):
-    """Push/pull to a set of shards on behalf of one worker."""
+class PSClient:
+    """Push/pull to a set of shards on behalf of one worker. Its parts: `doors` (which
+    transport carries each shard's bytes), `membership` (Register, Join, Leave, Rollback,
+    Heartbeat) and `optimizer` (RoundNorm, OptimizerState); the calls users make on the
+    client are handed to them below, and the per-shard state they share is the client's."""
 
     def __init__(self, addresses: Sequence[str], *, worker: int, cfg: ClientConfig | None = None):
         if not addresses:
@@ -101,6 +104,47 @@ class PSClient(DataPlaneCalls, MembershipCalls, OptimizerCalls):
         self._data_stale = [False] * len(self.addresses)
         self._beat_stop = threading.Event()
         self._beat: threading.Thread | None = None
+        self.instance = ""
+        """The instance this client last registered or joined as: its Leave names it (a
+        shard refuses a Leave from anyone but the rank's holder)."""
+        self.doors = DataPlaneCalls(self)
+        self.membership = MembershipCalls(self)
+        self.optimizer = OptimizerCalls(self)
+
+    # ---- the parts' calls, on the client as users make them --------------------------
+
+    def register(self, **kw: Any) -> list[dict[str, Any]]:
+        return self.membership.register(**kw)
+
+    def join(self, instance: str) -> dict[str, Any]:
+        return self.membership.join(instance)
+
+    def leave(self) -> None:
+        self.membership.leave()
+
+    def rollback(self, shard: int, max_round: int) -> dict[str, Any]:
+        return self.membership.rollback(shard, max_round)
+
+    def report_init_failure(self, error: str) -> None:
+        self.membership.report_init_failure(error)
+
+    def heartbeat(self) -> list[bool | None]:
+        return self.membership.heartbeat()
+
+    def start_heartbeats(self, lease_s: float | None = None) -> None:
+        self.membership.start_heartbeats(lease_s)
+
+    def stats(self) -> list[dict[str, Any]]:
+        return self.membership.stats()
+
+    def round_norm(self, clock: int) -> list[tuple[float, bool]]:
+        return self.optimizer.round_norm(clock)
+
+    def optimizer_state(self) -> StateBySlot:
+        return self.optimizer.optimizer_state()
+
+    def shards_in_shared_memory(self) -> bool:
+        return self.doors.shards_in_shared_memory()
 
     @property
     def num_shards(self) -> int:
@@ -212,7 +256,7 @@ class PSClient(DataPlaneCalls, MembershipCalls, OptimizerCalls):
                 raise
             self.lease_s = max(self.lease_s, reply.lease_s)
             if reply.initialized:
-                self._use_data_port(i, reply.data_port)
+                self.doors.use_data_port(i, reply.data_port)
             return serde.job_from_pb(reply.job) if reply.initialized else None
 
         def cut_short() -> None:
@@ -313,7 +357,7 @@ class PSClient(DataPlaneCalls, MembershipCalls, OptimizerCalls):
                 return msg
 
             def call(again: bool) -> pb.PushReply:
-                return self._via(
+                return self.doors.via(
                     i,
                     lambda t: t.push(head(again), source(i, again), timeout_s=self.cfg.timeout_s),
                 )
@@ -374,7 +418,7 @@ class PSClient(DataPlaneCalls, MembershipCalls, OptimizerCalls):
                     if on_header is not None:
                         on_header(i, serde.pull_header_from_pb(msg))
 
-                msg = self._via(
+                msg = self.doors.via(
                     i,
                     lambda t: t.pull(
                         req,
