@@ -144,6 +144,9 @@ def _train_exit_code(args: argparse.Namespace) -> int:
         return sigterm_code if sigterm else 130
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else 1
+    except ConnectionRefusedError as e:  # nothing listens where a flag points: one line
+        print(f"psar train: error: {e}", file=sys.stderr)
+        return 1
     except BaseException:
         traceback.print_exc()
         return 1

@@ -40,6 +40,7 @@ from psar.ps.client.backend_resync import _MAX_RESYNCS, Resync
 from psar.ps.client.int_buffers import IntBuffers
 from psar.ps.client.locality import resolve_early_pull
 from psar.ps.client.psclient import ClientConfig, NeedsResync, PSClient
+from psar.ps.client.reach import LISTEN_WAIT_S, wait_until_listening
 from psar.ps.headers import PullHeader
 from psar.ps.job import Job, ModeTraits
 from psar.ps.partition import Slot, bytes_per_shard, check_every_shard_holds_a_slot, plan_slots
@@ -194,6 +195,8 @@ class PSBackend:
         )
         jobs = self._jobs()
         ps = self.cfg.ps
+        # Nothing at --servers: say so in seconds, not after gRPC's deadline.
+        wait_until_listening(self.addresses, within_s=min(LISTEN_WAIT_S, ps.timeout_s))
         self.client = PSClient(
             self.addresses,
             worker=self.rank,
