@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 
 from psar.trainkit import cli_gen
 from psar.trainkit.config import TrainConfig
+from psar.trainkit.writable import check_folder_writable
 from psar.worker.cli_parser import build_parser
 
 
@@ -33,6 +34,8 @@ def _run_server(args: argparse.Namespace) -> int:
     from psar.ps.server.serve import serve
 
     cfg = cli_gen.build(ServerConfig, args, args.config)
+    if cfg.checkpoint_dir:  # before serving: a shard that cannot checkpoint is not durable
+        check_folder_writable(cfg.checkpoint_dir, "--checkpoint-dir")
     if args.dry_run:
         print(json.dumps(dataclasses.asdict(cfg), indent=2))
         return 0
@@ -89,11 +92,12 @@ def _leave(code: int) -> None:
 
 def _dry_run_train(args: argparse.Namespace) -> int:
     """`psar train --dry-run`: apply every rule a start applies, print the result."""
-    from psar.worker.loop import resolve_ranks
+    from psar.worker.loop import check_outputs, resolve_ranks
     from psar.worker.workloads.loader import resolve_factory
 
     cfg = cli_gen.build(TrainConfig, args, args.config)
     rank, world, local_rank = resolve_ranks(cfg, dict(os.environ))
+    check_outputs(cfg, rank)
     servers = cfg.ps.server_list() if cfg.arch == "ps" else []
     factory = resolve_factory(cfg.workload)  # an unknown workload fails here, as at start
     resolved = {"rank": rank, "world_size": world, "local_rank": local_rank, "servers": servers,

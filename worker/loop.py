@@ -31,6 +31,7 @@ from psar.trainkit.precision import PrecisionPolicy, pick_device, resolve
 from psar.trainkit.recorder import NullWorkerRecorder, WorkerRecorder
 from psar.trainkit.roles import resolve_local_rank, resolve_rank, resolve_world_size
 from psar.trainkit.seeding import seed_process
+from psar.trainkit.writable import check_file_writable, check_folder_writable
 from psar.worker.data import ElasticBatches, ShardedBatches, evaluate
 from psar.worker.progress import Progress
 from psar.worker.records import StepLog, run_summary, write_report
@@ -134,9 +135,23 @@ def train(cfg: TrainConfig, env: dict[str, str] | None = None) -> dict[str, Any]
     return summary
 
 
+def check_outputs(cfg: TrainConfig, rank: int) -> None:
+    """The files this rank writes at the end (--save on rank 0, --report on the ranks that
+    write one) and --run-dir can be written: checked at start and by --dry-run."""
+    if cfg.save and rank <= 0:  # an elastic joiner (-1) may become rank 0
+        check_file_writable(cfg.save, "--save")
+    if cfg.report and "{rank}" in cfg.report:
+        check_file_writable(cfg.report.replace("{rank}", str(max(rank, 0))), "--report")
+    elif cfg.report and rank <= 0:
+        check_file_writable(cfg.report, "--report")
+    if cfg.run_dir:
+        check_folder_writable(cfg.run_dir, "--run-dir")
+
+
 def _prepare(cfg: TrainConfig, env: dict[str, str]) -> _Run:
     """Ranks, device, precision, metrics, workload, data shard and backend."""
     rank, world, local_rank = resolve_ranks(cfg, env)
+    check_outputs(cfg, rank)  # before any step: a path that cannot be written loses nothing
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     device = pick_device(cfg.device, local_rank)
