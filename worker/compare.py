@@ -15,16 +15,18 @@ import argparse
 import json
 import math
 import platform
+import re
 import sys
 import time
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from psar.trainkit.choices import DEFAULT_MODE, LOCAL_SGD_MODES, MODES, local_sgd
 from psar.trainkit.cli_strict import StrictParser
 from psar.worker import compare_repeats, report
+from psar.worker.final_loss import final_loss
 from psar.worker.intervals import format_interval
 from psar.worker.launch import LaunchSpec, add_launch_flags, auto_servers, launch, train_flags
 
@@ -88,14 +90,42 @@ def build_parser() -> StrictParser:
     return p
 
 
-def run_job(spec: LaunchSpec, run_dir: Path) -> dict[str, Any]:
-    """Launch `spec` with its reports and step logs in `run_dir`; returns what it wrote."""
+class _ProgressTee:
+    """launch.log gets every line of a run; the terminal gets rank 0's progress every
+    tenth of the run, labelled, so a run of a minute or two is not silent (issue #45)."""
+
+    STEP = re.compile(r"^\[worker0\] .*\bstep (\d+)/(\d+)")
+
+    def __init__(self, log: TextIO, terminal: TextIO | None, label: str) -> None:
+        self.log, self.terminal, self.label, self.partial = log, terminal, label, ""
+
+    def write(self, text: str) -> int:
+        self.log.write(text)
+        if self.terminal is not None:
+            *lines, self.partial = (self.partial + text).split("\n")
+            for line in lines:
+                if (m := self.STEP.match(line)) and self._shown(int(m[1]), int(m[2])):
+                    said = line.split("] ", 2)[-1].strip()
+                    print(f"psar compare: {self.label}: {said}", file=self.terminal, flush=True)
+        return len(text)
+
+    @staticmethod
+    def _shown(step: int, total: int) -> bool:
+        return step == total or step % max(1, total // 10) == 0
+
+    def flush(self) -> None:
+        self.log.flush()
+
+
+def run_job(spec: LaunchSpec, run_dir: Path, progress: TextIO | None = None) -> dict[str, Any]:
+    """Launch `spec` with its reports and step logs in `run_dir`; returns what it wrote.
+    progress: where rank 0's progress goes every tenth of the run (None: the log only)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     spec.train_args = [*spec.train_args, "--report", str(run_dir / "report-{rank}.json"),
                        "--run-dir", str(run_dir)]  # fmt: skip
     t0 = time.perf_counter()
     with open(run_dir / "launch.log", "w", buffering=1) as log:
-        spec.out = spec.err = log
+        spec.out = spec.err = _ProgressTee(log, progress, run_dir.name)  # type: ignore[assignment]
         code = launch(spec)
     series, summaries = report.load_run(run_dir)
     return {"exit_code": code, "launch_seconds": time.perf_counter() - t0,
@@ -136,7 +166,7 @@ def metrics(result: dict[str, Any], window: int) -> dict[str, Any]:
     row.update(
         samples_per_sec=total / job_s if job_s > 0 else None,
         samples_per_sec_sum_of_workers=sum(s.samples[-1] / max(s.time[-1], 1e-9) for s in series),
-        final_train_loss=smooth[-1] if smooth and math.isfinite(smooth[-1]) else None,
+        final_train_loss=final_loss(rank0.loss, window),  # one definition (final_loss.py)
         val_loss=summary0.get("val_loss"),
         staleness_p50=_quantile(stale, 0.5) if stale else None,
         staleness_p99=_quantile(stale, 0.99) if stale else None,
@@ -236,7 +266,7 @@ def compare(args: argparse.Namespace, extra: list[str]) -> tuple[int, dict[str, 
                           timeout=args.timeout, train_args=[*train, *_mode_args(arch, mode, args)])  # fmt: skip
         print(f"psar compare: [{i}/{len(jobs)}] {name} (log: {run_dir / 'launch.log'})",
               file=sys.stderr, flush=True)  # fmt: skip
-        result = run_job(spec, run_dir)
+        result = run_job(spec, run_dir, progress=sys.stderr)
         reps[name].append(metrics(result, args.smooth))
         _plots(run_dir, result)
         if rep == 0:

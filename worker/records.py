@@ -18,6 +18,7 @@ from typing import Any
 
 from psar.trainkit.backend import Backend, StepOutcome
 from psar.trainkit.config import TrainConfig
+from psar.worker.final_loss import final_loss
 
 
 def staleness_summary(values: list[int]) -> dict[str, Any]:
@@ -66,7 +67,7 @@ def run_summary(
         "global_samples_per_sec": world * samples / wall if wall > 0 else 0.0,
         "wall_seconds": wall,
         "losses": losses,
-        "final_train_loss": losses[-1] if losses else None,
+        "final_train_loss": final_loss(losses),
         "skipped_steps": sum(o.skipped for o in outcomes),
         "final_loss_scale": outcomes[-1].loss_scale if outcomes else None,
         **backend.report(),

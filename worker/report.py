@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from psar.trainkit.cli_strict import StrictParser
+from psar.worker.final_loss import final_loss
 from psar.worker.report_intervals import report_compare, write_interval_plot
 
 __all__ = [
@@ -89,11 +90,9 @@ class RankSeries:
         return None
 
     def final_loss(self) -> float | None:
-        """Loss of the last step that produced a finite one (skipped steps may be NaN/Inf)."""
-        for v in reversed(self.loss):
-            if math.isfinite(v):
-                return v
-        return None
+        """psar's final loss (worker/records.py final_loss): the mean of the last 10 finite
+        step losses (skipped steps may be NaN/Inf)."""
+        return final_loss(self.loss)
 
 
 def _float(v: object) -> float:
@@ -245,11 +244,13 @@ def summarize(series: list[RankSeries], summaries: list[dict]) -> str:
         mine = [d for d in summaries if (str(d.get("arch")), str(d.get("mode"))) == (arch, mode)]
 
         def val_loss(rank: int, mine: list[dict] = mine) -> object:
-            # A summary may be per rank (has "rank") or per run (applies to every rank).
+            # A summary may be per rank (has "rank") or per run (applies to every rank);
+            # a rank that wrote none (DDP: rank 0 reports for the job, every rank holding
+            # the same model) shows the job's, so every row has a val loss.
             for d in mine:
                 if d.get("rank") in (None, rank):
                     return d.get("val_loss")
-            return None
+            return next((d.get("val_loss") for d in mine if d.get("rank") == 0), None)
 
         rows = [_row(s, val_loss(s.rank)) for s in ranks] + [_summary_row(d) for d in mine]
         parts.append(f"## {arch} / {mode}\n\n{_table(rows)}\n")
