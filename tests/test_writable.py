@@ -74,3 +74,13 @@ def test_a_real_run_fails_before_its_first_step(tmp_path: Path) -> None:
     assert r.returncode == 2, r.stderr[-2000:]
     assert "--report /proc/psar-r.json" in r.stderr and "Traceback" not in r.stderr
     assert not list(tmp_path.glob("steps-*")), "steps ran before the check"
+
+
+def test_a_report_inside_the_run_dir_is_fine(tmp_path: Path) -> None:
+    """--run-dir is made first, so a --report inside it (bench.elastic's layout) passes."""
+    from psar.trainkit.config import TrainConfig
+    from psar.worker.loop import check_outputs
+
+    run = tmp_path / "run" / "w0"
+    check_outputs(TrainConfig(run_dir=str(run), report=str(run / "report.json")), 0)
+    assert run.is_dir()

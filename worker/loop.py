@@ -138,14 +138,14 @@ def train(cfg: TrainConfig, env: dict[str, str] | None = None) -> dict[str, Any]
 def check_outputs(cfg: TrainConfig, rank: int) -> None:
     """The files this rank writes at the end (--save on rank 0, --report on the ranks that
     write one) and --run-dir can be written: checked at start and by --dry-run."""
+    if cfg.run_dir:  # first: made here, it may be the folder --report writes into
+        check_folder_writable(cfg.run_dir, "--run-dir")
     if cfg.save and rank <= 0:  # an elastic joiner (-1) may become rank 0
         check_file_writable(cfg.save, "--save")
     if cfg.report and "{rank}" in cfg.report:
         check_file_writable(cfg.report.replace("{rank}", str(max(rank, 0))), "--report")
     elif cfg.report and rank <= 0:
         check_file_writable(cfg.report, "--report")
-    if cfg.run_dir:
-        check_folder_writable(cfg.run_dir, "--run-dir")
 
 
 def _prepare(cfg: TrainConfig, env: dict[str, str]) -> _Run:
