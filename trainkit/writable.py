@@ -36,7 +36,7 @@ def check_file_writable(path: str, flag: str) -> None:
         raise ValueError(f"{flag} {path}: is a folder; give a file path")
     if p.exists() and not os.access(p, os.W_OK):
         raise ValueError(f"{flag} {path}: the file exists and is read-only; give another path")
-    if why := _probe_folder(p.parent if str(p.parent) else Path(".")):
+    if why := _probe_folder(p.parent):  # Path("w.pt").parent is Path(".")
         raise ValueError(f"{flag} {path}: {why}; give a path psar can write before training")
 
 
