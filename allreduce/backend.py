@@ -27,7 +27,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from psar.allreduce import process_group
 from psar.allreduce.hooks import register_wire_dtype
 from psar.trainkit.atomic import atomic_save
-from psar.trainkit.backend import BackendContext, Reporting, StepOutcome
+from psar.trainkit.backend import BackendContext, OnContext, Reporting, StepOutcome
 from psar.trainkit.config import TrainConfig
 from psar.trainkit.device_io import state_to_host
 from psar.trainkit.finite import all_finite
@@ -40,7 +40,6 @@ from psar.trainkit.optim import (
     optimizer_impl,
     with_run_length,
 )
-from psar.trainkit.precision import PrecisionPolicy
 from psar.trainkit.sparse_tables import materialize_tables
 
 log = logging.getLogger("psar.allreduce")
@@ -64,7 +63,7 @@ def init_process_group(cfg: TrainConfig, device: torch.device) -> None:
     process_group.init_process_group(backend, cfg.ddp.pg_timeout_s)
 
 
-class DDPBackend:
+class DDPBackend(OnContext):
     arch = "allreduce"
     mode = "ddp"
     # Every rank applies the same gradient to the same weights, in lockstep: rank 0's
@@ -100,22 +99,6 @@ class DDPBackend:
         """--mode local: the inner optimizer and anchor (trainkit/local_sgd.py)."""
         if cfg.local_sgd:
             self.mode = cfg.ps.mode  # --mode local
-
-    @property
-    def rank(self) -> int:
-        return self.ctx.rank
-
-    @property
-    def world_size(self) -> int:
-        return self.ctx.world_size
-
-    @property
-    def precision(self) -> PrecisionPolicy:
-        return self.ctx.precision
-
-    @property
-    def device(self) -> torch.device:
-        return self.ctx.device
 
     def setup(
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None

@@ -80,6 +80,29 @@ class BackendContext:
         return self.precision.device
 
 
+class OnContext:
+    """What a worker is, read from the BackendContext its backend holds (both backends
+    derive from this; a PS joiner's `ctx` is replaced in setup(), and these follow)."""
+
+    ctx: BackendContext
+
+    @property
+    def rank(self) -> int:
+        return self.ctx.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.ctx.world_size
+
+    @property
+    def precision(self) -> PrecisionPolicy:
+        return self.ctx.precision
+
+    @property
+    def device(self) -> torch.device:
+        return self.ctx.device
+
+
 @dataclass(frozen=True)
 class Reporting:
     """What an architecture's report says, known before any instance exists."""

@@ -44,19 +44,18 @@ from psar.ps.client.reach import LISTEN_WAIT_S, wait_until_listening
 from psar.ps.headers import PullHeader
 from psar.ps.job import Job, ModeTraits
 from psar.ps.partition import Slot, bytes_per_shard, check_every_shard_holds_a_slot, plan_slots
-from psar.trainkit.backend import BackendContext, Reporting, StepOutcome
+from psar.trainkit.backend import BackendContext, OnContext, Reporting, StepOutcome
 from psar.trainkit.choices import chunk_rounds
 from psar.trainkit.config import TrainConfig
 from psar.trainkit.device_io import DeviceIO, state_to_host, to_host
 from psar.trainkit.optim import DynamicLossScale, StepOptions, effective_loss_scale, with_run_length
-from psar.trainkit.precision import PrecisionPolicy
 from psar.trainkit.recorder import NullWorkerRecorder, WorkerRecorder
 from psar.trainkit.sparse_tables import release_tables
 
 log = logging.getLogger("psar.ps")
 
 
-class PSBackend:
+class PSBackend(OnContext):
     """One PS worker's backend: the step itself here; each concern a part it holds
     (`overlap`, `faults`, `local`, `own`, `elastic`: ps/client/backend_*.py) and calls,
     as the shard holds its components (ps/server/shard.py)."""
@@ -117,24 +116,6 @@ class PSBackend:
         """A loop of the user's own: its optimizer on the shards, each step's options."""
         self.overlap: Overlap
         """Push during backward, pull during forward (setup() makes it)."""
-
-    # What the worker is lives in ctx; a joiner's rank and size replace it
-    # (backend_elastic.py).
-    @property
-    def rank(self) -> int:
-        return self.ctx.rank
-
-    @property
-    def world_size(self) -> int:
-        return self.ctx.world_size
-
-    @property
-    def precision(self) -> PrecisionPolicy:
-        return self.ctx.precision
-
-    @property
-    def device(self) -> torch.device:
-        return self.ctx.device
 
     # ---- setup ----------------------------------------------------------------------
 
