@@ -235,6 +235,24 @@ def test_the_data_ends_and_workers_are_told() -> None:
     assert heads[0].live_workers == 2
 
 
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_join_to_a_job_whose_data_is_all_dealt_is_refused_and_changes_nothing(
+    mode: str,
+) -> None:
+    """Issue #45 defect 9: a joiner would wait for a round nobody closes; it is told."""
+    st, job, *_ = elastic_shard(mode, 2, data_batches=3)
+    assert st.members.join("early")["worker"] == 2  # ids are left: a rank is given
+    [pull(st, w, 0) for w in (0, 1)]
+    sync_round(st, job, [0, 1])  # (async: two pushes at clock 1 all the same)
+    pull(st, 0, 1)  # the last id is dealt
+    assert st.ledger.exhausted()
+    before = (st.joins, dict(st.reserved), set(st.live), st.state_digest())
+    with pytest.raises(FailedPrecondition, match="data is all dealt") as e:
+        st.members.join("late")
+    assert e.value.reason == "data_done"
+    assert (st.joins, dict(st.reserved), set(st.live), st.state_digest()) == before
+
+
 def test_sync_lr_scales_with_the_workers_in_the_round() -> None:
     st, job, values, _ = elastic_shard("sync", 2)
     st.members.leave(1)

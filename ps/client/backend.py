@@ -235,6 +235,7 @@ class PSBackend(OnContext):
                     f"{elastic_note(have, want)}); check --servers order, --mode, --world-size, "
                     "--max-workers and the model on every worker"
                 )
+        self.elastic.take_rank()  # --join: a rank only once the job served is this one
         io = self.io
         self.send = {s.key: io.host_buffer(s.numel, self.precision.wire) for s in self.slots}
         self.early_pull = got[0].early_pull if got else self.early_pull

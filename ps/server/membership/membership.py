@@ -307,6 +307,15 @@ class Membership:
                     f"shard {job.shard_index} gives no ranks: ask shard 0 (the first of --servers)",
                     reason="not_shard0",
                 )
+            if d.ledger is not None and d.ledger.exhausted():
+                # No round will deal a newcomer anything: in sync it would wait for a
+                # round nobody closes (issue #45 defect 9). Nothing changes.
+                raise FailedPrecondition(
+                    f"the job's data is all dealt ({d.ledger.total} batch ids; "
+                    f"{d.ledger.outstanding()} still training): nothing left for a joiner "
+                    "to train; the job is finishing or finished",
+                    reason="data_done",
+                )
             now = d.leases.clock()
             for w, (_, until) in list(d.reserved.items()):
                 if until <= now:
