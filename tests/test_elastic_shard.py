@@ -253,6 +253,58 @@ def test_a_join_to_a_job_whose_data_is_all_dealt_is_refused_and_changes_nothing(
     assert (st.joins, dict(st.reserved), set(st.live), st.state_digest()) == before
 
 
+def _register(st: ShardState, workers: range) -> None:
+    for w in workers:
+        st.members.register(w, 0, instance=f"i{w}")
+
+
+def test_the_worker_whose_push_took_the_last_ids_writes_the_model() -> None:
+    """Issue #45 defect 7: rank 0 left mid-job (SIGTERM); the shards name the writer of
+    --save: the worker whose push took the job's last ids, and nobody else."""
+    st, job, *_ = elastic_shard("sync", 2, data_batches=5)
+    _register(st, range(2))
+    [pull(st, w, 0) for w in (0, 1)]  # round 1: ids 0, 1
+    sync_round(st, job, [0, 1])
+    assert st.members.leave(0, "i0") == 1  # rank 0 leaves after its push: not the writer
+    assert not st.members.writes_model(0, "i0")
+    trained = []
+    while ids := pull(st, 1, st.rounds)[0].batches:  # ids 2, 3, 4 to worker 1 alone
+        trained += ids
+        sync_round(st, job, [1])
+    assert sorted(trained) == [2, 3, 4] and st.ledger.finished_by == 1
+    st.members.leave(1, "i1")
+    assert st.members.writes_model(1, "i1") and not st.members.writes_model(1, "other")
+
+
+def test_the_writer_is_the_finisher_not_the_last_worker_out() -> None:
+    st, job, *_ = elastic_shard("sync", 2, data_batches=3)
+    _register(st, range(2))
+    [pull(st, w, 0) for w in (0, 1)]
+    sync_round(st, job, [0, 1])
+    heads = [pull(st, w, 1)[0] for w in (0, 1)]  # id 2 to worker 0; worker 1 is done
+    assert heads[1].data_done
+    st.members.leave(1, "i1")  # out first, the job's data still training
+    sync_round(st, job, [0])
+    st.members.leave(0, "i0")
+    assert st.members.writes_model(0, "i0") and not st.members.writes_model(1, "i1")
+
+
+def test_a_job_stopped_before_its_data_is_done_is_written_by_its_last_worker_out() -> None:
+    st, job, *_ = elastic_shard("async", 2, data_batches=100)
+    _register(st, range(2))
+    st.members.leave(1, "i1")
+    assert not st.members.writes_model(1, "i1")
+    st.members.leave(0, "i0")
+    assert st.members.writes_model(0, "i0") and st.ledger.finished_by is None
+
+
+def test_a_fixed_job_names_no_writer() -> None:
+    st, *_ = elastic_shard("sync", 2)  # no elastic data: rank 0 writes, as always
+    _register(st, range(2))
+    st.members.leave(1, "i1"), st.members.leave(0, "i0")
+    assert not st.members.writes_model(0, "i0") and not st.members.writes_model(1, "i1")
+
+
 def test_sync_lr_scales_with_the_workers_in_the_round() -> None:
     st, job, values, _ = elastic_shard("sync", 2)
     st.members.leave(1)

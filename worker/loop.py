@@ -136,11 +136,12 @@ def train(cfg: TrainConfig, env: dict[str, str] | None = None) -> dict[str, Any]
 
 
 def check_outputs(cfg: TrainConfig, rank: int) -> None:
-    """The files this rank writes at the end (--save on rank 0, --report on the ranks that
-    write one) and --run-dir can be written: checked at start and by --dry-run."""
+    """The files this rank writes at the end (--save on rank 0, or in an elastic job on
+    whichever worker the shards name at its end; --report on the ranks that write one) and
+    --run-dir can be written: checked at start and by --dry-run."""
     if cfg.run_dir:  # first: made here, it may be the folder --report writes into
         check_folder_writable(cfg.run_dir, "--run-dir")
-    if cfg.save and rank <= 0:  # an elastic joiner (-1) may become rank 0
+    if cfg.save and (rank <= 0 or cfg.elastic):
         check_file_writable(cfg.save, "--save")
     if cfg.report and "{rank}" in cfg.report:
         check_file_writable(cfg.report.replace("{rank}", str(max(rank, 0))), "--report")
@@ -391,12 +392,26 @@ def _finish(run: _Run, tally: _Tally, wall: float, *, stopped: bool = False) -> 
         summary["stopped"] = stopped  # left on SIGTERM (else: the job's data was done)
     # The bytes already stand in the summary (same values): shards and extras follow.
     summary.update(backend.report(final=True))
-    if cfg.save and rank == 0:
-        torch.save(backend.state_dict(), cfg.save)
+    # An elastic job's model is written by the worker the shards name (rank 0 may have
+    # left or died long before the job's last step: issue #45 defect 7).
+    writes = backend.dealer.writes_model if backend.dealer is not None else rank == 0
+    if cfg.save and writes:
+        _save_model(backend.state_dict(), cfg.save)
+        logger.info("rank %d: wrote the job's final model to %s", rank, cfg.save)
+    if backend.dealer is not None:
+        summary["saved_model"] = cfg.save if cfg.save and writes else None
     backend.finish()
     if cfg.report and (backend.reporting.per_rank or rank == 0):
         write_report(cfg.report, rank, summary)
     return summary
+
+
+def _save_model(state: dict[str, Any], path: str) -> None:
+    """torch.save through a temporary file and a rename: a reader (or a second writer of
+    an elastic job's model) never sees half a file."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    torch.save(state, tmp)
+    os.replace(tmp, path)
 
 
 @contextlib.contextmanager

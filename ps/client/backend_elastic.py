@@ -46,6 +46,9 @@ class Elastic:
         """--join without --rank: shard 0 gave this worker its rank."""
         self.left_job = False
         self.said_joined = False
+        self.writes_model = False
+        """Shard 0 said, when this worker left, that it writes the job's final model
+        (Dealer protocol: its push took the job's last batch ids; rank 0 may be gone)."""
         """--join: "joined" is logged once the first pull after Register answered."""
         self.world_size_now = world_size
         """The shards' live workers at the last pull (the job's size now)."""
@@ -89,7 +92,7 @@ class Elastic:
 
     def _leave_job(self) -> None:
         self.b.overlap.await_pull()
-        self.b.client.leave()
+        self.writes_model = self.b.client.leave()
         self.left_job = True
 
     def _join_when_room(self) -> dict[str, Any]:

@@ -88,9 +88,11 @@ class MembershipCalls:
         self.c.instance = instance
         return {"worker": r.worker, "live_workers": r.live_workers, "clock": r.clock}
 
-    def leave(self) -> None:
+    def leave(self) -> bool:
         """Tell every shard this worker is done, so nobody waits for it. It names the
-        instance this client registered as: only the rank's holder may leave it."""
+        instance this client registered as: only the rank's holder may leave it.
+        Returns shard 0's word on whether this worker writes the job's final model
+        (elastic jobs, LeaveReply.write_model)."""
         req = pb.LeaveRequest(worker=self.c.worker, instance=self.c.instance)
 
         def one(i: int) -> Any:
@@ -98,7 +100,8 @@ class MembershipCalls:
                 i, lambda _r: self.c._stubs[i].Leave(req, timeout=self.c.cfg.timeout_s)
             )
 
-        self.c._each(one)
+        replies = self.c._each(one)
+        return bool(replies and replies[0].write_model)
 
     def rollback(self, shard: int, max_round: int) -> dict[str, Any]:
         """sync: roll `shard` back to its newest checkpoint at a round <= max_round."""

@@ -119,8 +119,9 @@ class PSClient:
     def join(self, instance: str) -> dict[str, Any]:
         return self.membership.join(instance)
 
-    def leave(self) -> None:
-        self.membership.leave()
+    def leave(self) -> bool:
+        """Leave the job on every shard; whether this worker writes the final model."""
+        return self.membership.leave()
 
     def rollback(self, shard: int, max_round: int) -> dict[str, Any]:
         return self.membership.rollback(shard, max_round)

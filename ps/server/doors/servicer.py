@@ -376,8 +376,11 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
 
     def Leave(self, request: pb.LeaveRequest, context: grpc.ServicerContext) -> Any:
         try:
+            members = self.state.members
+            live = members.leave(request.worker, request.instance)
             return pb.LeaveReply(
-                live_workers=self.state.members.leave(request.worker, request.instance)
+                live_workers=live,
+                write_model=members.writes_model(request.worker, request.instance),
             )
         except PSError as e:
             self._fail(context, "Leave", e)

@@ -67,6 +67,9 @@ class Membership:
         self.joined: dict[int, str] = {}
         """rank -> the instance that took it through Join (a Register with joined=true):
         another instance may not take it over while it is live (holders.py)."""
+        self.model_writer: tuple[int, str] | None = None
+        """Elastic data (shard 0): (rank, instance) told in its Leave reply to write the
+        job's final model (--save); see writes_model."""
 
     def check_worker(self, worker: int) -> None:
         job = self.data.require_job()
@@ -169,7 +172,27 @@ class Membership:
             if worker in d.live:
                 self._remove_live(worker, change="left")
             self._give_back(worker)
+            self._pick_model_writer(worker, instance or d.instances.get(worker, ""))
             return len(d.live)
+
+    def _pick_model_writer(self, worker: int, instance: str) -> None:
+        """Elastic data, a worker leaves: is it the one to write the job's final model?
+        Rank 0 may be long gone (SIGTERM, SIGKILL, a scale-down: issue #45 defect 7), so
+        the shards name the writer: the worker whose push took the job's last ids (its
+        pull after that push brought the final weights), else, where no push did (the
+        job was stopped before its data was done), the last worker out of the live set."""
+        d, led = self.data, self.data.ledger
+        if led is None:
+            return  # a fixed job: rank 0 writes, as always
+        if led.finished_by == worker:
+            self.model_writer = (worker, instance)
+        elif led.finished_by is None and self.model_writer is None and not (d.live or d.joining):
+            self.model_writer = (worker, instance)
+
+    def writes_model(self, worker: int, instance: str) -> bool:
+        """Whether `worker` (as `instance`) is the one to write the final model."""
+        with self.data.cond:
+            return self.model_writer == (worker, instance)
 
     def _remove_live(self, worker: int, change: str) -> None:
         d = self.data

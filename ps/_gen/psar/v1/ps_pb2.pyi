@@ -499,10 +499,12 @@ class LeaveRequest(_message.Message):
     def __init__(self, worker: _Optional[int] = ..., instance: _Optional[str] = ...) -> None: ...
 
 class LeaveReply(_message.Message):
-    __slots__ = ("live_workers",)
+    __slots__ = ("live_workers", "write_model")
     LIVE_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    WRITE_MODEL_FIELD_NUMBER: _ClassVar[int]
     live_workers: int
-    def __init__(self, live_workers: _Optional[int] = ...) -> None: ...
+    write_model: bool
+    def __init__(self, live_workers: _Optional[int] = ..., write_model: _Optional[bool] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
     __slots__ = ("instance",)
