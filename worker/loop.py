@@ -400,10 +400,39 @@ def _finish(run: _Run, tally: _Tally, wall: float, *, stopped: bool = False) -> 
         logger.info("rank %d: wrote the job's final model to %s", rank, cfg.save)
     if backend.dealer is not None:
         summary["saved_model"] = cfg.save if cfg.save and writes else None
+    summary["workers_took_part"] = _took_part(summary, run.world)
+    _say_who_took_part(summary, run.world, elastic=backend.dealer is not None)
     backend.finish()
     if cfg.report and (backend.reporting.per_rank or rank == 0):
         write_report(cfg.report, rank, summary)
     return summary
+
+
+def _took_part(summary: dict[str, Any], world: int) -> int | None:
+    """How many workers pushed into the job: the shards count them where there are
+    shards (rank 0 and an elastic job's model writer have their Stats; other ranks None);
+    without shards (allreduce) every rank took part in every step's collective."""
+    if "shards" not in summary:
+        return world
+    shards = summary["shards"]
+    return shards[0].get("workers_took_part") if shards else None
+
+
+def _say_who_took_part(summary: dict[str, Any], world: int, *, elastic: bool) -> None:
+    """The summary's line: how many workers took part. A fixed job that trained with
+    fewer than its --world-size (one never came, or died early) says so as a warning."""
+    took = summary["workers_took_part"]
+    if took is None:
+        return
+    rank = summary["rank"]
+    if not elastic and took < world:
+        logger.warning("rank %d: only %d of %d workers took part in the job (the others never "
+                       "pushed: not started, or gone before their first step)", rank, took,
+                       world)  # fmt: skip
+    elif elastic:  # workers came and went: each that pushed counts
+        logger.info("rank %d: %d workers took part (the job started with %d)", rank, took, world)
+    else:
+        logger.info("rank %d: %d of %d workers took part", rank, took, world)
 
 
 def _save_model(state: dict[str, Any], path: str) -> None:

@@ -11,7 +11,8 @@ Input contract (written by the training loop):
   ``mode``.
 * optional ``RUN_DIR/report-*.json`` summaries (``arch``, ``mode``, ``world_size``,
   ``samples_per_sec``, ``final_train_loss``, ``val_loss``, ``skipped_steps``,
-  ``staleness`` = ``{p50, p99, max, histogram}``).
+  ``staleness`` = ``{p50, p99, max, histogram}``, ``workers_took_part``: workers that pushed
+  at least one gradient, or null on a PS rank that does not ask the shards).
 
 Output, into ``RUN_DIR``: ``report.md`` (a table per run, i.e. per (arch, mode)) and,
 when matplotlib is installed (``pip install 'psar[plots]'``), PNG plots.

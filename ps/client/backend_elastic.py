@@ -18,6 +18,7 @@ from typing import Any
 import grpc
 
 from psar.ps.client.errors import PSClientError
+from psar.ps.client.membership_calls import JobSizeMismatch
 from psar.ps.headers import PullHeader
 from psar.ps.job import Job
 
@@ -136,6 +137,22 @@ class Elastic:
             )
             for job in jobs
         ]
+
+    def check_size(self, served: Job | None) -> None:
+        """A worker started with another --world-size than the job rank 0 initialised
+        stops the job (every worker exits with one line, the shards' reason) and fails
+        with one line itself; a joiner takes the job's size instead (issue #45 defect 13:
+        rank 1 failed in a traceback and rank 0 trained alone, saying nothing)."""
+        b = self.b
+        if served is None or b.cfg.ps.join or served.num_workers == b.world_size:
+            return
+        b.client.stop_job(b.world_size)
+        raise JobSizeMismatch(
+            f"worker {b.rank} was started with --world-size {b.world_size}, but the job rank "
+            f"0 initialised on the shards has {served.num_workers} workers; the job is "
+            "stopped (every worker exits): restart the shards and start every worker with "
+            "the same --world-size"
+        )
 
     def take_rank(self) -> None:
         """--join without --rank, once the served job is this worker's: shard 0 gives it

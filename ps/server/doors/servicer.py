@@ -254,6 +254,13 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
                 self._init_failure = request
         return pb.InitFailedReply()
 
+    def StopJob(self, request: pb.StopJobRequest, context: grpc.ServicerContext) -> Any:
+        try:
+            self.state.members.stop(request.worker, request.num_workers)
+            return pb.StopJobReply()
+        except PSError as e:
+            self._fail(context, "StopJob", e)
+
     async def _wait_initialized(self, context: grpc.aio.ServicerContext) -> None:
         """GetJob(wait): wait (parked, no thread held) until initialised or the deadline,
         but refuse at once (FAILED_PRECONDITION, rank 0's words) once rank 0 reported that
