@@ -90,6 +90,7 @@ def test_rank0_stopped_a_refused_joiner_and_a_late_one(tmp_path: Path) -> None:
         finally:
             job.close()
     check_the_model(tmp_path, ("w1",), left="w0")
+    assert reports(tmp_path, "w1")["w1"]["workers_took_part"] == 2  # w0 and w1 pushed
 
 
 @pytest.mark.slow
