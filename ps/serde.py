@@ -353,6 +353,10 @@ def spec_from_pb(m: pb.TableSpec) -> TableSpec:
 INIT_FAILED_PREFIX = "the worker of rank 0 could not initialise the shards"
 """Starts the FAILED_PRECONDITION details a shard answers GetJob(wait) with once rank 0
 reported that its init failed (ReportInitFailure); the client knows InitFailed by it."""
+JOB_STOPPED_PREFIX = "the job was stopped"
+"""Starts the FAILED_PRECONDITION details of every call to a job a worker stopped because
+its workers disagree about its size (StopJob, ps/server/membership/membership.py); the
+client knows JobStopped by it."""
 MAX_INIT_ERROR_CHARS = 2000
 """Rank 0's error text is cut to this (it travels in status details, i.e. a header)."""
 

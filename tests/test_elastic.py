@@ -66,12 +66,14 @@ class Job:
 
 
 def steps_taken(tmp: Path) -> dict[int, list[dict]]:
-    """Each rank's step log lines."""
-    out = {}
-    for f in sorted((tmp / "run").glob("steps-ps-rank*.jsonl")):
-        out[int(f.stem.rsplit("rank", 1)[1])] = [
-            json.loads(x) for x in f.read_text().split("\n") if x
-        ]
+    """Each rank's step log lines (a rank held by several workers in turn: theirs in the
+    order they took it, steps-ps-rank{R}.jsonl, then .1, .2, ...)."""
+    out: dict[int, list[dict]] = {}
+    files = (tmp / "run").glob("steps-ps-rank*.jsonl")
+    key = lambda f: tuple(int(x) for x in f.stem.rsplit("rank", 1)[1].split("."))  # noqa: E731
+    for f in sorted(files, key=lambda f: (*key(f), 0)[:2]):
+        lines = [json.loads(x) for x in f.read_text().split("\n") if x]
+        out.setdefault(key(f)[0], []).extend(lines)
     return out
 
 

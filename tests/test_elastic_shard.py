@@ -235,6 +235,76 @@ def test_the_data_ends_and_workers_are_told() -> None:
     assert heads[0].live_workers == 2
 
 
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_join_to_a_job_whose_data_is_all_dealt_is_refused_and_changes_nothing(
+    mode: str,
+) -> None:
+    """Issue #45 defect 9: a joiner would wait for a round nobody closes; it is told."""
+    st, job, *_ = elastic_shard(mode, 2, data_batches=3)
+    assert st.members.join("early")["worker"] == 2  # ids are left: a rank is given
+    [pull(st, w, 0) for w in (0, 1)]
+    sync_round(st, job, [0, 1])  # (async: two pushes at clock 1 all the same)
+    pull(st, 0, 1)  # the last id is dealt
+    assert st.ledger.exhausted()
+    before = (st.joins, dict(st.reserved), set(st.live), st.state_digest())
+    with pytest.raises(FailedPrecondition, match="data is all dealt") as e:
+        st.members.join("late")
+    assert e.value.reason == "data_done"
+    assert (st.joins, dict(st.reserved), set(st.live), st.state_digest()) == before
+
+
+def _register(st: ShardState, workers: range) -> None:
+    for w in workers:
+        st.members.register(w, 0, instance=f"i{w}")
+
+
+def test_the_worker_whose_push_took_the_last_ids_writes_the_model() -> None:
+    """Issue #45 defect 7: rank 0 left mid-job (SIGTERM); the shards name the writer of
+    --save: the worker whose push took the job's last ids, and nobody else."""
+    st, job, *_ = elastic_shard("sync", 2, data_batches=5)
+    _register(st, range(2))
+    [pull(st, w, 0) for w in (0, 1)]  # round 1: ids 0, 1
+    sync_round(st, job, [0, 1])
+    assert st.members.leave(0, "i0") == 1  # rank 0 leaves after its push: not the writer
+    assert not st.members.writes_model(0, "i0")
+    trained = []
+    while ids := pull(st, 1, st.rounds)[0].batches:  # ids 2, 3, 4 to worker 1 alone
+        trained += ids
+        sync_round(st, job, [1])
+    assert sorted(trained) == [2, 3, 4] and st.ledger.finished_by == 1
+    st.members.leave(1, "i1")
+    assert st.members.writes_model(1, "i1") and not st.members.writes_model(1, "other")
+
+
+def test_the_writer_is_the_finisher_not_the_last_worker_out() -> None:
+    st, job, *_ = elastic_shard("sync", 2, data_batches=3)
+    _register(st, range(2))
+    [pull(st, w, 0) for w in (0, 1)]
+    sync_round(st, job, [0, 1])
+    heads = [pull(st, w, 1)[0] for w in (0, 1)]  # id 2 to worker 0; worker 1 is done
+    assert heads[1].data_done
+    st.members.leave(1, "i1")  # out first, the job's data still training
+    sync_round(st, job, [0])
+    st.members.leave(0, "i0")
+    assert st.members.writes_model(0, "i0") and not st.members.writes_model(1, "i1")
+
+
+def test_a_job_stopped_before_its_data_is_done_is_written_by_its_last_worker_out() -> None:
+    st, job, *_ = elastic_shard("async", 2, data_batches=100)
+    _register(st, range(2))
+    st.members.leave(1, "i1")
+    assert not st.members.writes_model(1, "i1")
+    st.members.leave(0, "i0")
+    assert st.members.writes_model(0, "i0") and st.ledger.finished_by is None
+
+
+def test_a_fixed_job_names_no_writer() -> None:
+    st, *_ = elastic_shard("sync", 2)  # no elastic data: rank 0 writes, as always
+    _register(st, range(2))
+    st.members.leave(1, "i1"), st.members.leave(0, "i0")
+    assert not st.members.writes_model(0, "i0") and not st.members.writes_model(1, "i1")
+
+
 def test_sync_lr_scales_with_the_workers_in_the_round() -> None:
     st, job, values, _ = elastic_shard("sync", 2)
     st.members.leave(1)
@@ -297,3 +367,75 @@ def test_the_ledger_goes_through_a_checkpoint_and_a_rollback(tmp_path) -> None:
     st.checkpoints.flush()
     st.durability.rollback(1)
     assert st.rounds == 1 and st.ledger.state() == before
+
+
+# ---- workers that disagree about the job's size; who took part (issue #45 defect 13) ----
+
+
+def test_a_worker_of_another_size_stops_the_job_and_every_call_after_says_why() -> None:
+    st, job, *_ = elastic_shard("sync", 2)
+    _register(st, range(2))
+    before = (st.incarnation, st.state_digest())
+    with pytest.raises(FailedPrecondition, match="nothing to stop") as same:
+        st.members.stop(1, 2)  # its size is the job's: refused, nothing changed
+    assert same.value.reason == "same_size" and (st.incarnation, st.state_digest()) == before
+    sync_round(st, job, [0])  # rank 0 pushed round 1 and waits for rank 1 ...
+    st.members.stop(1, 3)  # ... who was started with --world-size 3
+    calls = {
+        "pull": lambda: pull(st, 0, 1),
+        "push": lambda: push(st, worker=1, clock=1, base_version=0, grads=grad_for(job, 1, 1)),
+        "register": lambda: st.members.register(0, 1, instance="i0"),
+        "join": lambda: st.members.join("j"),
+    }
+    for what, call in calls.items():
+        with pytest.raises(FailedPrecondition, match="disagree about its size") as e:
+            call()
+        assert e.value.reason == "job_stopped", what
+        assert "--world-size 3, rank 0 with 2" in str(e.value), what
+
+
+def test_a_pull_waiting_for_a_round_ends_when_the_job_is_stopped() -> None:
+    import threading
+
+    st, job, *_ = elastic_shard("sync", 2)
+    _register(st, range(2))
+    sync_round(st, job, [0])
+    got: list[BaseException] = []
+
+    def waiting() -> None:
+        try:
+            pull(st, 0, 1, timeout=60)
+        except BaseException as e:  # noqa: BLE001 - the test looks at it
+            got.append(e)
+
+    t = threading.Thread(target=waiting)
+    t.start()
+    st.members.stop(1, 3)
+    t.join(timeout=30)
+    assert not t.is_alive() and isinstance(got[0], FailedPrecondition), got
+
+
+def test_workers_that_took_part_count_each_holder_of_a_rank_that_pushed() -> None:
+    st, job, *_ = elastic_shard("async", 2, data_batches=100, max_workers=2)
+    _register(st, range(2))
+    assert st.stats()["workers_took_part"] == 0
+    for w in (0, 1):
+        pull(st, w, 0)
+        push(st, worker=w, clock=1, base_version=st.version, grads=grad_for(job, w, 1))
+    st.members.leave(1, "i1")
+    rank = st.members.join("joiner")["worker"]
+    assert rank == 1  # the departed worker's rank, given again
+    st.members.register(1, st.clocks[1], instance="joiner", joined=True)
+    assert st.stats()["workers_took_part"] == 2  # the joiner has not pushed yet
+    pull(st, 1, st.clocks[1])
+    push(st, worker=1, clock=st.clocks[1] + 1, base_version=st.version, grads=grad_for(job, 1, 2))
+    assert st.stats()["workers_took_part"] == 3
+
+
+def test_a_fixed_job_counts_the_ranks_that_pushed() -> None:
+    st = ShardState(lease_s=5.0, join_grace_s=20.0, clock=FakeClock())
+    job = make_job("async", num_workers=3)
+    st.init(job, init_values(job))
+    push(st, worker=0, clock=1, base_version=0, grads=grad_for(job, 0, 1))
+    push(st, worker=2, clock=1, base_version=st.version, grads=grad_for(job, 2, 1))
+    assert st.stats()["workers_took_part"] == 2

@@ -12,6 +12,7 @@ from pathlib import Path
 import grpc
 
 from psar.ps._gen.psar.v1 import ps_pb2 as pb
+from psar.ps._gen.psar.v1 import ps_pb2_grpc as pb_grpc
 from psar.ps.client.errors import PSClientError
 from tests import hostile as h
 
@@ -85,4 +86,35 @@ def test_a_rank_nobody_registered_can_be_neither_left_nor_joined(tmp_path: Path)
         reg = pb.RegisterRequest(worker=0, clock=0, instance="guess", joined=True)
         code, _ = _status(lambda: s.stub.Register(reg, timeout=h.TIMEOUT))  # rank 0 is live
         assert code == SC.FAILED_PRECONDITION
+        assert _seen(s) == before
+
+
+def test_stop_job_is_refused_where_the_sizes_agree_and_stops_every_call_where_not(
+    tmp_path: Path,
+) -> None:
+    """Issue #45 defect 13: StopJob (a worker of another --world-size) changes nothing
+    when its size is the job's; otherwise every later call says why, never UNKNOWN."""
+    with h.hostile_shard(tmp_path) as s, s.client(1, "grpc") as holder:
+        holder.register(clock=0, instance="holder-of-1")
+        before = _seen(s)
+        same = pb.StopJobRequest(worker=1, num_workers=2)
+        code, details = _status(lambda: s.stub.StopJob(same, timeout=h.TIMEOUT))
+        assert code == SC.FAILED_PRECONDITION and "nothing changed" in details, details
+        assert _seen(s) == before
+        other = pb.StopJobRequest(worker=1, num_workers=3)
+        assert _status(lambda: s.stub.StopJob(other, timeout=h.TIMEOUT)) == (None, "")
+        reg = pb.RegisterRequest(worker=0, clock=0, instance="x")
+        code, details = _status(lambda: s.stub.Register(reg, timeout=h.TIMEOUT))
+        assert code == SC.FAILED_PRECONDITION and "disagree about its size" in details
+        assert "--world-size 3" in details
+
+
+def test_stop_job_needs_the_token(tmp_path: Path) -> None:
+    with h.hostile_shard(tmp_path, token="sekrit") as s:
+        before = _seen(s)
+        with grpc.insecure_channel(s.address) as ch:
+            stub = pb_grpc.ParameterServerStub(ch)
+            req = pb.StopJobRequest(worker=1, num_workers=3)
+            code, _ = _status(lambda: stub.StopJob(req, timeout=h.TIMEOUT))
+        assert code == SC.UNAUTHENTICATED
         assert _seen(s) == before

@@ -60,11 +60,20 @@ def test_a_silent_address_is_left_to_the_calls() -> None:
     assert net.tries == 1 and net.now == 0
 
 
-def test_psar_train_at_an_address_where_nothing_listens(tmp_path) -> None:
+@pytest.mark.parametrize(
+    "how",
+    [
+        pytest.param([], id="rank0"),
+        # Issue #45 defect 10: the join path said "the worker of rank 0 never initialised
+        # shard 0" after 21-24 s; it is checked before any call, as rank 0's is.
+        pytest.param(["--join", "--max-workers", "3"], id="join", marks=pytest.mark.slow),
+    ],
+)
+def test_psar_train_at_an_address_where_nothing_listens(tmp_path, how: list[str]) -> None:
     addr = f"127.0.0.1:{free_port()}"
     r = subprocess.run(
         [sys.executable, "-m", "psar", "train", "--arch", "ps", "--servers", addr,
-         "--steps", "1", "--run-dir", str(tmp_path)],
+         "--steps", "1", "--run-dir", str(tmp_path), *how],
         capture_output=True, text=True, env=ENV, timeout=120,
     )  # fmt: skip
     assert r.returncode == 1, r.stderr[-2000:]

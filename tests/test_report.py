@@ -205,3 +205,31 @@ def test_interval_plot_error_bars_are_the_half_widths(tmp_path: Path, monkeypatc
     assert bars[0] == (["allreduce", "ps-sync"], [100.0, 90.0], [7.5, 0.0])
     assert bars[1] == (["allreduce"], [2.0], [0.25])  # ps-sync never reached the target
     assert report.write_interval_plot({"x": {}}, tmp_path / "none.png", repeats=1) is None
+
+
+def test_step_logs_of_an_elastic_job_never_overwrite_and_report_reads_them_all(
+    tmp_path: Path,
+) -> None:
+    """Issue #45 defect 10: a joiner given a departed worker's rank writes a file of its
+    own (the plain name stays the first worker's); a fixed job keeps the plain name."""
+    from psar.worker.records import open_step_file
+
+    names = []
+    for n in range(3):
+        with open_step_file(str(tmp_path), "ps", 1, exclusive=True) as fh:
+            fh.write(json.dumps({"step": 1, "loss": float(n), "rank": 1, "arch": "ps",
+                                 "mode": "sync", "samples": 1, "time": 1.0}) + "\n")  # fmt: skip
+            names.append(Path(fh.name).name)
+    assert names == ["steps-ps-rank1.jsonl", "steps-ps-rank1.1.jsonl", "steps-ps-rank1.2.jsonl"]
+    series, _ = report.load_run(tmp_path)
+    assert [(s.rank_label, s.loss) for s in series] == [
+        ("1", [0.0]),
+        ("1.1", [1.0]),
+        ("1.2", [2.0]),
+    ]
+    assert "| 1.2 |" in report.summarize(series, [])
+    with open_step_file(str(tmp_path), "ps", 0, exclusive=False) as fh:
+        fh.write("x\n")
+    with open_step_file(str(tmp_path), "ps", 0, exclusive=False) as fh:  # a rerun replaces
+        assert Path(fh.name).name == "steps-ps-rank0.jsonl"
+    assert (tmp_path / "steps-ps-rank0.jsonl").read_text() == ""

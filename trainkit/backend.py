@@ -161,6 +161,10 @@ class Dealer(Protocol):
         the data is done or `stop` (the worker then has left the job)."""
         ...
 
+    writes_model: bool
+    """Once next_batches() returned None: this worker writes --save, the job's final
+    model (the shards name it; whoever holds rank 0 may have left long before)."""
+
 
 @runtime_checkable
 class Backend(Protocol):

@@ -138,11 +138,12 @@ def train(cfg: TrainConfig, env: dict[str, str] | None = None) -> dict[str, Any]
 
 
 def check_outputs(cfg: TrainConfig, rank: int) -> None:
-    """The files this rank writes at the end (--save on rank 0, --report on the ranks that
-    write one) and --run-dir can be written: checked at start and by --dry-run."""
+    """The files this rank writes at the end (--save on rank 0, or in an elastic job on
+    whichever worker the shards name at its end; --report on the ranks that write one) and
+    --run-dir can be written: checked at start and by --dry-run."""
     if cfg.run_dir:  # first: made here, it may be the folder --report writes into
         check_folder_writable(cfg.run_dir, "--run-dir")
-    if cfg.save and rank <= 0:  # an elastic joiner (-1) may become rank 0
+    if cfg.save and (rank <= 0 or cfg.elastic):
         check_file_writable(cfg.save, "--save")
     if cfg.report and "{rank}" in cfg.report:
         check_file_writable(cfg.report.replace("{rank}", str(max(rank, 0))), "--report")
@@ -393,12 +394,55 @@ def _finish(run: _Run, tally: _Tally, wall: float, *, stopped: bool = False) -> 
         summary["stopped"] = stopped  # left on SIGTERM (else: the job's data was done)
     # The bytes already stand in the summary (same values): shards and extras follow.
     summary.update(backend.report(final=True))
-    if cfg.save and rank == 0:
-        torch.save(backend.state_dict(), cfg.save)
+    # An elastic job's model is written by the worker the shards name (rank 0 may have
+    # left or died long before the job's last step: issue #45 defect 7).
+    writes = backend.dealer.writes_model if backend.dealer is not None else rank == 0
+    if cfg.save and writes:
+        _save_model(backend.state_dict(), cfg.save)
+        logger.info("rank %d: wrote the job's final model to %s", rank, cfg.save)
+    if backend.dealer is not None:
+        summary["saved_model"] = cfg.save if cfg.save and writes else None
+    summary["workers_took_part"] = _took_part(summary, run.world)
+    _say_who_took_part(summary, run.world, elastic=backend.dealer is not None)
     backend.finish()
     if cfg.report and (describe(backend).per_rank or rank == 0):
         write_report(cfg.report, rank, summary)
     return summary
+
+
+def _took_part(summary: dict[str, Any], world: int) -> int | None:
+    """How many workers pushed into the job: the shards count them where there are
+    shards (rank 0 and an elastic job's model writer have their Stats; other ranks None);
+    without shards (allreduce) every rank took part in every step's collective."""
+    if "shards" not in summary:
+        return world
+    shards = summary["shards"]
+    return shards[0].get("workers_took_part") if shards else None
+
+
+def _say_who_took_part(summary: dict[str, Any], world: int, *, elastic: bool) -> None:
+    """The summary's line: how many workers took part. A fixed job that trained with
+    fewer than its --world-size (one never came, or died early) says so as a warning."""
+    took = summary["workers_took_part"]
+    if took is None:
+        return
+    rank = summary["rank"]
+    if not elastic and took < world:
+        logger.warning("rank %d: only %d of %d workers took part in the job (the others never "
+                       "pushed: not started, or gone before their first step)", rank, took,
+                       world)  # fmt: skip
+    elif elastic:  # workers came and went: each that pushed counts
+        logger.info("rank %d: %d workers took part (the job started with %d)", rank, took, world)
+    else:
+        logger.info("rank %d: %d of %d workers took part", rank, took, world)
+
+
+def _save_model(state: dict[str, Any], path: str) -> None:
+    """torch.save through a temporary file and a rename: a reader (or a second writer of
+    an elastic job's model) never sees half a file."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    torch.save(state, tmp)
+    os.replace(tmp, path)
 
 
 @contextlib.contextmanager

@@ -14,7 +14,7 @@ import math
 import os
 import time
 from collections import Counter
-from typing import Any
+from typing import IO, Any
 
 from psar.trainkit.backend import Backend, StepOutcome, describe
 from psar.trainkit.config import TrainConfig
@@ -94,6 +94,24 @@ def write_report(path_template: str, rank: int, summary: dict[str, Any]) -> None
         json.dump(summary, fh, indent=2)
 
 
+def open_step_file(run_dir: str, arch: str, rank: int, *, exclusive: bool) -> IO[str]:
+    """The step log of this worker: `steps-{arch}-rank{R}.jsonl`. exclusive (an elastic
+    job, where a joiner may be given a departed worker's rank and share its --run-dir):
+    never another worker's file; the first free of that name, then
+    `steps-{arch}-rank{R}.1.jsonl`, `.2`, ... (created with O_EXCL, so two workers given
+    the same rank at once still get one file each). Otherwise the plain name, replaced
+    (a job run again into the same folder)."""
+    base = os.path.join(run_dir, f"steps-{arch}-rank{rank}")
+    if not exclusive:
+        return open(base + ".jsonl", "w", buffering=1)  # noqa: SIM115 - the caller closes it
+    n = 0
+    while True:
+        try:
+            return open(f"{base}{f'.{n}' if n else ''}.jsonl", "x", buffering=1)  # noqa: SIM115
+        except FileExistsError:
+            n += 1
+
+
 class StepLog:
     """--run-dir: one JSON line per step of this process (a no-op without --run-dir)."""
 
@@ -102,10 +120,13 @@ class StepLog:
         info = describe(backend)
         self.arch, self.mode, self.rank = info.arch, info.mode, rank
         self.backend = backend
+        self.path = ""
         if run_dir:
             os.makedirs(run_dir, exist_ok=True)
-            path = os.path.join(run_dir, f"steps-{self.arch}-rank{rank}.jsonl")
-            self.fh = open(path, "w", buffering=1)  # noqa: SIM115 - closed in close()
+            # Where the shards deal the data, ranks pass from worker to worker.
+            elastic = backend.dealer is not None
+            self.fh = open_step_file(run_dir, self.arch, rank, exclusive=elastic)
+            self.path = self.fh.name
 
     def write(
         self,

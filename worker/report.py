@@ -2,14 +2,17 @@
 
 Input contract (written by the training loop):
 
-* ``RUN_DIR/steps-<arch>-rank<R>.jsonl`` -- one JSON object per step with keys ``step``,
+* ``RUN_DIR/steps-<arch>-rank<R>.jsonl`` (in an elastic job, where a later worker may be
+  given a departed one's rank, also ``steps-<arch>-rank<R>.<n>.jsonl``, n = 1, 2, ...: one
+  file per worker, never overwritten) -- one JSON object per step with keys ``step``,
   ``time`` (s since the run's start), ``loss``, ``samples`` (cumulative), ``loss_scale``,
   ``bytes`` (cumulative: ``bytes_sent`` + ``bytes_received``, what this worker put on
   and took off the wire, counted alike for both architectures), ``staleness`` (int or null), ``skipped``, ``rank``, ``arch``,
   ``mode``.
 * optional ``RUN_DIR/report-*.json`` summaries (``arch``, ``mode``, ``world_size``,
   ``samples_per_sec``, ``final_train_loss``, ``val_loss``, ``skipped_steps``,
-  ``staleness`` = ``{p50, p99, max, histogram}``).
+  ``staleness`` = ``{p50, p99, max, histogram}``, ``workers_took_part``: workers that pushed
+  at least one gradient, or null on a PS rank that does not ask the shards).
 
 Output, into ``RUN_DIR``: ``report.md`` (a table per run, i.e. per (arch, mode)) and,
 when matplotlib is installed (``pip install 'psar[plots]'``), PNG plots.
@@ -76,10 +79,17 @@ class RankSeries:
     staleness: list[int] = field(default_factory=list)
     skipped: int = 0
     bad_lines: int = 0
+    instance: int = 0
+    """n of ``steps-<arch>-rank<R>.<n>.jsonl``: the rank's n+1-th worker (elastic jobs)."""
+
+    @property
+    def rank_label(self) -> str:
+        """The rank, and which of its workers where several held it (``1.2``)."""
+        return f"{self.rank}.{self.instance}" if self.instance else str(self.rank)
 
     @property
     def label(self) -> str:
-        return f"{self.arch}/{self.mode} rank {self.rank}"
+        return f"{self.arch}/{self.mode} rank {self.rank_label}"
 
     def samples_per_sec(self) -> float | None:
         """Steady-state rate between the first and last step (excludes start-up time)."""
@@ -108,6 +118,7 @@ def _load_steps(path: Path) -> RankSeries | None:
     # Filename fallbacks: steps-<arch>-rank<R>.jsonl, in case records lack the keys.
     stem = path.name.removeprefix("steps-").removesuffix(".jsonl")
     arch_fn, _, rank_fn = stem.rpartition("-rank")
+    rank_fn, _, nth = rank_fn.partition(".")  # steps-<arch>-rank<R>.<n>: a later worker of R
     series: RankSeries | None = None
     bad = 0
     with path.open(encoding="utf-8") as fh:
@@ -132,6 +143,7 @@ def _load_steps(path: Path) -> RankSeries | None:
                     arch=str(rec.get("arch") or arch_fn or "?"),
                     mode=str(rec.get("mode") or "?"),
                     rank=rank,
+                    instance=int(nth) if nth.isdigit() else 0,
                 )
             series.step.append(step or len(series.step) + 1)
             series.time.append(_float(rec.get("time")))
@@ -150,7 +162,7 @@ def _load_steps(path: Path) -> RankSeries | None:
 def load_run(run_dir: Path) -> tuple[list[RankSeries], list[dict]]:
     """All step series (sorted by arch, mode, rank) and summary dicts of ``run_dir``."""
     series = [s for p in sorted(run_dir.glob("steps-*.jsonl")) if (s := _load_steps(p))]
-    series.sort(key=lambda s: (s.arch, s.mode, s.rank))
+    series.sort(key=lambda s: (s.arch, s.mode, s.rank, s.instance))
     summaries = []
     for p in sorted(run_dir.glob("report-*.json")):
         try:
@@ -199,7 +211,7 @@ def _row(s: RankSeries, val_loss: object) -> list[str]:
     return [
         s.arch,
         s.mode,
-        str(s.rank),
+        s.rank_label,
         str(len(s.step)),
         _fmt(s.samples_per_sec(), 6),
         _fmt(s.final_loss()),

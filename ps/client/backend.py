@@ -212,6 +212,7 @@ class PSBackend(OnContext):
         got = self._await_jobs()
         if self.cfg.ps.join and got[0] is not None:
             jobs = self.elastic.enter_running_job(jobs, got[0])
+        self.elastic.check_size(got[0])  # workers that disagree about the size stop the job
         for i, (want, have) in enumerate(zip(jobs, got, strict=True)):
             if have is None:
                 raise RuntimeError(
@@ -237,6 +238,7 @@ class PSBackend(OnContext):
                     f"{elastic_note(have, want)}); check --servers order, --mode, --world-size, "
                     "--max-workers and the model on every worker"
                 )
+        self.elastic.take_rank()  # --join: a rank only once the job served is this one
         io = self.io
         self.send = {s.key: io.host_buffer(s.numel, self.precision.wire) for s in self.slots}
         self.early_pull = got[0].early_pull if got else self.early_pull
@@ -546,7 +548,9 @@ class PSBackend(OnContext):
         out: dict[str, Any] = self.comm_bytes()
         if not final:
             return out
-        out["shards"] = self.client.stats() if self.rank == 0 else []
+        # Rank 0's, and an elastic job's model writer's (rank 0 may have left long before).
+        writer = self.dealer is not None and self.elastic.writes_model
+        out["shards"] = self.client.stats() if self.rank == 0 or writer else []
         out.update(self.faults.report())
         out.update(self.overlap.report())
         out.update(self.local.report() if self.local is not None else {})

@@ -18,6 +18,7 @@ from typing import Any
 import grpc
 
 from psar.ps.client.errors import PSClientError
+from psar.ps.client.membership_calls import JobSizeMismatch
 from psar.ps.headers import PullHeader
 from psar.ps.job import Job
 
@@ -45,12 +46,18 @@ class Elastic:
         self.given_rank = False
         """--join without --rank: shard 0 gave this worker its rank."""
         self.left_job = False
+        self.said_joined = False
+        self.writes_model = False
+        """Shard 0 said, when this worker left, that it writes the job's final model
+        (Dealer protocol: its push took the job's last batch ids; rank 0 may be gone)."""
+        """--join: "joined" is logged once the first pull after Register answered."""
         self.world_size_now = world_size
         """The shards' live workers at the last pull (the job's size now)."""
 
     def took_header(self, header: PullHeader) -> None:
         """Shard 0's header of a pull: the batches of the next push, the job's size."""
         b = self.b
+        self.joined(header)
         deal = (b.clock + 1, tuple(header.batches))
         if deal != self.deal:
             self.deal, self.deal_used = deal, 0
@@ -86,7 +93,7 @@ class Elastic:
 
     def _leave_job(self) -> None:
         self.b.overlap.await_pull()
-        self.b.client.leave()
+        self.writes_model = self.b.client.leave()
         self.left_job = True
 
     def _join_when_room(self) -> dict[str, Any]:
@@ -109,18 +116,15 @@ class Elastic:
 
     def enter_running_job(self, jobs: list[Job], served: Job) -> list[Job]:
         """--join: the job's size, length, data and schedule are the ones rank 0 chose
-        (the shards hold them); without --rank, shard 0 gives this worker a free rank."""
+        (the shards hold them). No rank is taken yet: the caller first checks that this
+        worker's job is the one served, then take_rank() (a worker refused for another
+        model must not hold a rank of the job meanwhile: issue #45 defect 8)."""
         if not served.elastic:
             raise RuntimeError(
                 f"--join: the job on the shards keeps its {served.num_workers} workers; start "
                 "it with --max-workers N (every worker) to let workers join it"
             )
         b = self.b
-        if b.rank < 0:
-            reply = self._join_when_room()
-            b.ctx = dataclasses.replace(b.ctx, rank=reply["worker"])
-            self.join_clock, self.given_rank = reply["clock"], True
-            log.info("worker %d: joined a job of %d live workers", b.rank, reply["live_workers"])
         b.ctx = dataclasses.replace(b.ctx, world_size=served.num_workers)
         keep = ("num_workers", "max_workers", "data_batches")
         return [
@@ -133,6 +137,56 @@ class Elastic:
             )
             for job in jobs
         ]
+
+    def check_size(self, served: Job | None) -> None:
+        """A worker started with another --world-size than the job rank 0 initialised
+        stops the job (every worker exits with one line, the shards' reason) and fails
+        with one line itself; a joiner takes the job's size instead (issue #45 defect 13:
+        rank 1 failed in a traceback and rank 0 trained alone, saying nothing)."""
+        b = self.b
+        if served is None or b.cfg.ps.join or served.num_workers == b.world_size:
+            return
+        b.client.stop_job(b.world_size)
+        raise JobSizeMismatch(
+            f"worker {b.rank} was started with --world-size {b.world_size}, but the job rank "
+            f"0 initialised on the shards has {served.num_workers} workers; the job is "
+            "stopped (every worker exits): restart the shards and start every worker with "
+            "the same --world-size"
+        )
+
+    def take_rank(self) -> None:
+        """--join without --rank, once the served job is this worker's: shard 0 gives it
+        a free rank. A job whose data is all dealt has none to give: the worker says so
+        and exits 0 (LateJoin) instead of waiting for a round nobody will close."""
+        b = self.b
+        if not b.cfg.ps.join or b.rank >= 0:
+            return
+        try:
+            reply = self._join_when_room()
+        except PSClientError as e:
+            if e.code == grpc.StatusCode.FAILED_PRECONDITION and DATA_DONE in e.details:
+                log.warning("--join: %s", e.details)
+                raise LateJoin(0) from None
+            raise
+        b.ctx = dataclasses.replace(b.ctx, rank=reply["worker"])
+        self.join_clock, self.given_rank = reply["clock"], True
+        log.info("worker %d: rank given by shard 0; registering", b.rank)
+
+    def joined(self, header: PullHeader) -> None:
+        """The first pull after registering answered: the worker is in the job now."""
+        if self.given_rank and not self.said_joined:
+            self.said_joined = True
+            log.info("worker %d: joined a job of %d live workers", self.b.rank,
+                     header.live_workers)  # fmt: skip
+
+
+class LateJoin(SystemExit):
+    """--join found the job's data all dealt: nothing to train, not an error (exit 0).
+    A SystemExit, so `psar train` ends with its code; code calling train() may catch it."""
+
+
+DATA_DONE = "data is all dealt"
+"""Shard 0's words refusing a Join to a job with no batch ids left (membership.py)."""
 
 
 def elastic_note(have: Job, want: Job) -> str:

@@ -22,11 +22,22 @@ from psar.ps.client.errors import PSClientError
 log = logging.getLogger("psar.client")
 
 INIT_FAILED_PREFIX = serde.INIT_FAILED_PREFIX
+JOB_STOPPED_PREFIX = serde.JOB_STOPPED_PREFIX
 
 
 class InitFailed(PSClientError):
     """A shard says rank 0 could not initialise it (its details carry rank 0's error):
     waiting longer for the job is pointless."""
+
+
+class JobStopped(PSClientError, ValueError):
+    """The job was stopped: its workers disagree about its size (StopJob). A ValueError
+    too, as a flag of this worker's or another's is wrong: `psar train` ends with the
+    shard's one line (exit 2), not a traceback."""
+
+
+class JobSizeMismatch(ValueError):
+    """This worker's --world-size is not the job's (rank 0's): it stopped the job."""
 
 
 class MembershipCalls:
@@ -88,15 +99,33 @@ class MembershipCalls:
         self.c.instance = instance
         return {"worker": r.worker, "live_workers": r.live_workers, "clock": r.clock}
 
-    def leave(self) -> None:
+    def leave(self) -> bool:
         """Tell every shard this worker is done, so nobody waits for it. It names the
-        instance this client registered as: only the rank's holder may leave it."""
+        instance this client registered as: only the rank's holder may leave it.
+        Returns shard 0's word on whether this worker writes the job's final model
+        (elastic jobs, LeaveReply.write_model)."""
         req = pb.LeaveRequest(worker=self.c.worker, instance=self.c.instance)
 
         def one(i: int) -> Any:
             return self.c._retrying(
                 i, lambda _r: self.c._stubs[i].Leave(req, timeout=self.c.cfg.timeout_s)
             )
+
+        replies = self.c._each(one)
+        return bool(replies and replies[0].write_model)
+
+    def stop_job(self, num_workers: int) -> None:
+        """Tell every shard that this worker was started with --world-size `num_workers`,
+        another size than the job's: the job stops, and every worker with it. Best
+        effort, never raises (the caller raises its own error next): a shard it cannot
+        reach is logged."""
+        req = pb.StopJobRequest(worker=max(self.c.worker, 0), num_workers=num_workers)
+
+        def one(i: int) -> None:
+            try:
+                self.c._stubs[i].StopJob(req, timeout=self.c.cfg.timeout_s)
+            except grpc.RpcError as e:
+                log.warning("could not tell shard %d to stop the job: %s", i, e.details())
 
         self.c._each(one)
 
@@ -202,6 +231,7 @@ class MembershipCalls:
                 "data_remaining": r.data_remaining,
                 "optimizer_impl": r.optimizer_impl,
                 "gradient_bytes": r.gradient_bytes,
+                "workers_took_part": r.workers_took_part,
             }
 
         return self.c._each(one)

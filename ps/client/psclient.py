@@ -38,7 +38,13 @@ from psar.ps.client.errors import (
     restarted_empty,
 )
 from psar.ps.client.grpc_transport import GrpcTransport
-from psar.ps.client.membership_calls import INIT_FAILED_PREFIX, InitFailed, MembershipCalls
+from psar.ps.client.membership_calls import (
+    INIT_FAILED_PREFIX,
+    JOB_STOPPED_PREFIX,
+    InitFailed,
+    JobStopped,
+    MembershipCalls,
+)
 from psar.ps.client.optimizer_calls import OptimizerCalls, StateBySlot, state_chunks
 from psar.ps.client.overlap import PushItem
 from psar.ps.client.tcp_transport import DataPlaneClient
@@ -119,11 +125,15 @@ class PSClient:
     def join(self, instance: str) -> dict[str, Any]:
         return self.membership.join(instance)
 
-    def leave(self) -> None:
-        self.membership.leave()
+    def leave(self) -> bool:
+        """Leave the job on every shard; whether this worker writes the final model."""
+        return self.membership.leave()
 
     def rollback(self, shard: int, max_round: int) -> dict[str, Any]:
         return self.membership.rollback(shard, max_round)
+
+    def stop_job(self, num_workers: int) -> None:
+        self.membership.stop_job(num_workers)
 
     def report_init_failure(self, error: str) -> None:
         self.membership.report_init_failure(error)
@@ -215,6 +225,8 @@ class PSClient:
                     cls = NeedsResync
                 elif code == grpc.StatusCode.FAILED_PRECONDITION and INIT_FAILED_PREFIX in details:
                     cls = InitFailed
+                elif code == grpc.StatusCode.FAILED_PRECONDITION and JOB_STOPPED_PREFIX in details:
+                    cls = JobStopped
                 elif code == grpc.StatusCode.FAILED_PRECONDITION and NOT_INITIALISED in details:
                     if self.incarnations[shard]:  # it had served this worker: restarted
                         details = restarted_empty(self.incarnations[shard], details)

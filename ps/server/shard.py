@@ -254,6 +254,7 @@ class ShardState(ShardData):
                 "data_remaining": self.ledger.remaining() if self.ledger is not None else 0,
                 "optimizer_impl": optimizer_impl(self.optimizer) if self.job else "",
                 "gradient_bytes": self.intake.gradient_bytes(),
+                "workers_took_part": self.members.took_part(),
             }
 
     def state_digest(self) -> str:

@@ -254,6 +254,13 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
                 self._init_failure = request
         return pb.InitFailedReply()
 
+    def StopJob(self, request: pb.StopJobRequest, context: grpc.ServicerContext) -> Any:
+        try:
+            self.state.members.stop(request.worker, request.num_workers)
+            return pb.StopJobReply()
+        except PSError as e:
+            self._fail(context, "StopJob", e)
+
     async def _wait_initialized(self, context: grpc.aio.ServicerContext) -> None:
         """GetJob(wait): wait (parked, no thread held) until initialised or the deadline,
         but refuse at once (FAILED_PRECONDITION, rank 0's words) once rank 0 reported that
@@ -376,8 +383,11 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
 
     def Leave(self, request: pb.LeaveRequest, context: grpc.ServicerContext) -> Any:
         try:
+            members = self.state.members
+            live = members.leave(request.worker, request.instance)
             return pb.LeaveReply(
-                live_workers=self.state.members.leave(request.worker, request.instance)
+                live_workers=live,
+                write_model=members.writes_model(request.worker, request.instance),
             )
         except PSError as e:
             self._fail(context, "Leave", e)

@@ -56,6 +56,11 @@ class DataLedger:
         """Ids given back by workers that left or died before pushing them."""
         self.consumed = 0
         """Ids whose gradient shard 0 took."""
+        self.finished_by: int | None = None
+        """The worker whose push took the job's last outstanding ids (every id dealt and
+        consumed): its weights after that push are the job's final model (membership.py
+        tells it, in its Leave reply, to write --save). Not checkpointed: a restored shard
+        names none, and the last worker out writes it instead."""
 
     # ---- reading -------------------------------------------------------------------------
 
@@ -103,9 +108,12 @@ class DataLedger:
     def consume(self, worker: int, clock: int) -> None:
         """Shard 0 took `worker`'s push of `clock`: the ids of that step are done."""
         mine = self.deals.get(worker, {})
-        self.consumed += len(mine.pop(clock, ()))
+        took = mine.pop(clock, ())
+        self.consumed += len(took)
         if not mine:
             self.deals.pop(worker, None)
+        if took and self.finished_by is None and self.exhausted() and not self.deals:
+            self.finished_by = worker
 
     def give_back(self, worker: int, *, through: int | None = None) -> int:
         """`worker` will not push what it was dealt (every deal, or those of clocks up to

@@ -26,6 +26,7 @@ from __future__ import annotations
 import secrets
 from typing import Any
 
+from psar.ps import serde
 from psar.ps.errors import Aborted, FailedPrecondition, InvalidArgument, ResourceExhausted
 from psar.ps.headers import PushHeader
 from psar.ps.server.membership.holders import check_holder, check_joiner, check_takeover
@@ -67,6 +68,17 @@ class Membership:
         self.joined: dict[int, str] = {}
         """rank -> the instance that took it through Join (a Register with joined=true):
         another instance may not take it over while it is live (holders.py)."""
+        self.stopped = ""
+        """Why the job was stopped (StopJob: its workers disagree about its size); every
+        later push, pull, Register and Join is refused with it. "" while it runs."""
+        self.since: dict[int, int] = {}
+        """Elastic jobs: rank -> its clock when its current holder registered it; the
+        holder took part once the clock moved past it (took_part)."""
+        self.past_holders_took_part = 0
+        """Elastic jobs: earlier holders of a rank that pushed before another took it."""
+        self.model_writer: tuple[int, str] | None = None
+        """Elastic data (shard 0): (rank, instance) told in its Leave reply to write the
+        job's final model (--save); see writes_model."""
 
     def check_worker(self, worker: int) -> None:
         job = self.data.require_job()
@@ -77,7 +89,43 @@ class Membership:
                 reason="bad_worker",
             )
 
+    def check_running(self) -> None:
+        """Refuse any call to a stopped job, with the reason (the caller holds the lock)."""
+        if self.stopped:
+            raise FailedPrecondition(self.stopped, reason="job_stopped")
+
+    def stop(self, worker: int, num_workers: int) -> None:
+        """StopJob: `worker` was started with --world-size `num_workers`, and the job
+        rank 0 initialised has another size: neither can train as it was started (rank
+        0 would train alone once the others' first lease ran out, and say nothing:
+        issue #45 defect 13). Every worker's next call, and every waiting pull, is
+        refused with the reason. Refused, nothing changed, where the sizes agree."""
+        d = self.data
+        with d.cond:
+            job = d.require_job()
+            if num_workers == job.num_workers:
+                raise FailedPrecondition(
+                    f"StopJob: worker {worker} says --world-size {num_workers}, which is this "
+                    "job's size: nothing disagrees, nothing to stop; nothing changed",
+                    reason="same_size",
+                )
+            if self.stopped:
+                return  # the first reason stands
+            self.stopped = (
+                f"{serde.JOB_STOPPED_PREFIX}: its workers disagree about its size (worker "
+                f"{worker} was started with --world-size {num_workers}, rank 0 with "
+                f"{job.num_workers}); restart the shards and start every worker with the "
+                "same --world-size"
+            )
+            # A new incarnation wakes every pull waiting for a round (ready() looks at
+            # it); check_incarnation then answers each with the reason above.
+            d.incarnation = new_incarnation()
+            d.cond.notify_all()
+
     def check_incarnation(self, incarnation: int) -> None:
+        """Refuse a call made against an older incarnation (restored, rolled back) or to
+        a stopped job (every push and pull path asks this first)."""
+        self.check_running()
         if incarnation and incarnation != self.data.incarnation:
             raise Restored(
                 f"restored: this shard was restored or rolled back (incarnation "
@@ -169,7 +217,27 @@ class Membership:
             if worker in d.live:
                 self._remove_live(worker, change="left")
             self._give_back(worker)
+            self._pick_model_writer(worker, instance or d.instances.get(worker, ""))
             return len(d.live)
+
+    def _pick_model_writer(self, worker: int, instance: str) -> None:
+        """Elastic data, a worker leaves: is it the one to write the job's final model?
+        Rank 0 may be long gone (SIGTERM, SIGKILL, a scale-down: issue #45 defect 7), so
+        the shards name the writer: the worker whose push took the job's last ids (its
+        pull after that push brought the final weights), else, where no push did (the
+        job was stopped before its data was done), the last worker out of the live set."""
+        d, led = self.data, self.data.ledger
+        if led is None:
+            return  # a fixed job: rank 0 writes, as always
+        if led.finished_by == worker:
+            self.model_writer = (worker, instance)
+        elif led.finished_by is None and self.model_writer is None and not (d.live or d.joining):
+            self.model_writer = (worker, instance)
+
+    def writes_model(self, worker: int, instance: str) -> bool:
+        """Whether `worker` (as `instance`) is the one to write the final model."""
+        with self.data.cond:
+            return self.model_writer == (worker, instance)
 
     def _remove_live(self, worker: int, change: str) -> None:
         d = self.data
@@ -244,6 +312,8 @@ class Membership:
         d = self.data
         with d.cond:
             self.check_worker(worker)
+            if not query:
+                self.check_running()
             job = d.job
             assert job is not None
             rejoined = False
@@ -271,6 +341,7 @@ class Membership:
                     d.rejoins += 1
                     d.metrics.worker_rejoined()
                 d.expired.discard(worker)
+                self._count_holder(worker, old, instance)
                 if instance:
                     d.instances[worker] = instance
                 if joined:
@@ -287,6 +358,29 @@ class Membership:
                 "restores": d.restores,
             }
 
+    def _count_holder(self, worker: int, old: str, instance: str) -> None:
+        """Elastic jobs: a new instance registers `worker` (under the lock, after its
+        clock is set): its predecessor took part if the clock moved while it held it."""
+        d = self.data
+        if d.job is None or not d.job.elastic or (old and instance == old):
+            return
+        if old and d.clocks[worker] > self.since.get(worker, 0):
+            self.past_holders_took_part += 1
+        self.since[worker] = d.clocks[worker]
+
+    def took_part(self) -> int:
+        """How many workers pushed at least one gradient into the job (the summary's
+        workers_took_part): ranks that pushed; in an elastic job, where a rank passes
+        from worker to worker, each of its holders that pushed while it held it."""
+        d = self.data
+        with d.cond:
+            if d.job is None:
+                return 0
+            if not d.job.elastic:
+                return sum(c > 0 for c in d.clocks)
+            now = sum(c > self.since.get(w, 0) for w, c in enumerate(d.clocks))
+            return self.past_holders_took_part + now
+
     def join(self, instance: str) -> dict[str, Any]:
         """Elastic jobs, shard 0: give a joining worker a free rank; it registers with it
         on every shard next (Register). The rank given is the lowest one that no worker
@@ -296,6 +390,7 @@ class Membership:
         d = self.data
         with d.cond:
             job = d.require_job()
+            self.check_running()
             if not job.elastic:
                 raise FailedPrecondition(
                     f"this job keeps its {job.num_workers} workers: start it with "
@@ -306,6 +401,15 @@ class Membership:
                 raise FailedPrecondition(
                     f"shard {job.shard_index} gives no ranks: ask shard 0 (the first of --servers)",
                     reason="not_shard0",
+                )
+            if d.ledger is not None and d.ledger.exhausted():
+                # No round will deal a newcomer anything: in sync it would wait for a
+                # round nobody closes (issue #45 defect 9). Nothing changes.
+                raise FailedPrecondition(
+                    f"the job's data is all dealt ({d.ledger.total} batch ids; "
+                    f"{d.ledger.outstanding()} still training): nothing left for a joiner "
+                    "to train; the job is finishing or finished",
+                    reason="data_done",
                 )
             now = d.leases.clock()
             for w, (_, until) in list(d.reserved.items()):

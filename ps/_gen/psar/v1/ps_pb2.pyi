@@ -298,6 +298,18 @@ class InitFailedReply(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class StopJobRequest(_message.Message):
+    __slots__ = ("worker", "num_workers")
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    worker: int
+    num_workers: int
+    def __init__(self, worker: _Optional[int] = ..., num_workers: _Optional[int] = ...) -> None: ...
+
+class StopJobReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class GetJobReply(_message.Message):
     __slots__ = ("initialized", "job", "version", "incarnation", "rounds", "lease_s", "data_port")
     INITIALIZED_FIELD_NUMBER: _ClassVar[int]
@@ -499,10 +511,12 @@ class LeaveRequest(_message.Message):
     def __init__(self, worker: _Optional[int] = ..., instance: _Optional[str] = ...) -> None: ...
 
 class LeaveReply(_message.Message):
-    __slots__ = ("live_workers",)
+    __slots__ = ("live_workers", "write_model")
     LIVE_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    WRITE_MODEL_FIELD_NUMBER: _ClassVar[int]
     live_workers: int
-    def __init__(self, live_workers: _Optional[int] = ...) -> None: ...
+    write_model: bool
+    def __init__(self, live_workers: _Optional[int] = ..., write_model: _Optional[bool] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
     __slots__ = ("instance",)
@@ -525,7 +539,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("version", "rounds", "updates_applied", "skipped_rounds", "dropped_nonfinite", "live_workers", "loss_scale", "worker_clocks", "max_clock_gap", "staleness_histogram", "master_bytes", "state_digest", "incarnation", "restores", "restored_step", "lease_expirations", "rejoins", "checkpoints_written", "last_checkpoint_step", "live_worker_ids", "draining", "chunks_applied_early", "chunk_undos", "update_params_per_s", "early_pull_slots", "early_pull_voids", "push_paced_s", "optimizer_impl", "gradient_bytes", "joins", "leaves", "data_dealt", "data_returned", "data_remaining")
+    __slots__ = ("version", "rounds", "updates_applied", "skipped_rounds", "dropped_nonfinite", "live_workers", "loss_scale", "worker_clocks", "max_clock_gap", "staleness_histogram", "master_bytes", "state_digest", "incarnation", "restores", "restored_step", "lease_expirations", "rejoins", "checkpoints_written", "last_checkpoint_step", "live_worker_ids", "draining", "chunks_applied_early", "chunk_undos", "update_params_per_s", "early_pull_slots", "early_pull_voids", "push_paced_s", "optimizer_impl", "gradient_bytes", "joins", "leaves", "data_dealt", "data_returned", "data_remaining", "workers_took_part")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     UPDATES_APPLIED_FIELD_NUMBER: _ClassVar[int]
@@ -560,6 +574,7 @@ class StatsReply(_message.Message):
     DATA_DEALT_FIELD_NUMBER: _ClassVar[int]
     DATA_RETURNED_FIELD_NUMBER: _ClassVar[int]
     DATA_REMAINING_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_TOOK_PART_FIELD_NUMBER: _ClassVar[int]
     version: int
     rounds: int
     updates_applied: int
@@ -594,7 +609,8 @@ class StatsReply(_message.Message):
     data_dealt: int
     data_returned: int
     data_remaining: int
-    def __init__(self, version: _Optional[int] = ..., rounds: _Optional[int] = ..., updates_applied: _Optional[int] = ..., skipped_rounds: _Optional[int] = ..., dropped_nonfinite: _Optional[int] = ..., live_workers: _Optional[int] = ..., loss_scale: _Optional[float] = ..., worker_clocks: _Optional[_Iterable[int]] = ..., max_clock_gap: _Optional[int] = ..., staleness_histogram: _Optional[_Iterable[int]] = ..., master_bytes: _Optional[int] = ..., state_digest: _Optional[str] = ..., incarnation: _Optional[int] = ..., restores: _Optional[int] = ..., restored_step: _Optional[int] = ..., lease_expirations: _Optional[int] = ..., rejoins: _Optional[int] = ..., checkpoints_written: _Optional[int] = ..., last_checkpoint_step: _Optional[int] = ..., live_worker_ids: _Optional[_Iterable[int]] = ..., draining: _Optional[bool] = ..., chunks_applied_early: _Optional[int] = ..., chunk_undos: _Optional[int] = ..., update_params_per_s: _Optional[float] = ..., early_pull_slots: _Optional[int] = ..., early_pull_voids: _Optional[int] = ..., push_paced_s: _Optional[float] = ..., optimizer_impl: _Optional[str] = ..., gradient_bytes: _Optional[int] = ..., joins: _Optional[int] = ..., leaves: _Optional[int] = ..., data_dealt: _Optional[int] = ..., data_returned: _Optional[int] = ..., data_remaining: _Optional[int] = ...) -> None: ...
+    workers_took_part: int
+    def __init__(self, version: _Optional[int] = ..., rounds: _Optional[int] = ..., updates_applied: _Optional[int] = ..., skipped_rounds: _Optional[int] = ..., dropped_nonfinite: _Optional[int] = ..., live_workers: _Optional[int] = ..., loss_scale: _Optional[float] = ..., worker_clocks: _Optional[_Iterable[int]] = ..., max_clock_gap: _Optional[int] = ..., staleness_histogram: _Optional[_Iterable[int]] = ..., master_bytes: _Optional[int] = ..., state_digest: _Optional[str] = ..., incarnation: _Optional[int] = ..., restores: _Optional[int] = ..., restored_step: _Optional[int] = ..., lease_expirations: _Optional[int] = ..., rejoins: _Optional[int] = ..., checkpoints_written: _Optional[int] = ..., last_checkpoint_step: _Optional[int] = ..., live_worker_ids: _Optional[_Iterable[int]] = ..., draining: _Optional[bool] = ..., chunks_applied_early: _Optional[int] = ..., chunk_undos: _Optional[int] = ..., update_params_per_s: _Optional[float] = ..., early_pull_slots: _Optional[int] = ..., early_pull_voids: _Optional[int] = ..., push_paced_s: _Optional[float] = ..., optimizer_impl: _Optional[str] = ..., gradient_bytes: _Optional[int] = ..., joins: _Optional[int] = ..., leaves: _Optional[int] = ..., data_dealt: _Optional[int] = ..., data_returned: _Optional[int] = ..., data_remaining: _Optional[int] = ..., workers_took_part: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("worker",)

@@ -49,6 +49,11 @@ class ParameterServerStub:
                 request_serializer=psar_dot_v1_dot_ps__pb2.InitFailedRequest.SerializeToString,
                 response_deserializer=psar_dot_v1_dot_ps__pb2.InitFailedReply.FromString,
                 _registered_method=True)
+        self.StopJob = channel.unary_unary(
+                '/psar.v1.ParameterServer/StopJob',
+                request_serializer=psar_dot_v1_dot_ps__pb2.StopJobRequest.SerializeToString,
+                response_deserializer=psar_dot_v1_dot_ps__pb2.StopJobReply.FromString,
+                _registered_method=True)
         self.Push = channel.stream_unary(
                 '/psar.v1.ParameterServer/Push',
                 request_serializer=psar_dot_v1_dot_ps__pb2.PushChunk.SerializeToString,
@@ -137,6 +142,12 @@ class ParameterServerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ReportInitFailure(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StopJob(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -243,6 +254,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.ReportInitFailure,
                     request_deserializer=psar_dot_v1_dot_ps__pb2.InitFailedRequest.FromString,
                     response_serializer=psar_dot_v1_dot_ps__pb2.InitFailedReply.SerializeToString,
+            ),
+            'StopJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.StopJob,
+                    request_deserializer=psar_dot_v1_dot_ps__pb2.StopJobRequest.FromString,
+                    response_serializer=psar_dot_v1_dot_ps__pb2.StopJobReply.SerializeToString,
             ),
             'Push': grpc.stream_unary_rpc_method_handler(
                     servicer.Push,
@@ -396,6 +412,33 @@ class ParameterServer:
             '/psar.v1.ParameterServer/ReportInitFailure',
             psar_dot_v1_dot_ps__pb2.InitFailedRequest.SerializeToString,
             psar_dot_v1_dot_ps__pb2.InitFailedReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StopJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/psar.v1.ParameterServer/StopJob',
+            psar_dot_v1_dot_ps__pb2.StopJobRequest.SerializeToString,
+            psar_dot_v1_dot_ps__pb2.StopJobReply.FromString,
             options,
             channel_credentials,
             insecure,
