@@ -81,3 +81,50 @@ def test_frozen_parameters_in_the_optimizer_are_skipped_as_torch_does(env: dict)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     # torch's format: state for the trained parameters (indices 2, 3) only.
     assert sorted(state["state"]) == [2, 3]
+
+
+def test_a_second_prepare_is_refused(env: dict) -> None:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with _prepared(model, opt, env) as run:
+        for again in [(model, opt), (run.model, opt), (_model(), run.optimizer)]:
+            with pytest.raises(RuntimeError, match=r"prepare\(\) was called already"):
+                prepare(*again, env=env)
+        _train_step(run, 0)  # the first run goes on unharmed
+        assert run.last_step is not None and not run.last_step.skipped
+
+
+def test_an_optimizer_over_another_models_parameters_is_refused(env: dict) -> None:
+    model, other = _model(), _model()
+    with pytest.raises(ValueError, match=r"param group 0 holds 4 tensors that are not parameters"):
+        prepare(model, torch.optim.SGD(other.parameters(), lr=0.1), env=env)
+
+
+def test_a_step_without_backward_is_refused_and_sends_nothing(env: dict) -> None:
+    model = _model()
+    with _prepared(model, torch.optim.SGD(model.parameters(), lr=0.1), env) as run:
+        _train_step(run, 0)
+        before = [p.detach().clone() for p in model.parameters()]
+        run.optimizer.zero_grad()
+        with pytest.raises(RuntimeError, match=r"step\(\) without a backward"):
+            run.optimizer.step()
+        assert run.step == 1
+        assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+def test_a_scheduler_built_before_prepare_does_not_step_locally() -> None:
+    # An LR scheduler wraps the step() of the optimizer it is given, in the instance:
+    # built on yours before prepare(), that wrapper must not become run.optimizer's step.
+    from psar.worker.own_optimizer import distributed
+
+    model = _model()
+    own = torch.optim.SGD(model.parameters(), lr=0.5)
+    torch.optim.lr_scheduler.StepLR(own, step_size=1)
+    calls: list[int] = []
+    opt = distributed(own, lambda: calls.append(1), lambda: None, {})
+    before = [p.detach().clone() for p in model.parameters()]
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    assert calls == [1]
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))

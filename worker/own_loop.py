@@ -6,14 +6,15 @@ under `--arch ps` or `--arch allreduce` unchanged (docs/own-loop.md).
     run = prepare(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), seed=0)
     sampler = DistributedSampler(data, num_replicas=run.world_size, rank=run.rank,
                                  seed=0, drop_last=True)
-    sched = torch.optim.lr_scheduler.StepLR(run.optimizer, 100)
+    sched = run.register(torch.optim.lr_scheduler.StepLR(run.optimizer, 100))
     for x, y in DataLoader(data, batch_size=32, sampler=sampler, drop_last=True):
         run.optimizer.zero_grad()
         run.backward(F.cross_entropy(run.model(x), y))
         run.clip_grad_norm_(1.0)
         run.optimizer.step()
         sched.step()
-    run.finish()
+    run.save_state("state")    # every rank; prepare(..., resume_from="state") and
+    run.finish()               # run.load_state() continue from here bit for bit
 
 The architecture is chosen where psar train's is: `--arch` in PSAR_ARGS (every `psar
 train` flag may go there; `psar launch ... -- python train.py` sets it), else PSAR_ARCH,
@@ -30,6 +31,8 @@ import logging
 import os
 import shlex
 from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
 
 import torch
 
@@ -40,8 +43,9 @@ from psar.trainkit.precision import pick_device, resolve
 from psar.trainkit.recorder import NullWorkerRecorder
 from psar.trainkit.seeding import seed_process
 from psar.trainkit.user_optim import current_lrs
+from psar.worker import own_state
 from psar.worker.loop import make_backend, resolve_ranks
-from psar.worker.own_optimizer import distributed
+from psar.worker.own_optimizer import distributed, is_distributed
 from psar.worker.supervisor import free_port
 
 logger = logging.getLogger("psar.own_loop")
@@ -54,6 +58,12 @@ they land: then read parameters outside forward only after run.finish())."""
 
 UNKNOWN_LENGTH = 1 << 40
 """The run's length when prepare() is not told it (total_steps)."""
+
+PREPARED = "_psar_prepared"
+"""Set on a model prepare() took: a second prepare() of it is refused (the first run
+holds the job: a second would register the same rank again, or wrap DDP in DDP)."""
+
+T = TypeVar("T")
 
 
 def config_of(args: Sequence[str] = (), env: Mapping[str, str] | None = None) -> TrainConfig:
@@ -117,12 +127,30 @@ class OwnLoop:
         grad_norm (with clipping: the norm before clipping)."""
         self._clip = 0.0
         self._finished = False
+        self.step = 0
+        """Optimizer steps done in this run, those of the run it resumed included
+        (load_state() restores it): continue your loop at run.step + 1."""
+        self._registered: list[Any] = []
+        self._resume: Path | None = None
+        """The folder prepare(resume_from=) loaded the model and optimizer from."""
+        self._restored = False
+        # Whether a backward ran since the last step: a step without one is refused
+        # (_check_backward), not pushed or allreduced with a gradient missing.
+        self._backward_seen = False
+        self._agreed = False
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(self._saw_backward)
+            for p in module.parameters()
+            if p.requires_grad
+        ]
 
     # ---- the step ---------------------------------------------------------------------
 
     def backward(self, loss: torch.Tensor) -> None:
         """loss.backward(), scaled by the loss scale where the precision needs one (fp16);
-        the optimizer's step unscales. Use it instead of loss.backward()."""
+        the optimizer's step unscales. Use it instead of loss.backward(): under allreduce
+        the ranks also check here that each of them runs a backward this step."""
+        self._agree(did_backward=True)
         self.backend.scale_loss(loss).backward()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> None:
@@ -148,9 +176,106 @@ class OwnLoop:
         return self.backend.ctx.precision.autocast()
 
     def _step(self) -> None:
+        if self._resume is not None and not self._restored:
+            raise RuntimeError(
+                f"prepare(resume_from={str(self._resume)!r}) loaded the model and the "
+                "optimizer; call run.load_state() before the first step (after registering "
+                "your LR schedulers with run.register()), or the run goes on with fresh "
+                "schedulers, random generators and step count"
+            )
+        self._check_backward()
         options = StepOptions(lrs=current_lrs(self.optimizer), clip_norm=self._clip)
         self._clip = 0.0
         self.last_step = self.backend.step(options)
+        self.step += 1
+
+    def _saw_backward(self, _param: torch.Tensor) -> None:
+        self._backward_seen = True
+
+    def _agree(self, *, did_backward: bool) -> None:
+        """Under allreduce, once a step: every rank says whether it runs a backward
+        (allreduce/own_agree.py). Nothing to agree on under ps: each worker's push is
+        its own, and a worker that has no gradient refuses to step (_check_backward)."""
+        if self._agreed:
+            return
+        self._agreed = True
+        from psar.allreduce import own_agree  # torch.distributed only, no DDP backend
+
+        if own_agree.shares_a_group(self.world_size):
+            own_agree.agree_on_backward(
+                did_backward, self.rank, self.world_size, self.step + 1, self.device
+            )
+
+    def _check_backward(self) -> None:
+        """A step needs a backward since the last one: without it, under ps the round
+        would average in a missing gradient, under allreduce the others would wait."""
+        self._agree(did_backward=self._backward_seen)
+        if not self._backward_seen:
+            raise RuntimeError(
+                f"rank {self.rank}: run.optimizer.step() without a backward since the last "
+                f"step (step {self.step + 1}); call run.backward(loss) before every step "
+                "(nothing was sent: the step is refused)"
+            )
+        self._backward_seen = self._agreed = False
+
+    # ---- saving and resuming ------------------------------------------------------------
+
+    def register(self, obj: T) -> T:
+        """Save and restore `obj` with the run (save_state / load_state): an LR scheduler
+        or anything with state_dict() and load_state_dict() (or a torch.Generator).
+        Register the same objects in the same order in the resumed run. Returns `obj`."""
+        own_state.check_registrable(obj)
+        self._registered.append(obj)
+        return obj
+
+    def save_state(self, folder: str | os.PathLike) -> None:
+        """Save everything the run needs to continue bit for bit into `folder` (call it on
+        every rank, between steps): the model and the optimizer (rank 0; under ps the
+        optimizer's state is read back from the shards), and each rank's step, learning
+        rates, registered objects and random generators (worker/own_state.py)."""
+        path = Path(folder)
+        path.mkdir(parents=True, exist_ok=True)
+        if self.rank == 0:
+            model = self.backend.state_dict()  # waits for the step's pull; fp32 weights
+            own_state.save_shared(path, model, self.optimizer.state_dict())
+        lrs = list(current_lrs(self.optimizer))
+        own_state.save_rank(path, self.rank, self.world_size, self.step, lrs, self._registered)
+
+    def load_state(self, folder: str | os.PathLike | None = None) -> int:
+        """Continue the run prepare(..., resume_from=folder) loaded the model and the
+        optimizer of: restore the step, the registered objects (after them, each
+        group's learning rate: a warm-up scheduler built on run.optimizer set it to its
+        first value), and this rank's random generators (last: prepare() reseeded them).
+        Call it after registering your schedulers, before the first step; returns
+        run.step (the steps done)."""
+        if self._resume is None:
+            raise RuntimeError(
+                "load_state(): pass the folder to prepare(..., resume_from=FOLDER) first: "
+                "the model and the optimizer are loaded before the job starts (under "
+                "--arch ps the shards take them with it), the rest by load_state()"
+            )
+        if folder is not None and Path(folder).resolve() != self._resume.resolve():
+            raise ValueError(
+                f"load_state({str(folder)!r}): prepare() resumed from {str(self._resume)!r}; "
+                "restore from the same folder"
+            )
+        if self._restored:
+            raise RuntimeError("load_state(): the run was restored already (call it once)")
+        state = own_state.load_rank(self._resume, self.rank, self.world_size)
+        if len(state["objects"]) != len(self._registered):
+            raise ValueError(
+                f"load_state(): the saved run registered {len(state['objects'])} objects, "
+                f"this one {len(self._registered)}; register the same ones (run.register), "
+                "in the same order, before load_state()"
+            )
+        for obj, saved in zip(self._registered, state["objects"], strict=True):
+            own_state.load_object(obj, saved)
+        for group, lr in zip(self.optimizer.param_groups, state["lrs"], strict=True):
+            group["lr"] = lr
+        self.step = int(state["step"])
+        own_state.set_rng_state(state["rng"])
+        self._restored = True
+        return self.step
 
     # ---- the end ----------------------------------------------------------------------
 
@@ -159,6 +284,8 @@ class OwnLoop:
         process group ends). Call it once, after the last step; `with prepare(...)` does."""
         if not self._finished:
             self._finished = True
+            for hook in self._hooks:
+                hook.remove()
             self.backend.finish()
 
     def __enter__(self) -> OwnLoop:
@@ -180,6 +307,7 @@ def prepare(
     args: Sequence[str] = (),
     env: Mapping[str, str] | None = None,
     total_steps: int | None = None,
+    resume_from: str | os.PathLike | None = None,
 ) -> OwnLoop:
     """Put your model and your own optimizer on the architecture the environment names.
 
@@ -191,7 +319,18 @@ def prepare(
     seed: seeds torch, random and numpy from (seed, rank) once the model is placed, as
     `psar train --seed` does (default: --seed from PSAR_ARGS, else 0).
     args: more `psar train` flags (after PSAR_ARGS). total_steps: the run's length, if
-    known (ps: the overlap trial fits in it)."""
+    known (ps: the overlap trial fits in it).
+    resume_from: a folder run.save_state() wrote: its model and optimizer are loaded
+    into yours before the job starts; then call run.load_state() for the rest (the
+    step, your registered schedulers, each rank's random generators)."""
+    _refuse_a_second_prepare(model, optimizer)
+    _refuse_foreign_parameters(model, optimizer)
+    resumed = None
+    if resume_from is not None:  # first: under ps the shards take both with the job
+        resumed = Path(resume_from)
+        weights, opt_state = own_state.load_shared(resumed)
+        model.load_state_dict(weights)
+        optimizer.load_state_dict(opt_state)
     env = dict(os.environ if env is None else env)
     cfg = config_of(args, env)
     if cfg.elastic:  # the shards deal batch ids, which only psar train's loop reads
@@ -224,4 +363,33 @@ def prepare(
     # Dropout and other draws during training: the same run after run, and the same for
     # rank r under either architecture (trainkit/seeding.py), as psar train does.
     seed_process(cfg.seed if seed is None else seed, rank)
-    return OwnLoop(backend, module, optimizer, names, cfg, local_rank)
+    setattr(model, PREPARED, True)
+    run = OwnLoop(backend, module, optimizer, names, cfg, local_rank)
+    run._resume = resumed
+    return run
+
+
+def _refuse_a_second_prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """One prepare() per model: the run it returned holds the job (PREPARED)."""
+    if any(getattr(m, PREPARED, False) for m in model.modules()) or is_distributed(optimizer):
+        raise RuntimeError(
+            "prepare() was called already for this model or optimizer; call it once per "
+            "process and keep using the run it returned (run.model, run.optimizer): a "
+            "second one would join the job again (under ps the same rank registers twice, "
+            "under allreduce DDP would wrap DDP)"
+        )
+
+
+def _refuse_foreign_parameters(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Every tensor the optimizer steps must be one of the model's parameters, under
+    either architecture: under allreduce an optimizer over another model's would step
+    tensors that never get a gradient, and train nothing without a word."""
+    mine = {id(p) for p in model.parameters()}
+    for i, group in enumerate(optimizer.param_groups):
+        foreign = [p for p in group["params"] if id(p) not in mine]
+        if foreign:
+            raise ValueError(
+                f"param group {i} holds {len(foreign)} tensors that are not parameters of "
+                "the model given to prepare(); build the optimizer from model.parameters() "
+                "of that model"
+            )

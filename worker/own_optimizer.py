@@ -11,7 +11,8 @@ the architecture does differently is overridden:
 - state_dict(): under PS the state is read from the shards, in torch's format (a file
   saved under one architecture loads under the other);
 - load_state_dict() and add_param_group(): refused once prepared (the shards took the
-  groups and state with the job: load the state into your optimizer before prepare()).
+  groups and state with the job: resume with prepare(resume_from=) and run.load_state(),
+  or load the state into your optimizer before prepare()).
 """
 
 from __future__ import annotations
@@ -22,8 +23,10 @@ from typing import Any
 import torch
 
 _LOAD_FIRST = (
-    "load the optimizer's state into your own optimizer before prepare() (the same under "
-    "both architectures: under --arch ps the shards take it with the job)"
+    "resume with prepare(..., resume_from=FOLDER) and run.load_state() (FOLDER written by "
+    "run.save_state()), or load the optimizer's state into your own optimizer before "
+    "prepare() (the same under both architectures: under --arch ps the shards take it "
+    "with the job)"
 )
 
 
@@ -71,6 +74,11 @@ class _Distributed:
         )
 
 
+def is_distributed(optimizer: torch.optim.Optimizer) -> bool:
+    """`optimizer` is one prepare() returned (run.optimizer)."""
+    return isinstance(optimizer, _Distributed)
+
+
 def distributed(
     optimizer: torch.optim.Optimizer,
     step: Callable[[], Any],
@@ -85,6 +93,10 @@ def distributed(
     cls = type(f"Distributed{base.__name__}", (_Distributed, base), {"__module__": __name__})
     out = cls.__new__(cls)
     out.__dict__.update(optimizer.__dict__)  # the same param_groups, state and defaults
+    # An LR scheduler built on `optimizer` before prepare() wrapped its step() in the
+    # instance: copied, it would run torch's local step on `optimizer` instead of the
+    # architecture's (a silent local step under ps). The class's step is the one.
+    out.__dict__.pop("step", None)
     out._psar_step = step
     out._psar_state = remote_state
     out._psar_names = names
