@@ -16,11 +16,6 @@ import torch
 import torch.distributed as dist
 
 
-def shares_a_group(world_size: int) -> bool:
-    """The ranks share a torch.distributed group (DDP): they can agree in it."""
-    return world_size > 1 and dist.is_available() and dist.is_initialized()
-
-
 def agree_on_backward(did_backward: bool, rank: int, world_size: int, step: int,
                       device: torch.device) -> None:  # fmt: skip
     """Every rank calls this once per step (see the module docstring); raises on every

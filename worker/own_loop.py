@@ -45,7 +45,12 @@ from psar.trainkit.seeding import seed_process
 from psar.trainkit.user_optim import current_lrs
 from psar.worker import own_state
 from psar.worker.loop import make_backend, resolve_ranks
-from psar.worker.own_optimizer import distributed, is_distributed
+from psar.worker.own_optimizer import (
+    PREPARED,
+    distributed,
+    refuse_a_second_prepare,
+    refuse_foreign_parameters,
+)
 from psar.worker.supervisor import free_port
 
 logger = logging.getLogger("psar.own_loop")
@@ -58,10 +63,6 @@ they land: then read parameters outside forward only after run.finish())."""
 
 UNKNOWN_LENGTH = 1 << 40
 """The run's length when prepare() is not told it (total_steps)."""
-
-PREPARED = "_psar_prepared"
-"""Set on a model prepare() took: a second prepare() of it is refused (the first run
-holds the job: a second would register the same rank again, or wrap DDP in DDP)."""
 
 T = TypeVar("T")
 
@@ -103,9 +104,10 @@ class OwnLoop:
         names: dict[int, str],
         cfg: TrainConfig,
         local_rank: int,
+        resume: Path | None = None,
     ) -> None:
         """`optimizer`: the user's, set up on `backend`; `names`: id(parameter) -> its
-        name in the model."""
+        name in the model; `resume`: the folder prepare(resume_from=) loaded."""
         self.backend = backend
         self.model = module
         """The module to train: forward through it (DDP-wrapped under allreduce)."""
@@ -131,13 +133,22 @@ class OwnLoop:
         """Optimizer steps done in this run, those of the run it resumed included
         (load_state() restores it): continue your loop at run.step + 1."""
         self._registered: list[Any] = []
-        self._resume: Path | None = None
+        self._resume = resume
         """The folder prepare(resume_from=) loaded the model and optimizer from."""
         self._restored = False
+        # Until load_state(), a forward is refused: under ps its backward would push a
+        # gradient already, so a refusal at step() would come too late.
+        self._unrestored = (
+            module.register_forward_pre_hook(self._refuse_unrestored) if resume else None
+        )
         # Whether a backward ran since the last step: a step without one is refused
         # (_check_backward), not pushed or allreduced with a gradient missing.
         self._backward_seen = False
         self._agreed = False
+        # Where backward itself allreduces (the module is DDP's), a rank that skips it
+        # leaves the others waiting: there the ranks agree first (_agree).
+        ddp = torch.nn.parallel.DistributedDataParallel
+        self._must_agree = isinstance(module, ddp) and self.world_size > 1
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._saw_backward)
             for p in module.parameters()
@@ -175,14 +186,17 @@ class OwnLoop:
         """Autocast to the compute dtype --precision picks (fp32: none)."""
         return self.backend.ctx.precision.autocast()
 
+    def _refuse_unrestored(self, *_: object) -> None:
+        raise RuntimeError(
+            f"prepare(resume_from={str(self._resume)!r}) loaded the model and the optimizer; "
+            "call run.load_state() before the first forward (after registering your LR "
+            "schedulers with run.register()), or the run goes on with fresh schedulers, "
+            "random generators and step count"
+        )
+
     def _step(self) -> None:
         if self._resume is not None and not self._restored:
-            raise RuntimeError(
-                f"prepare(resume_from={str(self._resume)!r}) loaded the model and the "
-                "optimizer; call run.load_state() before the first step (after registering "
-                "your LR schedulers with run.register()), or the run goes on with fresh "
-                "schedulers, random generators and step count"
-            )
+            self._refuse_unrestored()
         self._check_backward()
         options = StepOptions(lrs=current_lrs(self.optimizer), clip_norm=self._clip)
         self._clip = 0.0
@@ -193,18 +207,17 @@ class OwnLoop:
         self._backward_seen = True
 
     def _agree(self, *, did_backward: bool) -> None:
-        """Under allreduce, once a step: every rank says whether it runs a backward
-        (allreduce/own_agree.py). Nothing to agree on under ps: each worker's push is
-        its own, and a worker that has no gradient refuses to step (_check_backward)."""
+        """Where backward allreduces (DDP), once a step: every rank says whether it runs
+        a backward (allreduce/own_agree.py). Elsewhere (ps) each worker's push is its
+        own, and a worker without a gradient refuses its step alone (_check_backward)."""
         if self._agreed:
             return
         self._agreed = True
-        from psar.allreduce import own_agree  # torch.distributed only, no DDP backend
+        if self._must_agree:
+            from psar.allreduce.own_agree import agree_on_backward
 
-        if own_agree.shares_a_group(self.world_size):
-            own_agree.agree_on_backward(
-                did_backward, self.rank, self.world_size, self.step + 1, self.device
-            )
+            agree_on_backward(did_backward, self.rank, self.world_size, self.step + 1,
+                              self.device)  # fmt: skip
 
     def _check_backward(self) -> None:
         """A step needs a backward since the last one: without it, under ps the round
@@ -275,6 +288,8 @@ class OwnLoop:
         self.step = int(state["step"])
         own_state.set_rng_state(state["rng"])
         self._restored = True
+        if self._unrestored is not None:
+            self._unrestored.remove()
         return self.step
 
     # ---- the end ----------------------------------------------------------------------
@@ -323,8 +338,8 @@ def prepare(
     resume_from: a folder run.save_state() wrote: its model and optimizer are loaded
     into yours before the job starts; then call run.load_state() for the rest (the
     step, your registered schedulers, each rank's random generators)."""
-    _refuse_a_second_prepare(model, optimizer)
-    _refuse_foreign_parameters(model, optimizer)
+    refuse_a_second_prepare(model, optimizer)
+    refuse_foreign_parameters(model, optimizer)
     resumed = None
     if resume_from is not None:  # first: under ps the shards take both with the job
         resumed = Path(resume_from)
@@ -363,33 +378,5 @@ def prepare(
     # Dropout and other draws during training: the same run after run, and the same for
     # rank r under either architecture (trainkit/seeding.py), as psar train does.
     seed_process(cfg.seed if seed is None else seed, rank)
-    setattr(model, PREPARED, True)
-    run = OwnLoop(backend, module, optimizer, names, cfg, local_rank)
-    run._resume = resumed
-    return run
-
-
-def _refuse_a_second_prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """One prepare() per model: the run it returned holds the job (PREPARED)."""
-    if any(getattr(m, PREPARED, False) for m in model.modules()) or is_distributed(optimizer):
-        raise RuntimeError(
-            "prepare() was called already for this model or optimizer; call it once per "
-            "process and keep using the run it returned (run.model, run.optimizer): a "
-            "second one would join the job again (under ps the same rank registers twice, "
-            "under allreduce DDP would wrap DDP)"
-        )
-
-
-def _refuse_foreign_parameters(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Every tensor the optimizer steps must be one of the model's parameters, under
-    either architecture: under allreduce an optimizer over another model's would step
-    tensors that never get a gradient, and train nothing without a word."""
-    mine = {id(p) for p in model.parameters()}
-    for i, group in enumerate(optimizer.param_groups):
-        foreign = [p for p in group["params"] if id(p) not in mine]
-        if foreign:
-            raise ValueError(
-                f"param group {i} holds {len(foreign)} tensors that are not parameters of "
-                "the model given to prepare(); build the optimizer from model.parameters() "
-                "of that model"
-            )
+    setattr(model, PREPARED, True)  # refuse_a_second_prepare
+    return OwnLoop(backend, module, optimizer, names, cfg, local_rank, resumed)

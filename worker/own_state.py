@@ -112,8 +112,8 @@ def save_rank(
 def _load(path: Path) -> Any:
     if not path.is_file():
         raise FileNotFoundError(
-            f"{path}: no such file; resume from a folder run.save_state() wrote, with the "
-            "same number of workers"
+            f"{path}: no such file; resume from a folder run.save_state() wrote (call it on "
+            "every rank), with the same number of workers"
         )
     return torch.load(path, map_location="cpu", weights_only=True)
 
@@ -131,5 +131,14 @@ def load_rank(folder: Path, rank: int, world: int) -> dict[str, Any]:
         raise ValueError(
             f"{folder}: saved by a run of {state.get('world_size')} workers (format "
             f"{state.get('format')}); this run has {world}: resume with as many workers"
+        )
+    # Rank 0 writes the model and the optimizer, then its own file: a rank file of
+    # another step than rank 0's is a save cut short (or one rank saving alone).
+    first = state if rank == 0 else _load(folder / rank_file(0))
+    if first["step"] != state["step"]:
+        raise ValueError(
+            f"{folder}: rank {rank} saved step {state['step']}, rank 0 step {first['step']} "
+            "(a save cut short, or run.save_state() not called on every rank); resume from "
+            "a folder every rank saved the same step into"
         )
     return state
