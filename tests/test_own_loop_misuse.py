@@ -44,7 +44,7 @@ def env(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iter
 
 @contextlib.contextmanager
 def _prepared(model: torch.nn.Module, opt: torch.optim.Optimizer, env: dict) -> Iterator[OwnLoop]:
-    run = prepare(model, opt, env=env, args=["--torch-threads", "1"])
+    run = prepare(model, opt, env=env, args=["--torch-threads", "1", "--device", "cpu"])
     try:
         yield run
     finally:

@@ -58,6 +58,7 @@ def _steps(run: OwnLoop, sched: torch.optim.lr_scheduler.LambdaLR, n: int) -> li
         step = run.step + 1
         gen = torch.Generator().manual_seed(step)  # the data of step `step`
         x, y = torch.randn(8, 4, generator=gen), torch.randint(0, 2, (8,), generator=gen)
+        x, y = x.to(run.device), y.to(run.device)  # on a GPU: CUDA's generator for dropout
         run.optimizer.zero_grad()
         loss = torch.nn.functional.cross_entropy(run.model(x), y)  # dropout: torch's RNG
         run.backward(loss)
