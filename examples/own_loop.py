@@ -9,7 +9,9 @@ clips the update by its global norm, run.no_sync() accumulates gradients without
 communicating (--accum N micro-batches a step) and run.autocast() follows `psar launch
 --precision`. Rank 0 prints its last loss as `final_loss=<value>`; --log-every N prints
 every rank's loss every N steps; --save and --load write and read a checkpoint (model
-and optimizer state dicts, torch's format).
+and optimizer state dicts, torch's format); --state-dir DIR --save-every N saves the
+whole run (run.save_state) and --resume DIR continues it bit for bit
+(prepare(resume_from=) and run.load_state(): docs/own-loop.md, "Saving and resuming").
 
 `make_workload` at the bottom hands the same model and data to psar's own loop:
 `psar train --workload examples.own_loop:make_workload` (tests/test_own_loop.py holds
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import math
 
 import torch
@@ -75,12 +78,26 @@ def warmup_cosine(warmup: int, total: int):  # noqa: ANN201 - a LambdaLR factor
     return factor
 
 
-def endless(loader: DataLoader, sampler: DistributedSampler):  # noqa: ANN201 - a generator
-    """The loader's batches, epoch after epoch (each epoch shuffled anew)."""
-    epoch = 0
+def linear_warmup(warmup: int, total: int):  # noqa: ANN201 - a LambdaLR factor
+    """Hugging Face's get_linear_schedule_with_warmup: from 0 up to the lr over `warmup`
+    steps, then linearly down to 0 at step `total`."""
+
+    def factor(n: int) -> float:
+        if n < warmup:
+            return n / max(1, warmup)
+        return max(0.0, (total - n) / max(1, total - warmup))
+
+    return factor
+
+
+def endless(loader: DataLoader, sampler: DistributedSampler, skip: int = 0):  # noqa: ANN201
+    """The loader's batches, epoch after epoch (each epoch shuffled anew), after the
+    first `skip` (the batches a resumed run trained already)."""
+    epoch, skip = divmod(skip, len(loader))
     while True:
         sampler.set_epoch(epoch)
-        yield from loader
+        yield from itertools.islice(loader, skip, None)
+        skip = 0
         epoch += 1
 
 
@@ -93,12 +110,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--weight-decay", type=float, default=1e-4, help="weights only, not biases")
     p.add_argument("--clip", type=float, default=0.25, help="global norm; 0: no clipping")
     p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--schedule", choices=("cosine", "linear"), default="cosine",
+                   help="after the warm-up; linear: Hugging Face's linear warm-up from 0")  # fmt: skip
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--accum", type=int, default=1, help="micro-batches per step")
     p.add_argument("--log-every", type=int, default=0)
     p.add_argument("--save", default="", help="rank 0 writes a checkpoint here at the end")
     p.add_argument("--load", default="", help="start from this checkpoint (from --save)")
+    p.add_argument("--state-dir", default="", help="run.save_state() here every --save-every")
+    p.add_argument("--save-every", type=int, default=0)
+    p.add_argument("--resume", default="", help="continue the run saved in this folder")
+    p.add_argument("--stop-after", type=int, default=0, help="end after this step (a cut)")
     args = p.parse_args(argv)
 
     model = build_model(args.seed, dropout=args.dropout)
@@ -116,7 +139,8 @@ def main(argv: list[str] | None = None) -> None:
         model.load_state_dict(checkpoint["model"])
         optimizer.load_state_dict(checkpoint["optimizer"])
 
-    run = prepare(model, optimizer, seed=args.seed, total_steps=args.steps)
+    run = prepare(model, optimizer, seed=args.seed, total_steps=args.steps,
+                  resume_from=args.resume or None)  # fmt: skip
     data = build_data()
     sampler = DistributedSampler(
         data, num_replicas=run.world_size, rank=run.rank, seed=args.seed, drop_last=True
@@ -125,13 +149,16 @@ def main(argv: list[str] | None = None) -> None:
     # torch's global generator, and dropout's draws would shift.
     loader = DataLoader(data, batch_size=args.batch_size, sampler=sampler, drop_last=True,
                         generator=torch.Generator())  # fmt: skip
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        run.optimizer, warmup_cosine(args.warmup, args.steps)
+    schedule = linear_warmup if args.schedule == "linear" else warmup_cosine
+    scheduler = run.register(  # saved and restored with the run
+        torch.optim.lr_scheduler.LambdaLR(run.optimizer, schedule(args.warmup, args.steps))
     )
+    if args.resume:
+        run.load_state()  # the step, the scheduler, this rank's random generators
 
-    batches = endless(loader, sampler)
+    batches = endless(loader, sampler, skip=run.step * args.accum)
     loss = float("nan")
-    for step in range(1, args.steps + 1):
+    for step in range(run.step + 1, args.steps + 1):
         run.optimizer.zero_grad()
         loss = 0.0
         for micro in range(args.accum):  # every micro-batch but the last: no_sync()
@@ -150,6 +177,10 @@ def main(argv: list[str] | None = None) -> None:
             out = run.last_step  # grad_norm: before clipping (None: not clipped)
             print(f"step={step} rank={run.rank} loss={loss:.9g} grad_norm={out.grad_norm} "
                   f"loss_scale={out.loss_scale:g} skipped={out.skipped}", flush=True)  # fmt: skip
+        if args.state_dir and args.save_every and step % args.save_every == 0:
+            run.save_state(args.state_dir)  # on every rank
+        if step == args.stop_after:
+            break
     if args.save and run.rank == 0:  # the optimizer's state: torch's format
         state = {"model": model.state_dict(), "optimizer": run.optimizer.state_dict()}
         torch.save(state, args.save)

@@ -40,11 +40,15 @@ def _rel(a: list[float], b: list[float]) -> float:
 
 
 def _launch(
-    arch: str, *example_args: str, flags: tuple[str, ...] = (), timeout: float = 300
+    arch: str,
+    *example_args: str,
+    flags: tuple[str, ...] = (),
+    timeout: float = 300,
+    steps_from: int = 1,
 ) -> tuple[dict, str]:
     """Run the example under `psar launch --arch arch *flags`, 2 workers; returns
     ({rank: [loss per step]}, rank 0's final_loss line); each step's loss scale in
-    ({...})["scales"][rank]."""
+    ({...})["scales"][rank]. `steps_from`: the first step it logs (a resumed run)."""
     ps = ["--mode", "sync", "--servers", "2"] if arch == "ps" else []
     args = [*PSAR, "launch", "--arch", arch, *ps, "--workers", "2", *flags, "--",
             sys.executable, str(EXAMPLE), *example_args]  # fmt: skip
@@ -52,7 +56,7 @@ def _launch(
     assert p.returncode == 0, f"{arch}: exit {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
     losses: dict = {0: [], 1: [], "scales": {0: [], 1: []}}
     for step, rank, loss, scale, skipped in LINE.findall(p.stdout):
-        assert int(step) == len(losses[int(rank)]) + 1 and skipped == "False"
+        assert int(step) == len(losses[int(rank)]) + steps_from and skipped == "False"
         losses[int(rank)].append(float(loss))
         losses["scales"][int(rank)].append(float(scale))
     final = re.findall(r"final_loss=\S+", p.stdout)
@@ -148,6 +152,6 @@ def test_no_line_of_the_example_names_an_architecture() -> None:
     # The plain loop's parts, in the order a DDP user writes them.
     order = ["zero_grad()", "run.model(", "run.backward(", "run.clip_grad_norm_(",
              "run.optimizer.step()", "scheduler.step()"]  # fmt: skip
-    loop = text[text.index("for step in range(1, args.steps + 1)") :]
+    loop = text[text.index("for step in range(run.step + 1, args.steps + 1)") :]
     at = [loop.index(s) for s in order]
     assert at == sorted(at)

@@ -37,7 +37,10 @@ def describe(
     optimizer: torch.optim.Optimizer, names: Mapping[int, str]
 ) -> tuple[str, tuple[ParamGroup, ...]]:
     """(wire name, groups) of a user's optimizer; `names`: id(parameter) -> its name in
-    the model. Every parameter of every group must be one of the model's."""
+    the model. Every parameter of every group must be one of the model's. A frozen one
+    (requires_grad=False) is left out of its group, as torch's step skips it (it never
+    gets a gradient): `AdamW(model.parameters())` over a partly frozen model is torch's
+    way to write it (the shards hold no slot for a frozen parameter)."""
     name = optimizer_name(optimizer)
     groups = []
     for i, g in enumerate(optimizer.param_groups):
@@ -46,13 +49,14 @@ def describe(
                 raise ValueError(
                     f"param group {i}: {option}={g[option]!r} is not supported under --arch ps"
                 )
-        unknown = [p for p in g["params"] if id(p) not in names]
+        trained = [p for p in g["params"] if p.requires_grad]
+        unknown = [p for p in trained if id(p) not in names]
         if unknown:
             raise ValueError(
                 f"param group {i} holds {len(unknown)} tensors that are not parameters of the "
                 "model given to prepare(); build the optimizer from model.parameters()"
             )
-        params = tuple(names[id(p)] for p in g["params"])
+        params = tuple(names[id(p)] for p in trained)
         if name == "sgd":
             groups.append(
                 ParamGroup(

@@ -6,14 +6,15 @@ under `--arch ps` or `--arch allreduce` unchanged (docs/own-loop.md).
     run = prepare(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), seed=0)
     sampler = DistributedSampler(data, num_replicas=run.world_size, rank=run.rank,
                                  seed=0, drop_last=True)
-    sched = torch.optim.lr_scheduler.StepLR(run.optimizer, 100)
+    sched = run.register(torch.optim.lr_scheduler.StepLR(run.optimizer, 100))
     for x, y in DataLoader(data, batch_size=32, sampler=sampler, drop_last=True):
         run.optimizer.zero_grad()
         run.backward(F.cross_entropy(run.model(x), y))
         run.clip_grad_norm_(1.0)
         run.optimizer.step()
         sched.step()
-    run.finish()
+    run.save_state("state")    # every rank; prepare(..., resume_from="state") and
+    run.finish()               # run.load_state() continue from here bit for bit
 
 The architecture is chosen where psar train's is: `--arch` in PSAR_ARGS (every `psar
 train` flag may go there; `psar launch ... -- python train.py` sets it), else PSAR_ARCH,
@@ -30,6 +31,8 @@ import logging
 import os
 import shlex
 from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
 
 import torch
 
@@ -40,8 +43,14 @@ from psar.trainkit.precision import pick_device, resolve
 from psar.trainkit.recorder import NullWorkerRecorder
 from psar.trainkit.seeding import seed_process
 from psar.trainkit.user_optim import current_lrs
+from psar.worker import own_state
 from psar.worker.loop import make_backend, resolve_ranks
-from psar.worker.own_optimizer import distributed
+from psar.worker.own_optimizer import (
+    PREPARED,
+    distributed,
+    refuse_a_second_prepare,
+    refuse_foreign_parameters,
+)
 from psar.worker.supervisor import free_port
 
 logger = logging.getLogger("psar.own_loop")
@@ -54,6 +63,8 @@ they land: then read parameters outside forward only after run.finish())."""
 
 UNKNOWN_LENGTH = 1 << 40
 """The run's length when prepare() is not told it (total_steps)."""
+
+T = TypeVar("T")
 
 
 def config_of(args: Sequence[str] = (), env: Mapping[str, str] | None = None) -> TrainConfig:
@@ -93,9 +104,10 @@ class OwnLoop:
         names: dict[int, str],
         cfg: TrainConfig,
         local_rank: int,
+        resume: Path | None = None,
     ) -> None:
         """`optimizer`: the user's, set up on `backend`; `names`: id(parameter) -> its
-        name in the model."""
+        name in the model; `resume`: the folder prepare(resume_from=) loaded."""
         self.backend = backend
         self.model = module
         """The module to train: forward through it (DDP-wrapped under allreduce)."""
@@ -117,12 +129,39 @@ class OwnLoop:
         grad_norm (with clipping: the norm before clipping)."""
         self._clip = 0.0
         self._finished = False
+        self.step = 0
+        """Optimizer steps done in this run, those of the run it resumed included
+        (load_state() restores it): continue your loop at run.step + 1."""
+        self._registered: list[Any] = []
+        self._resume = resume
+        """The folder prepare(resume_from=) loaded the model and optimizer from."""
+        self._restored = False
+        # Until load_state(), a forward is refused: under ps its backward would push a
+        # gradient already, so a refusal at step() would come too late.
+        self._unrestored = (
+            module.register_forward_pre_hook(self._refuse_unrestored) if resume else None
+        )
+        # Whether a backward ran since the last step: a step without one is refused
+        # (_check_backward), not pushed or allreduced with a gradient missing.
+        self._backward_seen = False
+        self._agreed = False
+        # Where backward itself allreduces (the module is DDP's), a rank that skips it
+        # leaves the others waiting: there the ranks agree first (_agree).
+        ddp = torch.nn.parallel.DistributedDataParallel
+        self._must_agree = isinstance(module, ddp) and self.world_size > 1
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(self._saw_backward)
+            for p in module.parameters()
+            if p.requires_grad
+        ]
 
     # ---- the step ---------------------------------------------------------------------
 
     def backward(self, loss: torch.Tensor) -> None:
         """loss.backward(), scaled by the loss scale where the precision needs one (fp16);
-        the optimizer's step unscales. Use it instead of loss.backward()."""
+        the optimizer's step unscales. Use it instead of loss.backward(): under allreduce
+        the ranks also check here that each of them runs a backward this step."""
+        self._agree(did_backward=True)
         self.backend.scale_loss(loss).backward()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> None:
@@ -147,10 +186,111 @@ class OwnLoop:
         """Autocast to the compute dtype --precision picks (fp32: none)."""
         return self.backend.ctx.precision.autocast()
 
+    def _refuse_unrestored(self, *_: object) -> None:
+        raise RuntimeError(
+            f"prepare(resume_from={str(self._resume)!r}) loaded the model and the optimizer; "
+            "call run.load_state() before the first forward (after registering your LR "
+            "schedulers with run.register()), or the run goes on with fresh schedulers, "
+            "random generators and step count"
+        )
+
     def _step(self) -> None:
+        if self._resume is not None and not self._restored:
+            self._refuse_unrestored()
+        self._check_backward()
         options = StepOptions(lrs=current_lrs(self.optimizer), clip_norm=self._clip)
         self._clip = 0.0
         self.last_step = self.backend.step(options)
+        self.step += 1
+
+    def _saw_backward(self, _param: torch.Tensor) -> None:
+        self._backward_seen = True
+
+    def _agree(self, *, did_backward: bool) -> None:
+        """Where backward allreduces (DDP), once a step: every rank says whether it runs
+        a backward (allreduce/own_agree.py). Elsewhere (ps) each worker's push is its
+        own, and a worker without a gradient refuses its step alone (_check_backward)."""
+        if self._agreed:
+            return
+        self._agreed = True
+        if self._must_agree:
+            from psar.allreduce.own_agree import agree_on_backward
+
+            agree_on_backward(did_backward, self.rank, self.world_size, self.step + 1,
+                              self.device)  # fmt: skip
+
+    def _check_backward(self) -> None:
+        """A step needs a backward since the last one: without it, under ps the round
+        would average in a missing gradient, under allreduce the others would wait."""
+        self._agree(did_backward=self._backward_seen)
+        if not self._backward_seen:
+            raise RuntimeError(
+                f"rank {self.rank}: run.optimizer.step() without a backward since the last "
+                f"step (step {self.step + 1}); call run.backward(loss) before every step "
+                "(nothing was sent: the step is refused)"
+            )
+        self._backward_seen = self._agreed = False
+
+    # ---- saving and resuming ------------------------------------------------------------
+
+    def register(self, obj: T) -> T:
+        """Save and restore `obj` with the run (save_state / load_state): an LR scheduler
+        or anything with state_dict() and load_state_dict() (or a torch.Generator).
+        Register the same objects in the same order in the resumed run. Returns `obj`."""
+        own_state.check_registrable(obj)
+        self._registered.append(obj)
+        return obj
+
+    def save_state(self, folder: str | os.PathLike) -> None:
+        """Save everything the run needs to continue bit for bit into `folder` (call it on
+        every rank, between steps): the model and the optimizer (rank 0; under ps the
+        optimizer's state is read back from the shards), and each rank's step, learning
+        rates, registered objects and random generators (worker/own_state.py)."""
+        path = Path(folder)
+        path.mkdir(parents=True, exist_ok=True)
+        if self.rank == 0:
+            model = self.backend.state_dict()  # waits for the step's pull; fp32 weights
+            own_state.save_shared(path, model, self.optimizer.state_dict())
+        lrs = list(current_lrs(self.optimizer))
+        own_state.save_rank(path, self.rank, self.world_size, self.step, lrs, self._registered)
+
+    def load_state(self, folder: str | os.PathLike | None = None) -> int:
+        """Continue the run prepare(..., resume_from=folder) loaded the model and the
+        optimizer of: restore the step, the registered objects (after them, each
+        group's learning rate: a warm-up scheduler built on run.optimizer set it to its
+        first value), and this rank's random generators (last: prepare() reseeded them).
+        Call it after registering your schedulers, before the first step; returns
+        run.step (the steps done)."""
+        if self._resume is None:
+            raise RuntimeError(
+                "load_state(): pass the folder to prepare(..., resume_from=FOLDER) first: "
+                "the model and the optimizer are loaded before the job starts (under "
+                "--arch ps the shards take them with it), the rest by load_state()"
+            )
+        if folder is not None and Path(folder).resolve() != self._resume.resolve():
+            raise ValueError(
+                f"load_state({str(folder)!r}): prepare() resumed from {str(self._resume)!r}; "
+                "restore from the same folder"
+            )
+        if self._restored:
+            raise RuntimeError("load_state(): the run was restored already (call it once)")
+        state = own_state.load_rank(self._resume, self.rank, self.world_size)
+        if len(state["objects"]) != len(self._registered):
+            raise ValueError(
+                f"load_state(): the saved run registered {len(state['objects'])} objects, "
+                f"this one {len(self._registered)}; register the same ones (run.register), "
+                "in the same order, before load_state()"
+            )
+        for obj, saved in zip(self._registered, state["objects"], strict=True):
+            own_state.load_object(obj, saved)
+        for group, lr in zip(self.optimizer.param_groups, state["lrs"], strict=True):
+            group["lr"] = lr
+        self.step = int(state["step"])
+        own_state.set_rng_state(state["rng"])
+        self._restored = True
+        if self._unrestored is not None:
+            self._unrestored.remove()
+        return self.step
 
     # ---- the end ----------------------------------------------------------------------
 
@@ -159,6 +299,8 @@ class OwnLoop:
         process group ends). Call it once, after the last step; `with prepare(...)` does."""
         if not self._finished:
             self._finished = True
+            for hook in self._hooks:
+                hook.remove()
             self.backend.finish()
 
     def __enter__(self) -> OwnLoop:
@@ -180,6 +322,7 @@ def prepare(
     args: Sequence[str] = (),
     env: Mapping[str, str] | None = None,
     total_steps: int | None = None,
+    resume_from: str | os.PathLike | None = None,
 ) -> OwnLoop:
     """Put your model and your own optimizer on the architecture the environment names.
 
@@ -191,7 +334,18 @@ def prepare(
     seed: seeds torch, random and numpy from (seed, rank) once the model is placed, as
     `psar train --seed` does (default: --seed from PSAR_ARGS, else 0).
     args: more `psar train` flags (after PSAR_ARGS). total_steps: the run's length, if
-    known (ps: the overlap trial fits in it)."""
+    known (ps: the overlap trial fits in it).
+    resume_from: a folder run.save_state() wrote: its model and optimizer are loaded
+    into yours before the job starts; then call run.load_state() for the rest (the
+    step, your registered schedulers, each rank's random generators)."""
+    refuse_a_second_prepare(model, optimizer)
+    refuse_foreign_parameters(model, optimizer)
+    resumed = None
+    if resume_from is not None:  # first: under ps the shards take both with the job
+        resumed = Path(resume_from)
+        weights, opt_state = own_state.load_shared(resumed)
+        model.load_state_dict(weights)
+        optimizer.load_state_dict(opt_state)
     env = dict(os.environ if env is None else env)
     cfg = config_of(args, env)
     if cfg.elastic:  # the shards deal batch ids, which only psar train's loop reads
@@ -225,4 +379,5 @@ def prepare(
     # Dropout and other draws during training: the same run after run, and the same for
     # rank r under either architecture (trainkit/seeding.py), as psar train does.
     seed_process(cfg.seed if seed is None else seed, rank)
-    return OwnLoop(backend, module, optimizer, names, cfg, local_rank)
+    setattr(model, PREPARED, True)  # refuse_a_second_prepare
+    return OwnLoop(backend, module, optimizer, names, cfg, local_rank, resumed)

@@ -11,7 +11,11 @@ the architecture does differently is overridden:
 - state_dict(): under PS the state is read from the shards, in torch's format (a file
   saved under one architecture loads under the other);
 - load_state_dict() and add_param_group(): refused once prepared (the shards took the
-  groups and state with the job: load the state into your optimizer before prepare()).
+  groups and state with the job: resume with prepare(resume_from=) and run.load_state(),
+  or load the state into your optimizer before prepare()).
+
+Also prepare()'s checks of the model and optimizer it is given (refuse_*): the same
+under both architectures, before any backend is built.
 """
 
 from __future__ import annotations
@@ -21,9 +25,15 @@ from typing import Any
 
 import torch
 
+PREPARED = "_psar_prepared"
+"""Set on a model prepare() took: a second prepare() of it is refused (the first run
+holds the job: a second would register the same rank again, or wrap DDP in DDP)."""
+
 _LOAD_FIRST = (
-    "load the optimizer's state into your own optimizer before prepare() (the same under "
-    "both architectures: under --arch ps the shards take it with the job)"
+    "resume with prepare(..., resume_from=FOLDER) and run.load_state() (FOLDER written by "
+    "run.save_state()), or load the optimizer's state into your own optimizer before "
+    "prepare() (the same under both architectures: under --arch ps the shards take it "
+    "with the job)"
 )
 
 
@@ -85,7 +95,39 @@ def distributed(
     cls = type(f"Distributed{base.__name__}", (_Distributed, base), {"__module__": __name__})
     out = cls.__new__(cls)
     out.__dict__.update(optimizer.__dict__)  # the same param_groups, state and defaults
+    # An LR scheduler built on `optimizer` before prepare() wrapped its step() in the
+    # instance: copied, it would run torch's local step on `optimizer` instead of the
+    # architecture's (a silent local step under ps). The class's step is the one.
+    out.__dict__.pop("step", None)
     out._psar_step = step
     out._psar_state = remote_state
     out._psar_names = names
     return out
+
+
+def refuse_a_second_prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """One prepare() per model: the run it returned holds the job (PREPARED)."""
+    if any(getattr(m, PREPARED, False) for m in model.modules()) or isinstance(
+        optimizer, _Distributed
+    ):
+        raise RuntimeError(
+            "prepare() was called already for this model or optimizer; call it once per "
+            "process and keep using the run it returned (run.model, run.optimizer): a "
+            "second one would join the job again (under ps the same rank registers twice, "
+            "under allreduce DDP would wrap DDP)"
+        )
+
+
+def refuse_foreign_parameters(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Every tensor the optimizer steps must be one of the model's parameters, under
+    either architecture: under allreduce an optimizer over another model's would step
+    tensors that never get a gradient, and train nothing without a word."""
+    mine = {id(p) for p in model.parameters()}
+    for i, group in enumerate(optimizer.param_groups):
+        foreign = [p for p in group["params"] if id(p) not in mine]
+        if foreign:
+            raise ValueError(
+                f"param group {i} holds {len(foreign)} tensors that are not parameters of "
+                "the model given to prepare(); build the optimizer from model.parameters() "
+                "of that model"
+            )
