@@ -127,6 +127,8 @@ def test_hybrid_sync_matches_ddp_sparse_fp32(tmp_path: Path, accum: int) -> None
     # Only the dense MLP is allreduced (fp32): (16 x 64 + 64) + (64 + 1) parameters.
     assert hyb["bytes_allreduced"] == STEPS * (16 * 64 + 64 + 64 + 1) * 4
     assert hyb["sparse_bytes_pushed"] > 0 and hyb["worker_param_bytes"] < 10000 * 8 * 4
+    # Rows once (bytes_pushed holds them) plus the ring's share: 2 ranks send the payload.
+    assert hyb["bytes_sent"] == hyb["bytes_pushed"] + hyb["bytes_allreduced"]
     for t in hyb["sparse_tables"].values():  # sync: every row push applied fresh
         assert t["staleness_histogram"] == {"0": 2 * STEPS}  # one push per shard per step
 

@@ -228,14 +228,19 @@ class HybridBackend(OnContext):
 
     def report(self, *, final: bool = False) -> dict[str, Any]:
         """The PS part's figures (rows and round slots pushed and pulled, the shards'),
-        plus the dense allreduce: bytes_sent/received count both."""
+        plus the dense allreduce: bytes_sent/received count both (the ring's share as
+        DDP's report counts it)."""
         from psar.allreduce.backend import ring_bytes
 
         out = self.ps.report(final=final)
         ring = ring_bytes(self.bytes_allreduced, self.world_size)
         out["bytes_allreduced"] = self.bytes_allreduced
-        out["bytes_sent"] += ring
-        out["bytes_received"] += ring
+        # The PS part's bytes_pushed/pulled hold its row bytes already (sparse_worker.py
+        # adds them to both counters), so they are counted once here.
+        out["bytes_sent"] = self.ps.bytes_pushed + ring
+        out["bytes_received"] = self.ps.bytes_pulled + ring
+        if "worker_param_bytes" in out:  # the PS part counted its round slots, not the MLP
+            out["worker_param_bytes"] += sum(p.numel() * p.element_size() for p in self.params)
         if final:
             out["optimizer_impl"] = optimizer_impl(self.optimizer)
         return out
