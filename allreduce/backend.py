@@ -27,7 +27,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from psar.allreduce import process_group
 from psar.allreduce.hooks import register_wire_dtype
 from psar.trainkit.atomic import atomic_save
-from psar.trainkit.backend import BackendContext, OnContext, Reporting, StepOutcome
+from psar.trainkit.backend import ArchInfo, BackendContext, OnContext, StepOutcome
 from psar.trainkit.config import TrainConfig
 from psar.trainkit.device_io import state_to_host
 from psar.trainkit.finite import all_finite
@@ -64,17 +64,19 @@ def init_process_group(cfg: TrainConfig, device: torch.device) -> None:
 
 
 class DDPBackend(OnContext):
-    arch = "allreduce"
-    mode = "ddp"
-    # Every rank applies the same gradient to the same weights, in lockstep: rank 0's
-    # report speaks for the job.
-    reporting = Reporting(staleness=False, per_rank=False)
     dealer = None  # each rank cuts its shard from its rank (torchrun --nnodes: restarts)
 
     @classmethod
-    def rank_flags(cls, cfg: TrainConfig) -> tuple[int, int]:
-        """None: torchrun's environment (RANK, WORLD_SIZE) is the only source (Backend)."""
-        return -1, 0
+    def describe(cls, cfg: TrainConfig) -> ArchInfo:
+        """ddp, or --mode local's. Every rank applies the same gradient to the same weights,
+        in lockstep: rank 0's report speaks for the job. No rank flags: torchrun's
+        environment (RANK, WORLD_SIZE) is the only source (Backend)."""
+        return ArchInfo(
+            arch="allreduce",
+            mode=cfg.ps.mode if cfg.local_sgd else "ddp",
+            staleness=False,
+            per_rank=False,
+        )
 
     @classmethod
     def from_config(cls, ctx: BackendContext) -> DDPBackend:
@@ -90,15 +92,11 @@ class DDPBackend(OnContext):
         self.find_unused = ctx.find_unused_parameters or cfg.ddp.find_unused_parameters
         self.bytes_allreduced = 0
         self.loss_scale = 1.0
-        self.start_step = 0
-        """Step of the checkpoint this run resumed from (the loop continues after it)."""
         self.steps_done = 0
         self.checkpoints_written = 0
         self._saved_step = -1
         self.local: LocalSteps | None = None
         """--mode local: the inner optimizer and anchor (trainkit/local_sgd.py)."""
-        if cfg.local_sgd:
-            self.mode = cfg.ps.mode  # --mode local
 
     def setup(
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from psar.trainkit.backend import Backend, BackendContext, Dealer, Reporting
+from psar.trainkit.backend import ArchInfo, Backend, BackendContext, Dealer, describe
 from psar.trainkit.config import PSConfig, TrainConfig
 from psar.trainkit.precision import resolve
 from psar.worker.loop import backend_class, make_backend
@@ -106,11 +106,13 @@ def test_backend_provides_every_declared_member(arch: str) -> None:
     ctx = _ctx(arch)
     backend = make_backend(ctx)
     assert isinstance(backend, cls) and isinstance(backend, Backend)
-    assert cls.arch == arch == backend.arch
-    assert backend.ctx is ctx and backend.start_step == 0
-    assert isinstance(cls.reporting, Reporting)
+    info = cls.describe(ctx.cfg)
+    assert isinstance(info, ArchInfo) and info == describe(backend)
+    assert info.arch == arch
+    assert backend.ctx is ctx and backend.ctx.start_step == 0
     assert backend.dealer is None  # not an elastic job: each rank cuts its own data
-    assert cls.rank_flags(TrainConfig(arch=arch)) == (-1, 0)  # nothing given: the env decides
+    fresh = cls.describe(TrainConfig(arch=arch))
+    assert (fresh.flag_rank, fresh.flag_world_size) == (-1, 0)  # nothing given: the env decides
     for name, is_method in _declared().items():
         assert hasattr(backend, name), f"{cls.__name__} lacks {name}"
         if is_method:
@@ -121,7 +123,7 @@ def test_backend_provides_every_declared_member(arch: str) -> None:
             )
             kinds = [p.kind for p in have.parameters.values()]
             assert kinds == [p.kind for p in want.parameters.values()], name
-    for name in ("arch", "reporting", "rank_flags", "from_config"):
+    for name in ("describe", "from_config"):
         assert name in vars(cls) or any(name in vars(b) for b in cls.__mro__[1:-1]), (
             f"{cls.__name__}.{name} must be known before any instance exists"
         )
@@ -136,10 +138,11 @@ def test_both_backends_are_built_the_same_way() -> None:
 
 
 def test_the_protocol_stays_small() -> None:
-    """Issue #44 took it from 25 members to 16: what the report alone reads is one
-    report(), what an elastic job alone needs is one part (dealer), what a worker is
+    """Issue #44 took it from 25 members to 12: what the architecture says of a run is
+    one describe(), what the report alone reads is one report(), what an elastic job
+    alone needs is one part (dealer), what a worker is (and the step it resumes after)
     travels in ctx. A new member should fold into these rather than widen the protocol."""
-    assert len(_declared()) <= 16, sorted(_declared())
+    assert len(_declared()) <= 12, sorted(_declared())
     assert {"plan_data", "next_batches"} <= set(vars(Dealer))
 
 

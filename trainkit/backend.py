@@ -7,16 +7,20 @@ from a backend is declared here, and tests/test_backend_protocol.py holds both c
 (and the loop's source) to it: a member the loop needs but only one backend has would
 otherwise surface as an AttributeError in the other architecture's runs only.
 
-The protocol is kept small on purpose: what a worker is (rank, world size, precision)
-travels in one `BackendContext`; the figures only the report reads come from one
-`report()`; the data an elastic PS job deals is one part, `dealer`, None elsewhere.
+The protocol is kept small on purpose (12 members): what an architecture says of itself
+before any instance exists (its name, mode, what its report carries, the rank flags) is
+one `ArchInfo` from `describe(cfg)`; what a worker is (rank, world size, precision, the
+step it starts after) travels in one `BackendContext`; the figures only the report reads
+come from one `report()`; the data an elastic PS job deals is one part, `dealer`, None
+elsewhere.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
@@ -74,6 +78,9 @@ class BackendContext:
     """The worker's recorder (PS: its transport series); None: nothing recorded."""
     find_unused_parameters: bool = False
     """The workload's hint that some parameters get no gradient (DDP must be told)."""
+    start_step: int = 0
+    """Steps an earlier process of this worker already did (0 for a fresh run); set by
+    setup(). The loop continues at start_step + 1 (docs/reliability.md)."""
 
     @property
     def device(self) -> torch.device:
@@ -102,17 +109,40 @@ class OnContext:
     def device(self) -> torch.device:
         return self.ctx.device
 
+    @property
+    def start_step(self) -> int:
+        return self.ctx.start_step
+
+    @start_step.setter
+    def start_step(self, step: int) -> None:
+        # The context is frozen (shared by reference); a resumed worker gets a new one.
+        self.ctx = dataclasses.replace(self.ctx, start_step=step)
+
 
 @dataclass(frozen=True)
-class Reporting:
-    """What an architecture's report says, known before any instance exists."""
+class ArchInfo:
+    """What an architecture says of a run before any backend instance exists."""
 
+    arch: str
+    """'ps' or 'allreduce': the report's "arch", the metrics' arch label, log file names."""
+    mode: str
+    """The consistency mode for ps (--mode); for allreduce ddp, or --mode local's."""
     staleness: bool
     """StepOutcome.staleness means something here (ps: a gradient may be applied to newer
     weights than it was computed on); the report then carries its percentiles."""
     per_rank: bool
     """Every rank writes its own --report (ps workers are separate processes with their
     own staleness and faults); False: rank 0 writes the job's (DDP ranks are lockstep)."""
+    flag_rank: int = -1
+    """The rank this architecture's flags give (-1: not given, the launcher's environment
+    decides; trainkit/roles.py)."""
+    flag_world_size: int = 0
+    """The world size its flags give (0: not given)."""
+
+
+def describe(backend: Backend) -> ArchInfo:
+    """What a built backend's architecture says of its run (its class's describe())."""
+    return type(backend).describe(backend.ctx.cfg)
 
 
 @runtime_checkable
@@ -135,14 +165,9 @@ class Dealer(Protocol):
 @runtime_checkable
 class Backend(Protocol):
     # ---- what the class says before any instance exists -----------------------------
-    arch: ClassVar[str]
-    """'ps' or 'allreduce': the report's "arch", the metrics' arch label, log file names."""
-    reporting: ClassVar[Reporting]
-
     @classmethod
-    def rank_flags(cls, cfg: TrainConfig) -> tuple[int, int]:
-        """(rank, world_size) as this architecture's flags give them (-1 / 0: not given,
-        the launcher's environment decides; trainkit/roles.py)."""
+    def describe(cls, cfg: TrainConfig) -> ArchInfo:
+        """Its name, its mode under `cfg`, what its report carries, the rank flags."""
         ...
 
     @classmethod
@@ -152,12 +177,8 @@ class Backend(Protocol):
 
     # ---- per instance ---------------------------------------------------------------
     ctx: BackendContext
-    """What it was built from; after setup(), with the rank and world size it runs at."""
-    mode: str
-    """The consistency mode for ps (--mode); for allreduce ddp, or --mode local's."""
-    start_step: int
-    """Steps an earlier process of this worker already did (0 for a fresh run); valid
-    after setup(). The loop continues at start_step + 1 (docs/reliability.md)."""
+    """What it was built from; after setup(), with the rank and world size it runs at and
+    the step it continues after (ctx.start_step)."""
     dealer: Dealer | None
     """Where the shards deal the job's data (an elastic PS job): its part; else None."""
 

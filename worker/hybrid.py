@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from psar.trainkit.backend import BackendContext, OnContext, Reporting, StepOutcome
+from psar.trainkit.backend import ArchInfo, BackendContext, OnContext, StepOutcome
 from psar.trainkit.config import TrainConfig
 from psar.trainkit.device_io import state_to_host
 from psar.trainkit.finite import all_finite
@@ -97,19 +97,17 @@ def tables_view(model: nn.Module, num_shards: int) -> nn.Module:
 class HybridBackend(OnContext):
     """One hybrid worker: a PSBackend for the tables (`ps`) and the dense allreduce."""
 
-    arch = "hybrid"
-    # The tables may be applied stale (async/ssp: StepOutcome.staleness is the PS part's);
-    # the dense part is lockstep and the job is launched like DDP (one --report for it):
-    # rank 0 writes the report.
-    reporting = Reporting(staleness=True, per_rank=False)
     dealer = None  # each rank cuts its shard of the data from its rank
-    start_step = 0  # no resume yet: a hybrid job starts from step 0
 
     @classmethod
-    def rank_flags(cls, cfg: TrainConfig) -> tuple[int, int]:
-        """None: launched like DDP, the environment (RANK, WORLD_SIZE, MASTER_ADDR/PORT:
-        torchrun, psar launch) gives the rank, for the process group and the shards alike."""
-        return -1, 0
+    def describe(cls, cfg: TrainConfig) -> ArchInfo:
+        """--mode (the tables'). The tables may be applied stale (async/ssp: the step's
+        staleness is the PS part's); the dense part is lockstep and the job is launched
+        like DDP (one --report for it): rank 0 writes the report. No rank flags: the
+        environment (RANK, WORLD_SIZE, MASTER_ADDR/PORT: torchrun, psar launch) gives
+        the rank, for the process group and the shards alike. No resume yet: a hybrid
+        job starts at step 0 (ctx.start_step)."""
+        return ArchInfo(arch="hybrid", mode=cfg.ps.mode, staleness=True, per_rank=False)
 
     @classmethod
     def from_config(cls, ctx: BackendContext) -> HybridBackend:
@@ -120,7 +118,6 @@ class HybridBackend(OnContext):
 
         self.ctx = ctx
         self.cfg = ctx.cfg
-        self.mode = ctx.cfg.ps.mode
         self.ps = PSBackend(ctx)
         """The tables' side: row pulls in forward, row pushes and the round in step()."""
         self.bytes_allreduced = 0

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from psar.trainkit.backend import Backend, BackendContext, StepOutcome
+from psar.trainkit.backend import Backend, BackendContext, StepOutcome, describe
 from psar.trainkit.config import TrainConfig
 from psar.trainkit.precision import PrecisionPolicy, pick_device, resolve
 from psar.trainkit.recorder import NullWorkerRecorder, WorkerRecorder
@@ -69,7 +69,8 @@ def resolve_ranks(cfg: TrainConfig, env: dict[str, str]) -> tuple[int, int, int]
     running elastic job takes its rank from --rank only, else -1: shard 0 gives it one
     (the launcher's rank variables number its own processes, e.g. srun's SLURM_PROCID
     starts at 0 again in a step started into a running job)."""
-    flag_rank, flag_world = backend_class(cfg).rank_flags(cfg)
+    info = backend_class(cfg).describe(cfg)
+    flag_rank, flag_world = info.flag_rank, info.flag_world_size
     world = resolve_world_size(flag_world, env)
     if cfg.ps.join and cfg.elastic:
         return flag_rank, world, resolve_local_rank(env)
@@ -87,7 +88,7 @@ class _Run:
     rank: int
     world: int
     total: int
-    """Last step of the run (a resumed worker starts after backend.start_step)."""
+    """Last step of the run (a resumed worker starts after backend.ctx.start_step)."""
     device: torch.device
     precision: PrecisionPolicy
     metrics: WorkerRecorder
@@ -115,12 +116,13 @@ def train(cfg: TrainConfig, env: dict[str, str] | None = None) -> dict[str, Any]
     with _graceful_stop(cfg.elastic) as stop:
         run = _prepare(cfg, dict(os.environ if env is None else env))
         backend = run.backend
+        info = describe(backend)
         logger.info(
             "rank %s/%d: %s (%s), %s, %d steps; setting up",
             run.rank if run.rank >= 0 else "(given by shard 0)",
             run.world,
-            backend.arch,
-            backend.mode,
+            info.arch,
+            info.mode,
             cfg.workload,
             run.total,
         )
@@ -164,7 +166,7 @@ def _prepare(cfg: TrainConfig, env: dict[str, str]) -> _Run:
     precision = resolve(device, cfg.precision, cfg.wire_dtype, weights)
     # The metrics exist before the backend (a PS backend records its transport in them),
     # so their arch label comes from the backend's class.
-    metrics = _metrics(cfg, backend_class(cfg).arch, local_rank)
+    metrics = _metrics(cfg, backend_class(cfg).describe(cfg).arch, local_rank)
     # Sparse tables stay unbuilt: the backend's setup builds them (DDP) or never does (PS).
     workload = load_workload(cfg.workload, cfg.seed, cfg.workload_options(), materialize=False)
     if cfg.elastic:
@@ -258,10 +260,10 @@ def _steps(run: _Run, stop: _Stop) -> Iterator[tuple[int, list[int]]]:
     dealer = backend.dealer
     if dealer is None:
         # A relaunched worker resumes where its checkpoint/shards say (docs/reliability.md).
-        for step in range(backend.start_step + 1, run.total + 1):
+        for step in range(backend.ctx.start_step + 1, run.total + 1):
             yield step, [(step - 1) * accum + micro for micro in range(accum)]
         return
-    step = backend.start_step
+    step = backend.ctx.start_step
     while (ids := dealer.next_batches(stop=stop.requested)) is not None:
         step += 1
         yield step, ids
@@ -398,7 +400,7 @@ def _finish(run: _Run, tally: _Tally, wall: float, *, stopped: bool = False) -> 
     if cfg.save and rank == 0:
         torch.save(backend.state_dict(), cfg.save)
     backend.finish()
-    if cfg.report and (backend.reporting.per_rank or rank == 0):
+    if cfg.report and (describe(backend).per_rank or rank == 0):
         write_report(cfg.report, rank, summary)
     return summary
 

@@ -33,7 +33,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from psar.trainkit.backend import Backend, BackendContext, StepOutcome
+from psar.trainkit.backend import Backend, BackendContext, StepOutcome, describe
 from psar.trainkit.config import TrainConfig
 from psar.trainkit.optim import StepOptions
 from psar.trainkit.precision import pick_device, resolve
@@ -109,9 +109,9 @@ class OwnLoop:
         self.local_rank = local_rank
         self.device = backend.ctx.device
         """Where the model lives (cuda:LOCAL_RANK with --device auto and a GPU)."""
-        self.arch = backend.arch
+        self.arch = describe(backend).arch
         """'ps' or 'allreduce', for your logs (your loop need not look at it)."""
-        self.mode = backend.mode
+        self.mode = describe(backend).mode
         self.last_step: StepOutcome | None = None
         """The outcome of the last optimizer step: skipped, loss_scale, staleness (ps),
         grad_norm (with clipping: the norm before clipping)."""
@@ -219,7 +219,8 @@ def prepare(
     )
     backend = make_backend(ctx)
     names = {id(p): n for n, p in model.named_parameters()}
-    logger.info("rank %d/%d: %s (%s), a loop of its own", rank, world, backend.arch, backend.mode)
+    info = describe(backend)
+    logger.info("rank %d/%d: %s (%s), a loop of its own", rank, world, info.arch, info.mode)
     module = backend.setup(model, optimizer)
     # Dropout and other draws during training: the same run after run, and the same for
     # rank r under either architecture (trainkit/seeding.py), as psar train does.

@@ -16,7 +16,7 @@ import time
 from collections import Counter
 from typing import Any
 
-from psar.trainkit.backend import Backend, StepOutcome
+from psar.trainkit.backend import Backend, StepOutcome, describe
 from psar.trainkit.config import TrainConfig
 from psar.worker.final_loss import final_loss
 
@@ -52,9 +52,10 @@ def run_summary(
 ) -> dict[str, Any]:
     """The report's training figures, in the order the report has always listed them
     (the loop appends validation, rank, shards and the backend's extras)."""
+    info = describe(backend)
     summary: dict[str, Any] = {
-        "arch": backend.arch,
-        "mode": backend.mode,
+        "arch": info.arch,
+        "mode": info.mode,
         "world_size": world,
         "workload": cfg.workload,
         "precision": backend.ctx.precision.name,
@@ -72,7 +73,7 @@ def run_summary(
         "final_loss_scale": outcomes[-1].loss_scale if outcomes else None,
         **backend.report(),
     }
-    if backend.reporting.staleness:
+    if info.staleness:
         # Skipped steps applied nothing, so their staleness describes no update.
         stale = [o.staleness for o in outcomes if o.staleness is not None and not o.skipped]
         summary["staleness"] = staleness_summary(stale)
@@ -98,11 +99,12 @@ class StepLog:
 
     def __init__(self, run_dir: str, backend: Backend, rank: int) -> None:
         self.fh = None
-        self.arch, self.mode, self.rank = backend.arch, backend.mode, rank
+        info = describe(backend)
+        self.arch, self.mode, self.rank = info.arch, info.mode, rank
         self.backend = backend
         if run_dir:
             os.makedirs(run_dir, exist_ok=True)
-            path = os.path.join(run_dir, f"steps-{backend.arch}-rank{rank}.jsonl")
+            path = os.path.join(run_dir, f"steps-{self.arch}-rank{rank}.jsonl")
             self.fh = open(path, "w", buffering=1)  # noqa: SIM115 - closed in close()
 
     def write(

@@ -44,7 +44,7 @@ from psar.ps.client.reach import LISTEN_WAIT_S, wait_until_listening
 from psar.ps.headers import PullHeader
 from psar.ps.job import Job, ModeTraits
 from psar.ps.partition import Slot, bytes_per_shard, check_every_shard_holds_a_slot, plan_slots
-from psar.trainkit.backend import BackendContext, OnContext, Reporting, StepOutcome
+from psar.trainkit.backend import ArchInfo, BackendContext, OnContext, StepOutcome
 from psar.trainkit.choices import chunk_rounds
 from psar.trainkit.config import TrainConfig
 from psar.trainkit.device_io import DeviceIO, state_to_host, to_host
@@ -60,15 +60,19 @@ class PSBackend(OnContext):
     (`overlap`, `faults`, `local`, `own`, `elastic`: ps/client/backend_*.py) and calls,
     as the shard holds its components (ps/server/shard.py)."""
 
-    arch = "ps"
-    # async/ssp apply gradients to newer weights (sync: 0); each worker is its own
-    # process with its own staleness and faults.
-    reporting = Reporting(staleness=True, per_rank=True)
-
     @classmethod
-    def rank_flags(cls, cfg: TrainConfig) -> tuple[int, int]:
-        """--rank/--world-size; -1/0 leave them to the launcher's environment (Backend)."""
-        return cfg.ps.rank, cfg.ps.world_size
+    def describe(cls, cfg: TrainConfig) -> ArchInfo:
+        """--mode; async/ssp apply gradients to newer weights (sync: 0), and each worker
+        is its own process with its own staleness and faults: a report per rank.
+        --rank/--world-size; -1/0 leave them to the launcher's environment (Backend)."""
+        return ArchInfo(
+            arch="ps",
+            mode=cfg.ps.mode,
+            staleness=True,
+            per_rank=True,
+            flag_rank=cfg.ps.rank,
+            flag_world_size=cfg.ps.world_size,
+        )
 
     @classmethod
     def from_config(cls, ctx: BackendContext) -> PSBackend:
@@ -98,8 +102,6 @@ class PSBackend(OnContext):
         self.loss_scale = self._local_scale.scale
         self.skipped_seen = 0
         self.instance = secrets.token_hex(8)
-        self.start_step = 0
-        """Steps already done by an earlier process of this worker (the loop resumes)."""
         self.traits: ModeTraits
         """How the shards' mode behaves (from GetJob, in setup)."""
         self.clip_total: float | None = None
