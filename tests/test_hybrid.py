@@ -20,7 +20,7 @@ from psar.trainkit.config import DDPConfig, TrainConfig
 from psar.worker import launch
 from psar.worker.hybrid import ROUND_SLOT, tables_view
 from psar.worker.workloads import load_workload
-from tests.procs import ENV, free_port, run_own_group, run_torchrun, shards
+from tests.procs import ENV, PSAR, free_port, run_own_group, run_ps_workers, run_torchrun, shards
 
 STEPS = 12
 COMMON = ["--workload", "recsys", "--workload-option", "rows=10000,1000",
@@ -131,6 +131,23 @@ def test_hybrid_sync_matches_ddp_sparse_fp32(tmp_path: Path, accum: int) -> None
     assert hyb["bytes_sent"] == hyb["bytes_pushed"] + hyb["bytes_allreduced"]
     for t in hyb["sparse_tables"].values():  # sync: every row push applied fresh
         assert t["staleness_histogram"] == {"0": 2 * STEPS}  # one push per shard per step
+
+
+def test_one_hybrid_worker_started_by_hand_trains_as_one_ps_worker(tmp_path: Path) -> None:
+    """`psar train --arch hybrid --servers ...` alone (no torchrun, no process group):
+    nothing to allreduce, and the same training as one PS worker of the same model."""
+    args = [*COMMON, "--sparse-wire-dtype", "fp32", "--steps", "6"]
+    with shards(1) as addrs:
+        cmd = [*PSAR, "train", "--arch", "hybrid", "--servers", addrs[0], "--torch-threads",
+               "1", "--log-every", "0", "--report", str(tmp_path / "h.json"), *args]  # fmt: skip
+        env = {k: v for k, v in ENV.items() if k not in ("MASTER_ADDR", "RANK", "WORLD_SIZE")}
+        p = run_own_group(cmd, 120, env=env)
+        assert p.returncode == 0, p.stderr[-3000:]
+    with shards(1) as addrs:
+        (ps,) = run_ps_workers(addrs, 1, tmp_path, args)
+    hyb = json.loads((tmp_path / "h.json").read_text())
+    assert hyb["world_size"] == 1 and hyb["bytes_sent"] == hyb["bytes_pushed"]  # no ring
+    assert _rel(hyb["losses"], ps["losses"]) <= 1e-6
 
 
 @pytest.mark.slow

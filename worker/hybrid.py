@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from typing import Any
 
@@ -134,7 +135,10 @@ class HybridBackend(OnContext):
             )
         from psar.allreduce.backend import init_process_group
 
-        init_process_group(self.cfg, self.device)
+        if self.world_size > 1 or "MASTER_ADDR" in os.environ:
+            init_process_group(self.cfg, self.device)
+        # else: one worker started by hand (`psar train --arch hybrid --servers ...`):
+        # nothing to allreduce, so no process group (and no torchrun) is needed.
         view = tables_view(model, len(self.cfg.ps.server_list()))
         self.ps.setup(view)  # releases the tables: the worker never holds one
         buckets = self.ps.overlap.buckets
@@ -179,12 +183,8 @@ class HybridBackend(OnContext):
             raise ValueError("--arch hybrid: step options (a loop of your own) not supported")
         t0 = time.perf_counter()
         scale = self.ps.loss_scale
-        flat = torch.cat(
-            [
-                (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                for p in self.params
-            ]
-        )
+        grads = [(p.grad if p.grad is not None else torch.zeros_like(p)) for p in self.params]
+        flat = torch.cat([g.reshape(-1) for g in grads]) if grads else torch.zeros(0)
         self._dense_finite = all_finite([flat])
         # Divided first (as DDP's hooks do), so the sum cannot overflow where the mean
         # would not; the loss scale out too, since async workers may hold different ones.
