@@ -173,3 +173,24 @@ def test_psar_launch_runs_a_hybrid_job(tmp_path: Path) -> None:
     assert "all 2 workers finished; stopped the shards" in p.stderr
     rep = json.loads(report.read_text())
     assert rep["arch"] == "hybrid" and rep["world_size"] == 2 and rep["steps"] == STEPS
+
+
+@pytest.mark.slow
+def test_an_overflow_skips_the_step_on_every_rank_and_on_the_shards(tmp_path: Path) -> None:
+    """fp16: rank 0's non-finite gradient at step 3 makes its row push an overflow, so the
+    shards skip the round and back the loss scale off for both ranks; rank 1, whose own
+    gradient was finite, skips its dense step too (the shards' verdict, and the allreduced
+    mean holds rank 0's inf): the ranks stay in step."""
+    args = [*COMMON[:-4], "--precision", "fp16", "--steps", "6", "--inject-overflow-step",
+            "3", "--run-dir", str(tmp_path / "run")]  # fmt: skip
+    with shards(2) as addrs:
+        rep = run_hybrid(addrs, tmp_path, args)
+    assert rep["skipped_steps"] == 1 and all(np.isfinite(rep["losses"]))
+    logs = [
+        [json.loads(line) for line in (tmp_path / "run" / f"steps-hybrid-rank{r}.jsonl").open()]
+        for r in (0, 1)
+    ]
+    for log in logs:
+        assert [s["step"] for s in log if s["skipped"]] == [3]
+        assert log[2]["loss_scale"] == log[1]["loss_scale"] / 2
+    assert [s["loss_scale"] for s in logs[0]] == [s["loss_scale"] for s in logs[1]]
