@@ -194,3 +194,33 @@ def test_an_overflow_skips_the_step_on_every_rank_and_on_the_shards(tmp_path: Pa
         assert [s["step"] for s in log if s["skipped"]] == [3]
         assert log[2]["loss_scale"] == log[1]["loss_scale"] / 2
     assert [s["loss_scale"] for s in logs[0]] == [s["loss_scale"] for s in logs[1]]
+
+
+# ---- the DLRM-style recsys (issue #46 item 3) --------------------------------------------
+
+
+def test_dlrm_options_add_dense_features_and_leave_the_plain_recsys_alone() -> None:
+    from psar.worker.workloads.recsys import DLRMModel, RecsysModel
+
+    base = {"rows": "500,50", "dim": "4", "samples": "64", "val_samples": "0"}
+    plain = load_workload("recsys", 0, base, materialize=False)
+    dlrm = load_workload("recsys", 0, {**base, "dense": "3", "interaction": "dot"})
+    assert type(plain.model) is RecsysModel and type(dlrm.model) is DLRMModel
+    x, _ = plain.train_dataset.tensors
+    xd, _ = dlrm.train_dataset.tensors
+    assert x.dtype == torch.int64 and xd.dtype == torch.float64 and xd.shape == (64, 3 + 8)
+    assert torch.equal(xd[:, 3:].long(), x)  # the same ids, the dense features before them
+    assert dlrm.model(xd[:5]).shape == (5,)
+    with pytest.raises(ValueError, match="interaction: accepted: cat, dot"):
+        load_workload("recsys", 0, {**base, "interaction": "sum"})
+
+
+@pytest.mark.slow
+def test_hybrid_sync_matches_ddp_sparse_on_the_dlrm_style_model(tmp_path: Path) -> None:
+    args = [*COMMON, "--workload-option", "dense=6", "--workload-option", "interaction=dot",
+            "--workload-option", "hidden=32"]  # fmt: skip
+    with shards(2) as addrs:
+        hyb = run_hybrid(addrs, tmp_path, [*args, "--sparse-wire-dtype", "fp32"])
+    ddp = run_torchrun(2, tmp_path, [*args, "--optimizer-impl", "loop"])
+    assert _rel(hyb["losses"], ddp["losses"]) <= 1e-5
+    assert hyb["val_loss"] == pytest.approx(ddp["val_loss"], rel=1e-5)
