@@ -111,14 +111,15 @@ def _touched(rows: list[int], opts: list[str], batch: int, steps: int) -> list[f
 
     kv = dict(o.split("=", 1) for o in opts[1::2])
     w = load_workload("recsys", 0, kv, materialize=False)  # the ids only, not the tables
-    bag = int(kv["bag"])
+    bag, dense = int(kv["bag"]), int(kv.get("dense", 0))  # the dense features come first
     got = [0.0] * len(rows)
     for r in range(WORLD):
         b = ShardedBatches(w.train_dataset, batch_size=batch, rank=r, world_size=WORLD, seed=0)
         for s in range(steps):
             x, _ = b.batch(s)
             for t, n in enumerate(rows):
-                got[t] += len(torch.unique(x[:, t * bag : (t + 1) * bag])) / n / steps
+                ids = x[:, dense + t * bag : dense + (t + 1) * bag]
+                got[t] += len(torch.unique(ids)) / n / steps
     return got
 
 
@@ -134,19 +135,21 @@ def bench(
     worker_cpus: str = "",
     shard_cpus: str = "",
     ways: tuple[str, ...] = WAYS,
+    options: tuple[str, ...] = (),
 ) -> dict:
     table_rows = [rows, 100_000 if rows >= 1_000_000 else 10_000]
     dim = 64
     opts = ["--workload-option", f"rows={table_rows[0]},{table_rows[1]}",
             "--workload-option", f"dim={dim}", "--workload-option", f"bag={bag}",
             "--workload-option", f"samples={batch * WORLD * (steps + 1)}",
-            "--workload-option", "val_samples=0"]  # fmt: skip
+            "--workload-option", "val_samples=0",
+            *(a for o in options for a in ("--workload-option", o))]  # fmt: skip
     common = ["train", "--workload", "recsys", *opts, "--steps", str(steps),
               "--batch-size", str(batch), "--precision", "fp32", "--lr", "0.05",
               "--momentum", "0", "--eval-batches", "0", "--log-every", "0",
               "--torch-threads", "1"]  # fmt: skip
     out: dict = {"rows": table_rows, "dim": dim, "bag": bag, "batch_per_worker": batch,
-                 "workers": WORLD, "shards": shards, "steps": steps,
+                 "workers": WORLD, "shards": shards, "steps": steps, "options": list(options),
                  "worker_cpus": worker_cpus or "all", "shard_cpus": shard_cpus or "all"}  # fmt: skip
     table_bytes = sum(table_rows) * dim * 4
     with tempfile.TemporaryDirectory() as tmp:
@@ -381,6 +384,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--shards", type=int, default=2,
                     help="psar server shards for ps-sparse and hybrid")  # fmt: skip
+    ap.add_argument("--workload-option", action="append", default=[], metavar="KEY=VALUE",
+                    help="more recsys options for every way, e.g. dense=13, interaction=dot, "
+                    "hidden=512: the DLRM-style model, whose dense part hybrid allreduces")  # fmt: skip
     ap.add_argument("--ways", default=",".join(WAYS),
                     help=f"comma-separated subset of {', '.join(WAYS)} (default: all)")  # fmt: skip
     ap.add_argument(
@@ -420,6 +426,7 @@ def main(argv: list[str] | None = None) -> int:
                     a.worker_cpus,
                     a.shard_cpus,
                     ways,
+                    tuple(a.workload_option),
                 )
                 for _ in range(a.repeats)
             ]

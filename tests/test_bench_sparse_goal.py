@@ -118,3 +118,13 @@ def test_the_table_has_a_hybrid_column_beside_ps() -> None:
 def test_ways_outside_the_four_are_refused() -> None:
     with pytest.raises(SystemExit):
         sparse.main(["--ways", "ps_sparse,torchrec"])
+
+
+def test_touched_rows_skip_the_dlrm_dense_features() -> None:
+    """--workload-option dense=N puts N feature columns before the ids: the touched
+    fraction of each table is the same as without them (the same ids are drawn)."""
+    opts = ["--workload-option", "rows=3000,300", "--workload-option", "dim=4",
+            "--workload-option", "bag=2", "--workload-option", "samples=512"]  # fmt: skip
+    plain = sparse._touched([3000, 300], opts, 64, 2)
+    dlrm = sparse._touched([3000, 300], [*opts, "--workload-option", "dense=5"], 64, 2)
+    assert plain == dlrm and 0 < plain[0] < plain[1] <= 1
