@@ -31,7 +31,7 @@ LOOP_FILES = [
     ROOT / "worker" / "records.py",
     ROOT / "worker" / "own_loop.py",
 ]
-ARCHS = ("ps", "allreduce")
+ARCHS = ("ps", "allreduce", "hybrid")
 
 
 def _declared() -> dict[str, bool]:
@@ -130,10 +130,10 @@ def test_backend_provides_every_declared_member(arch: str) -> None:
 
 
 def test_both_backends_are_built_the_same_way() -> None:
-    ps, ddp = (backend_class(_cfg(a)) for a in ARCHS)
+    classes = [backend_class(_cfg(a)) for a in ARCHS]
     # Parameters, names, kinds, defaults and annotations alike; each returns its own class.
-    params = [inspect.signature(c.from_config).parameters for c in (ps, ddp)]
-    assert params[0] == params[1]
+    params = [inspect.signature(c.from_config).parameters for c in classes]
+    assert all(p == params[0] for p in params[1:])
     assert list(params[0]) == ["ctx"], "one context object, not a list of keywords"
 
 

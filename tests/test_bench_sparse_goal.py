@@ -87,3 +87,44 @@ def test_a_failed_run_takes_the_processes_it_started_with_it(tmp_path: Path) -> 
             break
         time.sleep(0.05)
     assert cpu_seconds(kid) is None
+
+
+@pytest.mark.parametrize(
+    ("speedup", "oom", "met"), [(1.05, False, True), (0.63, False, False), (None, True, True)]
+)
+def test_hybrid_goal_is_one_x_ddp_sparse_or_ddp_does_not_fit(
+    speedup: float | None, oom: bool, met: bool
+) -> None:
+    """Issue #46: hybrid >= 1.0x DDP-sparse samples/s (moonshot 1.2x)."""
+    out: dict = {"ddp_sparse_fits": {"oom": oom}, "hybrid": {"samples_per_sec": 1.0}}
+    if speedup is not None:
+        out["hybrid_vs_allreduce_sparse"] = {"speedup": speedup}
+    goal = sparse._goal_hybrid(10_000_000, out)
+    assert goal["met"] is met and goal["need_speedup"] == 1.0
+
+
+def test_the_table_has_a_hybrid_column_beside_ps() -> None:
+    run = _run(120.0, 100.0)
+    run["hybrid"] = {"samples_per_sec": 130.0, "bytes_per_step": 2e6}
+    run["hybrid_vs_allreduce_sparse"] = {"speedup": 1.3}
+    run["goal"] = sparse._goal(1_000_000, run)
+    run["goal_hybrid"] = sparse._goal_hybrid(1_000_000, run)
+    text = sparse.table({"results": [run]})
+    head, _, row = text.splitlines()[2:5]
+    cells = dict(zip([h.strip() for h in head.split("|")], [x.strip() for x in row.split("|")]))  # noqa: B905
+    assert cells["hybrid / DDP-sparse"] == "1.3" and cells["hybrid goal"] == ">= 1.0x: met"
+
+
+def test_ways_outside_the_four_are_refused() -> None:
+    with pytest.raises(SystemExit):
+        sparse.main(["--ways", "ps_sparse,torchrec"])
+
+
+def test_touched_rows_skip_the_dlrm_dense_features() -> None:
+    """--workload-option dense=N puts N feature columns before the ids: the touched
+    fraction of each table is the same as without them (the same ids are drawn)."""
+    opts = ["--workload-option", "rows=3000,300", "--workload-option", "dim=4",
+            "--workload-option", "bag=2", "--workload-option", "samples=512"]  # fmt: skip
+    plain = sparse._touched([3000, 300], opts, 64, 2)
+    dlrm = sparse._touched([3000, 300], [*opts, "--workload-option", "dense=5"], 64, 2)
+    assert plain == dlrm and 0 < plain[0] < plain[1] <= 1

@@ -174,3 +174,35 @@ def test_compare_repeats_end_to_end(tmp_path: Path, capsys) -> None:
         for rep in ("r1", "r2"):
             assert (out / name / rep / "report-0.json").exists()
     assert " ± " in capsys.readouterr().out
+
+
+# --- hybrid (issue #46): a row where the workload has sparse tables ----------------------
+
+from psar.worker.compare import default_runs  # noqa: E402
+
+_RECSYS = ["--workload-option", "rows=2000,200", "--workload-option=dim=8",
+           "--workload-option", "samples=2048"]  # fmt: skip
+
+
+def test_default_runs_add_hybrid_where_the_workload_has_tables() -> None:
+    assert default_runs("recsys", _RECSYS, 0) == (*DEFAULT_RUNS, "hybrid-sync")
+    assert default_runs("mlp", [], 0) == DEFAULT_RUNS
+    assert RUNS["hybrid-async"] == ("hybrid", "async") and "hybrid-local" not in RUNS
+
+
+@pytest.mark.slow
+def test_compare_a_recsys_workload_has_a_hybrid_row(tmp_path: Path) -> None:
+    out = tmp_path / "cmp"
+    argv = ["--workload", "recsys", *_RECSYS, "--steps", "8", "--workers", "2", "--servers",
+            "2", "--runs", "allreduce,ps-sync,hybrid-sync", "--out", str(out), "--smooth", "3",
+            "--eval-batches", "2", "--workload-option", "sparse=true",
+            "--optimizer-impl", "loop", "--sparse-wire-dtype", "fp32", "--momentum", "0"]  # fmt: skip
+    assert main(argv) == 0
+    doc = json.loads((out / "compare.json").read_text())
+    row = doc["runs"]["hybrid-sync"]
+    assert row["exit_code"] == 0 and row["steps_rank0"] == 8 and row["staleness_max"] == 0
+    assert row["samples_per_sec"] > 0 and row["bytes_per_step"] > 0
+    # The same training as DDP-sparse (fp32, rows fp32 on the wire; plain SGD, as the
+    # shards step tables), so the same final loss.
+    ddp = doc["runs"]["allreduce"]
+    assert row["final_train_loss"] == pytest.approx(ddp["final_train_loss"], rel=1e-5)

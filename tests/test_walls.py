@@ -291,3 +291,30 @@ def test_psar_train_allreduce_loads_nothing_of_the_parameter_server(tmp_path: Pa
     ]
     assert "psar.worker.loop" in imported and "psar.allreduce.backend" in imported
     assert [m for m in imported if m == "psar.ps" or m.startswith("psar.ps.")] == []
+
+
+def test_the_hybrid_backend_composes_both_sides_lazily() -> None:
+    """worker/hybrid.py sees the PS client and allreduce/ (the walls keep them apart, so
+    the composition lives in worker/); importing it loads neither, and building a
+    hybrid backend loads the client, never the shard."""
+    code = (
+        "import json, sys\n"
+        "from psar.trainkit.config import PSConfig, TrainConfig\n"
+        "import psar.worker.hybrid\n"
+        "before = sorted(m for m in sys.modules if m.startswith(('psar.ps', 'psar.allreduce')))\n"
+        "import torch\n"
+        "from psar.trainkit.backend import BackendContext\n"
+        "from psar.trainkit.precision import resolve\n"
+        "from psar.worker.loop import make_backend\n"
+        "cfg = TrainConfig(arch='hybrid', ps=PSConfig(servers='h:1'))\n"
+        "fp32 = resolve(torch.device('cpu'), 'fp32', 'fp32', 'fp32')\n"
+        "make_backend(BackendContext(cfg, fp32, 0, 1, 3))\n"
+        "print(json.dumps([before, sorted(sys.modules)]))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    before, after = json.loads(out.stdout.strip().splitlines()[-1])
+    assert before == []
+    assert "psar.ps.client.backend" in after
+    assert not [m for m in after if m.startswith("psar.ps.server")]

@@ -25,7 +25,7 @@ from psar.trainkit.cli_gen import everyday
 from psar.trainkit.connection import ConnectionConfig
 from psar.trainkit.optim_config import LossScaleConfig, OptimizerConfig
 
-ARCHS = ("ps", "allreduce")
+ARCHS = ("ps", "allreduce", "hybrid")
 
 
 @dataclass(kw_only=True)
@@ -325,7 +325,8 @@ class TrainConfig:
     """`psar train --help`'s sections (trainkit/cli_gen.py; tests/test_cli.py: every flag in one)."""
 
     arch: str = everyday("ps")
-    """Architecture: ps (parameter server) | allreduce (DDP under torchrun)."""
+    """Architecture: ps (parameter server) | allreduce (DDP under torchrun) | hybrid (sparse
+    tables on the shards, dense layers allreduced; launched like DDP, with --servers)."""
     workload: str = everyday("mlp")
     """Built-in workload (mlp, lm, recsys; docs/workloads.md) or your own factory as
     package.module:function."""
@@ -450,6 +451,7 @@ class TrainConfig:
                     f"{flag}: unknown {getattr(self, name)!r}; accepted: {', '.join(accepted)}"
                 )
         self._check_local()
+        self._check_hybrid()
         if (self.ps.max_workers or self.ps.join) and self.arch != "ps":
             raise ValueError(
                 "--max-workers and --join are for --arch ps (allreduce jobs change size "
@@ -491,6 +493,22 @@ class TrainConfig:
             raise ValueError(
                 f"--worker-weights {self.worker_weights} with --mode local: the inner "
                 "optimizer steps the worker's own weights, which must be fp32; accepted: fp32"
+            )
+
+    def _check_hybrid(self) -> None:
+        """--arch hybrid (worker/hybrid.py) runs sync, async or ssp tables beside a
+        synchronous dense allreduce; what it does not do yet is refused by name."""
+        if self.arch != "hybrid":
+            return
+        refused = {
+            "--mode local": self.local_sgd,
+            "--clip-grad-norm": bool(self.clip_grad_norm),
+            "--checkpoint-dir": bool(self.ddp.checkpoint_dir),
+        }
+        if given := [flag for flag, on in refused.items() if on]:
+            raise ValueError(
+                f"{', '.join(given)} with --arch hybrid: not supported yet; leave "
+                f"{'it' if len(given) == 1 else 'them'} out (or use --arch ps / allreduce)"
             )
 
     def workload_options(self) -> dict[str, str]:

@@ -98,7 +98,7 @@ def _dry_run_train(args: argparse.Namespace) -> int:
     cfg = cli_gen.build(TrainConfig, args, args.config)
     rank, world, local_rank = resolve_ranks(cfg, dict(os.environ))
     check_outputs(cfg, rank)
-    servers = cfg.ps.server_list() if cfg.arch == "ps" else []
+    servers = cfg.ps.server_list() if cfg.arch in ("ps", "hybrid") else []
     factory = resolve_factory(cfg.workload)  # an unknown workload fails here, as at start
     resolved = {"rank": rank, "world_size": world, "local_rank": local_rank, "servers": servers,
                 "workload": f"{factory.__module__}:{factory.__qualname__}"}  # fmt: skip

@@ -1,6 +1,7 @@
 """`psar compare`: one workload, seed, global batch and precision under allreduce, ps-sync,
-ps-async and ps-ssp (and, asked for, ps-local / allreduce-local: local SGD / DiLoCo every
---sync-every steps), optionally with one emulated straggler; a side-by-side table.
+ps-async and ps-ssp, and hybrid-sync where the workload has sparse tables (and, asked for,
+ps-local / allreduce-local: local SGD / DiLoCo every --sync-every steps; hybrid-async,
+hybrid-ssp), optionally with one emulated straggler; a side-by-side table.
 
 Each run is a `psar launch` job (psar.worker.launch.run_job) writing into OUT/<run>/: the
 summaries (report-<rank>.json), the per-step logs (steps-<arch>-rank<R>.jsonl), the
@@ -34,9 +35,11 @@ RUNS: dict[str, tuple[str, str]] = {
     "allreduce": ("allreduce", DEFAULT_MODE),
     **{f"ps-{m}": ("ps", m) for m in MODES},
     **{f"allreduce-{m}": ("allreduce", m) for m in LOCAL_SGD_MODES},
+    **{f"hybrid-{m}": ("hybrid", m) for m in MODES if not local_sgd(m)},
 }
 DEFAULT_RUNS = ("allreduce", "ps-sync", "ps-async", "ps-ssp")
-"""What --runs means when not given; the local-SGD runs (--sync-every) are asked for."""
+"""What --runs means when not given (plus hybrid-sync where the workload has sparse
+tables: default_runs); the local-SGD runs (--sync-every) are asked for."""
 TABLE_KEYS = (
     "samples_per_sec",
     "time_to_target_s",
@@ -69,8 +72,9 @@ def build_parser() -> StrictParser:
     p.add_argument("--precision", default="fp32", help="(default: fp32)")
     p.add_argument("--batch-size", type=int, default=64, help="per worker (default: 64)")
     p.add_argument("--seed", type=int, default=0, help="(default: 0)")
-    p.add_argument("--runs", default=",".join(DEFAULT_RUNS),
-                   help=f"subset of {','.join(RUNS)} (default: %(default)s)")  # fmt: skip
+    p.add_argument("--runs", default=None,
+                   help=f"subset of {','.join(RUNS)} (default: {','.join(DEFAULT_RUNS)}, and "
+                   "hybrid-sync where the workload has sparse tables)")  # fmt: skip
     p.add_argument("--sync-every", type=compare_repeats.positive_int, default=20, metavar="H",
                    help="the *-local runs: psar train --mode local --sync-every H (local SGD / "
                    "DiLoCo; other --outer-* flags pass through to every run) (default: 20)")  # fmt: skip
@@ -240,7 +244,22 @@ def table(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def default_runs(workload: str, extra: Sequence[str], seed: int) -> tuple[str, ...]:
+    """DEFAULT_RUNS, and hybrid-sync where the workload has sparse tables (issue #46):
+    the workload is built here on the meta device (its tables take no memory) to see."""
+    from psar.trainkit.sparse_tables import marked_tables
+    from psar.worker.workloads import load_workload
+
+    given = [v for k, v in zip(extra, extra[1:]) if k == "--workload-option"]  # noqa: B905
+    given += [t.split("=", 1)[1] for t in extra if t.startswith("--workload-option=")]
+    options = dict(o.split("=", 1) for o in given if "=" in o)
+    model = load_workload(workload, seed, options, materialize=False).model
+    return (*DEFAULT_RUNS, "hybrid-sync") if marked_tables(model) else DEFAULT_RUNS
+
+
 def compare(args: argparse.Namespace, extra: list[str]) -> tuple[int, dict[str, Any]]:
+    if args.runs is None:
+        args.runs = ",".join(default_runs(args.workload, extra, args.seed))
     names = [n.strip() for n in args.runs.split(",") if n.strip()]
     bad = [n for n in names if n not in RUNS]
     if bad or not names:

@@ -1,7 +1,9 @@
 """`psar launch`: a whole job (shards and workers) on this machine, as real processes.
 
 --arch ps starts `psar server` shards on free ports, then `psar train` workers given
---servers/--rank/--world-size (and RANK, WORLD_SIZE, LOCAL_RANK). --arch allreduce runs
+--servers/--rank/--world-size (and RANK, WORLD_SIZE, LOCAL_RANK). --arch hybrid starts the
+shards, then the workers itself with --servers and torchrun's environment (RANK,
+WORLD_SIZE, MASTER_ADDR/PORT: the dense layers' process group). --arch allreduce runs
 torchrun (`python -m torch.distributed.run`) on a free MASTER_PORT, or, with --straggler,
 starts the ranks itself with torchrun's environment (torchrun gives all ranks one argv).
 `-- COMMAND ARGS` runs your own script once per worker instead of `psar train`, the way
@@ -45,6 +47,9 @@ _ROOT_RANK = re.compile(r"rank\s*:\s*(\d+)")
 _ROOT_CODE = re.compile(r"exitcode\s*:\s*(-?\d+)")
 _RESERVED = ("--rank", "--world-size", "--metrics-port", "--servers")
 _SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+ARCHS = ("ps", "allreduce", "hybrid")
+WITH_SHARDS = ("ps", "hybrid")
+"""The architectures whose jobs launch starts `psar server` shards for."""
 
 
 @dataclass(kw_only=True)
@@ -103,7 +108,7 @@ def auto_servers(workers: int, cores: int | None = None) -> int:
 def add_launch_flags(p: argparse.ArgumentParser, *, job: bool = True) -> None:
     """Flags shared by `psar launch` and `psar compare` (job=False: without --arch, --mode)."""
     if job:
-        p.add_argument("--arch", choices=("ps", "allreduce"), default="ps", help="(default: ps)")
+        p.add_argument("--arch", choices=ARCHS, default="ps", help="(default: ps)")
         p.add_argument("--mode", choices=MODES, default=DEFAULT_MODE,
                        help=f"ps consistency mode (default: {DEFAULT_MODE})")  # fmt: skip
     p.add_argument("--servers", type=_servers, default=1, metavar="N|auto",
@@ -177,6 +182,11 @@ def validate(spec: LaunchSpec) -> None:
     """Refuse bad flags before starting anything (train flags are parsed like `psar train`)."""
     if spec.arch == "allreduce" and spec.launcher == "torchrun" and spec.straggler:
         raise ValueError("--straggler needs the direct launcher (torchrun: same argv for all)")
+    if spec.command and spec.arch == "hybrid":
+        raise ValueError(
+            "--arch hybrid runs psar's own dense optimizer: a script of your own runs under "
+            "--arch ps or allreduce for now"
+        )
     if spec.command and local_sgd(spec.mode):
         raise ValueError(
             f"--mode {spec.mode} runs psar's own inner optimizer: a script of your own runs "
@@ -185,7 +195,7 @@ def validate(spec: LaunchSpec) -> None:
     if (
         not is_loopback(spec.bind_host)
         and not spec.allow_insecure_bind
-        and (spec.arch == "ps" or spec.metrics_base_port)
+        and (spec.arch in WITH_SHARDS or spec.metrics_base_port)
     ):
         # Exposure is a decision (issue #45): the shards would refuse to start anyway.
         raise ValueError(
@@ -213,6 +223,8 @@ def validate(spec: LaunchSpec) -> None:
 
 
 def _ps_flags(spec: LaunchSpec, servers: str, rank: int) -> list[str]:
+    if spec.arch == "hybrid":  # ranks from torchrun's environment, as the process group's
+        return ["--servers", servers, "--mode", spec.mode, "--staleness", str(spec.staleness)]
     if spec.arch != "ps":  # of the modes only local SGD (--mode local) applies to allreduce
         return ["--mode", spec.mode] if local_sgd(spec.mode) else []
     return ["--servers", servers, "--rank", str(rank), "--world-size", str(spec.workers),
@@ -254,7 +266,8 @@ class _Job:
         self.host = "127.0.0.1" if spec.bind_host in ("0.0.0.0", "::", "") else spec.bind_host
         auto = spec.launcher == "auto" and spec.straggler
         direct = spec.launcher == "direct" or bool(auto) or bool(spec.command)
-        self.direct = spec.arch == "allreduce" and direct
+        # hybrid: launch starts the ranks itself, with torchrun's environment and --servers.
+        self.direct = spec.arch == "allreduce" and direct or spec.arch == "hybrid"
         self.sup = Supervisor(out=self.out, grace=spec.grace, relabel=_relabel, note=self.say,
                               pids=spec.pids)  # fmt: skip
 
@@ -303,7 +316,7 @@ class _Job:
 
     def _start_workers(self) -> None:
         s = self.spec
-        base = s.metrics_base_port + (s.servers if s.arch == "ps" else 0)
+        base = s.metrics_base_port + (s.servers if s.arch in WITH_SHARDS else 0)
         train = [*self._metrics(base), *s.train_args]
         if s.arch == "allreduce" and not self.direct:
             self.tmp = tempfile.mkdtemp(prefix="psar-launch-")
@@ -326,7 +339,8 @@ class _Job:
             env = {"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(s.workers),
                    "LOCAL_WORLD_SIZE": str(s.workers), "GROUP_RANK": "0", "ROLE_RANK": str(r),
                    "ROLE_WORLD_SIZE": str(s.workers)}  # fmt: skip
-            env.update({"PSAR_SERVERS": servers} if s.arch == "ps" else master)
+            env.update({"PSAR_SERVERS": servers} if s.arch in WITH_SHARDS else {})
+            env.update(master if s.arch != "ps" else {})
             slow = ["--slowdown", str(s.straggler[r])] if r in s.straggler else []
             cmd = [sys.executable, "-m", "psar.worker.cli", "train", "--arch", s.arch, *train,
                    *_ps_flags(s, servers, r), *slow]  # fmt: skip
@@ -340,14 +354,14 @@ class _Job:
 
     def _print_metrics(self) -> None:
         s, p = self.spec, self.spec.metrics_base_port
-        names = [f"shard{i}" for i in range(s.servers if s.arch == "ps" else 0)]
+        names = [f"shard{i}" for i in range(s.servers if s.arch in WITH_SHARDS else 0)]
         for i, n in enumerate([*names, *(f"worker{r}" for r in range(s.workers))] * bool(p)):
             self.say(f"metrics {n}: http://{self.host}:{p + i}/metrics")
 
     def _watch(self) -> tuple[int, str]:
         s = self.spec
         self._print_metrics()
-        if s.arch == "ps":
+        if s.arch in WITH_SHARDS:
             self._start_shards()
             while len(self.addrs) < s.servers:
                 if r := self._check():
@@ -363,7 +377,7 @@ class _Job:
             if r := self._check():
                 return r
             if self.sup.finished(training):
-                tail = "; stopped the shards" * (s.arch == "ps")
+                tail = "; stopped the shards" * (s.arch in WITH_SHARDS)
                 return 0, f"all {s.workers} workers finished{tail}"
             time.sleep(0.05)
 

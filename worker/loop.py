@@ -49,6 +49,10 @@ def backend_class(cfg: TrainConfig) -> type[Backend]:
         from psar.ps.client.backend import PSBackend
 
         return PSBackend
+    if cfg.arch == "hybrid":  # tables on the shards, dense layers allreduced
+        from psar.worker.hybrid import HybridBackend
+
+        return HybridBackend
     from psar.allreduce.backend import DDPBackend
 
     return DDPBackend

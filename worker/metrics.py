@@ -30,7 +30,7 @@ from psar.trainkit.prom import (
 
 __all__ = ["ARCHS", "PHASES", "WorkerMetrics", "serve_metrics", "stop_metrics"]
 
-ARCHS: tuple[str, ...] = ("ps", "allreduce")
+ARCHS: tuple[str, ...] = ("ps", "allreduce", "hybrid")
 
 #: Where a step's wall time goes.  PS workers use push/pull/wait, DDP workers use
 #: allreduce; both use the rest.  ``other`` absorbs unexpected names (bounded labels).

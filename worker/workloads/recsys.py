@@ -18,6 +18,15 @@ device: a PS worker never allocates them, DDP builds them from ``psar_init``
 (trainkit/sparse_tables.py). ``sparse=true`` makes
 them produce sparse gradients (DDP allreduces those sparsely with gloo); PS always
 moves only touched rows.
+
+DLRM-style (Naumov et al. 2019; issue #46 item 3), asked for with ``dense=N`` and/or
+``interaction=dot``: each sample also has N dense (continuous) features, N(0, 1), which
+a bottom MLP maps to a ``dim`` vector, and the teacher adds a linear function of them to
+the logit; ``interaction=dot`` feeds the top MLP the pairwise dot products of the pooled
+table vectors and the bottom vector (the upper triangle, with the bottom vector itself)
+instead of their concatenation. A sample's x is then float64 (the dense features, then
+the ids, exact up to 2^53); the defaults (``dense=0``, ``interaction=cat``) build the
+model and data above, unchanged.
 """
 
 from __future__ import annotations
@@ -32,7 +41,7 @@ from torch.utils.data import TensorDataset
 
 from psar.worker.workloads.base import Workload, opt_bool, opt_float, opt_int, seeded
 
-__all__ = ["RecsysModel", "make", "make_dataset", "zipf_ids"]
+__all__ = ["DLRMModel", "RecsysModel", "make", "make_dataset", "zipf_ids"]
 
 _PRIMES = (1_000_000_007, 998_244_353, 2_147_483_647, 433_494_437)
 
@@ -48,6 +57,19 @@ def zipf_ids(gen: torch.Generator, rows: int, n: int, exponent: float) -> torch.
     return (ranks * (prime % rows)) % rows if rows > 1 else ranks
 
 
+def _tables(rows: list[int], dim: int, sparse: bool, seed: int) -> nn.ModuleList:
+    tables = nn.ModuleList()
+    for t, n in enumerate(rows):
+        # On the meta device: no process allocates a table it does not need (a PS
+        # worker never holds one); the backend builds it from psar_init where it
+        # does (DDP), load_workload for direct use (trainkit/sparse_tables.py).
+        emb = nn.EmbeddingBag(n, dim, mode="mean", sparse=sparse, device="meta")
+        emb.psar_sparse_table = True
+        emb.psar_init = (1.0 / math.sqrt(dim), seed * 7919 + t)
+        tables.append(emb)
+    return tables
+
+
 class RecsysModel(nn.Module):
     """Tables (EmbeddingBag, mean of ``bag`` ids) -> concat -> MLP -> one click logit."""
 
@@ -56,15 +78,7 @@ class RecsysModel(nn.Module):
     ) -> None:
         super().__init__()
         self.bag = bag
-        self.tables = nn.ModuleList()
-        for t, n in enumerate(rows):
-            # On the meta device: no process allocates a table it does not need (a PS
-            # worker never holds one); the backend builds it from psar_init where it
-            # does (DDP), load_workload for direct use (trainkit/sparse_tables.py).
-            emb = nn.EmbeddingBag(n, dim, mode="mean", sparse=sparse, device="meta")
-            emb.psar_sparse_table = True
-            emb.psar_init = (1.0 / math.sqrt(dim), seed * 7919 + t)
-            self.tables.append(emb)
+        self.tables = _tables(rows, dim, sparse, seed)
         self.mlp = nn.Sequential(
             nn.Linear(dim * len(rows), hidden), nn.ReLU(), nn.Linear(hidden, 1)
         )
@@ -74,10 +88,50 @@ class RecsysModel(nn.Module):
         return self.mlp(torch.cat(pooled, dim=1)).squeeze(-1)
 
 
+class DLRMModel(nn.Module):
+    """DLRM-style: dense features -> bottom MLP -> a ``dim`` vector; the tables' pooled
+    vectors; their interaction (``dot``: pairwise dot products, with the bottom vector;
+    ``cat``: concatenation) -> top MLP (two hidden layers) -> one click logit."""
+
+    def __init__(
+        self, rows: list[int], dim: int, bag: int, hidden: int, sparse: bool, seed: int,
+        dense: int, interaction: str,
+    ) -> None:  # fmt: skip
+        super().__init__()
+        self.bag, self.dense, self.interaction = bag, dense, interaction
+        self.tables = _tables(rows, dim, sparse, seed)
+        self.bottom = (
+            nn.Sequential(nn.Linear(dense, hidden), nn.ReLU(), nn.Linear(hidden, dim), nn.ReLU())
+            if dense
+            else None
+        )
+        n = len(rows) + bool(dense)
+        width = n * (n - 1) // 2 + dim * bool(dense) if interaction == "dot" else n * dim
+        self.top = nn.Sequential(
+            nn.Linear(width, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(),
+            nn.Linear(hidden, 1),
+        )  # fmt: skip
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids = x[:, self.dense :].long()
+        vecs = [emb(ids[:, t * self.bag : (t + 1) * self.bag]) for t, emb in enumerate(self.tables)]
+        if self.bottom is not None:
+            vecs.insert(0, self.bottom(x[:, : self.dense].float()))
+        if self.interaction == "cat":
+            return self.top(torch.cat(vecs, dim=1)).squeeze(-1)
+        z = torch.stack(vecs, dim=1)  # (batch, n, dim)
+        i, j = torch.triu_indices(len(vecs), len(vecs), offset=1, device=z.device)
+        pairs = torch.bmm(z, z.transpose(1, 2))[:, i, j]
+        feats = torch.cat([vecs[0], pairs], dim=1) if self.bottom is not None else pairs
+        return self.top(feats).squeeze(-1)
+
+
 def make_dataset(
-    data_seed: int, rows: list[int], bag: int, samples: int, exponent: float, scale: float
-) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """(ids (samples, tables * bag) int64, labels float, loss floor in nats)."""
+    data_seed: int, rows: list[int], bag: int, samples: int, exponent: float, scale: float,
+    dense: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, float]:  # fmt: skip
+    """(x, labels float, loss floor in nats): x is the ids (samples, tables * bag) int64,
+    or with `dense` features float64 (samples, dense + tables * bag), features first."""
     gen = torch.Generator().manual_seed(data_seed)
     cols, logit = [], torch.zeros(samples, dtype=torch.float64)
     for n in rows:
@@ -85,6 +139,10 @@ def make_dataset(
         score = torch.randn(n, generator=gen, dtype=torch.float64)
         logit += score[ids].mean(dim=1)
         cols.append(ids)
+    if dense:  # drawn after the tables': without dense features the data is as before
+        feats = torch.randn(samples, dense, generator=gen, dtype=torch.float64)
+        logit += feats @ (torch.randn(dense, generator=gen, dtype=torch.float64) / dense**0.5)
+        cols = [feats, *(c.double() for c in cols)]
     p = torch.sigmoid(logit * scale)
     y = torch.bernoulli(p, generator=gen).float()
     eps = 1e-12
@@ -109,6 +167,8 @@ def make(
     scale: Any = 2.0,
     sparse: Any = False,
     data_seed: Any = 0,
+    dense: Any = 0,
+    interaction: Any = "cat",
 ) -> Workload:
     """Build the ``recsys`` workload. Options (``--workload-option key=value``):
 
@@ -121,6 +181,9 @@ def make(
     - ``scale`` (2.0): teacher logit scale (larger: lower loss floor).
     - ``sparse`` (false): tables produce sparse gradients (allreduce-sparse under DDP).
     - ``data_seed`` (0): seeds ids, teacher and labels.
+    - ``dense`` (0): dense features per sample, through a bottom MLP (DLRM-style).
+    - ``interaction`` (cat): how the top MLP sees the vectors: cat | dot (DLRM's pairwise
+      dot products); cat with dense=0 is the plain model above.
     """
     table_rows = [opt_int("rows", r, minimum=1) for r in str(rows).split(",") if r.strip()]
     if not table_rows:
@@ -134,9 +197,21 @@ def make(
     scale = opt_float("scale", scale)
     sparse = opt_bool("sparse", sparse)
     data_seed = opt_int("data_seed", data_seed)
+    dense = opt_int("dense", dense, minimum=0)
+    if interaction not in ("cat", "dot"):
+        raise ValueError(f"option interaction: accepted: cat, dot; got {interaction!r}")
+    if interaction == "dot" and len(table_rows) + bool(dense) < 2:
+        raise ValueError("option interaction=dot: needs two vectors (two tables, or dense > 0)")
     with seeded(seed):
-        model = RecsysModel(table_rows, dim, bag, hidden, sparse, seed)
-    x, y, floor = make_dataset(data_seed, table_rows, bag, samples + val_samples, exponent, scale)
+        if dense or interaction == "dot":
+            model: nn.Module = DLRMModel(
+                table_rows, dim, bag, hidden, sparse, seed, dense, interaction
+            )
+        else:
+            model = RecsysModel(table_rows, dim, bag, hidden, sparse, seed)
+    x, y, floor = make_dataset(
+        data_seed, table_rows, bag, samples + val_samples, exponent, scale, dense
+    )
     train = TensorDataset(x[:samples], y[:samples])
     val = TensorDataset(x[samples:], y[samples:])
     return Workload(
@@ -145,7 +220,13 @@ def make(
         val_dataset=val if val_samples else None,
         loss_fn=_bce,
         description=(
-            f"recsys tables {table_rows} x {dim}, bag {bag}, zipf {exponent}; "
+            f"recsys tables {table_rows} x {dim}, bag {bag}, zipf {exponent}"
+            + (
+                f", {dense} dense features, {interaction} interaction"
+                if dense or interaction == "dot"
+                else ""
+            )
+            + "; "
             f"loss floor {floor:.4f} nats"
         ),
     )
