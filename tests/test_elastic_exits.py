@@ -57,6 +57,7 @@ def check_the_model(tmp: Path, survivors: tuple[str, ...], left: str) -> None:
         assert reports(tmp, left)[left]["saved_model"] is None
 
 
+@pytest.mark.slow  # real processes for 4-30 s: the slow suite
 def test_rank0_stopped_a_refused_joiner_and_a_late_one(tmp_path: Path) -> None:
     save = ["--save", str(tmp_path / "model.pt")]
     with shard_set(1, tmp_path, *LEASE) as (shard,):
@@ -115,6 +116,7 @@ def test_rank0_killed_mid_job_still_leaves_the_model(tmp_path: Path) -> None:
     assert reports(tmp_path, "j")["j"]["rank"] in (0, 2)
 
 
+@pytest.mark.slow  # real processes for 4-30 s: the slow suite
 def test_a_joiner_given_a_used_rank_writes_its_own_step_log(tmp_path: Path) -> None:
     """Defect 10: steps-ps-rank{R}.jsonl of a departed worker is never overwritten."""
     with shard_set(1, tmp_path, *LEASE) as (shard,):

@@ -133,6 +133,7 @@ def test_hybrid_sync_matches_ddp_sparse_fp32(tmp_path: Path, accum: int) -> None
         assert t["staleness_histogram"] == {"0": 2 * STEPS}  # one push per shard per step
 
 
+@pytest.mark.slow  # real processes for 4-30 s: the slow suite
 def test_one_hybrid_worker_started_by_hand_trains_as_one_ps_worker(tmp_path: Path) -> None:
     """`psar train --arch hybrid --servers ...` alone (no torchrun, no process group):
     nothing to allreduce, and the same training as one PS worker of the same model."""

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from tests.fault_procs import Workers, shard_set
 
 ARGS = ["--mode", "sync", "--steps", "40", "--emulate-compute-ms", "20"]
@@ -43,6 +45,7 @@ def test_a_job_trained_by_fewer_workers_than_its_size_says_so(tmp_path: Path) ->
     assert "only 1 of 2 workers took part" in w.log(0)
 
 
+@pytest.mark.slow  # real processes for 4-30 s: the slow suite
 def test_a_full_job_says_every_worker_took_part(tmp_path: Path) -> None:
     with shard_set(1, tmp_path) as (shard,):
         w = Workers([shard.address], 2, tmp_path, ARGS)
