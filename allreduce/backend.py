@@ -358,9 +358,10 @@ class DDPBackend(OnContext):
     def remote_optimizer_state(self) -> dict[str, dict[str, torch.Tensor]] | None:
         return None  # every rank's optimizer holds its own state
 
-    def finish(self, *, failed: bool = False) -> None:
+    def finish(self, *, failed: bool = False, why: str = "") -> None:
         """`failed`: nothing of ours waits on a step: DDP's collectives belong to torch,
-        which the process group timeout (--pg-timeout-s) ends."""
+        which the process group timeout (--pg-timeout-s) ends. `why`: the own loop told
+        the other ranks itself (allreduce/own_agree.py)."""
         if failed:
             return
         if self.cfg.ddp.checkpoint_dir:

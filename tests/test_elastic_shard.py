@@ -415,6 +415,24 @@ def test_a_pull_waiting_for_a_round_ends_when_the_job_is_stopped() -> None:
     assert not t.is_alive() and isinstance(got[0], FailedPrecondition), got
 
 
+def test_a_worker_that_failed_a_step_stops_the_job_with_its_own_line() -> None:
+    """Issue #45 defect 16: a rank of a user's own loop stepped without a backward; the
+    round it never pushes to would never close, so it stops the job with its error and
+    every other worker's next call (and waiting pull) says it."""
+    st, job, *_ = elastic_shard("sync", 2)
+    _register(st, range(2))
+    with pytest.raises(InvalidArgument, match="not in this job"):
+        st.members.stop(7, 2, "rank 7: no backward")  # no such worker: nothing changed
+    assert not st.members.stopped
+    sync_round(st, job, [0])  # rank 0 pushed round 1 and waits for rank 1
+    st.members.stop(1, 2, "rank 1: run.optimizer.step() without a\nbackward" + "x" * 5000)
+    st.members.stop(0, 2, "a later reason")  # the first reason stands
+    with pytest.raises(FailedPrecondition, match="worker 1 failed: rank 1: run") as e:
+        pull(st, 0, 1)
+    assert e.value.reason == "job_stopped" and "later" not in str(e.value)
+    assert "\n" not in str(e.value) and len(str(e.value)) < 1100  # one bounded line
+
+
 def test_workers_that_took_part_count_each_holder_of_a_rank_that_pushed() -> None:
     st, job, *_ = elastic_shard("async", 2, data_batches=100, max_workers=2)
     _register(st, range(2))

@@ -6,12 +6,13 @@ real processes under `psar launch`; the one-process cases: tests/test_own_loop_m
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.procs import PSAR, run_own_group
+from tests.procs import ENV, PSAR, run_own_group, shards
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = """
@@ -61,3 +62,35 @@ def test_a_rank_stepping_without_backward_stops_the_job_saying_so(
         assert "rank 1: run.optimizer.step() without a backward" in out, out[-3000:]
         # Rank 1 sent nothing for step 2: rank 0's round never closed without it.
         assert "rank=0 step=2 done" not in out, out[-3000:]
+
+
+@pytest.mark.slow
+def test_under_ps_every_rank_hears_why_the_job_stopped(tmp_path: Path) -> None:
+    """By hand (no launcher to end the others): rank 1 steps without a backward at step
+    2, and rank 0, waiting on the sync round rank 1 never pushes to, ends within a pull
+    with rank 1's own line (the shard stops the job with it), not after the pull timeout
+    (300 s) and not by training on alone."""
+    script = tmp_path / "skips.py"
+    script.write_text(SCRIPT)
+    with shards(1) as addrs:
+        procs = []
+        for rank in range(2):
+            env = {**ENV, "PSAR_SERVERS": addrs[0], "RANK": str(rank), "WORLD_SIZE": "2",
+                   "LOCAL_RANK": str(rank), "PSAR_ARGS": "--mode sync --torch-threads 1"}  # fmt: skip
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, str(script), "1", "2"], cwd=ROOT, env=env, text=True,
+                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+                )  # fmt: skip
+            )
+        try:
+            outs = [p.communicate(timeout=120)[0] for p in procs]
+        finally:
+            for p in procs:
+                p.kill()
+    said = "the job was stopped: worker 1 failed: rank 1: run.optimizer.step() without a backward"
+    for rank, (p, out) in enumerate(zip(procs, outs, strict=True)):
+        assert p.returncode != 0, f"rank {rank}:\n{out[-3000:]}"
+        assert "step=2 done" not in out, f"rank {rank}:\n{out[-3000:]}"
+    assert "every rank was told why" in outs[1], outs[1][-3000:]
+    assert said in outs[0], outs[0][-3000:]

@@ -231,8 +231,11 @@ class Backend(Protocol):
         """The trained weights (fp32 where the architecture keeps them) for --save."""
         ...
 
-    def finish(self, *, failed: bool = False) -> None:
+    def finish(self, *, failed: bool = False, why: str = "") -> None:
         """Leave the job cleanly (nobody waits for this worker any more). `failed`: the
         loop failed mid-step; release only what waits on this step (threads, streams),
-        so the process can exit with the error."""
+        so the process can exit with the error. `why` (with failed): the error every
+        other worker must hear, as they wait on this step (a user's own loop stepped
+        without a backward): where they wait through the shards, the job stops with it
+        (where they wait in a collective, the loop has told them itself)."""
         ...

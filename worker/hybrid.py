@@ -249,9 +249,9 @@ class HybridBackend(OnContext):
     def remote_optimizer_state(self) -> dict[str, dict[str, torch.Tensor]] | None:
         return None  # the dense optimizer is each rank's own
 
-    def finish(self, *, failed: bool = False) -> None:
+    def finish(self, *, failed: bool = False, why: str = "") -> None:
         from psar.allreduce import process_group
 
-        self.ps.finish(failed=failed)
+        self.ps.finish(failed=failed, why=why)
         if not failed:
             process_group.end_process_group()

@@ -224,11 +224,21 @@ class OwnLoop:
         would average in a missing gradient, under allreduce the others would wait."""
         self._agree(did_backward=self._backward_seen)
         if not self._backward_seen:
-            raise RuntimeError(
+            why = (
                 f"rank {self.rank}: run.optimizer.step() without a backward since the last "
                 f"step (step {self.step + 1}); call run.backward(loss) before every step "
                 "(nothing was sent: the step is refused)"
             )
+            if self.world_size > 1:
+                # The others wait on this step (a sync round would never close): the
+                # backend tells them (ps: the shards stop the job with this line, so
+                # every rank raises it within a pull rather than wait out a timeout).
+                self._finished = True
+                for hook in self._hooks:
+                    hook.remove()
+                self.backend.finish(failed=True, why=why)
+                why += "; the job was stopped, and every rank was told why"
+            raise RuntimeError(why)
         self._backward_seen = self._agreed = False
 
     # ---- saving and resuming ------------------------------------------------------------

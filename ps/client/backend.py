@@ -558,8 +558,10 @@ class PSBackend(OnContext):
             out["int_buffers"] = {k: list(v) for k, v in self.int_buffers.values().items()}
         return out
 
-    def finish(self, *, failed: bool = False) -> None:
+    def finish(self, *, failed: bool = False, why: str = "") -> None:
         if failed:
+            if why:  # the others wait on this worker's step: the job stops, told why
+                self.client.stop_job(self.world_size, reason=why)
             self.overlap.close(failed=True)
             self.client.close()  # in-flight pulls and pushes end (cancelled)
             return

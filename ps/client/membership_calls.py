@@ -31,9 +31,10 @@ class InitFailed(PSClientError):
 
 
 class JobStopped(PSClientError, ValueError):
-    """The job was stopped: its workers disagree about its size (StopJob). A ValueError
-    too, as a flag of this worker's or another's is wrong: `psar train` ends with the
-    shard's one line (exit 2), not a traceback."""
+    """The job was stopped: its workers disagree about its size, or one failed a step
+    the others wait on (StopJob). A ValueError too, as a flag or a loop of this worker's
+    or another's is wrong: `psar train` ends with the shard's one line (exit 2), not a
+    traceback."""
 
 
 class JobSizeMismatch(ValueError):
@@ -114,12 +115,14 @@ class MembershipCalls:
         replies = self.c._each(one)
         return bool(replies and replies[0].write_model)
 
-    def stop_job(self, num_workers: int) -> None:
+    def stop_job(self, num_workers: int, reason: str = "") -> None:
         """Tell every shard that this worker was started with --world-size `num_workers`,
-        another size than the job's: the job stops, and every worker with it. Best
-        effort, never raises (the caller raises its own error next): a shard it cannot
-        reach is logged."""
-        req = pb.StopJobRequest(worker=max(self.c.worker, 0), num_workers=num_workers)
+        another size than the job's, or (`reason`) that it failed a step the others wait
+        on: the job stops, and every worker with it, told why. Best effort, never raises
+        (the caller raises its own error next): a shard it cannot reach is logged."""
+        req = pb.StopJobRequest(
+            worker=max(self.c.worker, 0), num_workers=num_workers, reason=reason
+        )
 
         def one(i: int) -> None:
             try:

@@ -132,8 +132,8 @@ class PSClient:
     def rollback(self, shard: int, max_round: int) -> dict[str, Any]:
         return self.membership.rollback(shard, max_round)
 
-    def stop_job(self, num_workers: int) -> None:
-        self.membership.stop_job(num_workers)
+    def stop_job(self, num_workers: int, reason: str = "") -> None:
+        self.membership.stop_job(num_workers, reason)
 
     def report_init_failure(self, error: str) -> None:
         self.membership.report_init_failure(error)

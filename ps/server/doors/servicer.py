@@ -256,7 +256,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
 
     def StopJob(self, request: pb.StopJobRequest, context: grpc.ServicerContext) -> Any:
         try:
-            self.state.members.stop(request.worker, request.num_workers)
+            self.state.members.stop(request.worker, request.num_workers, request.reason)
             return pb.StopJobReply()
         except PSError as e:
             self._fail(context, "StopJob", e)

@@ -58,6 +58,10 @@ def new_incarnation() -> int:
     return secrets.randbits(63) or 1
 
 
+MAX_REASON = 1000
+"""The most characters of a worker's reason a stopped job repeats to every worker."""
+
+
 class Membership:
     """Leases and the live set of a shard (see the module docstring). `view`: what the
     update rule is told a worker left with (a sync round may close)."""
@@ -69,7 +73,8 @@ class Membership:
         """rank -> the instance that took it through Join (a Register with joined=true):
         another instance may not take it over while it is live (holders.py)."""
         self.stopped = ""
-        """Why the job was stopped (StopJob: its workers disagree about its size); every
+        """Why the job was stopped (StopJob: its workers disagree about its size, or one
+        failed a step the others wait on); every
         later push, pull, Register and Join is refused with it. "" while it runs."""
         self.since: dict[int, int] = {}
         """Elastic jobs: rank -> its clock when its current holder registered it; the
@@ -94,15 +99,24 @@ class Membership:
         if self.stopped:
             raise FailedPrecondition(self.stopped, reason="job_stopped")
 
-    def stop(self, worker: int, num_workers: int) -> None:
+    def stop(self, worker: int, num_workers: int, reason: str = "") -> None:
         """StopJob: `worker` was started with --world-size `num_workers`, and the job
         rank 0 initialised has another size: neither can train as it was started (rank
         0 would train alone once the others' first lease ran out, and say nothing:
-        issue #45 defect 13). Every worker's next call, and every waiting pull, is
-        refused with the reason. Refused, nothing changed, where the sizes agree."""
+        issue #45 defect 13). Or, with a `reason`, the worker refused a step the others
+        wait on (a user's own loop stepped without a backward: the round would never
+        close, issue #45 defect 16). Every worker's next call, and every waiting pull,
+        is refused with the reason. Without one, refused, nothing changed, where the
+        sizes agree."""
         d = self.data
         with d.cond:
             job = d.require_job()
+            if reason:
+                self.check_worker(worker)
+                if not self.stopped:
+                    text = " ".join(reason.split())[:MAX_REASON]
+                    self._stop(f"{serde.JOB_STOPPED_PREFIX}: worker {worker} failed: {text}")
+                return
             if num_workers == job.num_workers:
                 raise FailedPrecondition(
                     f"StopJob: worker {worker} says --world-size {num_workers}, which is this "
@@ -111,16 +125,20 @@ class Membership:
                 )
             if self.stopped:
                 return  # the first reason stands
-            self.stopped = (
+            self._stop(
                 f"{serde.JOB_STOPPED_PREFIX}: its workers disagree about its size (worker "
                 f"{worker} was started with --world-size {num_workers}, rank 0 with "
                 f"{job.num_workers}); restart the shards and start every worker with the "
                 "same --world-size"
             )
-            # A new incarnation wakes every pull waiting for a round (ready() looks at
-            # it); check_incarnation then answers each with the reason above.
-            d.incarnation = new_incarnation()
-            d.cond.notify_all()
+
+    def _stop(self, why: str) -> None:
+        """Stop the job with `why` (the caller holds the lock). A new incarnation wakes
+        every pull waiting for a round (ready() looks at it); check_incarnation then
+        answers each with `why`."""
+        self.stopped = why
+        self.data.incarnation = new_incarnation()
+        self.data.cond.notify_all()
 
     def check_incarnation(self, incarnation: int) -> None:
         """Refuse a call made against an older incarnation (restored, rolled back) or to

@@ -299,12 +299,14 @@ class InitFailedReply(_message.Message):
     def __init__(self) -> None: ...
 
 class StopJobRequest(_message.Message):
-    __slots__ = ("worker", "num_workers")
+    __slots__ = ("worker", "num_workers", "reason")
     WORKER_FIELD_NUMBER: _ClassVar[int]
     NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
     worker: int
     num_workers: int
-    def __init__(self, worker: _Optional[int] = ..., num_workers: _Optional[int] = ...) -> None: ...
+    reason: str
+    def __init__(self, worker: _Optional[int] = ..., num_workers: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class StopJobReply(_message.Message):
     __slots__ = ()
