@@ -79,8 +79,13 @@ def test_under_ps_every_rank_hears_why_the_job_stopped(tmp_path: Path) -> None:
                    "LOCAL_RANK": str(rank), "PSAR_ARGS": "--mode sync --torch-threads 1"}  # fmt: skip
             procs.append(
                 subprocess.Popen(
-                    [sys.executable, str(script), "1", "2"], cwd=ROOT, env=env, text=True,
-                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+                    [sys.executable, str(script), "1", "2"],
+                    cwd=ROOT,
+                    env=env,
+                    text=True,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
                 )  # fmt: skip
             )
         try:
