@@ -56,6 +56,12 @@ class StepOutcome:
     drift: float = 0.0
     """--mode local, outer_round: L2 norm of this worker's weights minus the shared weights
     of the last sync, at this sync (how far the inner steps took it)."""
+    cache_lookups: int = 0
+    """--hot-row-cache: sparse rows this step looked up in the worker's hot-row caches."""
+    cache_hits: int = 0
+    """--hot-row-cache: of those, rows served from the cache (not pulled)."""
+    cache_bytes_saved: int = 0
+    """--hot-row-cache: bytes those rows would have cost to pull."""
 
 
 @dataclass(frozen=True)

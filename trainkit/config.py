@@ -26,6 +26,10 @@ from psar.trainkit.connection import ConnectionConfig
 from psar.trainkit.optim_config import LossScaleConfig, OptimizerConfig
 
 ARCHS = ("ps", "allreduce", "hybrid")
+MAX_HOT_ROWS = 10_000_000
+"""--hot-row-cache's bound: rows per table a worker may keep (the cache is for a head)."""
+MAX_HOT_ROW_STALENESS = 1000
+"""--hot-row-staleness's bound, in steps."""
 
 
 @dataclass(kw_only=True)
@@ -135,6 +139,14 @@ class PSConfig(ConnectionConfig):
     """eps of the sparse adagrad / lazy_adam update."""
     sparse_wire_dtype: str = "fp16"
     """dtype of sparse row gradients on the wire: fp16 | bf16 | fp32."""
+    hot_row_cache: int = 0
+    """Keep up to this many of each sparse table's most used rows on the worker and
+    serve them for up to --hot-row-staleness steps instead of pulling them again (the
+    Zipf head every batch names; docs/sparse.md). 0: no cache."""
+    hot_row_staleness: int = 0
+    """--hot-row-cache: how many steps a cached row may be served after the step that
+    pulled it. 0 is exact (no row is served from the cache: the same bits as without
+    one); S >= 1 reads hot rows at most S steps late, as --mode ssp reads the model."""
 
     def __post_init__(self) -> None:
         super().__post_init__()  # the connection fields (timeouts, --data-plane with TLS)
@@ -196,6 +208,16 @@ class PSConfig(ConnectionConfig):
             )
         if self.sparse_wire_dtype not in ("fp16", "bf16", "fp32"):
             raise ValueError("--sparse-wire-dtype: accepted: fp16, bf16, fp32")
+        if not 0 <= self.hot_row_cache <= MAX_HOT_ROWS:
+            raise ValueError(
+                f"--hot-row-cache must be in [0, {MAX_HOT_ROWS}] rows per table (0: no "
+                f"cache), got {self.hot_row_cache}"
+            )
+        if not 0 <= self.hot_row_staleness <= MAX_HOT_ROW_STALENESS:
+            raise ValueError(
+                f"--hot-row-staleness must be in [0, {MAX_HOT_ROW_STALENESS}] steps (0: "
+                f"exact), got {self.hot_row_staleness}"
+            )
 
     def server_list(self) -> list[str]:
         raw = self.servers or os.environ.get("PSAR_SERVERS", "")

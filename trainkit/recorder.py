@@ -45,6 +45,9 @@ class WorkerRecorder(Protocol):
     def set_world_size(self, n: int) -> None:
         """Workers in the job as this worker sees it now (elastic jobs change it)."""
 
+    def hot_rows(self, lookups: int, hits: int, bytes_saved: int) -> None:
+        """--hot-row-cache: a step's row lookups, cache hits and bytes not pulled."""
+
 
 class NullWorkerRecorder:
     """A WorkerRecorder that records nothing: exactly the interface's methods."""
@@ -75,4 +78,7 @@ class NullWorkerRecorder:
         pass
 
     def set_world_size(self, n: int) -> None:
+        pass
+
+    def hot_rows(self, lookups: int, hits: int, bytes_saved: int) -> None:
         pass

@@ -219,6 +219,9 @@ class HybridBackend(OnContext):
             loss_scale=self.ps.loss_scale,
             staleness=out.staleness,
             phases=phases,
+            cache_lookups=out.cache_lookups,
+            cache_hits=out.cache_hits,
+            cache_bytes_saved=out.cache_bytes_saved,
         )
 
     # ---- the rest -------------------------------------------------------------------

@@ -362,6 +362,8 @@ def _observe(run: _Run, step_loss: float, outcome: StepOutcome, phases: dict[str
         metrics.observed_staleness(outcome.staleness)
     if outcome.outer_round:
         metrics.outer_round(outcome.round_bytes, outcome.drift)
+    if outcome.cache_lookups:
+        metrics.hot_rows(outcome.cache_lookups, outcome.cache_hits, outcome.cache_bytes_saved)
 
 
 def _finish(run: _Run, tally: _Tally, wall: float, *, stopped: bool = False) -> dict[str, Any]:

@@ -128,6 +128,19 @@ class WorkerMetrics:
             base,
             registry=reg,
         ).labels(arch)
+        hot = "Sparse rows the worker's hot-row caches (--hot-row-cache) "
+        self._cache_lookups = Counter(
+            "psar_worker_hot_row_lookups_total", hot + "looked up.", base, registry=reg
+        ).labels(arch)
+        self._cache_hits = Counter(
+            "psar_worker_hot_row_hits_total", hot + "served (not pulled).", base, registry=reg
+        ).labels(arch)
+        self._cache_bytes = Counter(
+            "psar_worker_hot_row_bytes_saved_total",
+            "Bytes the rows served by the worker's hot-row caches would have cost to pull.",
+            base,
+            registry=reg,
+        ).labels(arch)
         build_info(reg, arch)
 
     def step_done(self, samples: int) -> None:
@@ -172,6 +185,12 @@ class WorkerMetrics:
 
     def set_world_size(self, n: int) -> None:
         self._world_size.set(n)
+
+    def hot_rows(self, lookups: int, hits: int, bytes_saved: int) -> None:
+        """--hot-row-cache: a step's lookups, hits and bytes not pulled."""
+        self._cache_lookups.inc(lookups)
+        self._cache_hits.inc(hits)
+        self._cache_bytes.inc(bytes_saved)
 
     def exposition(self) -> bytes:
         """The registry in Prometheus text format (what a scrape returns)."""

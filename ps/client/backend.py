@@ -451,6 +451,7 @@ class PSBackend(OnContext):
             self._local_scale.update(overflow=skipped)
             self.loss_scale = self._local_scale.scale
         self.overlap.buckets.begin_step()
+        cache = self.sparse.take_cache_counts() if self.sparse else None
         return StepOutcome(
             skipped=skipped,
             loss_scale=self.loss_scale,
@@ -461,6 +462,9 @@ class PSBackend(OnContext):
                 "wait": wait,
                 "pull": max(0.0, t2 - t1 - wait) + fwd_wait,
             },
+            cache_lookups=cache.lookups if cache else 0,
+            cache_hits=cache.hits if cache else 0,
+            cache_bytes_saved=cache.bytes_saved if cache else 0,
         )
 
     def sync_scale(self) -> None:

@@ -10,6 +10,10 @@ module's weight is an empty (0, dim) tensor. Each forward, a pre-hook
 2. pulls only those rows from the shards holding them (row r on shard r % S),
 3. installs them as the module's weight (a row cache) and remaps the ids to it.
 
+With ``--hot-row-cache N --hot-row-staleness S`` a table's most named rows are kept on
+the worker and served for up to S steps (ps/client/hot_rows.py); only the others are
+pulled.
+
 At ``step()`` the row gradients (summed over micro-batches) are pushed, in the wire
 dtype (fp16 by default), before the dense push of the same clock.
 """
@@ -25,6 +29,7 @@ from torch import nn
 
 from psar.ps import wire
 from psar.ps.client import sparse_client
+from psar.ps.client.hot_rows import CacheCounts, HotRowCache
 from psar.ps.sparse_spec import TableSpec
 from psar.trainkit.device_io import to_device, to_host
 from psar.trainkit.finite import all_finite
@@ -77,6 +82,21 @@ class SparseSide:
         self.max_cached_rows: Counter[str] = Counter()
         self.bytes_pulled = 0
         self.bytes_pushed = 0
+        self.steps = 0
+        """Steps pushed so far: the clock the hot-row caches count their bound in."""
+        wire_weights = backend.precision.weights.itemsize
+        self.caches = {
+            name: HotRowCache(ps.hot_row_cache, ps.hot_row_staleness, sp.dim * wire_weights + 8)
+            for name, sp in self.specs.items()
+            if ps.hot_row_cache
+        }
+        self._cache_taken = CacheCounts()
+        if self.caches and ps.hot_row_staleness == 0:
+            log.info(
+                "--hot-row-cache at --hot-row-staleness 0 is exact and serves no row (every "
+                "row a batch names is pulled fresh); give --hot-row-staleness S >= 1 to "
+                "reuse hot rows for up to S steps"
+            )
 
     def __bool__(self) -> bool:
         return bool(self.mods)
@@ -101,12 +121,8 @@ class SparseSide:
             ids, rest = args[0], args[1:]
             st = self.state[name]
             self._stash(name)
-            uniq, inv = torch.unique(to_host(ids).reshape(-1), return_inverse=True)
-            spec = self.specs[name]
             w = mod.weight
-            rows, versions, nbytes = sparse_client.pull_rows(
-                self.b.client, name, uniq, spec.dim, self.b.precision.weights, w.dtype
-            )
+            rows, versions, nbytes, uniq, inv = self._rows(name, to_host(ids).reshape(-1), w)
             self.bytes_pulled += nbytes
             self.b.bytes_pulled += nbytes
             if st["ids"] is None:
@@ -117,6 +133,55 @@ class SparseSide:
             return (to_device(inv.reshape(ids.shape), ids.device), *rest)
 
         return hook
+
+    def _rows(
+        self, name: str, ids: torch.Tensor, w: torch.Tensor
+    ) -> tuple[torch.Tensor, list[int], int, torch.Tensor, torch.Tensor]:
+        """The rows of the batch's unique ids (served from the hot-row cache where it
+        may, pulled otherwise): (rows, versions, bytes pulled, unique ids, inverse)."""
+        spec, cache = self.specs[name], self.caches.get(name)
+        if cache is None or not cache.serves:
+            uniq, inv = torch.unique(ids, return_inverse=True)
+            if cache is not None:  # exact (staleness 0): looked up, never a hit
+                cache.counts.lookups += uniq.numel()
+            rows, versions, nbytes = sparse_client.pull_rows(
+                self.b.client, name, uniq, spec.dim, self.b.precision.weights, w.dtype
+            )
+            return rows, versions, nbytes, uniq, inv
+        uniq, inv, named = torch.unique(ids, return_inverse=True, return_counts=True)
+        hit, cached = cache.lookup(uniq, self.steps)
+        if cached is None:  # nothing fresh in the cache: pull all, refill it from them
+            rows, versions, nbytes = sparse_client.pull_rows(
+                self.b.client, name, uniq, spec.dim, self.b.precision.weights, w.dtype
+            )
+            cache.offer(self.steps, uniq, rows, named, versions)
+            return rows, versions, nbytes, uniq, inv
+        rows = torch.empty(uniq.numel(), spec.dim, dtype=w.dtype)
+        rows[hit] = cached.to(w.dtype)
+        miss = ~hit
+        versions, nbytes = list(cache.versions), 0
+        if bool(miss.any()):
+            pulled, fresh, nbytes = sparse_client.pull_rows(
+                self.b.client, name, uniq[miss], spec.dim, self.b.precision.weights, w.dtype
+            )
+            rows[miss] = pulled
+            # The step's gradient was computed at the cached rows' (older) versions too:
+            # the shards measure its staleness from the oldest.
+            versions = [min(a, b) for a, b in zip(fresh, cache.versions, strict=True)]
+        return rows, versions, nbytes, uniq, inv
+
+    def take_cache_counts(self) -> CacheCounts:
+        """What the hot-row caches served since the last call (a step's share)."""
+        total = CacheCounts()
+        for cache in self.caches.values():
+            total.add(cache.counts)
+        delta = CacheCounts(
+            total.lookups - self._cache_taken.lookups,
+            total.hits - self._cache_taken.hits,
+            total.bytes_saved - self._cache_taken.bytes_saved,
+        )
+        self._cache_taken = total
+        return delta
 
     def _stash(self, name: str) -> None:
         """Keep the current micro-batch's row gradients (a later forward replaces rows)."""
@@ -169,6 +234,7 @@ class SparseSide:
                 if r.applied and not r.already_applied:
                     self.staleness[name][int(r.staleness)] += 1
             st["acc"], st["ids"] = [], None
+        self.steps += 1
         return finite
 
     def fill_state(self, state: dict[str, Any], block: int = 200_000) -> dict[str, Any]:
@@ -185,13 +251,34 @@ class SparseSide:
             out[name] = full
         return out
 
+    def _hot_report(self) -> dict[str, Any]:
+        """`hot_row_cache` (with --hot-row-cache): every table's lookups, hits, hit_rate
+        and bytes_saved, and their totals."""
+        if not self.caches:
+            return {}
+        total = CacheCounts()
+        for c in self.caches.values():
+            total.add(c.counts)
+        ps = self.b.cfg.ps
+        return {
+            "hot_row_cache": {
+                "rows": ps.hot_row_cache,
+                "staleness": ps.hot_row_staleness,
+                **total.as_dict(),
+                "tables": {n: c.counts.as_dict() for n, c in self.caches.items()},
+            }
+        }
+
     def report(self) -> dict[str, Any]:
         dense = sum(p.numel() * p.element_size() for p in self.b.params.values())
         cache = sum(
             self.max_cached_rows[n] * sp.dim * self.b.precision.weights.itemsize
             for n, sp in self.specs.items()
         )
+        cache += sum(c.rows.numel() * c.rows.element_size() for c in self.caches.values()
+                     if c.rows is not None)  # fmt: skip
         return {
+            **self._hot_report(),
             "sparse_tables": {
                 n: {
                     "rows": sp.rows,
