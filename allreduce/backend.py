@@ -76,6 +76,7 @@ class DDPBackend(OnContext):
             mode=cfg.ps.mode if cfg.local_sgd else "ddp",
             staleness=False,
             per_rank=False,
+            collective_step=not cfg.local_sgd,
         )
 
     @classmethod

@@ -144,6 +144,13 @@ class ArchInfo:
     decides; trainkit/roles.py)."""
     flag_world_size: int = 0
     """The world size its flags give (0: not given)."""
+    tables_on_shards: bool = False
+    """Marked sparse tables live on the shards (ps, hybrid): a worker holds only the rows
+    its batch touches, and the shards build the rows from psar_init (docs/sparse.md)."""
+    collective_step: bool = False
+    """The ranks meet in a collective every step (DDP's backward allreduce, hybrid's
+    dense allreduce): a rank that skips a step's backward leaves the others waiting
+    there, so a loop of its own has them agree first (allreduce/own_agree.py)."""
 
 
 def describe(backend: Backend) -> ArchInfo:

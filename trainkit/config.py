@@ -139,6 +139,12 @@ class PSConfig(ConnectionConfig):
     """eps of the sparse adagrad / lazy_adam update."""
     sparse_wire_dtype: str = "fp16"
     """dtype of sparse row gradients on the wire: fp16 | bf16 | fp32."""
+    sparse_min_rows: int = 0
+    """A loop of your own (prepare()) under --arch ps or hybrid: also put every
+    nn.Embedding / nn.EmbeddingBag with sparse=True and at least this many rows on the
+    shards as a sparse table. The shards initialise it N(0, 1), as torch initialises an
+    embedding: its weights in your model are not sent. 0: only the tables you mark
+    (psar_sparse_table, docs/sparse.md)."""
     hot_row_cache: int = 0
     """Keep up to this many of each sparse table's most used rows on the worker and
     serve them for up to --hot-row-staleness steps instead of pulling them again (the
@@ -208,6 +214,10 @@ class PSConfig(ConnectionConfig):
             )
         if self.sparse_wire_dtype not in ("fp16", "bf16", "fp32"):
             raise ValueError("--sparse-wire-dtype: accepted: fp16, bf16, fp32")
+        if self.sparse_min_rows < 0:
+            raise ValueError(
+                f"--sparse-min-rows must be >= 0 (0: only marked tables), got {self.sparse_min_rows}"
+            )
         if not 0 <= self.hot_row_cache <= MAX_HOT_ROWS:
             raise ValueError(
                 f"--hot-row-cache must be in [0, {MAX_HOT_ROWS}] rows per table (0: no "

@@ -62,6 +62,28 @@ def marked_tables(model: nn.Module) -> dict[str, nn.Module]:
     }
 
 
+def mark_sparse_embeddings(model: nn.Module, min_rows: int) -> list[str]:
+    """Mark every unmarked ``nn.Embedding`` / ``nn.EmbeddingBag`` with ``sparse=True`` and
+    at least `min_rows` rows as a sparse table (--sparse-min-rows, a loop of its own):
+    its recipe is torch's own init of an embedding, N(0, 1), seeded from its name (the
+    same on every rank). Returns the names marked (none where `min_rows` is 0)."""
+    import zlib
+
+    marked = []
+    for name, mod in model.named_modules():
+        if (
+            min_rows > 0
+            and isinstance(mod, (nn.Embedding, nn.EmbeddingBag))
+            and mod.sparse
+            and mod.num_embeddings >= min_rows
+            and not getattr(mod, "psar_sparse_table", False)
+        ):
+            mod.psar_sparse_table = True
+            mod.psar_init = (1.0, zlib.crc32(name.encode()))
+            marked.append(name)
+    return marked
+
+
 def materialize_tables(model: nn.Module) -> int:
     """Give every marked table still on the meta device its rows (from ``psar_init``),
     on the CPU; returns how many were built. For backends where each worker holds the

@@ -95,6 +95,29 @@ def tables_view(model: nn.Module, num_shards: int) -> nn.Module:
     return view
 
 
+def own_tables(model: nn.Module, optimizer: torch.optim.Optimizer, sparse_optimizer: str) -> None:
+    """A loop of its own: each marked table is stepped on the shards at the learning rate
+    of the user's param group holding it (psar_lr, ps/client/sparse_worker.py), by
+    --sparse-optimizer; said once where the user's optimizer would step it otherwise."""
+    group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+    for name, mod in marked_tables(model).items():
+        group = group_of.get(id(mod.weight))
+        if group is None:
+            continue  # not in the optimizer: the shards step it at --sparse-lr / --lr
+        mod.psar_lr = float(group["lr"])
+        plain_sgd = (
+            isinstance(optimizer, torch.optim.SGD)
+            and not group.get("momentum")
+            and not group.get("weight_decay")
+        )
+        if not (plain_sgd and sparse_optimizer == "sgd"):
+            log.warning(
+                "table %s is stepped on the shards by --sparse-optimizer %s at lr %g, not by "
+                "your %s (only SGD without momentum or weight decay is the same step)",
+                name, sparse_optimizer, mod.psar_lr, type(optimizer).__name__,
+            )  # fmt: skip
+
+
 class HybridBackend(OnContext):
     """One hybrid worker: a PSBackend for the tables (`ps`) and the dense allreduce."""
 
@@ -108,7 +131,14 @@ class HybridBackend(OnContext):
         environment (RANK, WORLD_SIZE, MASTER_ADDR/PORT: torchrun, psar launch) gives
         the rank, for the process group and the shards alike. No resume yet: a hybrid
         job starts at step 0 (ctx.start_step)."""
-        return ArchInfo(arch="hybrid", mode=cfg.ps.mode, staleness=True, per_rank=False)
+        return ArchInfo(
+            arch="hybrid",
+            mode=cfg.ps.mode,
+            staleness=True,
+            per_rank=False,
+            tables_on_shards=True,
+            collective_step=True,
+        )
 
     @classmethod
     def from_config(cls, ctx: BackendContext) -> HybridBackend:
@@ -128,12 +158,14 @@ class HybridBackend(OnContext):
     # ---- setup ----------------------------------------------------------------------
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> nn.Module:
-        if optimizer is not None:
-            raise ValueError(
-                "--arch hybrid runs psar's own dense optimizer (--optimizer) for now; a loop "
-                "of your own runs under --arch ps or allreduce"
-            )
+        """`optimizer`: a user's own (worker/own_loop.py): it steps the dense parameters
+        here, on the allreduced gradient, as under DDP (its LR schedulers are the user's);
+        each table is stepped on the shards by --sparse-optimizer at its param group's
+        learning rate (own_tables). None: the one --optimizer configures."""
         from psar.allreduce.backend import init_process_group
+
+        if optimizer is not None:
+            own_tables(model, optimizer, self.cfg.ps.sparse_optimizer)
 
         if self.world_size > 1 or "MASTER_ADDR" in os.environ:
             init_process_group(self.cfg, self.device)
@@ -155,8 +187,10 @@ class HybridBackend(OnContext):
                 if t.numel():
                     dist.broadcast(t.data, src=0)
         opt_cfg = with_run_length(self.cfg.optimizer, self.ctx.total_steps)
-        self.optimizer = build_optimizer(self.params, opt_cfg)
-        self.scheduler = build_scheduler(self.optimizer, opt_cfg)
+        # A loop of its own: its optimizer (its param groups hold the released tables
+        # too, which never get a gradient here, so torch's step passes them by).
+        self.optimizer = optimizer or build_optimizer(self.params, opt_cfg)
+        self.scheduler = build_scheduler(self.optimizer, opt_cfg) if optimizer is None else None
         self.wire = self.precision.wire
         self._step_bytes = sum(p.numel() for p in self.params) * self.wire.itemsize
         log.info(
@@ -179,8 +213,13 @@ class HybridBackend(OnContext):
         return self.ps.scale_loss(loss)  # one scale for rows and dense alike
 
     def step(self, options: StepOptions | None = None) -> StepOutcome:
-        if options is not None:
-            raise ValueError("--arch hybrid: step options (a loop of your own) not supported")
+        # `options`: a loop of its own's; its optimizer holds its learning rates itself.
+        if options is not None and options.clip_norm:
+            raise ValueError(
+                "run.clip_grad_norm_() under --arch hybrid: the tables' gradients are summed "
+                "on the shards, so no worker sees the whole norm; clip under --arch ps or "
+                "allreduce, or leave clipping out"
+            )
         t0 = time.perf_counter()
         scale = self.ps.loss_scale
         grads = [(p.grad if p.grad is not None else torch.zeros_like(p)) for p in self.params]
@@ -209,7 +248,8 @@ class HybridBackend(OnContext):
                 p.grad = mean[offset : offset + n].view_as(p).to(p.dtype)
                 offset += n
             self.optimizer.step()
-            self.scheduler.step()
+            if self.scheduler is not None:
+                self.scheduler.step()
         self.steps_done += 1
         phases = dict(out.phases)
         phases["allreduce"] = t3 - t2

@@ -182,11 +182,6 @@ def validate(spec: LaunchSpec) -> None:
     """Refuse bad flags before starting anything (train flags are parsed like `psar train`)."""
     if spec.arch == "allreduce" and spec.launcher == "torchrun" and spec.straggler:
         raise ValueError("--straggler needs the direct launcher (torchrun: same argv for all)")
-    if spec.command and spec.arch == "hybrid":
-        raise ValueError(
-            "--arch hybrid runs psar's own dense optimizer: a script of your own runs under "
-            "--arch ps or allreduce for now"
-        )
     if spec.command and local_sgd(spec.mode):
         raise ValueError(
             f"--mode {spec.mode} runs psar's own inner optimizer: a script of your own runs "
@@ -345,7 +340,7 @@ class _Job:
             cmd = [sys.executable, "-m", "psar.worker.cli", "train", "--arch", s.arch, *train,
                    *_ps_flags(s, servers, r), *slow]  # fmt: skip
             if s.command:  # a script of its own: its ranks and shards from the environment
-                mode = ["--mode", s.mode, "--staleness", str(s.staleness)] * (s.arch == "ps")
+                mode = ["--mode", s.mode, "--staleness", str(s.staleness)] * (s.arch in WITH_SHARDS)
                 flags = ["--arch", s.arch, *train, *mode, *slow]
                 env.update({"PSAR_ARCH": s.arch, "PSAR_ARGS": shlex.join(flags)})
                 cmd = list(s.command)

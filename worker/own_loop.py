@@ -122,7 +122,7 @@ class OwnLoop:
         self.device = backend.ctx.device
         """Where the model lives (cuda:LOCAL_RANK with --device auto and a GPU)."""
         self.arch = describe(backend).arch
-        """'ps' or 'allreduce', for your logs (your loop need not look at it)."""
+        """'ps', 'allreduce' or 'hybrid', for your logs (your loop need not look at it)."""
         self.mode = describe(backend).mode
         self.last_step: StepOutcome | None = None
         """The outcome of the last optimizer step: skipped, loss_scale, staleness (ps),
@@ -145,10 +145,10 @@ class OwnLoop:
         # (_check_backward), not pushed or allreduced with a gradient missing.
         self._backward_seen = False
         self._agreed = False
-        # Where backward itself allreduces (the module is DDP's), a rank that skips it
-        # leaves the others waiting: there the ranks agree first (_agree).
-        ddp = torch.nn.parallel.DistributedDataParallel
-        self._must_agree = isinstance(module, ddp) and self.world_size > 1
+        # Where the ranks meet in a collective every step (DDP's backward, hybrid's dense
+        # allreduce), a rank that skips a backward leaves the others waiting there: the
+        # ranks agree first (_agree).
+        self._must_agree = describe(backend).collective_step and self.world_size > 1
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._saw_backward)
             for p in module.parameters()
@@ -324,6 +324,28 @@ class OwnLoop:
         self.finish()
 
 
+def _tables_to_shards(model: torch.nn.Module, min_rows: int, resumed: Path | None) -> None:
+    """Under an architecture that keeps the sparse tables on the shards: mark the big
+    sparse=True embeddings too (--sparse-min-rows), and refuse a resume with tables (the
+    shards build a table's rows from its psar_init; a saved table is not sent to them)."""
+    from psar.trainkit.sparse_tables import mark_sparse_embeddings, marked_tables
+
+    for name in mark_sparse_embeddings(model, min_rows):
+        mod = model.get_submodule(name)
+        logger.info(
+            "%s (%d x %d, sparse=True, >= --sparse-min-rows %d rows) goes to the shards as a "
+            "sparse table, initialised there N(0, 1) as torch initialises an embedding (its "
+            "weights here are not sent)",
+            name, mod.num_embeddings, mod.embedding_dim, min_rows,
+        )  # fmt: skip
+    if resumed is not None and marked_tables(model):
+        raise ValueError(
+            f"prepare(resume_from=...): the model's sparse tables ({', '.join(marked_tables(model))}) "
+            "live on the shards, which build their rows from psar_init; resuming them from a "
+            "saved state is not supported yet: resume under --arch allreduce, or start anew"
+        )
+
+
 def prepare(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -384,6 +406,8 @@ def prepare(
     backend = make_backend(ctx)
     names = {id(p): n for n, p in model.named_parameters()}
     info = describe(backend)
+    if info.tables_on_shards:
+        _tables_to_shards(model, cfg.ps.sparse_min_rows, resumed)
     logger.info("rank %d/%d: %s (%s), a loop of its own", rank, world, info.arch, info.mode)
     module = backend.setup(model, optimizer)
     # Dropout and other draws during training: the same run after run, and the same for

@@ -72,6 +72,7 @@ class PSBackend(OnContext):
             per_rank=True,
             flag_rank=cfg.ps.rank,
             flag_world_size=cfg.ps.world_size,
+            tables_on_shards=True,
         )
 
     @classmethod

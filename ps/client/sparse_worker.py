@@ -67,7 +67,9 @@ class SparseSide:
                 rows=m.num_embeddings,  # the weight may be released already (empty)
                 dim=m.embedding_dim,
                 optimizer=ps.sparse_optimizer,
-                lr=ps.sparse_lr or opt.lr,
+                # --sparse-lr, else the table's own (a loop of its own: its param group's,
+                # worker/hybrid.py), else --lr.
+                lr=ps.sparse_lr or float(getattr(m, "psar_lr", 0.0)) or opt.lr,
                 eps=ps.sparse_eps,
                 beta1=opt.beta1,
                 beta2=opt.beta2,
