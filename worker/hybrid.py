@@ -173,6 +173,7 @@ class HybridBackend(OnContext):
         # nothing to allreduce, so no process group (and no torchrun) is needed.
         view = tables_view(model, len(self.cfg.ps.server_list()))
         self.ps.setup(view)  # releases the tables: the worker never holds one
+        self.ps.sparse.watch(model)  # the whole model says the tables' ids (not the view)
         buckets = self.ps.overlap.buckets
         decide = buckets.decide
         # A non-finite dense gradient makes this worker's row push an overflow: the

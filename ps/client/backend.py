@@ -191,6 +191,7 @@ class PSBackend(OnContext):
         self.client.set_slots(self.slots)
         if self.sparse:
             self.sparse.setup()  # before the dense init: a served job implies its tables
+            self.sparse.watch(model)  # every table's rows at once, where the model can say
         if self.rank == 0 and not self.cfg.ps.join:
             values = {s.key: to_host(self._view(s), torch.float32) for s in self.slots}
             try:

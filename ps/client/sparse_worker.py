@@ -10,6 +10,11 @@ module's weight is an empty (0, dim) tensor. Each forward, a pre-hook
 2. pulls only those rows from the shards holding them (row r on shard r % S),
 3. installs them as the module's weight (a row cache) and remaps the ids to it.
 
+A model that can say each table's ids of a batch before its forward (a method
+``psar_table_ids(x) -> {table module name: ids}``, as the built-in ``recsys`` models do)
+gets every table's rows pulled at once, concurrently, when its forward starts (``watch``):
+one round trip a step instead of one per table. Same rows, same bits.
+
 With ``--hot-row-cache N --hot-row-staleness S`` a table's most named rows are kept on
 the worker and served for up to S steps (ps/client/hot_rows.py); only the others are
 pulled.
@@ -22,6 +27,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -93,6 +99,9 @@ class SparseSide:
             if ps.hot_row_cache
         }
         self._cache_taken = CacheCounts()
+        self.prefetched: dict[str, tuple[torch.Tensor, Any]] = {}
+        """weight name -> (the batch's flat ids, _rows' result) pulled by prefetch()."""
+        self._pool: ThreadPoolExecutor | None = None
         if self.caches and ps.hot_row_staleness == 0:
             log.info(
                 "--hot-row-cache at --hot-row-staleness 0 is exact and serves no row (every "
@@ -124,7 +133,12 @@ class SparseSide:
             st = self.state[name]
             self._stash(name)
             w = mod.weight
-            rows, versions, nbytes, uniq, inv = self._rows(name, to_host(ids).reshape(-1), w)
+            flat = to_host(ids).reshape(-1)
+            ahead = self.prefetched.pop(name, None)
+            if ahead is not None and torch.equal(ahead[0], flat):
+                rows, versions, nbytes, uniq, inv = ahead[1]
+            else:  # none, or the forward named other ids than psar_table_ids said
+                rows, versions, nbytes, uniq, inv = self._rows(name, flat, w)
             self.bytes_pulled += nbytes
             self.b.bytes_pulled += nbytes
             if st["ids"] is None:
@@ -171,6 +185,35 @@ class SparseSide:
             # the shards measure its staleness from the oldest.
             versions = [min(a, b) for a, b in zip(fresh, cache.versions, strict=True)]
         return rows, versions, nbytes, uniq, inv
+
+    def watch(self, model: nn.Module) -> None:
+        """Pull every table's rows at once when `model`'s forward starts, where it says
+        each table's ids up front (``psar_table_ids``; the module docstring). `model` is
+        the whole model, whose module names are the tables' (hybrid gives the PS part a
+        view of the tables only)."""
+        if len(self.mods) > 1 and callable(getattr(model, "psar_table_ids", None)):
+            self._pool = ThreadPoolExecutor(len(self.mods) - 1, thread_name_prefix="psar-rows")
+            model.register_forward_pre_hook(lambda m, args: self.prefetch(m.psar_table_ids(*args)))
+
+    def prefetch(self, ids_by_module: dict[str, torch.Tensor]) -> None:
+        """Pull the rows of every table named (module name -> this batch's ids), one
+        table here and the others on threads, for the tables' hooks to take."""
+        jobs = []
+        for module, ids in ids_by_module.items():
+            name = f"{module}.weight" if module else "weight"
+            if name in self.mods:
+                jobs.append((name, to_host(ids).reshape(-1)))
+        self.prefetched.clear()
+        if not jobs or self._pool is None:
+            return
+        w = {n: self.mods[n].weight for n, _ in jobs}
+        futures: list[tuple[str, torch.Tensor, Future]] = [
+            (n, flat, self._pool.submit(self._rows, n, flat, w[n])) for n, flat in jobs[1:]
+        ]
+        first, flat = jobs[0]
+        self.prefetched[first] = (flat, self._rows(first, flat, w[first]))
+        for n, flat, fut in futures:
+            self.prefetched[n] = (flat, fut.result())
 
     def take_cache_counts(self) -> CacheCounts:
         """What the hot-row caches served since the last call (a step's share)."""

@@ -83,6 +83,13 @@ class RecsysModel(nn.Module):
             nn.Linear(dim * len(rows), hidden), nn.ReLU(), nn.Linear(hidden, 1)
         )
 
+    def psar_table_ids(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Each table's ids of a batch, by module name, before forward: under the
+        parameter server every table's rows are pulled at once (ps/client/sparse_worker.py)."""
+        return {
+            f"tables.{t}": x[:, t * self.bag : (t + 1) * self.bag] for t in range(len(self.tables))
+        }
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         pooled = [emb(x[:, t * self.bag : (t + 1) * self.bag]) for t, emb in enumerate(self.tables)]
         return self.mlp(torch.cat(pooled, dim=1)).squeeze(-1)
@@ -111,6 +118,14 @@ class DLRMModel(nn.Module):
             nn.Linear(width, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(),
             nn.Linear(hidden, 1),
         )  # fmt: skip
+
+    def psar_table_ids(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        """As RecsysModel.psar_table_ids."""
+        ids = x[:, self.dense :].long()
+        return {
+            f"tables.{t}": ids[:, t * self.bag : (t + 1) * self.bag]
+            for t in range(len(self.tables))
+        }
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids = x[:, self.dense :].long()
