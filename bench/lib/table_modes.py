@@ -104,7 +104,11 @@ def run_modes(
 
 def table(doc: dict[str, Any]) -> str:
     """Markdown: a row per mode."""
-    rows = [[mode, m.get("val_auc"), m.get("auc_vs_sync"),
+
+    def f4(v: float | None) -> str:  # AUCs a tenth of a percent apart stay apart
+        return "-" if v is None else f"{v:.4f}"
+
+    rows = [[mode, f4(m.get("val_auc")), f4(m.get("auc_vs_sync")),
              {True: "yes", False: "no"}.get(m.get("within_1pct_of_sync"), "-"),
              m.get("val_logloss"), m.get("final_train_loss"),
              json.dumps(m.get("table_staleness_histogram")) if "error" not in m else "failed"]
