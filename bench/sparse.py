@@ -45,6 +45,8 @@ PS with N shards (default 2).
 
 Ratios are against allreduce-sparse (the baseline) and allreduce-dense, both measured in
 the same run (`ps_vs_*`, `hybrid_vs_*`). `--ways hybrid,allreduce_sparse` runs a subset.
+`--table-modes sync,async,ssp` instead runs hybrid under each mode at equal steps and
+reports held-out AUC against sync's (issue #46's 1% goal; bench/lib/table_modes.py).
 """
 
 from __future__ import annotations

@@ -75,7 +75,7 @@ def run_modes(
              "--log-every", "0", "--torch-threads", "1", *train_flags]  # fmt: skip
     out: dict[str, Any] = {"rows": table_rows, "steps": steps, "batch_per_worker": batch,
                            "workers": WORLD, "shards": shards, "val_samples": val_samples,
-                           "staleness_bound_ssp": staleness, "options": opts[4:],
+                           "staleness_bound_ssp": staleness, "options": opts[5:],
                            "train_flags": list(train_flags), "modes": {}}  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         for mode in modes:
@@ -90,7 +90,7 @@ def run_modes(
                 "val_auc": rep.get("val_auc"),
                 "val_logloss": rep.get("val_logloss"),
                 "final_train_loss": rep.get("final_train_loss"),
-                "samples": rep.get("samples"),
+                "samples_rank0": rep.get("samples"),  # the same under every mode
                 "table_staleness_histogram": first.get("staleness_histogram"),
             }
     sync = out["modes"].get("sync", {}).get("val_auc")
