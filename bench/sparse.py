@@ -45,6 +45,8 @@ PS with N shards (default 2).
 
 Ratios are against allreduce-sparse (the baseline) and allreduce-dense, both measured in
 the same run (`ps_vs_*`, `hybrid_vs_*`). `--ways hybrid,allreduce_sparse` runs a subset.
+`--table-modes sync,async,ssp` instead runs hybrid under each mode at equal steps and
+reports held-out AUC against sync's (issue #46's 1% goal; bench/lib/table_modes.py).
 """
 
 from __future__ import annotations
@@ -404,7 +406,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--shard-cpus", default="", help="pin the PS shards to these CPUs")
     ap.add_argument("--out", default="", help="write the JSON here too")
+    ap.add_argument("--table-modes", default="", metavar="MODES",
+                    help="instead of the ways: the hybrid way with its tables under each of "
+                    "these --mode (sync,async,ssp) at equal steps; held-out AUC and its ratio "
+                    "to sync's (bench/lib/table_modes.py)")  # fmt: skip
     a = ap.parse_args(argv)
+    if a.table_modes:
+        return _table_modes(a)
     ways = tuple(w.strip() for w in a.ways.split(",") if w.strip())
     if not ways or set(ways) - set(WAYS):
         ap.error(f"--ways: accepted: {', '.join(WAYS)}; got {a.ways!r}")
@@ -440,6 +448,24 @@ def main(argv: list[str] | None = None) -> int:
            "torchrec_available": importlib.util.find_spec("torchrec") is not None}  # fmt: skip
     text = json.dumps(doc, indent=2)
     print(text)
+    if a.out:
+        Path(a.out).write_text(text + "\n")
+    return 0
+
+
+def _table_modes(a: argparse.Namespace) -> int:
+    """--table-modes: issue #46's goal, async / bounded-stale tables within 1% of sync's AUC
+    at equal samples; --rows, --steps, --batch, --bag, --shards, --workload-option apply."""
+    from bench.lib import table_modes
+
+    modes = [m.strip() for m in a.table_modes.split(",") if m.strip()]
+    docs = [table_modes.run_modes(int(n), a.steps, a.batch, modes=modes, bag=a.bag,
+                                  shards=a.shards, timeout=a.timeout,
+                                  options=a.workload_option)
+            for n in a.rows.split(",")]  # fmt: skip
+    text = json.dumps({"benchmark": "sparse_table_modes", "machine": c.machine(),
+                       "results": docs}, indent=2)  # fmt: skip
+    print(text + "\n\n" + "\n\n".join(table_modes.table(d) for d in docs))
     if a.out:
         Path(a.out).write_text(text + "\n")
     return 0

@@ -206,3 +206,11 @@ def test_compare_a_recsys_workload_has_a_hybrid_row(tmp_path: Path) -> None:
     # shards step tables), so the same final loss.
     ddp = doc["runs"]["allreduce"]
     assert row["final_train_loss"] == pytest.approx(ddp["final_train_loss"], rel=1e-5)
+    # Held-out logloss and AUC under every architecture, the same training so the same
+    # figures, in compare.json, the table, and each run's report.md (issue #46 item 3).
+    for name in ("allreduce", "ps-sync", "hybrid-sync"):
+        r = doc["runs"][name]
+        assert r["val_logloss"] == pytest.approx(ddp["val_logloss"], rel=1e-4), name
+        assert r["val_auc"] == pytest.approx(ddp["val_auc"], abs=1e-3), name
+        assert "| val logloss | val AUC |" in (out / name / "report.md").read_text()
+    assert "| val logloss | val AUC |" in (out / "compare.md").read_text()

@@ -123,6 +123,8 @@ def _run_train(cfg: TrainConfig) -> None:
             "val_loss",
             "skipped_steps",
         )
+        # and the workload's extra held-out metrics (recsys: val_logloss, val_auc)
+        keys += tuple(summary.get("val_extra_metrics") or ())
         print(json.dumps({k: summary.get(k) for k in keys}))
 
 

@@ -30,6 +30,7 @@ from psar.worker import compare_repeats, report
 from psar.worker.final_loss import final_loss
 from psar.worker.intervals import format_interval
 from psar.worker.launch import LaunchSpec, add_launch_flags, auto_servers, launch, train_flags
+from psar.worker.validation import column, extra_names
 
 RUNS: dict[str, tuple[str, str]] = {
     "allreduce": ("allreduce", DEFAULT_MODE),
@@ -182,6 +183,10 @@ def metrics(result: dict[str, Any], window: int) -> dict[str, Any]:
         _time=rank0.time,
         _smooth=smooth,
     )
+    # The workload's extra held-out metrics (recsys: val_logloss, val_auc), rank 0's.
+    row.update({k: summary0.get(k) for k in extra_names([summary0])})
+    if "val_extra_metrics" in summary0:
+        row["val_extra_metrics"] = summary0["val_extra_metrics"]
     return row
 
 
@@ -214,13 +219,16 @@ def table(doc: dict[str, Any]) -> str:
     tgt = doc["target_loss"]
     head = ["run", "samples/s", f"time to loss<{tgt:.4g} (s)", "final train loss",
             "val loss", "staleness p50/p99/max", "bytes/step/worker", "skipped", "exit"]  # fmt: skip
+    extra = extra_names(list(doc["runs"].values()))  # recsys: val logloss, val AUC
+    head += [column(n) for n in extra]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, r in doc["runs"].items():
         stale = "/".join(_fmt(r[k]) for k in ("staleness_p50", "staleness_p99", "staleness_max"))
         cells = [name, format_interval(compare_repeats.interval_of(r, "samples_per_sec")),
                  format_interval(compare_repeats.interval_of(r, "time_to_target_s"), 3),
                  _fmt(r["final_train_loss"]), _fmt(r["val_loss"]), stale,
-                 _fmt(r["bytes_per_step"]), _fmt(r["skipped_steps"]), str(r["exit_code"])]  # fmt: skip
+                 _fmt(r["bytes_per_step"]), _fmt(r["skipped_steps"]), str(r["exit_code"]),
+                 *(_fmt(r.get(k)) for k in extra)]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     c = doc["config"]
     strag = ", ".join(f"rank {k} x{v:g}" for k, v in c["straggler"].items()) or "none"

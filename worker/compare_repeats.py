@@ -15,7 +15,15 @@ from typing import Any
 from psar.worker.intervals import mean_interval
 
 #: Figures of every repeat kept in the row, and those given a 95% interval.
-KEPT = ("samples_per_sec", "time_to_target_s", "final_train_loss", "val_loss", "exit_code")
+KEPT = (
+    "samples_per_sec",
+    "time_to_target_s",
+    "final_train_loss",
+    "val_loss",
+    "exit_code",
+    "val_logloss",
+    "val_auc",
+)  # the last two: recsys' (None for other workloads)
 INTERVALS = ("samples_per_sec", "time_to_target_s")
 
 

@@ -156,6 +156,7 @@ def evaluate(
     batch_size: int,
     autocast_ctx: AutocastArg = None,
     max_batches: int | None = None,
+    keep: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> float:
     """Mean loss of ``model`` over ``dataset`` (in order, no shuffling).
 
@@ -164,6 +165,8 @@ def evaluate(
             a zero-argument callable returning one, or None for full precision.
         max_batches: evaluate only the first this-many batches, to bound the cost
             of validating on a large set; None = the whole dataset.
+        keep: where given, each batch's (outputs, targets) is appended to it (detached,
+            on CPU, outputs float32), for metrics over the whole set (Workload.val_metrics).
 
     The mean is weighted by batch size, so a short last batch counts by its size.
     The model is put in eval mode and returned to the mode it was in; batches are
@@ -195,8 +198,11 @@ def evaluate(
             for start in range(0, n, batch_size):
                 idx = torch.arange(start, min(start + batch_size, n))
                 inputs, targets = (t.to(device) for t in gather(dataset, idx))
-                loss = loss_fn(model(inputs), targets)
+                outputs = model(inputs)
+                loss = loss_fn(outputs, targets)
                 total += float(loss.float()) * len(idx)
+                if keep is not None:
+                    keep.append((outputs.detach().float().cpu(), targets.detach().cpu()))
     finally:
         model.train(was_training)
     return total / n

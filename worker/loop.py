@@ -32,9 +32,10 @@ from psar.trainkit.recorder import NullWorkerRecorder, WorkerRecorder
 from psar.trainkit.roles import resolve_local_rank, resolve_rank, resolve_world_size
 from psar.trainkit.seeding import seed_process
 from psar.trainkit.writable import check_file_writable, check_folder_writable
-from psar.worker.data import ElasticBatches, ShardedBatches, evaluate
+from psar.worker.data import ElasticBatches, ShardedBatches
 from psar.worker.progress import Progress
 from psar.worker.records import StepLog, run_summary, write_report
+from psar.worker.validation import validate
 from psar.worker.workloads import Workload, load_workload
 
 logger = logging.getLogger("psar.train")
@@ -372,17 +373,10 @@ def _finish(run: _Run, tally: _Tally, wall: float, *, stopped: bool = False) -> 
     cfg, backend, rank, workload = run.cfg, run.backend, run.rank, run.workload
     if backend.dealer is not None:
         run.total = tally.last_step
-    val_loss = None
-    if workload.val_dataset is not None and cfg.eval_batches and not stopped:
-        mean = evaluate(
-            workload.model,
-            workload.val_dataset,
-            workload.loss_fn,
-            cfg.batch_size,
-            run.precision.autocast,
-            max_batches=cfg.eval_batches,
-        )
-        val_loss = workload.val_value(mean)
+    # Validation first (it may take a while): val_loss, and the workload's extra metrics
+    # (recsys: val_logloss, val_auc) where it has a val_metrics hook.
+    val = validate(workload, cfg.batch_size, run.precision.autocast,
+                   0 if stopped else cfg.eval_batches)  # fmt: skip
     summary = run_summary(
         cfg,
         backend,
@@ -393,8 +387,7 @@ def _finish(run: _Run, tally: _Tally, wall: float, *, stopped: bool = False) -> 
         losses=tally.losses,
         outcomes=tally.outcomes,
     )
-    summary["val_loss"] = val_loss
-    summary["val_loss_unit"] = workload.val_metric if workload.val_metric != "loss" else "nats"
+    summary.update(val)  # val_loss, val_loss_unit (and the hook's metrics), in that order
     summary["rank"] = rank
     if backend.dealer is not None:
         summary["stopped"] = stopped  # left on SIGTERM (else: the job's data was done)

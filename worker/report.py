@@ -12,7 +12,9 @@ Input contract (written by the training loop):
 * optional ``RUN_DIR/report-*.json`` summaries (``arch``, ``mode``, ``world_size``,
   ``samples_per_sec``, ``final_train_loss``, ``val_loss``, ``skipped_steps``,
   ``staleness`` = ``{p50, p99, max, histogram}``, ``workers_took_part``: workers that pushed
-  at least one gradient, or null on a PS rank that does not ask the shards).
+  at least one gradient, or null on a PS rank that does not ask the shards; and where the
+  workload has extra held-out metrics, ``val_extra_metrics``, their names, each a key too:
+  recsys' ``val_logloss``, ``val_auc``, a column each).
 
 Output, into ``RUN_DIR``: ``report.md`` (a table per run, i.e. per (arch, mode)) and,
 when matplotlib is installed (``pip install 'psar[plots]'``), PNG plots.
@@ -31,6 +33,7 @@ from pathlib import Path
 from psar.trainkit.cli_strict import StrictParser
 from psar.worker.final_loss import final_loss
 from psar.worker.report_intervals import report_compare, write_interval_plot
+from psar.worker.validation import column, extra_names
 
 __all__ = [
     "RankSeries",
@@ -205,7 +208,7 @@ HEADER = (
 )
 
 
-def _row(s: RankSeries, val_loss: object) -> list[str]:
+def _row(s: RankSeries, val_loss: object, extra: Sequence[object] = ()) -> list[str]:
     st = sorted(s.staleness)
     stale = [_quantile(st, 0.5), _quantile(st, 0.99), st[-1]] if st else [None] * 3
     return [
@@ -218,10 +221,11 @@ def _row(s: RankSeries, val_loss: object) -> list[str]:
         _fmt(val_loss),
         str(s.skipped),
         *(_fmt(v) for v in stale),
+        *(_fmt(v) for v in extra),
     ]
 
 
-def _summary_row(d: dict) -> list[str]:
+def _summary_row(d: dict, extra: Sequence[str] = ()) -> list[str]:
     stale = d.get("staleness") or {}
     label = "all" + (f" (n={d['world_size']})" if d.get("world_size") is not None else "")
     return [
@@ -234,11 +238,13 @@ def _summary_row(d: dict) -> list[str]:
         _fmt(d.get("val_loss")),
         _fmt(d.get("skipped_steps")),
         *(_fmt(stale.get(k)) for k in ("p50", "p99", "max")),
+        *(_fmt(d.get(k)) for k in extra),
     ]
 
 
-def _table(rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
+def _table(rows: list[list[str]], extra: Sequence[str] = ()) -> str:
+    header = (*HEADER, *(column(n) for n in extra))
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
     return "\n".join(lines)
 
@@ -255,17 +261,20 @@ def summarize(series: list[RankSeries], summaries: list[dict]) -> str:
     for (arch, mode), ranks in runs.items():
         mine = [d for d in summaries if (str(d.get("arch")), str(d.get("mode"))) == (arch, mode)]
 
-        def val_loss(rank: int, mine: list[dict] = mine) -> object:
+        extra = extra_names(mine)
+
+        def val(rank: int, key: str, mine: list[dict] = mine) -> object:
             # A summary may be per rank (has "rank") or per run (applies to every rank);
             # a rank that wrote none (DDP: rank 0 reports for the job, every rank holding
             # the same model) shows the job's, so every row has a val loss.
             for d in mine:
                 if d.get("rank") in (None, rank):
-                    return d.get("val_loss")
-            return next((d.get("val_loss") for d in mine if d.get("rank") == 0), None)
+                    return d.get(key)
+            return next((d.get(key) for d in mine if d.get("rank") == 0), None)
 
-        rows = [_row(s, val_loss(s.rank)) for s in ranks] + [_summary_row(d) for d in mine]
-        parts.append(f"## {arch} / {mode}\n\n{_table(rows)}\n")
+        rows = [_row(s, val(s.rank, "val_loss"), [val(s.rank, k) for k in extra]) for s in ranks]
+        rows += [_summary_row(d, extra) for d in mine]
+        parts.append(f"## {arch} / {mode}\n\n{_table(rows, extra)}\n")
         if bad := sum(s.bad_lines for s in ranks):
             parts.append(f"_{bad} unparseable line(s) skipped (truncated while writing?)._\n")
     return "\n".join(parts)

@@ -56,6 +56,14 @@ class Workload:
     """Maps the mean validation loss (nats) to ``val_metric``; ``None`` = identity.
     Use a module-level function rather than a lambda so the Workload can be pickled."""
 
+    val_metrics: Callable[[torch.Tensor, torch.Tensor], dict[str, float | None]] | None = None
+    """Optional extra held-out metrics: called once, after validation, with the model's
+    outputs and the targets of every evaluated validation sample (concatenated, on CPU,
+    outputs float32) -> ``{name: value}``, e.g. recsys' ``val_logloss`` and ``val_auc``.
+    Names start with ``val_``; each becomes a key of the report (and a column of
+    ``psar report`` / ``psar compare``). For a metric that is no per-batch mean, like
+    AUC. Use a module-level function, as for ``val_transform``."""
+
     find_unused_parameters: bool = False
     """Tell DDP that some parameters may get no gradient in a step (e.g. a branch
     that is skipped); DDP otherwise waits forever for their gradients."""
@@ -71,10 +79,33 @@ class Workload:
             raise TypeError("Workload.loss_fn must be callable: (model_output, target) -> loss")
         if self.val_transform is not None and not callable(self.val_transform):
             raise TypeError("Workload.val_transform must be callable or None")
+        if self.val_metrics is not None and not callable(self.val_metrics):
+            raise TypeError("Workload.val_metrics must be callable or None")
 
     def val_value(self, mean_loss: float) -> float:
         """Convert a mean validation loss into the reported ``val_metric`` value."""
         return self.val_transform(mean_loss) if self.val_transform else mean_loss
+
+    def extra_val_metrics(
+        self, outputs: torch.Tensor, targets: torch.Tensor
+    ) -> dict[str, float | None]:
+        """``val_metrics(outputs, targets)`` checked: {} without the hook; a name that does
+        not start with ``val_``, or would replace the report's own ``val_loss`` /
+        ``val_loss_unit``, is refused here rather than overwriting a report key."""
+        if self.val_metrics is None:
+            return {}
+        got = dict(self.val_metrics(outputs, targets))
+        for name in got:
+            if not name.startswith("val_") or name in RESERVED_VAL_KEYS:
+                raise ValueError(
+                    f"Workload.val_metrics: name {name!r} must start with 'val_' and not be "
+                    f"one of {', '.join(RESERVED_VAL_KEYS)}"
+                )
+        return got
+
+
+#: Report keys the training loop writes itself: a workload's val_metrics may not use them.
+RESERVED_VAL_KEYS = ("val_loss", "val_loss_unit", "val_extra_metrics")
 
 
 class WorkloadFactory(Protocol):

@@ -27,6 +27,10 @@ table vectors and the bottom vector (the upper triangle, with the bottom vector 
 instead of their concatenation. A sample's x is then float64 (the dense features, then
 the ids, exact up to 2^53); the defaults (``dense=0``, ``interaction=cat``) build the
 model and data above, unchanged.
+
+Validation reports ``val_logloss`` (mean BCE of the held-out samples: val_loss, the same
+quantity, computed in float64 over the concatenated logits) and ``val_auc`` (exact ROC
+AUC) through ``Workload.val_metrics`` (worker/workloads/binary_metrics.py).
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from psar.worker.workloads.base import Workload, opt_bool, opt_float, opt_int, seeded
+from psar.worker.workloads.binary_metrics import click_metrics
 
 __all__ = ["DLRMModel", "RecsysModel", "make", "make_dataset", "zipf_ids"]
 
@@ -234,6 +239,8 @@ def make(
         train_dataset=train,
         val_dataset=val if val_samples else None,
         loss_fn=_bce,
+        # Held-out logloss and AUC, as recommendation users measure (issue #46 item 3).
+        val_metrics=click_metrics,
         description=(
             f"recsys tables {table_rows} x {dim}, bag {bag}, zipf {exponent}"
             + (
