@@ -62,10 +62,10 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.lib import common as c
-from bench.lib import cpuwindow
+from bench.lib import cpuwindow, torchrec_way
 
 WORLD = 2
-WAYS = ("ps_sparse", "hybrid", "allreduce_sparse", "allreduce_dense")
+WAYS = ("ps_sparse", "hybrid", "allreduce_sparse", "allreduce_dense", "torchrec")
 
 
 def _run(
@@ -136,6 +136,7 @@ def bench(
     shard_cpus: str = "",
     ways: tuple[str, ...] = WAYS,
     options: tuple[str, ...] = (),
+    torchrec_python: str = "",
 ) -> dict:
     table_rows = [rows, 100_000 if rows >= 1_000_000 else 10_000]
     dim = 64
@@ -195,6 +196,9 @@ def bench(
                 "worker_model_bytes": 2 * table_bytes if sparse == "false" else table_bytes,
                 "final_loss": rep["final_train_loss"],
             }
+        if "torchrec" in ways:
+            out["torchrec"] = _torchrec(t, torchrec_python, opts, batch, steps, timeout,
+                                        worker_cpus)  # fmt: skip
     touched = _touched(table_rows, opts, batch, min(steps, 5))
     out["touched_fraction_per_step"] = touched
     sparse_est = sum(
@@ -204,7 +208,7 @@ def bench(
         dense_mlp = out["allreduce_sparse"]["bytes_per_step"] - table_bytes
         out["allreduce_sparse"]["bytes_per_step"] = sparse_est + max(0.0, dense_mlp)
         out["allreduce_sparse"]["bytes_is_estimate"] = True
-    for name in ("allreduce_sparse", "allreduce_dense"):
+    for name in ("allreduce_sparse", "allreduce_dense", "torchrec"):
         d = out.get(name, {})
         for way, key in (("ps_sparse", "ps"), ("hybrid", "hybrid")):
             mine = out.get(way, {})
@@ -264,6 +268,20 @@ def _hybrid(t: Path, common: list[str], steps: int, shards: int, timeout: float,
         "worker_model_bytes": rep["worker_param_bytes"],
         "final_loss": rep["final_train_loss"],
     }
+
+
+def _torchrec(t: Path, python: str, opts: list[str], batch: int, steps: int, timeout: float,
+              worker_cpus: str) -> dict:  # fmt: skip
+    """TorchRec's DistributedModelParallel (row-wise tables, DDP dense) in its own venv
+    (bench/lib/torchrec_way.py); {"skipped": why} where that venv cannot run it."""
+    why = torchrec_way.unusable(python)
+    if why:
+        return {"skipped": why}
+    try:
+        return torchrec_way.run(t, python, opts, batch, steps, WORLD, 0.05, timeout,  # --lr
+                                c.parse_cpus(worker_cpus))  # fmt: skip
+    except c.ProcessError as e:  # a failure or the timeout
+        return {"error": str(e)[:3000]}
 
 
 def _cpu_opts(window_s: float, log_dir: Path, steps: int) -> dict | None:
@@ -403,6 +421,10 @@ def main(argv: list[str] | None = None) -> int:
         "with --shard-cpus, shards on cores of their own, as on CPU hosts a PS job adds",
     )
     ap.add_argument("--shard-cpus", default="", help="pin the PS shards to these CPUs")
+    ap.add_argument("--torchrec-python", default=torchrec_way.default_python(),
+                    help="python of the TorchRec venv for the torchrec way (default: "
+                    f"{torchrec_way.DEFAULT_PYTHON} where it exists; without one the row "
+                    "says why it was skipped)")  # fmt: skip
     ap.add_argument("--out", default="", help="write the JSON here too")
     a = ap.parse_args(argv)
     ways = tuple(w.strip() for w in a.ways.split(",") if w.strip())
@@ -427,17 +449,15 @@ def main(argv: list[str] | None = None) -> int:
                     a.shard_cpus,
                     ways,
                     tuple(a.workload_option),
+                    a.torchrec_python,
                 )
                 for _ in range(a.repeats)
             ]
         )
         for n in sizes
     ]
-    import importlib.util
-
     doc = {"benchmark": "sparse", "quick": a.quick, "seconds": time.time() - t0,
-           "machine": c.machine(), "results": results,
-           "torchrec_available": importlib.util.find_spec("torchrec") is not None}  # fmt: skip
+           "machine": c.machine(), "results": results}  # fmt: skip
     text = json.dumps(doc, indent=2)
     print(text)
     if a.out:
