@@ -2,7 +2,7 @@
 (docs/sparse.md).
 
 Runs the `recsys` workload (a `rows` x 64 table plus a 100k x 64 one, Zipf ids) with
-2 workers on this machine, four ways, and reports per step and per worker: bytes on
+2 workers on this machine, five ways, and reports per step and per worker: bytes on
 the wire, samples/s (all workers), touched rows, and memory of the model per worker.
 
 - ps-sparse: 2 `psar server` shards + 2 `psar train --arch ps --mode sync` workers;
@@ -17,11 +17,17 @@ the wire, samples/s (all workers), touched rows, and memory of the model per wor
   the rows of every rank's batch x (dim x 4 + 8) bytes. Every rank holds the whole table.
 - allreduce-dense: DDP (gloo) with dense gradients: the whole table's gradient is
   allreduced every step (fp32); skipped above --dense-max-rows.
-TorchRec's row-wise sharding would be the next baseline; it is used only where it imports
-(`torchrec_available` in the output says whether it did here; it is not run yet).
-On this machine it does not: `torchrec` 1.9.2 pulls the CUDA build of `fbgemm-gpu`, and
-`fbgemm-gpu-cpu` 1.9.0 fails to load against torch 2.13.0+cpu (an undefined symbol in
-`fbgemm_gpu_tbe_index_select.so`).
+- torchrec (issue #46 item 4): TorchRec's DistributedModelParallel, CPU and gloo, 2 ranks:
+  the same tables in an EmbeddingBagCollection (mean pooling) sharded row-wise, the same
+  dense layers under DDP, fused SGD on the tables and SGD on the dense part, psar's data
+  and initial weights (its loss equals DDP-sparse's). It runs in a venv of its own
+  (`--torchrec-python`, default /work/venvs/torchrec/bin/python where it exists, built by
+  bench/baselines/torchrec_venv.sh: torch 2.13.0, fbgemm-gpu-cpu 1.8.0, torchrec 1.8.0);
+  without one the row says why it was skipped. Bytes: counted at the collectives TorchRec
+  calls (ids all-to-all, pooled reduce-scatter, gradient all-gather) plus DDP's ring
+  share, sent + received per rank; `peak_rss_bytes_per_rank`; `val_logloss`/`val_auc` on
+  the held-out set where `--workload-option val_samples=N` asks for one
+  (bench/lib/torchrec_way.py).
 
 Rates are total samples over the window in which every worker trains, after each one's
 first steps (bench/lib/common.py steady_rate; `--run-dir` step logs). Goals (issue #19): at
@@ -43,8 +49,8 @@ PS with N shards (default 2).
 
     python bench/sparse.py --rows 1000000 --steps 400 --dense-max-rows 0 --cpu-window-s 5
 
-Ratios are against allreduce-sparse (the baseline) and allreduce-dense, both measured in
-the same run (`ps_vs_*`, `hybrid_vs_*`). `--ways hybrid,allreduce_sparse` runs a subset.
+Ratios are against allreduce-sparse (the baseline), allreduce-dense and torchrec, all
+measured in the same run (`ps_vs_*`, `hybrid_vs_*`). `--ways hybrid,allreduce_sparse` runs a subset.
 """
 
 from __future__ import annotations

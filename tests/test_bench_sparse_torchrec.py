@@ -86,7 +86,9 @@ PYTHON = torchrec_way.default_python()
 
 @pytest.mark.slow
 @pytest.mark.skipif(
-    not PYTHON, reason=f"no TorchRec venv at {torchrec_way.DEFAULT_PYTHON} (bench/README.md)"
+    not PYTHON,
+    reason=f"no TorchRec venv at {torchrec_way.DEFAULT_PYTHON} (its builder: "
+    "bench/baselines/torchrec_venv.sh)",
 )
 def test_torchrec_way_trains_psars_model_on_psars_data() -> None:
     why = torchrec_way.unusable(PYTHON)

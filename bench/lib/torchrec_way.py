@@ -1,9 +1,9 @@
 """bench/sparse.py's `torchrec` way (issue #46 item 4): psar's side of the TorchRec baseline.
 
 TorchRec needs fbgemm-gpu, whose CPU build is tied to one torch release, so it runs in a
-venv of its own (`--torchrec-python`; bench/README.md's sparse section says how it was
-built). psar is not installed there: this module, run by psar's python, writes what the
-runner (bench/lib/torchrec_dmp.py) trains on, from psar's own code, so the data are
+venv of its own (`--torchrec-python`; bench/baselines/torchrec_venv.sh builds it, and
+says why). psar is not installed there: this module, run by psar's python, writes what
+the runner (bench/lib/torchrec_dmp.py) trains on, from psar's own code, so the data are
 bit-identical to the other ways' and the model starts from the same weights:
 
 - spec.pt: table sizes, dim, bag, the dense layers' shape and initial state (psar's
@@ -25,13 +25,14 @@ from pathlib import Path
 from bench.lib import common as c
 
 DEFAULT_PYTHON = Path("/work/venvs/torchrec/bin/python")
-"""Where bench/README.md's recipe builds the TorchRec venv."""
+"""Where bench/baselines/torchrec_venv.sh builds the TorchRec venv by default."""
 RUNNER = Path(__file__).resolve().parent / "torchrec_dmp.py"
 PROBE = "import fbgemm_gpu, torchrec, torch; print(torch.__version__, torchrec.__file__)"
 
 
 def default_python() -> str:
-    """--torchrec-python's default: the venv bench/README.md builds, where it exists."""
+    """--torchrec-python's default: the venv bench/baselines/torchrec_venv.sh builds,
+    where it exists."""
     return str(DEFAULT_PYTHON) if DEFAULT_PYTHON.exists() else ""
 
 
@@ -40,7 +41,7 @@ def unusable(python: str, timeout: float = 120.0) -> str | None:
     fbgemm_gpu/torchrec fails there (the error's last lines)."""
     if not python:
         return (f"no TorchRec venv: {DEFAULT_PYTHON} does not exist and --torchrec-python "
-                "was not given (bench/README.md, sparse section, builds one)")  # fmt: skip
+                "was not given (bash bench/baselines/torchrec_venv.sh builds one)")  # fmt: skip
     if not Path(python).exists():
         return f"--torchrec-python {python}: no such file"
     try:
