@@ -350,6 +350,7 @@ def repeated(runs: list[dict]) -> dict:
         {"ps_sparse_samples_per_sec": r["ps_sparse"]["samples_per_sec"],
          "allreduce_sparse_samples_per_sec": r.get("allreduce_sparse", {}).get("samples_per_sec"),
          "hybrid_samples_per_sec": r.get("hybrid", {}).get("samples_per_sec"),
+         "torchrec_samples_per_sec": r.get("torchrec", {}).get("samples_per_sec"),
          "speedup": ratio(r),
          "hybrid_speedup": r.get("hybrid_vs_allreduce_sparse", {}).get("speedup")}
         for r in runs
@@ -369,6 +370,7 @@ def table(doc: dict) -> str:
     for r in doc["results"]:
         ps, ddp = r.get("ps_sparse", {}), r.get("allreduce_sparse", {})
         hyb, goal, hgoal = r.get("hybrid", {}), r.get("goal", {}), r.get("goal_hybrid", {})
+        tr = r.get("torchrec", {})
         rows.append([f"{r['rows'][0]:,} + {r['rows'][1]:,}", ps.get("samples_per_sec"),
                      ddp.get("samples_per_sec") or ddp.get("skipped") or "failed",
                      r.get("ps_vs_allreduce_sparse", {}).get("speedup"),
@@ -378,10 +380,13 @@ def table(doc: dict) -> str:
                      hyb.get("samples_per_sec"),
                      r.get("hybrid_vs_allreduce_sparse", {}).get("speedup"),
                      f">= 1.0x: {'met' if hgoal.get('met') else 'not met'}" if hgoal else None,
-                     _mb(hyb.get("bytes_per_step"))])  # fmt: skip
+                     _mb(hyb.get("bytes_per_step")),
+                     tr.get("samples_per_sec") or tr.get("skipped") or tr.get("error") and "failed",
+                     r.get("hybrid_vs_torchrec", {}).get("speedup")])  # fmt: skip
     head = ["table rows", "ps-sparse samples/s", "DDP-sparse samples/s", "ps / DDP-sparse",
             "goal", "ps MB/step", "ps model MB/worker", "DDP model MB/rank",
-            "hybrid samples/s", "hybrid / DDP-sparse", "hybrid goal", "hybrid MB/step"]  # fmt: skip
+            "hybrid samples/s", "hybrid / DDP-sparse", "hybrid goal", "hybrid MB/step",
+            "torchrec samples/s", "hybrid / torchrec"]  # fmt: skip
     return ("## Sparse tables (ps-sparse and hybrid vs DDP-sparse)\n\n" + c.md_table(head, rows)
             + f"\n\n{WORLD} workers; rates over the window every worker trains in.")  # fmt: skip
 
