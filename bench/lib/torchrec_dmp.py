@@ -260,7 +260,9 @@ def main(argv: list[str] | None = None) -> int:
     for t, (n, (std, seed)) in enumerate(zip(spec["rows"], spec["init"], strict=True)):
         for shard in state[f"ebc.embedding_bags.t{t}.weight"].local_shards():
             lo, size = shard.metadata.shard_offsets[0], shard.metadata.shard_sizes[0]
-            shard.tensor.copy_(block_rows(n, spec["dim"], std, seed, lo, lo + size))
+            for a0 in range(0, size, BLOCK_ROWS):  # a block at a time: no shard-sized copy
+                a1 = min(size, a0 + BLOCK_ROWS)
+                shard.tensor[a0:a1].copy_(block_rows(n, spec["dim"], std, seed, lo + a0, lo + a1))
             table_bytes += shard.tensor.nbytes
     dense_params = [p for name, p in dmp.named_parameters() if "ebc." not in name]
     dense_bytes = sum(p.nbytes for p in dense_params)
@@ -288,8 +290,9 @@ def main(argv: list[str] | None = None) -> int:
     log.close()
     steps = len(xs)
     sent_received = wire.bytes / steps + 2 * ring_bytes(dense_bytes, world)
+    peak = peak_rss_bytes()  # training's peak, before the held-out pass gathers its scores
     ev = _evaluate(dmp, spec, rank, world)
-    mine = {"rank": rank, "peak_rss_bytes": peak_rss_bytes(), "bytes_per_step": sent_received,
+    mine = {"rank": rank, "peak_rss_bytes": peak, "bytes_per_step": sent_received,
             "collective_calls_per_step": wire.calls / steps,
             "model_bytes": table_bytes + dense_bytes}  # fmt: skip
     every: list = [None] * world
