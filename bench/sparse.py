@@ -2,7 +2,7 @@
 (docs/sparse.md).
 
 Runs the `recsys` workload (a `rows` x 64 table plus a 100k x 64 one, Zipf ids) with
-2 workers on this machine, four ways, and reports per step and per worker: bytes on
+2 workers on this machine, five ways, and reports per step and per worker: bytes on
 the wire, samples/s (all workers), touched rows, and memory of the model per worker.
 
 - ps-sparse: 2 `psar server` shards + 2 `psar train --arch ps --mode sync` workers;
@@ -17,11 +17,17 @@ the wire, samples/s (all workers), touched rows, and memory of the model per wor
   the rows of every rank's batch x (dim x 4 + 8) bytes. Every rank holds the whole table.
 - allreduce-dense: DDP (gloo) with dense gradients: the whole table's gradient is
   allreduced every step (fp32); skipped above --dense-max-rows.
-TorchRec's row-wise sharding would be the next baseline; it is used only where it imports
-(`torchrec_available` in the output says whether it did here; it is not run yet).
-On this machine it does not: `torchrec` 1.9.2 pulls the CUDA build of `fbgemm-gpu`, and
-`fbgemm-gpu-cpu` 1.9.0 fails to load against torch 2.13.0+cpu (an undefined symbol in
-`fbgemm_gpu_tbe_index_select.so`).
+- torchrec (issue #46 item 4): TorchRec's DistributedModelParallel, CPU and gloo, 2 ranks:
+  the same tables in an EmbeddingBagCollection (mean pooling) sharded row-wise, the same
+  dense layers under DDP, fused SGD on the tables and SGD on the dense part, psar's data
+  and initial weights (its loss equals DDP-sparse's). It runs in a venv of its own
+  (`--torchrec-python`, default /work/venvs/torchrec/bin/python where it exists, built by
+  bench/baselines/torchrec_venv.sh: torch 2.13.0, fbgemm-gpu-cpu 1.8.0, torchrec 1.8.0);
+  without one the row says why it was skipped. Bytes: counted at the collectives TorchRec
+  calls (ids all-to-all, pooled reduce-scatter, gradient all-gather) plus DDP's ring
+  share, sent + received per rank; `peak_rss_bytes_per_rank`; `val_logloss`/`val_auc` on
+  the held-out set where `--workload-option val_samples=N` asks for one
+  (bench/lib/torchrec_way.py).
 
 Rates are total samples over the window in which every worker trains, after each one's
 first steps (bench/lib/common.py steady_rate; `--run-dir` step logs). Goals (issue #19): at
@@ -43,8 +49,8 @@ PS with N shards (default 2).
 
     python bench/sparse.py --rows 1000000 --steps 400 --dense-max-rows 0 --cpu-window-s 5
 
-Ratios are against allreduce-sparse (the baseline) and allreduce-dense, both measured in
-the same run (`ps_vs_*`, `hybrid_vs_*`). `--ways hybrid,allreduce_sparse` runs a subset.
+Ratios are against allreduce-sparse (the baseline), allreduce-dense and torchrec, all
+measured in the same run (`ps_vs_*`, `hybrid_vs_*`). `--ways hybrid,allreduce_sparse` runs a subset.
 `--table-modes sync,async,ssp` instead runs hybrid under each mode at equal steps and
 reports held-out AUC against sync's (issue #46's 1% goal; bench/lib/table_modes.py).
 """
@@ -64,10 +70,10 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.lib import common as c
-from bench.lib import cpuwindow
+from bench.lib import cpuwindow, torchrec_way
 
 WORLD = 2
-WAYS = ("ps_sparse", "hybrid", "allreduce_sparse", "allreduce_dense")
+WAYS = ("ps_sparse", "hybrid", "allreduce_sparse", "allreduce_dense", "torchrec")
 
 
 def _run(
@@ -138,6 +144,7 @@ def bench(
     shard_cpus: str = "",
     ways: tuple[str, ...] = WAYS,
     options: tuple[str, ...] = (),
+    torchrec_python: str = "",
 ) -> dict:
     table_rows = [rows, 100_000 if rows >= 1_000_000 else 10_000]
     dim = 64
@@ -197,6 +204,9 @@ def bench(
                 "worker_model_bytes": 2 * table_bytes if sparse == "false" else table_bytes,
                 "final_loss": rep["final_train_loss"],
             }
+        if "torchrec" in ways:
+            out["torchrec"] = _torchrec(t, torchrec_python, opts, batch, steps, timeout,
+                                        worker_cpus)  # fmt: skip
     touched = _touched(table_rows, opts, batch, min(steps, 5))
     out["touched_fraction_per_step"] = touched
     sparse_est = sum(
@@ -206,7 +216,7 @@ def bench(
         dense_mlp = out["allreduce_sparse"]["bytes_per_step"] - table_bytes
         out["allreduce_sparse"]["bytes_per_step"] = sparse_est + max(0.0, dense_mlp)
         out["allreduce_sparse"]["bytes_is_estimate"] = True
-    for name in ("allreduce_sparse", "allreduce_dense"):
+    for name in ("allreduce_sparse", "allreduce_dense", "torchrec"):
         d = out.get(name, {})
         for way, key in (("ps_sparse", "ps"), ("hybrid", "hybrid")):
             mine = out.get(way, {})
@@ -266,6 +276,20 @@ def _hybrid(t: Path, common: list[str], steps: int, shards: int, timeout: float,
         "worker_model_bytes": rep["worker_param_bytes"],
         "final_loss": rep["final_train_loss"],
     }
+
+
+def _torchrec(t: Path, python: str, opts: list[str], batch: int, steps: int, timeout: float,
+              worker_cpus: str) -> dict:  # fmt: skip
+    """TorchRec's DistributedModelParallel (row-wise tables, DDP dense) in its own venv
+    (bench/lib/torchrec_way.py); {"skipped": why} where that venv cannot run it."""
+    why = torchrec_way.unusable(python)
+    if why:
+        return {"skipped": why}
+    try:
+        return torchrec_way.run(t, python, opts, batch, steps, WORLD, 0.05, timeout,  # --lr
+                                c.parse_cpus(worker_cpus))  # fmt: skip
+    except c.ProcessError as e:  # a failure or the timeout
+        return {"error": str(e)[:3000]}
 
 
 def _cpu_opts(window_s: float, log_dir: Path, steps: int) -> dict | None:
@@ -328,6 +352,7 @@ def repeated(runs: list[dict]) -> dict:
         {"ps_sparse_samples_per_sec": r["ps_sparse"]["samples_per_sec"],
          "allreduce_sparse_samples_per_sec": r.get("allreduce_sparse", {}).get("samples_per_sec"),
          "hybrid_samples_per_sec": r.get("hybrid", {}).get("samples_per_sec"),
+         "torchrec_samples_per_sec": r.get("torchrec", {}).get("samples_per_sec"),
          "speedup": ratio(r),
          "hybrid_speedup": r.get("hybrid_vs_allreduce_sparse", {}).get("speedup")}
         for r in runs
@@ -347,6 +372,7 @@ def table(doc: dict) -> str:
     for r in doc["results"]:
         ps, ddp = r.get("ps_sparse", {}), r.get("allreduce_sparse", {})
         hyb, goal, hgoal = r.get("hybrid", {}), r.get("goal", {}), r.get("goal_hybrid", {})
+        tr = r.get("torchrec", {})
         rows.append([f"{r['rows'][0]:,} + {r['rows'][1]:,}", ps.get("samples_per_sec"),
                      ddp.get("samples_per_sec") or ddp.get("skipped") or "failed",
                      r.get("ps_vs_allreduce_sparse", {}).get("speedup"),
@@ -356,10 +382,13 @@ def table(doc: dict) -> str:
                      hyb.get("samples_per_sec"),
                      r.get("hybrid_vs_allreduce_sparse", {}).get("speedup"),
                      f">= 1.0x: {'met' if hgoal.get('met') else 'not met'}" if hgoal else None,
-                     _mb(hyb.get("bytes_per_step"))])  # fmt: skip
+                     _mb(hyb.get("bytes_per_step")),
+                     tr.get("samples_per_sec") or tr.get("skipped") or tr.get("error") and "failed",
+                     r.get("hybrid_vs_torchrec", {}).get("speedup")])  # fmt: skip
     head = ["table rows", "ps-sparse samples/s", "DDP-sparse samples/s", "ps / DDP-sparse",
             "goal", "ps MB/step", "ps model MB/worker", "DDP model MB/rank",
-            "hybrid samples/s", "hybrid / DDP-sparse", "hybrid goal", "hybrid MB/step"]  # fmt: skip
+            "hybrid samples/s", "hybrid / DDP-sparse", "hybrid goal", "hybrid MB/step",
+            "torchrec samples/s", "hybrid / torchrec"]  # fmt: skip
     return ("## Sparse tables (ps-sparse and hybrid vs DDP-sparse)\n\n" + c.md_table(head, rows)
             + f"\n\n{WORLD} workers; rates over the window every worker trains in.")  # fmt: skip
 
@@ -405,6 +434,10 @@ def main(argv: list[str] | None = None) -> int:
         "with --shard-cpus, shards on cores of their own, as on CPU hosts a PS job adds",
     )
     ap.add_argument("--shard-cpus", default="", help="pin the PS shards to these CPUs")
+    ap.add_argument("--torchrec-python", default=torchrec_way.default_python(),
+                    help="python of the TorchRec venv for the torchrec way (default: "
+                    f"{torchrec_way.DEFAULT_PYTHON} where it exists; without one the row "
+                    "says why it was skipped)")  # fmt: skip
     ap.add_argument("--out", default="", help="write the JSON here too")
     ap.add_argument("--table-modes", default="", metavar="MODES",
                     help="instead of the ways: the hybrid way with its tables under each of "
@@ -435,17 +468,15 @@ def main(argv: list[str] | None = None) -> int:
                     a.shard_cpus,
                     ways,
                     tuple(a.workload_option),
+                    a.torchrec_python,
                 )
                 for _ in range(a.repeats)
             ]
         )
         for n in sizes
     ]
-    import importlib.util
-
     doc = {"benchmark": "sparse", "quick": a.quick, "seconds": time.time() - t0,
-           "machine": c.machine(), "results": results,
-           "torchrec_available": importlib.util.find_spec("torchrec") is not None}  # fmt: skip
+           "machine": c.machine(), "results": results}  # fmt: skip
     text = json.dumps(doc, indent=2)
     print(text)
     if a.out:

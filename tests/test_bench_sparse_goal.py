@@ -115,9 +115,9 @@ def test_the_table_has_a_hybrid_column_beside_ps() -> None:
     assert cells["hybrid / DDP-sparse"] == "1.3" and cells["hybrid goal"] == ">= 1.0x: met"
 
 
-def test_ways_outside_the_four_are_refused() -> None:
+def test_ways_outside_the_five_are_refused() -> None:
     with pytest.raises(SystemExit):
-        sparse.main(["--ways", "ps_sparse,torchrec"])
+        sparse.main(["--ways", "ps_sparse,tensorflow"])
 
 
 def test_touched_rows_skip_the_dlrm_dense_features() -> None:
