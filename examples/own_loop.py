@@ -11,7 +11,7 @@ communicating (--accum N micro-batches a step) and run.autocast() follows `psar 
 every rank's loss every N steps; --save and --load write and read a checkpoint (model
 and optimizer state dicts, torch's format); --state-dir DIR --save-every N saves the
 whole run (run.save_state) and --resume DIR continues it bit for bit
-(prepare(resume_from=) and run.load_state(): docs/own-loop.md, "Saving and resuming").
+(prepare(resume_from=), the one call: docs/own-loop.md, "Saving and resuming").
 
 `make_workload` at the bottom hands the same model and data to psar's own loop:
 `psar train --workload examples.own_loop:make_workload` (tests/test_own_loop.py holds
@@ -150,11 +150,9 @@ def main(argv: list[str] | None = None) -> None:
     loader = DataLoader(data, batch_size=args.batch_size, sampler=sampler, drop_last=True,
                         generator=torch.Generator())  # fmt: skip
     schedule = linear_warmup if args.schedule == "linear" else warmup_cosine
-    scheduler = run.register(  # saved and restored with the run
+    scheduler = run.register(  # saved with the run; resumed: restored here, then the lrs
         torch.optim.lr_scheduler.LambdaLR(run.optimizer, schedule(args.warmup, args.steps))
-    )
-    if args.resume:
-        run.load_state()  # the step, the scheduler, this rank's random generators
+    )  # and (the last registered) this rank's random generators
 
     batches = endless(loader, sampler, skip=run.step * args.accum)
     loss = float("nan")

@@ -1,5 +1,5 @@
 """A loop of its own, cut and resumed with run.save_state() / prepare(resume_from=) +
-run.load_state() as docs/own-loop.md shows them (examples/own_loop.py --state-dir /
+the scheduler registered again, as docs/own-loop.md shows them (examples/own_loop.py --state-dir /
 --resume), equals the run never cut, bit for bit, under ps sync and allreduce (issue 45,
 defect 15): a Hugging Face warm-up scheduler (lr 0 at the first step) cut mid-warm-up,
 AdamW, dropout, clipping and no_sync accumulation; 2 workers, real processes.

@@ -1,4 +1,5 @@
-"""run.save_state() / prepare(resume_from=) + run.load_state() (worker/own_loop.py,
+"""run.save_state() / prepare(resume_from=), restored as the objects are registered again
+(worker/own_loop.py,
 worker/own_state.py) in one process: a real in-process shard (ps) or a gloo group of one
 (allreduce). Two workers in real processes, cut mid-warm-up: tests/test_own_loop_resume.py.
 """
@@ -43,13 +44,13 @@ def _warmup(n: int) -> float:
 
 
 def _start(
-    environ: dict, resume: Path | None = None
+    environ: dict, resume: Path | None = None, *, register: bool = True
 ) -> tuple[OwnLoop, torch.optim.lr_scheduler.LambdaLR]:
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=0.05)
     run = prepare(model, opt, env=environ, args=["--torch-threads", "1"], resume_from=resume)
-    sched = run.register(torch.optim.lr_scheduler.LambdaLR(run.optimizer, _warmup))
-    return run, sched
+    sched = torch.optim.lr_scheduler.LambdaLR(run.optimizer, _warmup)
+    return run, run.register(sched) if register else sched
 
 
 def _steps(run: OwnLoop, sched: torch.optim.lr_scheduler.LambdaLR, n: int) -> list[float]:
@@ -77,16 +78,38 @@ def test_a_resumed_run_continues_bit_for_bit(env: dict, tmp_path: Path) -> None:
     run.finish()
 
     with _next_job(env) as environ:
+        # The one call: prepare(resume_from=) restores the step at once, the scheduler
+        # as it is registered again, then the learning rates and the generators.
         again, sched = _start(environ, resume=tmp_path)
-        with pytest.raises(RuntimeError, match=r"call run\.load_state\(\)"):
-            _steps(again, sched, 1)  # not restored yet: the forward is refused
-        assert again.load_state() == 2 and again.step == 2
+        assert again.step == 2 and again.load_state() == 2  # load_state(): optional
         assert [g["lr"] for g in again.optimizer.param_groups] == pytest.approx([0.05 * 2 / 3])
         got = _steps(again, sched, 3)
         weights = [p.detach().clone() for p in again.model.parameters()]
         again.finish()
     assert got == want
     assert all(torch.equal(a, b) for a, b in zip(weights, want_weights, strict=True))
+
+
+def test_a_forward_before_every_saved_object_is_registered_is_refused(
+    env: dict,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    run, sched = _start(env)
+    _steps(run, sched, 1)
+    run.save_state(tmp_path)
+    run.finish()
+    with _next_job(env) as environ:
+        again, sched = _start(environ, resume=tmp_path, register=False)
+        try:
+            with pytest.raises(RuntimeError, match=r"registered 1 object\(s\).*this one 0"):
+                _steps(again, sched, 1)  # the scheduler was not registered: refused
+            with pytest.raises(ValueError, match=r"registered 1 objects, this one 0"):
+                again.load_state()
+            again.register(sched)
+            _steps(again, sched, 1)  # restored now
+            assert again.step == 2
+        finally:
+            again.finish()
 
 
 def test_resuming_needs_the_folder_in_prepare(env: dict, tmp_path: Path) -> None:  # noqa: F811

@@ -13,8 +13,8 @@ under `--arch ps` or `--arch allreduce` unchanged (docs/own-loop.md).
         run.clip_grad_norm_(1.0)
         run.optimizer.step()
         sched.step()
-    run.save_state("state")    # every rank; prepare(..., resume_from="state") and
-    run.finish()               # run.load_state() continue from here bit for bit
+    run.save_state("state")    # every rank; prepare(..., resume_from="state") (and the
+    run.finish()               # same run.register calls) continue from here bit for bit
 
 The architecture is chosen where psar train's is: `--arch` in PSAR_ARGS (every `psar
 train` flag may go there; `psar launch ... -- python train.py` sets it), else PSAR_ARCH,
@@ -131,16 +131,24 @@ class OwnLoop:
         self._finished = False
         self.step = 0
         """Optimizer steps done in this run, those of the run it resumed included
-        (load_state() restores it): continue your loop at run.step + 1."""
+        (prepare(resume_from=) restores it): continue your loop at run.step + 1."""
         self._registered: list[Any] = []
         self._resume = resume
         """The folder prepare(resume_from=) loaded the model and optimizer from."""
         self._restored = False
-        # Until load_state(), a forward is refused: under ps its backward would push a
-        # gradient already, so a refusal at step() would come too late.
+        self._saved: dict[str, Any] | None = None
+        """This rank's saved state (prepare(resume_from=)), restored as the objects it
+        holds are registered again (register)."""
+        # Until every saved object is registered again, a forward is refused: under ps
+        # its backward would push a gradient already, so a refusal at step() would come
+        # too late.
         self._unrestored = (
             module.register_forward_pre_hook(self._refuse_unrestored) if resume else None
         )
+        if resume is not None:
+            self._saved = own_state.load_rank(resume, self.rank, self.world_size)
+            self.step = int(self._saved["step"])  # at once: the data position needs it
+            self._restore_when_all_registered()
         # Whether a backward ran since the last step: a step without one is refused
         # (_check_backward), not pushed or allreduced with a gradient missing.
         self._backward_seen = False
@@ -187,11 +195,13 @@ class OwnLoop:
         return self.backend.ctx.precision.autocast()
 
     def _refuse_unrestored(self, *_: object) -> None:
+        saved = len(self._saved["objects"]) if self._saved is not None else 0
         raise RuntimeError(
-            f"prepare(resume_from={str(self._resume)!r}) loaded the model and the optimizer; "
-            "call run.load_state() before the first forward (after registering your LR "
-            "schedulers with run.register()), or the run goes on with fresh schedulers, "
-            "random generators and step count"
+            f"prepare(resume_from={str(self._resume)!r}): the saved run registered {saved} "
+            f"object(s) (LR schedulers, ...), this one {len(self._registered)} so far; "
+            "register the same ones with run.register(), in the same order, before the "
+            "first forward: each is restored as it is registered, and the random "
+            "generators once the last one is"
         )
 
     def _step(self) -> None:
@@ -244,12 +254,38 @@ class OwnLoop:
     # ---- saving and resuming ------------------------------------------------------------
 
     def register(self, obj: T) -> T:
-        """Save and restore `obj` with the run (save_state / load_state): an LR scheduler
-        or anything with state_dict() and load_state_dict() (or a torch.Generator).
-        Register the same objects in the same order in the resumed run. Returns `obj`."""
+        """Save and restore `obj` with the run (save_state; prepare(resume_from=)): an LR
+        scheduler or anything with state_dict() and load_state_dict() (or a
+        torch.Generator). Register the same objects in the same order in the resumed
+        run: each is restored here, as it is registered (then each group's learning
+        rate: a warm-up scheduler built on run.optimizer has just set it to its first
+        value), and once the last saved one is, this rank's random generators. Returns
+        `obj`."""
         own_state.check_registrable(obj)
+        if self._saved is not None and not self._restored:
+            # Not restored yet: fewer registered than saved, so this is saved one `at`.
+            own_state.load_object(obj, self._saved["objects"][len(self._registered)])
+            self._registered.append(obj)
+            for group, lr in zip(self.optimizer.param_groups, self._saved["lrs"], strict=True):
+                group["lr"] = lr
+            self._restore_when_all_registered()
+            return obj
         self._registered.append(obj)
         return obj
+
+    def _restore_when_all_registered(self) -> None:
+        """The last of a resumed run's saved objects is registered (or it saved none):
+        the learning rates and the random generators go back (last: prepare() reseeded
+        them), and forwards are allowed."""
+        assert self._saved is not None
+        if len(self._registered) < len(self._saved["objects"]):
+            return
+        for group, lr in zip(self.optimizer.param_groups, self._saved["lrs"], strict=True):
+            group["lr"] = lr
+        own_state.set_rng_state(self._saved["rng"])
+        self._restored = True
+        if self._unrestored is not None:
+            self._unrestored.remove()
 
     def save_state(self, folder: str | os.PathLike) -> None:
         """Save everything the run needs to continue bit for bit into `folder` (call it on
@@ -265,41 +301,28 @@ class OwnLoop:
         own_state.save_rank(path, self.rank, self.world_size, self.step, lrs, self._registered)
 
     def load_state(self, folder: str | os.PathLike | None = None) -> int:
-        """Continue the run prepare(..., resume_from=folder) loaded the model and the
-        optimizer of: restore the step, the registered objects (after them, each
-        group's learning rate: a warm-up scheduler built on run.optimizer set it to its
-        first value), and this rank's random generators (last: prepare() reseeded them).
-        Call it after registering your schedulers, before the first step; returns
-        run.step (the steps done)."""
+        """Optional (a resumed run restores itself as its objects are registered again,
+        register): checks that it did, from `folder` if given, and returns run.step (the
+        steps done). Refused where prepare() was not given resume_from, or where fewer
+        objects were registered than the saved run had."""
         if self._resume is None:
             raise RuntimeError(
-                "load_state(): pass the folder to prepare(..., resume_from=FOLDER) first: "
-                "the model and the optimizer are loaded before the job starts (under "
-                "--arch ps the shards take them with it), the rest by load_state()"
+                "load_state(): pass the folder to prepare(..., resume_from=FOLDER): the "
+                "model and the optimizer are loaded before the job starts (under --arch ps "
+                "the shards take them with it), the rest as you register your objects"
             )
         if folder is not None and Path(folder).resolve() != self._resume.resolve():
             raise ValueError(
                 f"load_state({str(folder)!r}): prepare() resumed from {str(self._resume)!r}; "
                 "restore from the same folder"
             )
-        if self._restored:
-            raise RuntimeError("load_state(): the run was restored already (call it once)")
-        state = own_state.load_rank(self._resume, self.rank, self.world_size)
-        if len(state["objects"]) != len(self._registered):
+        if not self._restored:
+            assert self._saved is not None
             raise ValueError(
-                f"load_state(): the saved run registered {len(state['objects'])} objects, "
-                f"this one {len(self._registered)}; register the same ones (run.register), "
-                "in the same order, before load_state()"
+                f"load_state(): the saved run registered {len(self._saved['objects'])} "
+                f"objects, this one {len(self._registered)}; register the same ones "
+                "(run.register), in the same order"
             )
-        for obj, saved in zip(self._registered, state["objects"], strict=True):
-            own_state.load_object(obj, saved)
-        for group, lr in zip(self.optimizer.param_groups, state["lrs"], strict=True):
-            group["lr"] = lr
-        self.step = int(state["step"])
-        own_state.set_rng_state(state["rng"])
-        self._restored = True
-        if self._unrestored is not None:
-            self._unrestored.remove()
         return self.step
 
     # ---- the end ----------------------------------------------------------------------
@@ -368,8 +391,9 @@ def prepare(
     args: more `psar train` flags (after PSAR_ARGS). total_steps: the run's length, if
     known (ps: the overlap trial fits in it).
     resume_from: a folder run.save_state() wrote: its model and optimizer are loaded
-    into yours before the job starts; then call run.load_state() for the rest (the
-    step, your registered schedulers, each rank's random generators)."""
+    into yours before the job starts, and run.step is set; register the same objects
+    again (run.register) and each is restored as it is registered, then the learning
+    rates and each rank's random generators (no other call is needed)."""
     refuse_a_second_prepare(model, optimizer)
     refuse_foreign_parameters(model, optimizer)
     resumed = None

@@ -11,7 +11,7 @@ the architecture does differently is overridden:
 - state_dict(): under PS the state is read from the shards, in torch's format (a file
   saved under one architecture loads under the other);
 - load_state_dict() and add_param_group(): refused once prepared (the shards took the
-  groups and state with the job: resume with prepare(resume_from=) and run.load_state(),
+  groups and state with the job: resume with prepare(resume_from=),
   or load the state into your optimizer before prepare()).
 
 Also prepare()'s checks of the model and optimizer it is given (refuse_*): the same
@@ -30,7 +30,7 @@ PREPARED = "_psar_prepared"
 holds the job: a second would register the same rank again, or wrap DDP in DDP)."""
 
 _LOAD_FIRST = (
-    "resume with prepare(..., resume_from=FOLDER) and run.load_state() (FOLDER written by "
+    "resume with prepare(..., resume_from=FOLDER) (FOLDER written by "
     "run.save_state()), or load the optimizer's state into your own optimizer before "
     "prepare() (the same under both architectures: under --arch ps the shards take it "
     "with the job)"

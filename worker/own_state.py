@@ -1,6 +1,6 @@
 """The files of a loop of its own's saved run (worker/own_loop.py's `run.save_state(dir)`
-and `prepare(..., resume_from=dir)` + `run.load_state()`), as Accelerate's save_state and
-load_state write and read them: everything a run needs to continue bit for bit.
+and `prepare(..., resume_from=dir)`), as Accelerate's save_state and load_state write and
+read them: everything a run needs to continue bit for bit.
 
 A folder holds:
 
@@ -13,7 +13,7 @@ A folder holds:
   (torch's CPU and CUDA ones, Python's `random`, NumPy's global one).
 
 The model and the optimizer go in before the shards take them (prepare()); the rest once
-the objects it belongs to exist (load_state(), after prepare()). Every file is written
+the objects it belongs to exist (run.register(), after prepare()). Every file is written
 atomically (trainkit/atomic.py) and read with weights_only=True.
 """
 
