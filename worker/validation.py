@@ -7,12 +7,11 @@ here is the worker's own, so one function serves them all.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from psar.worker.data import AutocastArg, evaluate
-from psar.worker.workloads import Workload
+if TYPE_CHECKING:  # torch only where validation runs: `psar report/compare --help` load none
+    from psar.worker.data import AutocastArg
+    from psar.worker.workloads import Workload
 
 __all__ = ["column", "extra_names", "validate"]
 
@@ -23,12 +22,16 @@ def validate(
     """The report's validation keys: ``val_loss``, ``val_loss_unit``, and with a
     ``val_metrics`` hook each of its metrics plus ``val_extra_metrics`` (their names, in
     order, so `psar report` / `psar compare` find them without knowing the workload)."""
+    import torch
+
+    from psar.worker.data import evaluate
+
     unit = workload.val_metric if workload.val_metric != "loss" else "nats"
     if workload.val_dataset is None or not max_batches:
         return {"val_loss": None, "val_loss_unit": unit}
     # The outputs are kept only for a hook: (n,) logits for recsys, but an lm's would be
     # (n, seq, vocab), too many to hold for nothing.
-    keep: list[tuple[torch.Tensor, torch.Tensor]] | None = (
+    keep: list[tuple[Any, Any]] | None = (
         [] if workload.val_metrics is not None else None
     )
     mean = evaluate(
