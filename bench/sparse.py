@@ -63,6 +63,7 @@ if __package__ in (None, ""):
 
 from bench.lib import common as c
 from bench.lib import cpuwindow
+from bench.lib import sparse_hosts as sh
 
 WORLD = 2
 WAYS = ("ps_sparse", "hybrid", "allreduce_sparse", "allreduce_dense")
@@ -155,17 +156,20 @@ def bench(
     with tempfile.TemporaryDirectory() as tmp:
         t = Path(tmp)
         if "ps_sparse" in ways:
-            out["ps_sparse"] = _ps(t, common, steps, shards, timeout, cpu_window_s,
-                                   worker_cpus, shard_cpus)  # fmt: skip
+            out["ps_sparse"] = sh.measured("ps_sparse", table_rows, dim, WORLD, shards, lambda: _ps(
+                t, common, steps, shards, timeout, cpu_window_s, worker_cpus, shard_cpus))  # fmt: skip
         if "hybrid" in ways:
-            out["hybrid"] = _hybrid(t, common, steps, shards, timeout, cpu_window_s,
-                                    worker_cpus, shard_cpus)  # fmt: skip
+            out["hybrid"] = sh.measured("hybrid", table_rows, dim, WORLD, shards, lambda: _hybrid(
+                t, common, steps, shards, timeout, cpu_window_s, worker_cpus, shard_cpus))  # fmt: skip
         for name, sparse, wire in (("allreduce_sparse", "true", "fp32"),
                                    ("allreduce_dense", "false", "fp32")):  # fmt: skip
             if name not in ways:
                 continue
             if sparse == "false" and rows > dense_max_rows:
                 out[name] = {"skipped": f"rows > --dense-max-rows {dense_max_rows} (memory)"}
+                continue
+            if skip := sh.guard(name, table_rows, dim, WORLD, shards):
+                out[name] = skip  # predicted from memory: never run into the OOM killer
                 continue
             # torch's fused SGD (the auto impl where it exists) refuses sparse gradients.
             impl = ["--optimizer-impl", "loop"] if sparse == "true" else []
@@ -175,8 +179,9 @@ def bench(
                   "--workload-option", f"sparse={sparse}", *impl,
                   "--report", str(t / f"{name}.json"), "--run-dir", str(t / name)]  # fmt: skip
             for attempt in range(2):
+                mem = sh.sampler()  # the last attempt's peaks are the row's
                 try:
-                    with c.supervisor(t / f"{name}-logs-{attempt}") as sup:
+                    with c.supervisor(t / f"{name}-logs-{attempt}") as sup, mem:
                         cpu = _run(sup, {"torchrun and its ranks": tr}, timeout,
                                    c.parse_cpus(worker_cpus),
                                    _cpu_opts(cpu_window_s, t / name, steps))  # fmt: skip
@@ -194,6 +199,7 @@ def bench(
                 # weights + dense gradient of every table (DDP keeps both on every rank)
                 "worker_model_bytes": 2 * table_bytes if sparse == "false" else table_bytes,
                 "final_loss": rep["final_train_loss"],
+                **sh.peak_fields(mem.by_role()),
             }
     touched = _touched(table_rows, opts, batch, min(steps, 5))
     out["touched_fraction_per_step"] = touched
@@ -286,15 +292,17 @@ def _fits(table_bytes: int, run: dict) -> dict:
     # torchrun's failure summary says "exitcode  : -9" / "Signal 9 (SIGKILL)" for a rank
     # the kernel's OOM killer took (the error holds the tail of torchrun's log).
     failed = "error" in run and any(k in run["error"] for k in ("-9", "SIGKILL", "MemoryError"))
+    predicted = run.get("predicted_fit", True)  # False: skipped by sh.guard, not run
     return {"bytes_all_ranks": need, "available_bytes_at_end": avail,
-            "fits": not failed, "oom": failed}  # fmt: skip
+            "fits": not failed and predicted, "oom": failed, "predicted_fit": predicted,
+            "predicted": run.get("predicted")}  # fmt: skip
 
 
 def _goal(rows: int, out: dict) -> dict:
     """Issue #19's goal for this table size, met or not."""
     got = out.get("ps_vs_allreduce_sparse", {}).get("speedup")
     need = 1.0 if rows < 10_000_000 else 2.0
-    if out["ddp_sparse_fits"]["oom"]:
+    if not out["ddp_sparse_fits"]["fits"]:
         return {"need_speedup": need, "speedup": None, "met": True, "why": "DDP-sparse did not fit"}
     return {"need_speedup": need, "speedup": got, "met": got is not None and got >= need,
             "why": "PS-sparse / DDP-sparse samples/s"}  # fmt: skip
@@ -304,7 +312,7 @@ def _goal_hybrid(rows: int, out: dict) -> dict:
     """Issue #46's goal: on one host, 2 workers, hybrid >= 1.0x DDP-sparse samples/s
     (moonshot 1.2x; judged at 10M rows, reported at every size)."""
     got = out.get("hybrid_vs_allreduce_sparse", {}).get("speedup")
-    if out["ddp_sparse_fits"]["oom"] and "samples_per_sec" in out.get("hybrid", {}):
+    if not out["ddp_sparse_fits"]["fits"] and "samples_per_sec" in out.get("hybrid", {}):
         return {"need_speedup": 1.0, "speedup": None, "met": True, "why": "DDP-sparse did not fit"}
     return {"need_speedup": 1.0, "moonshot": 1.2, "speedup": got,
             "met": got is not None and got >= 1.0, "why": "hybrid / DDP-sparse samples/s"}  # fmt: skip
@@ -403,8 +411,17 @@ def main(argv: list[str] | None = None) -> int:
         "with --shard-cpus, shards on cores of their own, as on CPU hosts a PS job adds",
     )
     ap.add_argument("--shard-cpus", default="", help="pin the PS shards to these CPUs")
+    ap.add_argument("--hosts", type=int, default=0,
+                    help="N workers, each on an emulated host of its own, and one host per "
+                    "shard, links shaped to --link-mbit (network namespaces, as the links "
+                    "grid's; needs root, ip, tc): ps_sparse, hybrid, allreduce_sparse; "
+                    "0: all on this host, 2 workers")  # fmt: skip
+    ap.add_argument("--link-mbit", type=float, default=1000.0,
+                    help="--hosts: every host's NIC, both ways, Mbit/s (tc tbf)")  # fmt: skip
     ap.add_argument("--out", default="", help="write the JSON here too")
     a = ap.parse_args(argv)
+    if a.hosts:
+        return sh.main_hosts(a)
     ways = tuple(w.strip() for w in a.ways.split(",") if w.strip())
     if not ways or set(ways) - set(WAYS):
         ap.error(f"--ways: accepted: {', '.join(WAYS)}; got {a.ways!r}")
