@@ -45,6 +45,25 @@ PS with N shards (default 2).
 
 Ratios are against allreduce-sparse (the baseline) and allreduce-dense, both measured in
 the same run (`ps_vs_*`, `hybrid_vs_*`). `--ways hybrid,allreduce_sparse` runs a subset.
+
+Memory (issue #46 item 4; bench/lib/sparse_hosts.py): every row has the peak resident
+memory (VmHWM, sampled from /proc while the way runs) of each worker and each shard
+(`peak_bytes_per_worker`, `peak_bytes_per_shard`, their largest `peak_worker_bytes`,
+`peak_shard_bytes`). Before a way starts, what its processes must hold is predicted
+(DDP: every rank the whole table; ps and hybrid: the shards one copy, each worker its
+dense layers and row cache) and a way that would not fit MemAvailable less 2 GB is
+skipped with the prediction (`"skipped": "predicted not to fit: ..."`), so at 50M rows
+DDP-sparse (2 x 12.8 GB) is never started on a 24 GB machine.
+
+`--hosts N --link-mbit M`: N workers, each on an emulated host of its own, and one host
+per shard (`--shards`), every NIC shaped both ways to M Mbit/s (network namespaces, as
+the links grid's; needs root, `ip`, `tc`); ps_sparse, hybrid and allreduce_sparse (gloo
+ranks one per host, MASTER_ADDR on w0) on the same model and data. Bytes per step are
+counted on the NICs over the window every worker trains in
+(`nic_bytes_per_step_per_worker`, `nic_bytes_per_step_per_shard_host`): DDP-sparse's
+sparse allgather measured, set-up traffic (DDP's broadcast of the table) left out.
+
+    python bench/sparse.py --rows 1000000 --hosts 4 --link-mbit 1000 --steps 60
 """
 
 from __future__ import annotations

@@ -39,6 +39,10 @@ HOST_WAYS = ("ps_sparse", "hybrid", "allreduce_sparse")
 #: Resident bytes of a psar process before any table or batch: torch, gRPC, gloo, the
 #: data set of a short run (measured 0.3-0.45 GB per rank on this machine; rounded up).
 PROCESS_BASE = 500 << 20
+#: Copies of the table a DDP rank holds at its peak: the weights and as many bytes again
+#: at set-up (measured: VmHWM over a PS worker's, 2.04x the table at 1M rows, 2 ranks;
+#: allreduce_dense adds the dense gradient).
+DDP_TABLE_COPIES = 2
 #: Left free for the other jobs of a shared machine and the page cache.
 MARGIN = 2 << 30
 
@@ -52,13 +56,13 @@ def host_names(workers: int, shards: int) -> list[str]:
 
 def predict(way: str, table_rows: list[int], dim: int, world: int, shards: int,
             row_state: float = 0.0, base: int = PROCESS_BASE) -> dict[str, Any]:  # fmt: skip
-    """Bytes each process of `way` must hold and their sum. DDP ranks hold every table
-    (allreduce_dense: and its dense gradient); a shard holds 1/shards of the rows with
+    """Bytes each process of `way` must hold and their sum. DDP ranks hold every table,
+    twice at set-up (allreduce_dense: and its dense gradient); a shard holds 1/shards of the rows with
     `row_state` more fp32 per element; PS and hybrid workers hold their dense layers and
     a row cache, which `base` covers (momentum 0: no dense optimizer state)."""
     table = sum(table_rows) * dim * 4
     if way in ("allreduce_sparse", "allreduce_dense"):
-        worker = base + table * (2 if way == "allreduce_dense" else 1)
+        worker = base + table * (DDP_TABLE_COPIES + (way == "allreduce_dense"))
         shard, n_shards = 0, 0
     elif way in ("ps_sparse", "hybrid"):
         worker = base
