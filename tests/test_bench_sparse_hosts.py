@@ -85,7 +85,8 @@ def test_the_sampler_reads_the_peak_of_a_psar_process_below_it() -> None:
     assert peaks["peak_worker_bytes"] >= 200 << 20
 
 
-def test_ddp_holds_the_table_on_every_rank_and_the_shards_hold_one_copy() -> None:
+def test_ddp_holds_the_table_on_every_rank_and_the_shards_hold_one_copy(monkeypatch) -> None:
+    monkeypatch.setattr(sh, "DATA_BYTES_PER_ROW", 0)  # the tables alone (the data: below)
     rows, dim = [50_000_000, 100_000], 64
     table = sum(rows) * dim * 4  # 12.83 GB
     ddp = sh.predict("allreduce_sparse", rows, dim, world=2, shards=2, base=0)
@@ -101,6 +102,18 @@ def test_ddp_holds_the_table_on_every_rank_and_the_shards_hold_one_copy() -> Non
     assert adam["total_bytes"] == 3 * table  # lazy_adam: m and v per element
     with pytest.raises(ValueError, match="unknown way"):
         sh.predict("torchrec", rows, dim, world=2, shards=2)
+
+
+def test_every_worker_is_charged_for_generating_its_data() -> None:
+    ps = sh.predict("ps_sparse", [50_000_000, 100_000], 64, world=2, shards=2, base=0)
+    assert ps["worker_bytes"] == 50_000_000 * sh.DATA_BYTES_PER_ROW  # 0.8 GB at 50M rows
+    assert (
+        ps["shard_bytes"]
+        == sh.predict("ps_sparse", [50_000_000, 100_000], 64, world=2, shards=2, base=0)[
+            "shard_bytes"
+        ]
+    )
+    assert ps["shard_bytes"] == (50_100_000 * 64 * 4) // 2  # shards generate no data
 
 
 def test_at_50m_rows_on_24_gb_ddp_sparse_is_skipped_and_the_ps_runs() -> None:

@@ -39,6 +39,10 @@ HOST_WAYS = ("ps_sparse", "hybrid", "allreduce_sparse")
 #: Resident bytes of a psar process before any table or batch: torch, gRPC, gloo, the
 #: data set of a short run (measured 0.3-0.45 GB per rank on this machine; rounded up).
 PROCESS_BASE = 500 << 20
+#: Bytes per table row every worker allocates while it generates its data: the Zipf
+#: sampler's float64 ranks and their cumulative sum (worker/workloads/recsys.py
+#: zipf_ids; measured: a PS worker's peak 0.47 GB at 1M rows, 1.16 GB at 50M).
+DATA_BYTES_PER_ROW = 16
 #: Copies of the table a DDP rank holds at its peak: the weights and as many bytes again
 #: at set-up (measured: VmHWM over a PS worker's, 2.04x the table at 1M rows, 2 ranks;
 #: allreduce_dense adds the dense gradient).
@@ -57,15 +61,18 @@ def host_names(workers: int, shards: int) -> list[str]:
 def predict(way: str, table_rows: list[int], dim: int, world: int, shards: int,
             row_state: float = 0.0, base: int = PROCESS_BASE) -> dict[str, Any]:  # fmt: skip
     """Bytes each process of `way` must hold and their sum. DDP ranks hold every table,
-    twice at set-up (allreduce_dense: and its dense gradient); a shard holds 1/shards of the rows with
-    `row_state` more fp32 per element; PS and hybrid workers hold their dense layers and
-    a row cache, which `base` covers (momentum 0: no dense optimizer state)."""
+    twice at set-up (allreduce_dense: and its dense gradient); a shard holds 1/shards of
+    the rows with `row_state` more fp32 per element; PS and hybrid workers hold their
+    dense layers and a row cache, which `base` covers (momentum 0: no dense optimizer
+    state); every worker also generates its data (DATA_BYTES_PER_ROW of its largest
+    table)."""
     table = sum(table_rows) * dim * 4
+    data = max(table_rows) * DATA_BYTES_PER_ROW  # a worker's, one table's ids at a time
     if way in ("allreduce_sparse", "allreduce_dense"):
-        worker = base + table * (DDP_TABLE_COPIES + (way == "allreduce_dense"))
+        worker = base + data + table * (DDP_TABLE_COPIES + (way == "allreduce_dense"))
         shard, n_shards = 0, 0
     elif way in ("ps_sparse", "hybrid"):
-        worker = base
+        worker = base + data
         shard, n_shards = base + int(table * (1 + row_state) / shards), shards
     else:
         raise ValueError(f"unknown way {way!r}")
