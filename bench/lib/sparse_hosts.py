@@ -43,10 +43,10 @@ PROCESS_BASE = 500 << 20
 #: sampler's float64 ranks and their cumulative sum (worker/workloads/recsys.py
 #: zipf_ids; measured: a PS worker's peak 0.47 GB at 1M rows, 1.16 GB at 50M).
 DATA_BYTES_PER_ROW = 16
-#: Copies of the table a DDP rank holds at its peak: the weights and as many bytes again
-#: at set-up (measured: VmHWM over a PS worker's, 2.04x the table at 1M rows, 2 ranks;
-#: allreduce_dense adds the dense gradient).
-DDP_TABLE_COPIES = 2
+#: What a DDP rank holds beyond a PS worker besides its table (gloo, DDP's buckets and
+#: set-up): a rank's VmHWM was a PS worker's + the table + 0.30 GB at 1M rows and
+#: + 0.03 GB at 10M (2 ranks; 2026-12-06); rounded up.
+DDP_EXTRA = 512 << 20
 #: Left free for the other jobs of a shared machine and the page cache.
 MARGIN = 2 << 30
 
@@ -60,8 +60,8 @@ def host_names(workers: int, shards: int) -> list[str]:
 
 def predict(way: str, table_rows: list[int], dim: int, world: int, shards: int,
             row_state: float = 0.0, base: int = PROCESS_BASE) -> dict[str, Any]:  # fmt: skip
-    """Bytes each process of `way` must hold and their sum. DDP ranks hold every table,
-    twice at set-up (allreduce_dense: and its dense gradient); a shard holds 1/shards of
+    """Bytes each process of `way` must hold and their sum. DDP ranks hold every table
+    and DDP_EXTRA (allreduce_dense: and the table's dense gradient); a shard holds 1/shards of
     the rows with `row_state` more fp32 per element; PS and hybrid workers hold their
     dense layers and a row cache, which `base` covers (momentum 0: no dense optimizer
     state); every worker also generates its data (DATA_BYTES_PER_ROW of its largest
@@ -69,7 +69,7 @@ def predict(way: str, table_rows: list[int], dim: int, world: int, shards: int,
     table = sum(table_rows) * dim * 4
     data = max(table_rows) * DATA_BYTES_PER_ROW  # a worker's, one table's ids at a time
     if way in ("allreduce_sparse", "allreduce_dense"):
-        worker = base + data + table * (DDP_TABLE_COPIES + (way == "allreduce_dense"))
+        worker = base + data + DDP_EXTRA + table * (1 + (way == "allreduce_dense"))
         shard, n_shards = 0, 0
     elif way in ("ps_sparse", "hybrid"):
         worker = base + data
