@@ -16,6 +16,7 @@ import pytest
 
 from bench import sparse
 from bench.lib import common as c
+from bench.lib import nic
 from bench.lib import sparse_hosts as sh
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,17 +38,17 @@ def test_net_dev_bytes_add_receive_and_transmit() -> None:
         "  eth0:    5000      10    0    0    0     0          0         0     7000   12"
         "    0    0    0     0       0          0\n"
     )
-    assert sh.nic_bytes(text) == 12000
-    assert sh.nic_bytes(text, "lo") == 200
-    assert sh.nic_bytes(text, "eth1") is None
+    assert nic.nic_bytes(text) == 12000
+    assert nic.nic_bytes(text, "lo") == 200
+    assert nic.nic_bytes(text, "eth1") is None
 
 
 def test_bytes_between_interpolates_and_needs_samples_around_the_window() -> None:
     series = [(0.0, 0), (1.0, 100), (2.0, 300)]
-    assert sh.bytes_between(series, 0.5, 1.5) == pytest.approx(150.0)
-    assert sh.bytes_between(series, 0.0, 2.0) == 300.0
-    assert sh.bytes_between(series, 0.5, 2.5) is None  # no sample after the window's end
-    assert sh.bytes_between(series[:1], 0.0, 0.0) is None
+    assert nic.bytes_between(series, 0.5, 1.5) == pytest.approx(150.0)
+    assert nic.bytes_between(series, 0.0, 2.0) == 300.0
+    assert nic.bytes_between(series, 0.5, 2.5) is None  # no sample after the window's end
+    assert nic.bytes_between(series[:1], 0.0, 0.0) is None
 
 
 def test_the_window_is_the_one_steady_rate_measures() -> None:
@@ -55,7 +56,7 @@ def test_the_window_is_the_one_steady_rate_measures() -> None:
     runs = [c.Series(r, [float(i) for i in range(10)], [100.0 * (i + 1) for i in range(10)],
                      [0.0] * 10, 1000.0 + 0.5 * r) for r in (0, 1)]  # fmt: skip
     run = c.Run(runs, [])
-    t0, t1 = sh.window_bounds(run)
+    t0, t1 = nic.window_bounds(run)
     assert (t0, t1) == (1002.5, 1009.0)
     rate, window = c.steady_rate(run)
     assert window == pytest.approx(t1 - t0)
@@ -142,7 +143,8 @@ def test_hosts_ratios_use_nic_bytes_and_judge_the_hosts_goal() -> None:
            "ps_sparse": {"samples_per_sec": 90.0, "nic_bytes_per_step_per_worker": None},
            "allreduce_sparse": {"samples_per_sec": 100.0, "nic_bytes_per_step_per_worker": 6.0}}  # fmt: skip
     sh.ratios(out)
-    assert out["hybrid_vs_allreduce_sparse"] == {"bytes_ratio": 3.0, "speedup": 1.3}
+    assert out["hybrid_vs_allreduce_sparse"] == {"bytes_ratio": 3.0, "speedup": 1.3,
+                                                 "speedups": [1.3]}  # fmt: skip
     assert out["ps_vs_allreduce_sparse"]["bytes_ratio"] is None
     assert out["goal_hosts"]["met"] and out["goal_hosts"]["need_speedup"] == 1.3
 
@@ -184,3 +186,22 @@ def test_hosts_mode_runs_every_way_across_namespaces(tmp_path: Path) -> None:
     mine = f"{netns.PREFIX}{p.pid}-"  # tests/netns.py names its namespaces by the pid
     assert not [n for n in left.split() if n.startswith(mine)], "namespaces left behind"
     print(f"hosts mode: {time.monotonic() - t0:.1f}s")
+
+
+def test_repeats_pair_the_ways_of_one_repeat_and_keep_the_median() -> None:
+    hyb = [
+        {"samples_per_sec": x, "nic_bytes_per_step_per_worker": 2.0} for x in (60.0, 150.0, 120.0)
+    ]
+    ddp = [
+        {"samples_per_sec": x, "nic_bytes_per_step_per_worker": 6.0} for x in (100.0, 100.0, 50.0)
+    ]
+    out = {"workers": 4, "link_mbit": 1000.0, "hybrid": sh.median_run(hyb),
+           "allreduce_sparse": sh.median_run(ddp)}  # fmt: skip
+    assert out["hybrid"]["samples_per_sec"] == 120.0
+    assert out["hybrid"]["repeats_samples_per_sec"] == [60.0, 150.0, 120.0]
+    sh.ratios(out, {"hybrid": hyb, "allreduce_sparse": ddp})
+    got = out["hybrid_vs_allreduce_sparse"]
+    assert got["speedups"] == [0.6, 1.5, 2.4] and got["speedup"] == 1.5  # per repeat
+    assert out["goal_hosts"]["met"]
+    failed = sh.median_run([{"error": "boom"}])
+    assert failed == {"error": "boom"} and sh.median_run([]) == {}

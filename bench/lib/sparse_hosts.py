@@ -23,15 +23,13 @@ from __future__ import annotations
 
 import json
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from bench.lib import common as c
+from bench.lib import nic
 from bench.lib.memory import PeakSampler
 
 #: The ways the hosts mode runs (allreduce_dense would allreduce the whole table).
@@ -130,75 +128,6 @@ def measured(way: str, table_rows: list[int], dim: int, world: int, shards: int,
     return {**row, **peak_fields(mem.by_role())}
 
 
-def nic_bytes(net_dev: str, ifname: str = "eth0") -> int | None:
-    """rx + tx bytes of `ifname` in a /proc/PID/net/dev text (None: no such interface)."""
-    for line in net_dev.splitlines():
-        name, _, rest = line.partition(":")
-        if name.strip() == ifname and rest:
-            f = rest.split()
-            return int(f[0]) + int(f[8])
-    return None
-
-
-class NicSampler:
-    """Every `every` s, the rx + tx bytes of each host's NIC, read from /proc/PID/net/dev
-    of a process inside that host (a file read: no `ip` spawned on the shared cores), so
-    the bytes of the window every worker trains in can be cut out: set-up traffic (DDP's
-    broadcast of the whole table from rank 0) does not count as per-step bytes."""
-
-    def __init__(self, pids: dict[str, int], every: float = 0.25) -> None:
-        self.pids, self.every = pids, every
-        self.samples: list[tuple[float, dict[str, int]]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self) -> NicSampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self._sample()  # after the workers' exit: the window's end is bracketed
-
-    def _run(self) -> None:
-        self._sample()
-        while not self._stop.wait(self.every):
-            self._sample()
-
-    def _sample(self) -> None:
-        got = {}
-        for name, pid in self.pids.items():
-            try:
-                n = nic_bytes(Path(f"/proc/{pid}/net/dev").read_text())
-            except OSError:  # the host's process ended: its earlier samples stand
-                continue
-            if n is not None:
-                got[name] = n
-        self.samples.append((time.time(), got))
-
-    def between(self, name: str, t0: float, t1: float) -> float | None:
-        """Bytes host `name` moved from wall time t0 to t1 (interpolated samples)."""
-        return bytes_between([(t, s[name]) for t, s in self.samples if name in s], t0, t1)
-
-
-def bytes_between(series: list[tuple[float, int]], t0: float, t1: float) -> float | None:
-    """Counter increase from t0 to t1, linear between samples; None unless samples
-    bracket the window (a counter sampled too rarely says nothing about it)."""
-    if len(series) < 2 or series[0][0] > t0 or series[-1][0] < t1:
-        return None
-    ts, vs = [t for t, _ in series], [v for _, v in series]
-    return float(np.interp(t1, ts, vs) - np.interp(t0, ts, vs))
-
-
-def window_bounds(run: c.Run) -> tuple[float, float]:
-    """The wall-clock window common.steady_rate measures: from the last rank's first
-    step after warm-up to the first rank's last step."""
-    skip = c.warmup_steps(min(len(s.time) for s in run.series))
-    t0 = max(s.start_wall + s.time[min(skip, len(s.time) - 1)] for s in run.series)
-    return t0, min(s.start_wall + s.time[-1] for s in run.series)
-
-
 def train_args(table_rows: list[int], dim: int, bag: int, batch: int, steps: int,
                world: int, options: tuple[str, ...] = ()) -> list[str]:  # fmt: skip
     """`psar train` flags shared by every way: bench/sparse.py's, for `world` workers."""
@@ -255,15 +184,15 @@ def run_way(way: str, d: Path, lan: Any, common: list[str], world: int, shards: 
         for n in hosts:
             sup.start(f"nic-{n}", c.on(lan[n], ["sleep", str(int(timeout) + 60)]), persistent=True)
         pids = {n: sup.children[f"nic-{n}"].pid for n in hosts}
-        with NicSampler(pids) as nic:
+        with nic.NicSampler(pids) as counters:
             sup.wait([f"worker{r}" for r in range(world)], timeout)
     steps = int(common[common.index("--steps") + 1])
     run = c.load_run(run_dir)
     rate, window = c.steady_rate(run)
-    t0, t1 = window_bounds(run)
+    t0, t1 = nic.window_bounds(run)
     # Steps one worker took in the window (all take the same share in a sync job).
     per_worker_steps = rate * window / (world * int(common[common.index("--batch-size") + 1]))
-    moved = {n: nic.between(n, t0, t1) for n in pids}
+    moved = {n: counters.between(n, t0, t1) for n in pids}
     mean = lambda xs: None if not xs or None in xs else sum(xs) / len(xs) / per_worker_steps  # noqa: E731
     rep = json.loads((run_dir / "report-0.json").read_text())
     return {
@@ -288,16 +217,33 @@ def _app_bytes(way: str, rep: dict[str, Any], steps: int) -> float | None:
     return None  # its report's bytes_allreduced counts the tables as dense
 
 
-def ratios(out: dict[str, Any]) -> None:
-    """`{ps,hybrid}_vs_allreduce_sparse` from NIC bytes and samples/s, and the goal."""
+def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One way's row from its repeats: the run of the median rate (the lower of two),
+    with every repeat's rate in run order; an error row when none ran."""
+    ok = sorted((r for r in runs if "samples_per_sec" in r), key=lambda r: r["samples_per_sec"])
+    if not ok:
+        return runs[-1] if runs else {}
+    return {**ok[(len(ok) - 1) // 2],
+            "repeats_samples_per_sec": [r.get("samples_per_sec") for r in runs]}  # fmt: skip
+
+
+def ratios(out: dict[str, Any], runs: dict[str, list[dict[str, Any]]] | None = None) -> None:
+    """`{ps,hybrid}_vs_allreduce_sparse`: NIC bytes, and the median over the repeats of
+    each repeat's rate ratio (ways run back to back in a repeat: a shared machine's
+    drift hits them alike); then the hosts goal."""
+    runs = runs or {w: [out[w]] for w in HOST_WAYS if w in out}
     base = out.get("allreduce_sparse", {})
     for way, key in (("ps_sparse", "ps"), ("hybrid", "hybrid")):
         mine = out.get(way, {})
         if "samples_per_sec" in base and "samples_per_sec" in mine:
             theirs, ours = (x.get("nic_bytes_per_step_per_worker") for x in (base, mine))
+            each = [a["samples_per_sec"] / b["samples_per_sec"]
+                    for a, b in zip(runs.get(way, []), runs.get("allreduce_sparse", []))  # noqa: B905
+                    if "samples_per_sec" in a and "samples_per_sec" in b]  # fmt: skip
             out[f"{key}_vs_allreduce_sparse"] = {
                 "bytes_ratio": theirs / ours if theirs and ours else None,
-                "speedup": mine["samples_per_sec"] / base["samples_per_sec"],
+                "speedup": c.median(each),
+                "speedups": each,
             }
     got = out.get("hybrid_vs_allreduce_sparse", {}).get("speedup")
     out["goal_hosts"] = {"need_speedup": 1.3, "speedup": got,
@@ -308,9 +254,10 @@ def ratios(out: dict[str, Any]) -> None:
 
 def bench_hosts(rows: int, *, steps: int, batch: int, bag: int, workers: int, shards: int,
                 mbit: float, timeout: float, ways: tuple[str, ...], out_dir: Path,
-                options: tuple[str, ...] = ()) -> dict[str, Any]:  # fmt: skip
+                options: tuple[str, ...] = (), repeats: int = 1) -> dict[str, Any]:  # fmt: skip
     """One table size over emulated hosts: every way in `ways` (of HOST_WAYS) in turn on
-    the same shaped LAN; skips (with the reason) where namespaces cannot be made."""
+    the same shaped LAN, `repeats` times alternating; skips (with the reason) where
+    namespaces cannot be made."""
     from bench.lib.netem import probe_link, shape_all, unavailable
 
     table_rows, dim = [rows, 100_000 if rows >= 1_000_000 else 10_000], 64
@@ -326,17 +273,24 @@ def bench_hosts(rows: int, *, steps: int, batch: int, bag: int, workers: int, sh
         shape_all(netns, lan, mbit, 0.0)
         with c.supervisor(out_dir / "probe") as sup:
             out["link"] = probe_link(sup, lan["w0"], lan["s0"], 16 << 20)
+        runs: dict[str, list[dict[str, Any]]] = {}
         for way in ways:
             if skip := guard(way, table_rows, dim, workers, shards):
                 out[way] = skip
-                continue
-            c.log(f"sparse hosts: {rows:,} rows, {way}, {workers} workers at {mbit:g} Mbit/s")
-            try:
-                out[way] = run_way(way, out_dir / f"{rows}", lan, common, workers, shards,
-                                   timeout)  # fmt: skip
-            except c.ProcessError as e:  # one failed way costs its row, not the others
-                out[way] = {"error": str(e)[-3000:]}
-    ratios(out)
+            else:
+                runs[way] = []
+        for i in range(repeats):
+            for way in runs:
+                c.log(f"sparse hosts: {rows:,} rows, {way}, {workers} workers at {mbit:g} "
+                      f"Mbit/s [{i + 1}/{repeats}]")  # fmt: skip
+                try:
+                    runs[way].append(run_way(way, out_dir / f"{rows}-{i}", lan, common, workers,
+                                             shards, timeout))  # fmt: skip
+                except c.ProcessError as e:  # one failed way costs its row, not the others
+                    runs[way].append({"error": str(e)[-3000:]})
+    out.update({way: median_run(got) for way, got in runs.items()})
+    out["repeats"] = repeats
+    ratios(out, runs)
     return out
 
 
@@ -375,7 +329,8 @@ def main_hosts(a: Any) -> int:
         results = [
             bench_hosts(n, steps=steps, batch=batch, bag=a.bag, workers=a.hosts,
                            shards=a.shards, mbit=a.link_mbit, timeout=a.timeout, ways=ways,
-                           out_dir=Path(tmp), options=tuple(a.workload_option))
+                           out_dir=Path(tmp), options=tuple(a.workload_option),
+                           repeats=a.repeats)
             for n in sizes
         ]  # fmt: skip
     doc = {"benchmark": "sparse", "mode": "hosts", "quick": a.quick,
