@@ -356,7 +356,7 @@ def repeated(runs: list[dict]) -> dict:
     ok = sorted((r for r in runs if ratio(r) == ratio(r)), key=ratio)  # drops NaN
     out = dict(ok[(len(ok) - 1) // 2] if ok else runs[0])
     out["repeats"] = [
-        {"ps_sparse_samples_per_sec": r["ps_sparse"]["samples_per_sec"],
+        {"ps_sparse_samples_per_sec": r.get("ps_sparse", {}).get("samples_per_sec"),
          "allreduce_sparse_samples_per_sec": r.get("allreduce_sparse", {}).get("samples_per_sec"),
          "hybrid_samples_per_sec": r.get("hybrid", {}).get("samples_per_sec"),
          "speedup": ratio(r),
