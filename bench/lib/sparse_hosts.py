@@ -193,7 +193,12 @@ def run_way(way: str, d: Path, lan: Any, common: list[str], world: int, shards: 
     # Steps one worker took in the window (all take the same share in a sync job).
     per_worker_steps = rate * window / (world * int(common[common.index("--batch-size") + 1]))
     moved = {n: counters.between(n, t0, t1) for n in pids}
-    mean = lambda xs: None if not xs or None in xs else sum(xs) / len(xs) / per_worker_steps  # noqa: E731
+
+    def mean(xs: list[float | None]) -> float | None:
+        if not xs or None in xs or not per_worker_steps > 0:  # no window (NaN rate): no figure
+            return None
+        return sum(xs) / len(xs) / per_worker_steps  # type: ignore[arg-type]
+
     rep = json.loads((run_dir / "report-0.json").read_text())
     return {
         "samples_per_sec": rate, "window_s": window, "steps": steps,
