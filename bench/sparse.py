@@ -53,6 +53,25 @@ Ratios are against allreduce-sparse (the baseline), allreduce-dense and torchrec
 measured in the same run (`ps_vs_*`, `hybrid_vs_*`). `--ways hybrid,allreduce_sparse` runs a subset.
 `--table-modes sync,async,ssp` instead runs hybrid under each mode at equal steps and
 reports held-out AUC against sync's (issue #46's 1% goal; bench/lib/table_modes.py).
+
+Memory (issue #46 item 4; bench/lib/sparse_hosts.py): every row has the peak resident
+memory (VmHWM, sampled from /proc while the way runs) of each worker and each shard
+(`peak_bytes_per_worker`, `peak_bytes_per_shard`, their largest `peak_worker_bytes`,
+`peak_shard_bytes`). Before a way starts, what its processes must hold is predicted
+(DDP: every rank the whole table; ps and hybrid: the shards one copy, each worker its
+dense layers and row cache) and a way that would not fit MemAvailable less 2 GB is
+skipped with the prediction (`"skipped": "predicted not to fit: ..."`), so at 50M rows
+DDP-sparse (2 x 12.8 GB) is never started on a 24 GB machine.
+
+`--hosts N --link-mbit M`: N workers, each on an emulated host of its own, and one host
+per shard (`--shards`), every NIC shaped both ways to M Mbit/s (network namespaces, as
+the links grid's; needs root, `ip`, `tc`); ps_sparse, hybrid and allreduce_sparse (gloo
+ranks one per host, MASTER_ADDR on w0) on the same model and data. Bytes per step are
+counted on the NICs over the window every worker trains in
+(`nic_bytes_per_step_per_worker`, `nic_bytes_per_step_per_shard_host`): DDP-sparse's
+sparse allgather measured, set-up traffic (DDP's broadcast of the table) left out.
+
+    python bench/sparse.py --rows 1000000 --hosts 4 --link-mbit 1000 --steps 60
 """
 
 from __future__ import annotations
@@ -71,6 +90,7 @@ if __package__ in (None, ""):
 
 from bench.lib import common as c
 from bench.lib import cpuwindow, torchrec_way
+from bench.lib import sparse_hosts as sh
 
 WORLD = 2
 WAYS = ("ps_sparse", "hybrid", "allreduce_sparse", "allreduce_dense", "torchrec")
@@ -164,17 +184,20 @@ def bench(
     with tempfile.TemporaryDirectory() as tmp:
         t = Path(tmp)
         if "ps_sparse" in ways:
-            out["ps_sparse"] = _ps(t, common, steps, shards, timeout, cpu_window_s,
-                                   worker_cpus, shard_cpus)  # fmt: skip
+            out["ps_sparse"] = sh.measured("ps_sparse", table_rows, dim, WORLD, shards, lambda: _ps(
+                t, common, steps, shards, timeout, cpu_window_s, worker_cpus, shard_cpus))  # fmt: skip
         if "hybrid" in ways:
-            out["hybrid"] = _hybrid(t, common, steps, shards, timeout, cpu_window_s,
-                                    worker_cpus, shard_cpus)  # fmt: skip
+            out["hybrid"] = sh.measured("hybrid", table_rows, dim, WORLD, shards, lambda: _hybrid(
+                t, common, steps, shards, timeout, cpu_window_s, worker_cpus, shard_cpus))  # fmt: skip
         for name, sparse, wire in (("allreduce_sparse", "true", "fp32"),
                                    ("allreduce_dense", "false", "fp32")):  # fmt: skip
             if name not in ways:
                 continue
             if sparse == "false" and rows > dense_max_rows:
                 out[name] = {"skipped": f"rows > --dense-max-rows {dense_max_rows} (memory)"}
+                continue
+            if skip := sh.guard(name, table_rows, dim, WORLD, shards):
+                out[name] = skip  # predicted from memory: never run into the OOM killer
                 continue
             # torch's fused SGD (the auto impl where it exists) refuses sparse gradients.
             impl = ["--optimizer-impl", "loop"] if sparse == "true" else []
@@ -184,8 +207,9 @@ def bench(
                   "--workload-option", f"sparse={sparse}", *impl,
                   "--report", str(t / f"{name}.json"), "--run-dir", str(t / name)]  # fmt: skip
             for attempt in range(2):
+                mem = sh.sampler()  # the last attempt's peaks are the row's
                 try:
-                    with c.supervisor(t / f"{name}-logs-{attempt}") as sup:
+                    with c.supervisor(t / f"{name}-logs-{attempt}") as sup, mem:
                         cpu = _run(sup, {"torchrun and its ranks": tr}, timeout,
                                    c.parse_cpus(worker_cpus),
                                    _cpu_opts(cpu_window_s, t / name, steps))  # fmt: skip
@@ -203,6 +227,7 @@ def bench(
                 # weights + dense gradient of every table (DDP keeps both on every rank)
                 "worker_model_bytes": 2 * table_bytes if sparse == "false" else table_bytes,
                 "final_loss": rep["final_train_loss"],
+                **sh.peak_fields(mem.by_role()),
             }
         if "torchrec" in ways:
             out["torchrec"] = _torchrec(t, torchrec_python, opts, batch, steps, timeout,
@@ -312,15 +337,23 @@ def _fits(table_bytes: int, run: dict) -> dict:
     # torchrun's failure summary says "exitcode  : -9" / "Signal 9 (SIGKILL)" for a rank
     # the kernel's OOM killer took (the error holds the tail of torchrun's log).
     failed = "error" in run and any(k in run["error"] for k in ("-9", "SIGKILL", "MemoryError"))
+    predicted = run.get("predicted_fit", True)  # False: skipped by sh.guard, not run
     return {"bytes_all_ranks": need, "available_bytes_at_end": avail,
-            "fits": not failed, "oom": failed}  # fmt: skip
+            "fits": not failed and predicted, "oom": failed, "predicted_fit": predicted,
+            "predicted": run.get("predicted")}  # fmt: skip
+
+
+def _did_not_fit(out: dict) -> bool:
+    """DDP-sparse was killed for memory, or predicted not to fit and not run."""
+    fits = out["ddp_sparse_fits"]
+    return fits["oom"] or not fits.get("predicted_fit", True)
 
 
 def _goal(rows: int, out: dict) -> dict:
     """Issue #19's goal for this table size, met or not."""
     got = out.get("ps_vs_allreduce_sparse", {}).get("speedup")
     need = 1.0 if rows < 10_000_000 else 2.0
-    if out["ddp_sparse_fits"]["oom"]:
+    if _did_not_fit(out):
         return {"need_speedup": need, "speedup": None, "met": True, "why": "DDP-sparse did not fit"}
     return {"need_speedup": need, "speedup": got, "met": got is not None and got >= need,
             "why": "PS-sparse / DDP-sparse samples/s"}  # fmt: skip
@@ -330,7 +363,7 @@ def _goal_hybrid(rows: int, out: dict) -> dict:
     """Issue #46's goal: on one host, 2 workers, hybrid >= 1.0x DDP-sparse samples/s
     (moonshot 1.2x; judged at 10M rows, reported at every size)."""
     got = out.get("hybrid_vs_allreduce_sparse", {}).get("speedup")
-    if out["ddp_sparse_fits"]["oom"] and "samples_per_sec" in out.get("hybrid", {}):
+    if _did_not_fit(out) and "samples_per_sec" in out.get("hybrid", {}):
         return {"need_speedup": 1.0, "speedup": None, "met": True, "why": "DDP-sparse did not fit"}
     return {"need_speedup": 1.0, "moonshot": 1.2, "speedup": got,
             "met": got is not None and got >= 1.0, "why": "hybrid / DDP-sparse samples/s"}  # fmt: skip
@@ -349,7 +382,7 @@ def repeated(runs: list[dict]) -> dict:
     ok = sorted((r for r in runs if ratio(r) == ratio(r)), key=ratio)  # drops NaN
     out = dict(ok[(len(ok) - 1) // 2] if ok else runs[0])
     out["repeats"] = [
-        {"ps_sparse_samples_per_sec": r["ps_sparse"]["samples_per_sec"],
+        {"ps_sparse_samples_per_sec": r.get("ps_sparse", {}).get("samples_per_sec"),
          "allreduce_sparse_samples_per_sec": r.get("allreduce_sparse", {}).get("samples_per_sec"),
          "hybrid_samples_per_sec": r.get("hybrid", {}).get("samples_per_sec"),
          "torchrec_samples_per_sec": r.get("torchrec", {}).get("samples_per_sec"),
@@ -438,6 +471,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="python of the TorchRec venv for the torchrec way (default: "
                     f"{torchrec_way.DEFAULT_PYTHON} where it exists; without one the row "
                     "says why it was skipped)")  # fmt: skip
+    ap.add_argument("--hosts", type=int, default=0,
+                    help="N workers, each on an emulated host of its own, and one host per "
+                    "shard, links shaped to --link-mbit (network namespaces, as the links "
+                    "grid's; needs root, ip, tc): ps_sparse, hybrid, allreduce_sparse; "
+                    "0: all on this host, 2 workers")  # fmt: skip
+    ap.add_argument("--link-mbit", type=float, default=1000.0,
+                    help="--hosts: every host's NIC, both ways, Mbit/s (tc tbf)")  # fmt: skip
     ap.add_argument("--out", default="", help="write the JSON here too")
     ap.add_argument("--table-modes", default="", metavar="MODES",
                     help="instead of the ways: the hybrid way with its tables under each of "
@@ -446,6 +486,8 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.table_modes:
         return _table_modes(a)
+    if a.hosts:
+        return sh.main_hosts(a)
     ways = tuple(w.strip() for w in a.ways.split(",") if w.strip())
     if not ways or set(ways) - set(WAYS):
         ap.error(f"--ways: accepted: {', '.join(WAYS)}; got {a.ways!r}")

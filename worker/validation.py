@@ -31,9 +31,7 @@ def validate(
         return {"val_loss": None, "val_loss_unit": unit}
     # The outputs are kept only for a hook: (n,) logits for recsys, but an lm's would be
     # (n, seq, vocab), too many to hold for nothing.
-    keep: list[tuple[Any, Any]] | None = (
-        [] if workload.val_metrics is not None else None
-    )
+    keep: list[tuple[Any, Any]] | None = [] if workload.val_metrics is not None else None
     mean = evaluate(
         workload.model,
         workload.val_dataset,
