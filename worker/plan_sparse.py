@@ -1,0 +1,324 @@
+"""`psar plan` for models with sparse embedding tables: four ways to train them.
+
+Pure (no I/O, no torch), next to the dense model of worker/plan_model.py whose formulas
+it reuses; docs/cost-model.md, "Sparse tables", writes it up. The dense layers are
+`PlanInputs.params` (P), the tables `SparseInputs.table_rows` x `dim`. Per step and
+worker, u rows of the tables are touched (expected distinct ids of the batch's Zipf
+draws, worker/plan_zipf.py) and U across all N workers (what a shard applies, and what
+every DDP rank coalesces and applies).
+
+- allreduce_dense: DDP with dense gradients: the tables are P's too, ring-allreduced.
+- allreduce_sparse: DDP with `sparse=True` tables: the dense part ring-allreduced, and per
+  table gloo allgathers every rank's coalesced rows (int64 id + fp32 values); every rank
+  holds the whole tables and their optimizer state.
+- ps: every parameter through the shards: the dense part as `plan_ps`, plus the touched
+  rows pulled before the forward and pushed after the backward.
+- hybrid: the tables on the shards (rows as under ps), the dense part ring-allreduced
+  while the rows are pushed (the two overlap); workers hold the dense part and the rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+
+from psar.worker.plan_model import (
+    colocated_phase_bytes,
+    ddp_worker_memory,
+    plan_allreduce,
+    plan_ps,
+    ring_allreduce_comm,
+    ring_cpu_bytes,
+)
+from psar.worker.plan_types import DTYPE_BYTES, FP32, OPTIMIZER_STATES, Comm, Memory, PlanInputs
+from psar.worker.plan_types import _ceil_div as ceil_div
+from psar.worker.plan_zipf import expected_distinct
+
+ID_BYTES = 8  # int64 row ids on every wire (PullRows, PushRows, gloo's sparse indices)
+
+#: Row-wise optimizer state (fp32 elements per table element on DDP, where torch keeps
+#: it dense; on a shard psar keeps adagrad's one accumulator per row).
+SPARSE_OPTIMIZERS = ("sgd", "adagrad", "lazy_adam")
+_DDP_STATE = {"sgd": 0, "adagrad": 1, "lazy_adam": 2}  # torch Adagrad / SparseAdam: dense state
+
+#: CPU seconds per row beyond moving its bytes, calibrated on this project's 2-core AMD
+#: EPYC VM (bench/experiments/sparse_cpu.py, docs/cost-model.md "Sparse tables"): a PS
+#: worker's per touched row (dedup, remap, install the pulled row, gather its gradient),
+#: a shard's per row a worker pulls and pushes (gather, scatter, optimizer, checks), and a
+#: DDP-sparse rank's per row of the union it coalesces and applies.
+DEFAULT_ROW_CPU_PS_WORKER = 0.9e-6
+DEFAULT_ROW_CPU_PS_SHARD = 0.9e-6
+DEFAULT_ROW_CPU_DDP = 0.3e-6
+
+
+@dataclass(frozen=True)
+class SparseInputs:
+    """The tables of the model and how a step touches them; sizes in rows and bytes."""
+
+    table_rows: tuple[int, ...]
+    dim: int = 64
+    bag: int = 4
+    """Lookups per sample per table."""
+    batch: int = 4096
+    """Samples per worker per step."""
+    zipf: float = 1.05
+    touched_rows: float | None = None
+    """Given directly: distinct rows one worker touches per step, all tables (the union
+    over workers is then taken as min(N u, rows): no overlap)."""
+    worker_mem_bytes: int | None = None
+    sparse_wire_dtype: str = "fp16"
+    sparse_optimizer: str = "sgd"
+    row_cpu_ps_worker: float = DEFAULT_ROW_CPU_PS_WORKER
+    row_cpu_ps_shard: float = DEFAULT_ROW_CPU_PS_SHARD
+    row_cpu_ddp: float = DEFAULT_ROW_CPU_DDP
+
+    def __post_init__(self) -> None:
+        if not self.table_rows or min(self.table_rows) < 1:
+            raise ValueError(f"table rows must be >= 1 each, got {self.table_rows}")
+        if self.dim < 1 or self.bag < 1 or self.batch < 1:
+            raise ValueError("dim, bag and batch must be >= 1")
+        if not 0 <= self.zipf < float("inf"):
+            raise ValueError(f"zipf exponent must be >= 0, got {self.zipf}")
+        if self.touched_rows is not None and not 0 <= self.touched_rows <= sum(self.table_rows):
+            raise ValueError(f"touched rows must be between 0 and the rows of all tables, "
+                             f"got {self.touched_rows}")  # fmt: skip
+        if self.sparse_wire_dtype not in DTYPE_BYTES:
+            raise ValueError(f"sparse wire dtype must be one of {sorted(DTYPE_BYTES)}")
+        if self.sparse_optimizer not in SPARSE_OPTIMIZERS:
+            raise ValueError(f"sparse optimizer must be one of {SPARSE_OPTIMIZERS}")
+
+    @property
+    def elements(self) -> int:
+        return sum(self.table_rows) * self.dim
+
+    def touched(self, workers: int) -> tuple[float, float]:
+        """(u, U): distinct rows one worker touches per step, and all N together."""
+        if self.touched_rows is not None:
+            return self.touched_rows, min(workers * self.touched_rows, sum(self.table_rows))
+        n = self.batch * self.bag
+
+        def total(draws: float) -> float:
+            return sum(expected_distinct(draws, r, self.zipf) for r in self.table_rows)
+
+        return total(n), total(workers * n)
+
+
+@dataclass(frozen=True)
+class SparseArch:
+    """One design's predicted step: link and CPU time, bytes, memory, whether it fits."""
+
+    name: str
+    bytes_sent_per_worker_per_step: float
+    bytes_received_per_worker_per_step: float
+    link: Comm
+    cpu_seconds: float
+    memory_per_worker: Memory
+    memory_per_shard: Memory | None
+    compute_seconds: float | None
+    workers_cpu_seconds: float
+    fits: bool
+    bytes_per_shard_per_step: float | None = None
+
+    @property
+    def comm_seconds_per_step(self) -> float:
+        return max(self.link.seconds, self.cpu_seconds)
+
+    @property
+    def step_seconds(self) -> float | None:
+        """Compute, then communication: row pulls precede the forward and the sparse
+        gradients exist only after the backward, so nothing overlaps (see docs)."""
+        if self.compute_seconds is None:
+            return None
+        return max(self.compute_seconds, self.workers_cpu_seconds) + self.comm_seconds_per_step
+
+    @property
+    def score(self) -> float:
+        step = self.step_seconds
+        return self.comm_seconds_per_step if step is None else step
+
+    def to_dict(self, samples_per_step: int) -> dict[str, object]:
+        out: dict[str, object] = {
+            "bytes_sent_per_worker_per_step": self.bytes_sent_per_worker_per_step,
+            "bytes_received_per_worker_per_step": self.bytes_received_per_worker_per_step,
+            "link_seconds_per_step": self.link.seconds,
+            "cpu_seconds_per_step": self.cpu_seconds,
+            "comm_seconds_per_step": self.comm_seconds_per_step,
+            "bottleneck": "cpu" if self.cpu_seconds > self.link.seconds else "links",
+            "memory_per_worker_bytes": self.memory_per_worker.total,
+            "memory_per_worker_breakdown": asdict(self.memory_per_worker),
+            "fits": self.fits,
+        }
+        if self.memory_per_shard is not None:
+            out["memory_per_shard_bytes"] = self.memory_per_shard.total
+            out["bytes_per_shard_per_step"] = self.bytes_per_shard_per_step
+        if self.step_seconds is not None:
+            out["step_seconds"] = self.step_seconds
+            out["samples_per_second"] = (
+                samples_per_step / self.step_seconds if self.step_seconds else None
+            )
+        return out
+
+
+def _cpu(nbytes: float, rate: float, rows_cpu: float, inp: PlanInputs) -> float:
+    """Seconds the cores need for `nbytes` at `rate` plus `rows_cpu` CPU-seconds."""
+    return 0.0 if inp.cpu_cores is None else (nbytes / rate + rows_cpu) / inp.cpu_cores
+
+
+def _row_phase(worker_bytes: float, inp: PlanInputs, messages: int) -> tuple[Comm, Comm]:
+    """(worker NIC, busiest shard NIC) of one row phase: each worker sends (or receives)
+    `worker_bytes`, spread evenly over the shards (row r lives on shard r % S)."""
+    n, s, k = inp.workers, inp.servers, inp.hosts_of_shards
+    alpha, beta = inp.latency_seconds, inp.bandwidth_bytes_per_second
+    lat = messages * alpha
+    if k == 0:  # a worker host's NIC carries its worker's and its shards' rows
+        nic = Comm(lat, colocated_phase_bytes(worker_bytes, n, s) / beta)
+        return nic, nic
+    shard = n * worker_bytes * ceil_div(s, k) / s
+    return Comm(lat, worker_bytes / beta), Comm(lat, shard / beta)
+
+
+def _slower(*comms: Comm) -> Comm:
+    return max(comms, key=lambda c: c.seconds)
+
+
+def _add(a: Comm, b: Comm) -> Comm:
+    return Comm(a.latency_seconds + b.latency_seconds, a.bandwidth_seconds + b.bandwidth_seconds)
+
+
+@dataclass(frozen=True)
+class _Rows:
+    """A step's row traffic per worker (PS and hybrid alike)."""
+
+    pull_request: float  # ids out
+    pull_reply: float  # rows in, in the worker weights' dtype
+    push: float  # ids and row gradients out, in the sparse wire dtype
+
+
+def _rows(inp: PlanInputs, sp: SparseInputs, u: float) -> _Rows:
+    return _Rows(ID_BYTES * u, u * sp.dim * DTYPE_BYTES[inp.worker_weights],
+                 u * (ID_BYTES + sp.dim * DTYPE_BYTES[sp.sparse_wire_dtype]))  # fmt: skip
+
+
+def _row_cache(inp: PlanInputs, sp: SparseInputs, u: float, r: _Rows) -> int:
+    """A worker's pulled rows and their gradients (weights' dtype) and the push buffer."""
+    return int(2 * u * sp.dim * DTYPE_BYTES[inp.worker_weights] + r.push)
+
+
+def _shard_tables(inp: PlanInputs, sp: SparseInputs, u_all: float) -> Memory:
+    """The largest shard's rows of every table (fp32) and their optimizer state, and one
+    round's pushes of its rows held in fp32 (N workers' rows, ids included)."""
+    held = ceil_div(sp.elements, inp.servers)
+    rows_held = ceil_div(sum(sp.table_rows), inp.servers)
+    state = {"sgd": 0, "adagrad": FP32 * rows_held, "lazy_adam": 2 * FP32 * held + 8 * rows_held}
+    pushes = inp.workers * ceil_div(int(u_all), inp.servers) * (FP32 * sp.dim + ID_BYTES)
+    return Memory(weights=0, gradients=pushes, optimizer_state=state[sp.sparse_optimizer],
+                  fp32_masters=FP32 * held)  # fmt: skip
+
+
+def _fits(mem: Memory, sp: SparseInputs) -> bool:
+    return sp.worker_mem_bytes is None or mem.total <= sp.worker_mem_bytes
+
+
+def plan_sparse(inp: PlanInputs, sp: SparseInputs) -> dict[str, SparseArch]:
+    """The four designs' predictions, by name."""
+    n, s = inp.workers, inp.servers
+    u, u_all = sp.touched(n)
+    alpha, beta = inp.latency_seconds, inp.bandwidth_bytes_per_second
+    states = OPTIMIZER_STATES[inp.optimizer]
+    shared = inp.cpu_shared
+    wcpu = inp.workers * inp.worker_cpu_seconds / inp.cpu_cores if shared and inp.cpu_cores else 0.0
+    base = {"compute_seconds": inp.compute_seconds, "workers_cpu_seconds": wcpu}
+    m_dense = inp.wire_bytes
+    ring = ring_allreduce_comm(m_dense, n, alpha, beta)
+    ring_moved = 2 * (n - 1) / n * m_dense
+    dense_ring_cpu = ring_cpu_bytes(m_dense, n, shared)
+    out: dict[str, SparseArch] = {}
+
+    # allreduce_dense: the tables are dense parameters like any other.
+    ad = plan_allreduce(replace(inp, params=inp.params + sp.elements))
+    ad_mem = ddp_worker_memory(inp.params + sp.elements, states)
+    out["allreduce_dense"] = SparseArch(
+        "allreduce_dense", ad.bytes_sent_per_worker_per_step, ad.bytes_received_per_worker_per_step,
+        ad.worker_comm, ad.cpu_seconds, ad_mem, None, fits=_fits(ad_mem, sp), **base)  # fmt: skip
+
+    # allreduce_sparse: gloo allgathers ids then values, per table, ring style: each rank
+    # sends and receives every other rank's rows, (N - 1) u (8 + 4 dim).
+    gathered = (n - 1) * u * (ID_BYTES + FP32 * sp.dim)
+    sparse_comm = Comm(2 * len(sp.table_rows) * (n - 1) * alpha, gathered / beta)
+    rows_ddp = (u_all if n > 1 else u) * sp.row_cpu_ddp  # every rank applies the union
+    ranks = n if shared else 1
+    as_cpu = _cpu(dense_ring_cpu + ranks * 2 * gathered, inp.allreduce_cpu_bytes_per_second,
+                  ranks * rows_ddp, inp)  # fmt: skip
+    dense_mem = ddp_worker_memory(inp.params, states)
+    table = sp.elements * FP32
+    as_mem = replace(dense_mem, weights=dense_mem.weights + table,
+                     gradients=dense_mem.gradients + int(u_all * (ID_BYTES + FP32 * sp.dim)),
+                     optimizer_state=dense_mem.optimizer_state + _DDP_STATE[sp.sparse_optimizer] * table)  # fmt: skip
+    out["allreduce_sparse"] = SparseArch(
+        "allreduce_sparse", ring_moved + gathered, ring_moved + gathered,
+        _add(ring, sparse_comm) if n > 1 else Comm(0.0, 0.0), as_cpu, as_mem, None,
+        fits=_fits(as_mem, sp), **base)  # fmt: skip
+
+    # Rows through the shards (ps and hybrid): the pull before the forward (one request
+    # per table, ids out and rows back at once, full duplex), the push after the backward
+    # (one PushTables per shard). CPU: the bytes at the PS's rate, each end counting, plus
+    # the per-row work of workers and shards.
+    r = _rows(inp, sp, u)
+    pw, psh = _row_phase(max(r.pull_request, r.pull_reply), inp, len(sp.table_rows))
+    pull = _slower(pw, psh)
+    push_w, push_s = _row_phase(r.push, inp, 1)
+    row_bytes = r.pull_request + r.pull_reply + r.push  # one worker's, one end
+    k = inp.hosts_of_shards
+    per_host = ceil_div(s, k) if k else ceil_div(s, n)
+    shard_rows = n * u * per_host / s  # rows a shard host serves and applies per step
+    if shared:
+        row_cpu_bytes, row_cpu = (
+            2 * n * row_bytes,
+            n * u * (sp.row_cpu_ps_worker + sp.row_cpu_ps_shard),
+        )
+    else:
+        w_side = (row_bytes, u * sp.row_cpu_ps_worker)
+        s_side = (row_bytes * n * per_host / s, shard_rows * sp.row_cpu_ps_shard)
+        if k == 0:
+            row_cpu_bytes, row_cpu = w_side[0] + s_side[0], w_side[1] + s_side[1]
+        else:
+            row_cpu_bytes, row_cpu = max(
+                w_side, s_side, key=lambda x: x[0] / inp.ps_cpu_bytes_per_second + x[1]
+            )
+    rows_per_shard = n * row_bytes / s
+
+    ps = plan_ps(inp)
+    ps_cpu = ps.cpu_seconds + _cpu(row_cpu_bytes, inp.ps_cpu_bytes_per_second, row_cpu, inp)
+    ps_mem = replace(
+        ps.memory_per_worker, buffers=ps.memory_per_worker.buffers + _row_cache(inp, sp, u, r)
+    )
+    assert ps.memory_per_shard is not None
+    tables = _shard_tables(inp, sp, u_all)
+    ps_shard = Memory(
+        *(
+            a + b
+            for a, b in zip(
+                asdict(ps.memory_per_shard).values(), asdict(tables).values(), strict=True
+            )
+        )
+    )
+    out["ps"] = SparseArch(
+        "ps", ps.bytes_sent_per_worker_per_step + r.pull_request + r.push,
+        ps.bytes_received_per_worker_per_step + r.pull_reply,
+        _add(_add(pull, _slower(push_w, push_s)), Comm(0.0, ps.link_seconds_per_step)),
+        ps_cpu, ps_mem, ps_shard, fits=_fits(ps_mem, sp),
+        bytes_per_shard_per_step=(ps.bytes_received_per_shard_per_step or 0.0) * 2 + rows_per_shard,
+        **base)  # fmt: skip
+
+    # hybrid: the ring's bytes leave the worker's NIC with the row push, at the same time.
+    both = Comm(max(push_w.latency_seconds, ring.latency_seconds),
+                (r.push + ring_moved) / beta)  # fmt: skip
+    h_link = _add(pull, _slower(both, push_s, ring) if n > 1 else _slower(push_w, push_s))
+    h_cpu = _cpu(dense_ring_cpu, inp.allreduce_cpu_bytes_per_second, 0.0, inp) + _cpu(
+        row_cpu_bytes, inp.ps_cpu_bytes_per_second, row_cpu, inp
+    )
+    h_mem = replace(dense_mem, buffers=dense_mem.buffers + _row_cache(inp, sp, u, r))
+    out["hybrid"] = SparseArch(
+        "hybrid", ring_moved + r.pull_request + r.push, ring_moved + r.pull_reply, h_link,
+        h_cpu, h_mem, tables, fits=_fits(h_mem, sp), bytes_per_shard_per_step=rows_per_shard,
+        **base)  # fmt: skip
+    return out
