@@ -40,14 +40,18 @@ ID_BYTES = 8  # int64 row ids on every wire (PullRows, PushRows, gloo's sparse i
 SPARSE_OPTIMIZERS = ("sgd", "adagrad", "lazy_adam")
 _DDP_STATE = {"sgd": 0, "adagrad": 1, "lazy_adam": 2}  # torch Adagrad / SparseAdam: dense state
 
-#: CPU seconds per row beyond moving its bytes, calibrated on this project's 2-core AMD
-#: EPYC VM (bench/experiments/sparse_cpu.py, docs/cost-model.md "Sparse tables"): a PS
-#: worker's per touched row (dedup, remap, install the pulled row, gather its gradient),
-#: a shard's per row a worker pulls and pushes (gather, scatter, optimizer, checks), and a
-#: DDP-sparse rank's per row of the union it coalesces and applies.
-DEFAULT_ROW_CPU_PS_WORKER = 0.9e-6
-DEFAULT_ROW_CPU_PS_SHARD = 0.9e-6
-DEFAULT_ROW_CPU_DDP = 0.3e-6
+#: CPU seconds per row beyond moving its bytes and beyond W (`--worker-cpu-ms`: one
+#: DDP-sparse rank's CPU per step in a ring of one, which dedups, coalesces and applies its
+#: own u rows), on this project's 2-core AMD EPYC VM (docs/cost-model.md "Sparse tables"):
+#: a shard's per row a worker pulls and pushes (gather, checks, scatter, optimizer: 14.6
+#: CPU ms a step per shard at 1M rows, quiet, less its bytes at DEFAULT_PS_CPU_RATE), a
+#: PS worker's per touched row beyond W (19.5 ms less W = 15.7 and its bytes), and a DDP
+#: rank's per row of the union it applies beyond its own (within the noise of
+#: bench/experiments/sparse_cpu.py: a 2-rank job's rank used no more CPU than the ring of
+#: one beyond its bytes; a coalesce and an index_add of a 64-wide row is about 0.1 us).
+DEFAULT_ROW_CPU_PS_WORKER = 0.07e-6
+DEFAULT_ROW_CPU_PS_SHARD = 0.95e-6
+DEFAULT_ROW_CPU_DDP = 0.1e-6
 
 
 @dataclass(frozen=True)
@@ -244,7 +248,7 @@ def plan_sparse(inp: PlanInputs, sp: SparseInputs) -> dict[str, SparseArch]:
     # sends and receives every other rank's rows, (N - 1) u (8 + 4 dim).
     gathered = (n - 1) * u * (ID_BYTES + FP32 * sp.dim)
     sparse_comm = Comm(2 * len(sp.table_rows) * (n - 1) * alpha, gathered / beta)
-    rows_ddp = (u_all if n > 1 else u) * sp.row_cpu_ddp  # every rank applies the union
+    rows_ddp = (u_all - u) * sp.row_cpu_ddp  # every rank applies the union; W has its own u
     ranks = n if shared else 1
     as_cpu = _cpu(dense_ring_cpu + ranks * 2 * gathered, inp.allreduce_cpu_bytes_per_second,
                   ranks * rows_ddp, inp)  # fmt: skip

@@ -118,11 +118,12 @@ def add_sparse_flags(p: argparse.ArgumentParser) -> None:
     for flag, default, who in (
         ("--row-cpu-ps-worker-us", DEFAULT_ROW_CPU_PS_WORKER, "a PS or hybrid worker's per touched row"),
         ("--row-cpu-ps-shard-us", DEFAULT_ROW_CPU_PS_SHARD, "a shard's per row a worker pulls and pushes"),
-        ("--row-cpu-ddp-us", DEFAULT_ROW_CPU_DDP, "a DDP-sparse rank's per row of the union it applies"),
+        ("--row-cpu-ddp-us", DEFAULT_ROW_CPU_DDP, "a DDP-sparse rank's per row of the union it applies beyond its own"),
     ):  # fmt: skip
         g.add_argument(flag, type=_number(flag, 0.0, 1e6), default=default * 1e6,
-                       help=f"with --cpu-cores: CPU us {who}, beyond its bytes (default "
-                       f"{default * 1e6:g}, bench/experiments/sparse_cpu.py on a 2-core EPYC)")  # fmt: skip
+                       help=f"with --cpu-cores: CPU us {who}, beyond its bytes and --worker-cpu-ms "
+                       f"(default {default * 1e6:g}, from measurement on a 2-core EPYC: "
+                       "docs/cost-model.md, Sparse tables)")  # fmt: skip
 
 
 def sparse_inputs(args: argparse.Namespace) -> SparseInputs | None:
