@@ -238,3 +238,14 @@ def test_touched_rows_beyond_the_tables_is_refused(capsys: pytest.CaptureFixture
     with pytest.raises(SystemExit):
         main([*ARGS, "--touched-rows", "2e6"])
     assert "touched rows" in capsys.readouterr().err
+
+
+def test_the_reason_names_the_deciding_term(capsys: pytest.CaptureFixture[str]) -> None:
+    """On shared cores the rows' CPU separates DDP-sparse from the shards' designs."""
+    argv = [*ARGS, "--cpu-cores", "2", "--cpu-shared", "--compute-ms", "0", "--worker-cpu-ms", "15"]
+    assert main(argv) == 0
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last.startswith("allreduce_sparse wins") and "the cores bound the communication" in last
+    assert "N*W/C = 15 ms" in last
+    assert main([*ARGS, "--worker-mem", "1kB"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].startswith("nothing fits")

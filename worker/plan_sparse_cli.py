@@ -138,6 +138,20 @@ def sparse_inputs(args: argparse.Namespace) -> SparseInputs | None:
     )  # fmt: skip
 
 
+def _against(best: SparseArch, runner: SparseArch) -> str:
+    """The term that separates the winner from the runner-up: the cores' time for the
+    bytes and rows, the links' time, or (both equal) the last bucket nothing hides."""
+    d_cpu = runner.cpu_seconds - best.cpu_seconds
+    d_link = runner.link.seconds - best.link.seconds
+    if d_cpu >= d_link and d_cpu > 0:
+        return (f"the cores bound the communication: {runner.name}'s bytes and rows take "
+                f"{human_seconds(runner.cpu_seconds)} of them against {human_seconds(best.cpu_seconds)}"
+                f" (links {human_seconds(runner.link.seconds)} and {human_seconds(best.link.seconds)})")  # fmt: skip
+    return (f"{runner.name} needs {human_seconds(runner.link.seconds)} on the links (a worker sends "
+            f"{human_bytes(runner.bytes_sent_per_worker_per_step)}) against "
+            f"{human_seconds(best.link.seconds)} ({human_bytes(best.bytes_sent_per_worker_per_step)})")  # fmt: skip
+
+
 def choose(
     archs: dict[str, SparseArch], inp: PlanInputs, sp: SparseInputs
 ) -> tuple[str | None, str]:
@@ -154,9 +168,11 @@ def choose(
     vs = ", ".join(f"{a.name} {human_seconds(a.score)}" for a in others)
     why = [f"{best.name} wins: {human_seconds(best.score)} of {judged}"
            + (f" against {vs}" if vs else "")]  # fmt: skip
-    if best.cpu_seconds > best.link.seconds:
-        why.append(f"the cores bound it ({human_seconds(best.cpu_seconds)} of CPU for the bytes and "
-                   f"rows against {human_seconds(best.link.seconds)} on the links)")  # fmt: skip
+    if others:
+        why.append(_against(best, others[0]))
+    if best.workers_cpu_seconds:
+        why.append(f"every design first spends N*W/C = {human_seconds(best.workers_cpu_seconds)} "
+                   "of the shared cores on the workers' own compute")  # fmt: skip
     dropped = [a for a in archs.values() if not a.fits]
     for a in dropped:
         why.append(f"{a.name} does not fit: a worker needs {human_bytes(a.memory_per_worker.total)}"
@@ -228,6 +244,6 @@ def render(inp: PlanInputs, sp: SparseInputs) -> str:
         *("  " + "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
           for r in rows),
         "",
-        reason if winner is not None else f"no design fits: {reason}",
+        reason,
     ]  # fmt: skip
     return "\n".join(line.rstrip() for line in lines)
