@@ -84,25 +84,28 @@ def add_sparse_flags(p: argparse.ArgumentParser) -> None:
         "--table-dim",
         type=_count("--table-dim", 1),
         default=64,
+        metavar="D",
         help="embedding width (default 64)",
     )
-    g.add_argument("--lookups-per-sample", "--bag", dest="bag", type=_count("--lookups-per-sample", 1),
-                   default=4, help="ids per sample per table (the bag; default 4)")  # fmt: skip
+    g.add_argument("--lookups-per-sample", "--bag", dest="bag", metavar="L", default=4,
+                   type=_count("--lookups-per-sample", 1),
+                   help="ids per sample per table (the bag; default 4)")  # fmt: skip
     g.add_argument(
         "--batch",
         type=_count("--batch", 1),
         default=4096,
+        metavar="B",
         help="samples per worker per step (default 4096)",
     )
-    g.add_argument("--zipf", type=_number("--zipf", 0.0, 10.0), default=1.05,
+    g.add_argument("--zipf", type=_number("--zipf", 0.0, 10.0), default=1.05, metavar="S",
                    help="Zipf exponent of id popularity, 0 (uniform) to 10 (default 1.05, "
                    "the recsys workload's)")  # fmt: skip
-    g.add_argument("--touched-rows", type=_number("--touched-rows", 0.0, 1e15), default=None,
+    g.add_argument("--touched-rows", type=_number("--touched-rows", 0.0, 1e15), metavar="U", default=None,
                    help="distinct rows one worker touches per step, all tables together "
                    "(default: expected from batch x bag draws under --zipf)")  # fmt: skip
-    g.add_argument("--worker-mem", type=_size, default=None,
+    g.add_argument("--worker-mem", type=_size, default=None, metavar="SIZE",
                    help="memory of one worker for the model: a design that needs more does "
-                   "not fit (25GiB, 12GB; default: not checked)")  # fmt: skip
+                   "not fit (25GiB, 12GB; default: not checked; the shards' need is printed, not checked)")  # fmt: skip
     g.add_argument(
         "--sparse-wire-dtype",
         choices=sorted(DTYPE_BYTES),
@@ -120,7 +123,7 @@ def add_sparse_flags(p: argparse.ArgumentParser) -> None:
         ("--row-cpu-ps-shard-us", DEFAULT_ROW_CPU_PS_SHARD, "a shard's per row a worker pulls and pushes"),
         ("--row-cpu-ddp-us", DEFAULT_ROW_CPU_DDP, "a DDP-sparse rank's per row of the union it applies beyond its own"),
     ):  # fmt: skip
-        g.add_argument(flag, type=_number(flag, 0.0, 1e6), default=default * 1e6,
+        g.add_argument(flag, type=_number(flag, 0.0, 1e6), default=default * 1e6, metavar="US",
                        help=f"with --cpu-cores: CPU us {who}, beyond its bytes and --worker-cpu-ms "
                        f"(default {default * 1e6:g}, from measurement on a 2-core EPYC: "
                        "docs/cost-model.md, Sparse tables)")  # fmt: skip
