@@ -362,6 +362,17 @@ def table(doc: dict) -> str:
             + f"\n\n{WORLD} workers; rates over the window every worker trains in.")  # fmt: skip
 
 
+def _plan(results: list[dict], worker_cpu_ms: float | None) -> None:
+    """psar plan's prediction beside each cell (docs/cost-model.md, Sparse tables)."""
+    from bench.lib import sparse_plan
+
+    for r in results:
+        with tempfile.TemporaryDirectory() as tmp:
+            w = (worker_cpu_ms / 1e3 if worker_cpu_ms is not None
+                 else sparse_plan.measure_worker_cpu(r, Path(tmp)))  # fmt: skip
+        r["plan"] = sparse_plan.plan_cell(r, sparse_plan.cell_options(r), w)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="100k rows, 3 steps (smoke test)")
@@ -403,6 +414,11 @@ def main(argv: list[str] | None = None) -> int:
         "with --shard-cpus, shards on cores of their own, as on CPU hosts a PS job adds",
     )
     ap.add_argument("--shard-cpus", default="", help="pin the PS shards to these CPUs")
+    ap.add_argument("--plan", action=argparse.BooleanOptionalAction, default=True,
+                    help="set psar plan --table-rows's prediction beside each cell "
+                    "(bench/lib/sparse_plan.py; measures W in a ring of one, ~30 s a size)")  # fmt: skip
+    ap.add_argument("--plan-worker-cpu-ms", type=float, default=None, metavar="W",
+                    help="--plan: W given instead of measured")  # fmt: skip
     ap.add_argument("--out", default="", help="write the JSON here too")
     a = ap.parse_args(argv)
     ways = tuple(w.strip() for w in a.ways.split(",") if w.strip())
@@ -433,6 +449,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         for n in sizes
     ]
+    if a.plan:
+        _plan(results, a.plan_worker_cpu_ms)
     import importlib.util
 
     doc = {"benchmark": "sparse", "quick": a.quick, "seconds": time.time() - t0,
