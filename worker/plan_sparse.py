@@ -222,19 +222,61 @@ def _fits(mem: Memory, sp: SparseInputs) -> bool:
     return sp.worker_mem_bytes is None or mem.total <= sp.worker_mem_bytes
 
 
+def _plus(a: Memory, b: Memory) -> Memory:
+    return Memory(*(x + y for x, y in zip(asdict(a).values(), asdict(b).values(), strict=True)))
+
+
+@dataclass(frozen=True)
+class _RowPath:
+    """The rows through the shards, as ps and hybrid move them: the pull before the
+    forward (one request per table, ids out and rows back at once, full duplex), the push
+    after the backward (one PushTables per shard); and the cores that takes (the bytes at
+    the PS's rate, each end counting, plus the per-row work of workers and shards)."""
+
+    rows: _Rows
+    pull: Comm  # the slower of the worker NIC and the busiest shard NIC
+    push_worker: Comm
+    push_shard: Comm
+    cpu_seconds: float
+    bytes_per_shard: float  # in and out
+
+
+def _row_path(inp: PlanInputs, sp: SparseInputs, u: float) -> _RowPath:
+    n, s, k = inp.workers, inp.servers, inp.hosts_of_shards
+    r = _rows(inp, sp, u)
+    pull = _slower(*_row_phase(max(r.pull_request, r.pull_reply), inp, len(sp.table_rows)))
+    push_w, push_s = _row_phase(r.push, inp, 1)
+    row_bytes = r.pull_request + r.pull_reply + r.push  # one worker's, one end
+    per_host = ceil_div(s, k) if k else ceil_div(s, n)  # shards on the busiest shard host
+    worker = (row_bytes, u * sp.row_cpu_ps_worker)
+    shard = (row_bytes * n * per_host / s, n * u * per_host / s * sp.row_cpu_ps_shard)
+    if inp.cpu_shared:  # every worker's and every shard's share on the same cores
+        nbytes, rows_cpu = 2 * n * row_bytes, n * u * (sp.row_cpu_ps_worker + sp.row_cpu_ps_shard)
+    elif k == 0:  # a worker host runs its worker and its shards
+        nbytes, rows_cpu = worker[0] + shard[0], worker[1] + shard[1]
+    else:  # the busier of a worker host and the busiest shard host
+        rate = inp.ps_cpu_bytes_per_second
+        nbytes, rows_cpu = max(worker, shard, key=lambda x: x[0] / rate + x[1])
+    cpu = _cpu(nbytes, inp.ps_cpu_bytes_per_second, rows_cpu, inp)
+    return _RowPath(r, pull, push_w, push_s, cpu, n * row_bytes / s)
+
+
 def plan_sparse(inp: PlanInputs, sp: SparseInputs) -> dict[str, SparseArch]:
     """The four designs' predictions, by name."""
-    n, s = inp.workers, inp.servers
+    n = inp.workers
     u, u_all = sp.touched(n)
     alpha, beta = inp.latency_seconds, inp.bandwidth_bytes_per_second
     states = OPTIMIZER_STATES[inp.optimizer]
     shared = inp.cpu_shared
-    wcpu = inp.workers * inp.worker_cpu_seconds / inp.cpu_cores if shared and inp.cpu_cores else 0.0
+    wcpu = n * inp.worker_cpu_seconds / inp.cpu_cores if shared and inp.cpu_cores else 0.0
     base = {"compute_seconds": inp.compute_seconds, "workers_cpu_seconds": wcpu}
     m_dense = inp.wire_bytes
     ring = ring_allreduce_comm(m_dense, n, alpha, beta)
     ring_moved = 2 * (n - 1) / n * m_dense
-    dense_ring_cpu = ring_cpu_bytes(m_dense, n, shared)
+    ring_cpu = _cpu(
+        ring_cpu_bytes(m_dense, n, shared), inp.allreduce_cpu_bytes_per_second, 0.0, inp
+    )
+    dense_mem = ddp_worker_memory(inp.params, states)
     out: dict[str, SparseArch] = {}
 
     # allreduce_dense: the tables are dense parameters like any other.
@@ -245,84 +287,46 @@ def plan_sparse(inp: PlanInputs, sp: SparseInputs) -> dict[str, SparseArch]:
         ad.worker_comm, ad.cpu_seconds, ad_mem, None, fits=_fits(ad_mem, sp), **base)  # fmt: skip
 
     # allreduce_sparse: gloo allgathers ids then values, per table, ring style: each rank
-    # sends and receives every other rank's rows, (N - 1) u (8 + 4 dim).
+    # sends and receives every other rank's rows, (N - 1) u (8 + 4 dim), then applies the
+    # union U (its own u are in W, measured in a ring of one).
     gathered = (n - 1) * u * (ID_BYTES + FP32 * sp.dim)
     sparse_comm = Comm(2 * len(sp.table_rows) * (n - 1) * alpha, gathered / beta)
-    rows_ddp = (u_all - u) * sp.row_cpu_ddp  # every rank applies the union; W has its own u
     ranks = n if shared else 1
-    as_cpu = _cpu(dense_ring_cpu + ranks * 2 * gathered, inp.allreduce_cpu_bytes_per_second,
-                  ranks * rows_ddp, inp)  # fmt: skip
-    dense_mem = ddp_worker_memory(inp.params, states)
+    as_cpu = ring_cpu + _cpu(ranks * 2 * gathered, inp.allreduce_cpu_bytes_per_second,
+                             ranks * (u_all - u) * sp.row_cpu_ddp, inp)  # fmt: skip
     table = sp.elements * FP32
-    as_mem = replace(dense_mem, weights=dense_mem.weights + table,
-                     gradients=dense_mem.gradients + int(u_all * (ID_BYTES + FP32 * sp.dim)),
-                     optimizer_state=dense_mem.optimizer_state + _DDP_STATE[sp.sparse_optimizer] * table)  # fmt: skip
+    as_mem = _plus(dense_mem, Memory(
+        weights=table, gradients=int(u_all * (ID_BYTES + FP32 * sp.dim)),
+        optimizer_state=_DDP_STATE[sp.sparse_optimizer] * table))  # fmt: skip
     out["allreduce_sparse"] = SparseArch(
         "allreduce_sparse", ring_moved + gathered, ring_moved + gathered,
         _add(ring, sparse_comm) if n > 1 else Comm(0.0, 0.0), as_cpu, as_mem, None,
         fits=_fits(as_mem, sp), **base)  # fmt: skip
 
-    # Rows through the shards (ps and hybrid): the pull before the forward (one request
-    # per table, ids out and rows back at once, full duplex), the push after the backward
-    # (one PushTables per shard). CPU: the bytes at the PS's rate, each end counting, plus
-    # the per-row work of workers and shards.
-    r = _rows(inp, sp, u)
-    pw, psh = _row_phase(max(r.pull_request, r.pull_reply), inp, len(sp.table_rows))
-    pull = _slower(pw, psh)
-    push_w, push_s = _row_phase(r.push, inp, 1)
-    row_bytes = r.pull_request + r.pull_reply + r.push  # one worker's, one end
-    k = inp.hosts_of_shards
-    per_host = ceil_div(s, k) if k else ceil_div(s, n)
-    shard_rows = n * u * per_host / s  # rows a shard host serves and applies per step
-    if shared:
-        row_cpu_bytes, row_cpu = (
-            2 * n * row_bytes,
-            n * u * (sp.row_cpu_ps_worker + sp.row_cpu_ps_shard),
-        )
-    else:
-        w_side = (row_bytes, u * sp.row_cpu_ps_worker)
-        s_side = (row_bytes * n * per_host / s, shard_rows * sp.row_cpu_ps_shard)
-        if k == 0:
-            row_cpu_bytes, row_cpu = w_side[0] + s_side[0], w_side[1] + s_side[1]
-        else:
-            row_cpu_bytes, row_cpu = max(
-                w_side, s_side, key=lambda x: x[0] / inp.ps_cpu_bytes_per_second + x[1]
-            )
-    rows_per_shard = n * row_bytes / s
+    rp = _row_path(inp, sp, u)
+    r, cache, tables = rp.rows, _row_cache(inp, sp, u, rp.rows), _shard_tables(inp, sp, u_all)
 
+    # ps: rows are pushed before the dense push of the same clock, and pulled in the
+    # forward: the three phases one after the other.
     ps = plan_ps(inp)
-    ps_cpu = ps.cpu_seconds + _cpu(row_cpu_bytes, inp.ps_cpu_bytes_per_second, row_cpu, inp)
-    ps_mem = replace(
-        ps.memory_per_worker, buffers=ps.memory_per_worker.buffers + _row_cache(inp, sp, u, r)
-    )
     assert ps.memory_per_shard is not None
-    tables = _shard_tables(inp, sp, u_all)
-    ps_shard = Memory(
-        *(
-            a + b
-            for a, b in zip(
-                asdict(ps.memory_per_shard).values(), asdict(tables).values(), strict=True
-            )
-        )
-    )
+    ps_mem = replace(ps.memory_per_worker, buffers=ps.memory_per_worker.buffers + cache)
     out["ps"] = SparseArch(
         "ps", ps.bytes_sent_per_worker_per_step + r.pull_request + r.push,
         ps.bytes_received_per_worker_per_step + r.pull_reply,
-        _add(_add(pull, _slower(push_w, push_s)), Comm(0.0, ps.link_seconds_per_step)),
-        ps_cpu, ps_mem, ps_shard, fits=_fits(ps_mem, sp),
-        bytes_per_shard_per_step=(ps.bytes_received_per_shard_per_step or 0.0) * 2 + rows_per_shard,
+        _add(_add(rp.pull, _slower(rp.push_worker, rp.push_shard)), Comm(0.0, ps.link_seconds_per_step)),
+        ps.cpu_seconds + rp.cpu_seconds, ps_mem, _plus(ps.memory_per_shard, tables),
+        fits=_fits(ps_mem, sp),
+        bytes_per_shard_per_step=2 * (ps.bytes_received_per_shard_per_step or 0.0) + rp.bytes_per_shard,
         **base)  # fmt: skip
 
     # hybrid: the ring's bytes leave the worker's NIC with the row push, at the same time.
-    both = Comm(max(push_w.latency_seconds, ring.latency_seconds),
+    both = Comm(max(rp.push_worker.latency_seconds, ring.latency_seconds),
                 (r.push + ring_moved) / beta)  # fmt: skip
-    h_link = _add(pull, _slower(both, push_s, ring) if n > 1 else _slower(push_w, push_s))
-    h_cpu = _cpu(dense_ring_cpu, inp.allreduce_cpu_bytes_per_second, 0.0, inp) + _cpu(
-        row_cpu_bytes, inp.ps_cpu_bytes_per_second, row_cpu, inp
-    )
-    h_mem = replace(dense_mem, buffers=dense_mem.buffers + _row_cache(inp, sp, u, r))
+    push = _slower(both, rp.push_shard, ring) if n > 1 else _slower(rp.push_worker, rp.push_shard)
+    h_mem = replace(dense_mem, buffers=dense_mem.buffers + cache)
     out["hybrid"] = SparseArch(
-        "hybrid", ring_moved + r.pull_request + r.push, ring_moved + r.pull_reply, h_link,
-        h_cpu, h_mem, tables, fits=_fits(h_mem, sp), bytes_per_shard_per_step=rows_per_shard,
-        **base)  # fmt: skip
+        "hybrid", ring_moved + r.pull_request + r.push, ring_moved + r.pull_reply,
+        _add(rp.pull, push), ring_cpu + rp.cpu_seconds, h_mem, tables, fits=_fits(h_mem, sp),
+        bytes_per_shard_per_step=rp.bytes_per_shard, **base)  # fmt: skip
     return out
