@@ -234,6 +234,12 @@ def test_bad_values_name_the_flag_and_the_accepted_range(
     assert flag in err and says in err
 
 
+def test_sync_every_is_refused_with_tables(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main([*ARGS, "--sync-every", "4"])
+    assert "--sync-every 4: not modelled with --table-rows" in capsys.readouterr().err
+
+
 def test_touched_rows_beyond_the_tables_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         main([*ARGS, "--touched-rows", "2e6"])

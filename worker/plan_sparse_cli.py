@@ -130,8 +130,15 @@ def add_sparse_flags(p: argparse.ArgumentParser) -> None:
 
 
 def sparse_inputs(args: argparse.Namespace) -> SparseInputs | None:
+    """The tables' inputs (None without --table-rows); ValueError names a flag the sparse
+    model does not take."""
     if args.table_rows is None:
         return None
+    if args.sync_every != 1:  # rows move every step; psar train --arch hybrid refuses --mode local
+        raise ValueError(
+            f"--sync-every {args.sync_every}: not modelled with --table-rows (rows are pulled "
+            "and pushed every step); accepted: 1"
+        )
     return SparseInputs(
         table_rows=args.table_rows, dim=args.table_dim, bag=args.bag, batch=args.batch,
         zipf=args.zipf, touched_rows=args.touched_rows, worker_mem_bytes=args.worker_mem,
