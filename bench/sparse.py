@@ -414,9 +414,10 @@ def main(argv: list[str] | None = None) -> int:
         "with --shard-cpus, shards on cores of their own, as on CPU hosts a PS job adds",
     )
     ap.add_argument("--shard-cpus", default="", help="pin the PS shards to these CPUs")
-    ap.add_argument("--plan", action=argparse.BooleanOptionalAction, default=True,
+    ap.add_argument("--plan", action=argparse.BooleanOptionalAction, default=None,
                     help="set psar plan --table-rows's prediction beside each cell "
-                    "(bench/lib/sparse_plan.py; measures W in a ring of one, ~30 s a size)")  # fmt: skip
+                    "(bench/lib/sparse_plan.py; measures W in a ring of one, ~30 s a size; "
+                    "default: on, off with --quick)")  # fmt: skip
     ap.add_argument("--plan-worker-cpu-ms", type=float, default=None, metavar="W",
                     help="--plan: W given instead of measured")  # fmt: skip
     ap.add_argument("--out", default="", help="write the JSON here too")
@@ -449,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         for n in sizes
     ]
-    if a.plan:
+    if a.plan or (a.plan is None and not a.quick):
         _plan(results, a.plan_worker_cpu_ms)
     import importlib.util
 

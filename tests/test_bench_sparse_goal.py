@@ -154,3 +154,18 @@ def test_the_plan_beside_a_cell_names_its_pick_and_the_ratios() -> None:
     assert doc["vs_allreduce_sparse"]["allreduce_dense"]["measured"] is None
     miss = sparse_plan.plan_cell(_cell(1, 3, 2), sparse_plan.cell_options(r), 0.01574, cores=2)
     assert miss["measured_fastest"] == "hybrid" and not miss["pick_right"]
+
+
+def test_the_suite_summary_says_whether_the_plans_pick_was_right() -> None:
+    from bench.lib import suite
+
+    goal = {"speedup": 0.5, "need_speedup": 1.0, "met": False}
+    plan = {"pick_among_measured": "allreduce_sparse", "measured_fastest": "allreduce_sparse",
+            "pick_right": True}  # fmt: skip
+    lines = suite.goals(
+        {"sparse": {"results": [{"rows": [10**6, 10**5], "goal": goal, "plan": plan}]}}
+    )
+    assert len(lines) == 2
+    assert (
+        "psar plan's pick" in lines[1] and "allreduce_sparse" in lines[1] and "**met**" in lines[1]
+    )
