@@ -255,3 +255,14 @@ def test_the_reason_names_the_deciding_term(capsys: pytest.CaptureFixture[str]) 
     assert "N*W/C = 15 ms" in last
     assert main([*ARGS, "--worker-mem", "1kB"]) == 0
     assert capsys.readouterr().out.splitlines()[-1].startswith("nothing fits")
+
+
+def test_one_worker_ties_are_said_and_hybrid_over_ps_is_explained() -> None:
+    inp = PlanInputs(params=1_000_000, workers=1)
+    sp = SparseInputs(table_rows=(1_000_000,))
+    winner, reason = choose(plan_sparse(inp, sp), inp, sp)
+    assert winner == "allreduce_sparse" and "ties allreduce_dense" in reason
+    inp = PlanInputs(params=1_000_000, workers=2)
+    sp = SparseInputs(table_rows=(50_000_000,), worker_mem_bytes=10**9)
+    winner, reason = choose(plan_sparse(inp, sp), inp, sp)
+    assert winner == "hybrid" and "ps also pushes the dense part" in reason

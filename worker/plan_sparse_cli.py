@@ -153,6 +153,12 @@ def _against(best: SparseArch, runner: SparseArch) -> str:
     bytes and rows, the links' time, or (both equal) the last bucket nothing hides."""
     d_cpu = runner.cpu_seconds - best.cpu_seconds
     d_link = runner.link.seconds - best.link.seconds
+    if runner.score <= best.score * (1 + 1e-12):
+        return f"it ties {runner.name} and needs fewer moving parts"
+    if (best.name, runner.name) == ("hybrid", "ps") and d_link >= d_cpu:
+        return (f"both move the same rows, but ps also pushes the dense part to the shards and "
+                f"pulls it back ({human_seconds(runner.link.seconds)} on the links) where "
+                f"hybrid's ring runs while the rows are pushed ({human_seconds(best.link.seconds)})")  # fmt: skip
     if d_cpu >= d_link and d_cpu > 0:
         return (f"the cores bound the communication: {runner.name}'s bytes and rows take "
                 f"{human_seconds(runner.cpu_seconds)} of them against {human_seconds(best.cpu_seconds)}"
