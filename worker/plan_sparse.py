@@ -35,10 +35,11 @@ from psar.worker.plan_zipf import expected_distinct
 
 ID_BYTES = 8  # int64 row ids on every wire (PullRows, PushRows, gloo's sparse indices)
 
-#: Row-wise optimizer state (fp32 elements per table element on DDP, where torch keeps
-#: it dense; on a shard psar keeps adagrad's one accumulator per row).
+#: The tables' optimizers (psar train --sparse-optimizer).
 SPARSE_OPTIMIZERS = ("sgd", "adagrad", "lazy_adam")
-_DDP_STATE = {"sgd": 0, "adagrad": 1, "lazy_adam": 2}  # torch Adagrad / SparseAdam: dense state
+#: Their fp32 state per table element on a DDP rank, where torch keeps it dense (Adagrad's
+#: sum, SparseAdam's two moments); a shard keeps adagrad's one accumulator per row instead.
+_DDP_STATE = {"sgd": 0, "adagrad": 1, "lazy_adam": 2}
 
 #: CPU seconds per row beyond moving its bytes and beyond W (`--worker-cpu-ms`: one
 #: DDP-sparse rank's CPU per step in a ring of one, which dedups, coalesces and applies its
