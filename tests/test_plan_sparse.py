@@ -13,7 +13,7 @@ from psar.worker.plan import main
 from psar.worker.plan_sparse import SparseInputs, plan_sparse
 from psar.worker.plan_sparse_cli import ORDER, choose
 from psar.worker.plan_types import PlanInputs
-from psar.worker.plan_zipf import HEAD, expected_distinct
+from psar.worker.plan_zipf import HEAD, _buckets, expected_distinct
 
 # --- touched rows --------------------------------------------------------------------
 
@@ -43,6 +43,13 @@ def test_estimator_matches_a_monte_carlo_count(rows: int, draws: int, s: float) 
     counts = [len(np.unique(rng.choice(rows, size=draws, p=p))) for _ in range(400)]
     mean, sem = np.mean(counts), np.std(counts) / math.sqrt(len(counts))
     assert abs(expected_distinct(draws, rows, s) - mean) < 4 * sem + 0.5
+
+
+def test_a_50m_row_table_takes_some_ten_thousand_terms() -> None:
+    """The tail's buckets keep a 50M-row table cheap (what the estimate costs, not a time)."""
+    buckets = _buckets(50_000_000)
+    assert len(buckets) < 15_000
+    assert sum(c for _, c in buckets) == 50_000_000  # every rank counted once
 
 
 def test_estimator_bounds_and_bad_input() -> None:
