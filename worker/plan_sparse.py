@@ -43,16 +43,16 @@ _DDP_STATE = {"sgd": 0, "adagrad": 1, "lazy_adam": 2}
 
 #: CPU seconds per row beyond moving its bytes and beyond W (`--worker-cpu-ms`: one
 #: DDP-sparse rank's CPU per step in a ring of one, which dedups, coalesces and applies its
-#: own u rows), on this project's 2-core AMD EPYC VM (docs/cost-model.md "Sparse tables"):
-#: a shard's per row a worker pulls and pushes (gather, checks, scatter, optimizer: 14.6
-#: CPU ms a step per shard at 1M rows, quiet, less its bytes at DEFAULT_PS_CPU_RATE), a
-#: PS worker's per touched row beyond W (19.5 ms less W = 15.7 and its bytes), and a DDP
-#: rank's per row of the union it applies beyond its own (within the noise of
-#: bench/experiments/sparse_cpu.py: a 2-rank job's rank used no more CPU than the ring of
-#: one beyond its bytes; a coalesce and an index_add of a 64-wide row is about 0.1 us).
-DEFAULT_ROW_CPU_PS_WORKER = 0.07e-6
-DEFAULT_ROW_CPU_PS_SHARD = 0.95e-6
-DEFAULT_ROW_CPU_DDP = 0.1e-6
+#: own u rows), on this project's 2-core AMD EPYC VM, quiet, 2026-12-06, recsys 1M + 100k
+#: rows, batch 4096, 2 workers, 2 shards (bench/experiments/sparse_cpu.py: W 13.27 ms, two
+#: DDP-sparse ranks 51.75, the ps job 108.1; docs/cost-model.md "Sparse tables"): a DDP
+#: rank's per row of the union it applies beyond its own ((25.9 - W - its gloo bytes) /
+#: 9,188 rows), and the PS job's 2.84 us per touched row, split between a shard's (per row
+#: a worker pulls and pushes: gather, checks, scatter, optimizer) and a worker's as the
+#: processes' CPU windows split (shards 50.0 ms, workers 53.1).
+DEFAULT_ROW_CPU_PS_WORKER = 0.9e-6
+DEFAULT_ROW_CPU_PS_SHARD = 1.9e-6
+DEFAULT_ROW_CPU_DDP = 1.1e-6
 
 
 @dataclass(frozen=True)

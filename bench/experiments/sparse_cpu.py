@@ -41,8 +41,10 @@ def _children_cpu_s() -> float:
 
 def _common(rows: int, steps: int, batch: int) -> list[str]:
     """bench/sparse.py's flags for one length of the job."""
+    # The same data at both lengths: generating more samples for the longer run would
+    # count its CPU per step (enough for 2 workers x batch x LONG steps).
     opts = {"rows": f"{rows},100000", "dim": "64", "bag": "4",
-            "samples": str(batch * 2 * (steps + 1)), "val_samples": "0"}  # fmt: skip
+            "samples": str(max(1_000_000, batch * 2 * (steps + 1))), "val_samples": "0"}  # fmt: skip
     return ["train", "--workload", "recsys",
             *(a for k, v in opts.items() for a in ("--workload-option", f"{k}={v}")),
             "--steps", str(steps), "--batch-size", str(batch), "--precision", "fp32",
