@@ -426,6 +426,17 @@ def table(doc: dict) -> str:
             + f"\n\n{WORLD} workers; rates over the window every worker trains in.")  # fmt: skip
 
 
+def _plan(results: list[dict], worker_cpu_ms: float | None) -> None:
+    """psar plan's prediction beside each cell (docs/cost-model.md, Sparse tables)."""
+    from bench.lib import sparse_plan
+
+    for r in results:
+        with tempfile.TemporaryDirectory() as tmp:
+            w = (worker_cpu_ms / 1e3 if worker_cpu_ms is not None
+                 else sparse_plan.measure_worker_cpu(r, Path(tmp)))  # fmt: skip
+        r["plan"] = sparse_plan.plan_cell(r, sparse_plan.cell_options(r), w)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="100k rows, 3 steps (smoke test)")
@@ -478,6 +489,12 @@ def main(argv: list[str] | None = None) -> int:
                     "0: all on this host, 2 workers")  # fmt: skip
     ap.add_argument("--link-mbit", type=float, default=1000.0,
                     help="--hosts: every host's NIC, both ways, Mbit/s (tc tbf)")  # fmt: skip
+    ap.add_argument("--plan", action=argparse.BooleanOptionalAction, default=None,
+                    help="set psar plan --table-rows's prediction beside each cell "
+                    "(bench/lib/sparse_plan.py; measures W in a ring of one, ~30 s a size; "
+                    "default: on, off with --quick)")  # fmt: skip
+    ap.add_argument("--plan-worker-cpu-ms", type=float, default=None, metavar="W",
+                    help="--plan: W given instead of measured")  # fmt: skip
     ap.add_argument("--out", default="", help="write the JSON here too")
     ap.add_argument("--table-modes", default="", metavar="MODES",
                     help="instead of the ways: the hybrid way with its tables under each of "
@@ -517,6 +534,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         for n in sizes
     ]
+    if a.plan or (a.plan is None and not a.quick):
+        _plan(results, a.plan_worker_cpu_ms)
     doc = {"benchmark": "sparse", "quick": a.quick, "seconds": time.time() - t0,
            "machine": c.machine(), "results": results}  # fmt: skip
     text = json.dumps(doc, indent=2)

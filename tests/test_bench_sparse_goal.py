@@ -128,3 +128,44 @@ def test_touched_rows_skip_the_dlrm_dense_features() -> None:
     plain = sparse._touched([3000, 300], opts, 64, 2)
     dlrm = sparse._touched([3000, 300], [*opts, "--workload-option", "dense=5"], 64, 2)
     assert plain == dlrm and 0 < plain[0] < plain[1] <= 1
+
+
+def _cell(ps: float, hybrid: float, ddp: float) -> dict:
+    return {"rows": [1_000_000, 100_000], "dim": 64, "bag": 4, "batch_per_worker": 4096,
+            "workers": 2, "shards": 2, "options": [],
+            "ps_sparse": {"samples_per_sec": ps}, "hybrid": {"samples_per_sec": hybrid},
+            "allreduce_sparse": {"samples_per_sec": ddp},
+            "allreduce_dense": {"skipped": "rows > --dense-max-rows 0 (memory)"}}  # fmt: skip
+
+
+def test_the_plan_beside_a_cell_names_its_pick_and_the_ratios() -> None:
+    """bench/lib/sparse_plan.py: the plan of a 1M-row cell on 2 shared cores picks
+    DDP-sparse, as measured (2026-12-03: ps 0.52x); a run where hybrid measured fastest
+    is recorded as the plan's miss."""
+    from bench.lib import sparse_plan
+
+    r = _cell(203_158, 210_000, 389_737)
+    doc = sparse_plan.plan_cell(r, sparse_plan.cell_options(r), 0.01574, cores=2)
+    assert doc["dense_params"] == 8321
+    assert doc["pick_among_measured"] == "allreduce_sparse" and doc["pick_right"]
+    ratio = doc["vs_allreduce_sparse"]["ps_sparse"]
+    assert ratio["measured"] == pytest.approx(203_158 / 389_737)
+    assert 0.4 < ratio["plan"] < 0.7
+    assert doc["vs_allreduce_sparse"]["allreduce_dense"]["measured"] is None
+    miss = sparse_plan.plan_cell(_cell(1, 3, 2), sparse_plan.cell_options(r), 0.01574, cores=2)
+    assert miss["measured_fastest"] == "hybrid" and not miss["pick_right"]
+
+
+def test_the_suite_summary_says_whether_the_plans_pick_was_right() -> None:
+    from bench.lib import suite
+
+    goal = {"speedup": 0.5, "need_speedup": 1.0, "met": False}
+    plan = {"pick_among_measured": "allreduce_sparse", "measured_fastest": "allreduce_sparse",
+            "pick_right": True}  # fmt: skip
+    lines = suite.goals(
+        {"sparse": {"results": [{"rows": [10**6, 10**5], "goal": goal, "plan": plan}]}}
+    )
+    assert len(lines) == 2
+    assert (
+        "psar plan's pick" in lines[1] and "allreduce_sparse" in lines[1] and "**met**" in lines[1]
+    )

@@ -16,6 +16,7 @@ from psar.trainkit.cli_strict import StrictParser
 from psar.worker.compare_repeats import positive_int
 from psar.worker.plan_command import launch_lines, train_flags
 from psar.worker.plan_model import PlanResult, plan
+from psar.worker.plan_sparse_cli import add_sparse_flags, render, sparse_inputs, to_dict
 from psar.worker.plan_types import (
     DEFAULT_BUCKET_BYTES,
     DEFAULT_PS_CPU_RATE,
@@ -245,6 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
         "least N*W/C (default 0: not counted)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    add_sparse_flags(p)
     return p
 
 
@@ -410,6 +412,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     try:
         inputs = inputs_from_args(args)
+        tables = sparse_inputs(args)  # None without --table-rows: the dense plan alone
     except ValueError as exc:  # flags fine one by one, not together (--shard-hosts > S)
         parser.error(str(exc))
     result = plan(inputs)
@@ -417,9 +420,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         doc = result.to_dict()
         doc["launch_command"] = [ln.strip() for ln in launch_lines(result)[1:]]
         doc["train_flags"] = train_flags(inputs, result.winner)
+        if tables is not None:  # the keys above describe the dense layers alone
+            doc["sparse"] = to_dict(inputs, tables)
         print(json.dumps(doc, indent=2))
     else:
-        print(render_table(result))
+        print(render_table(result) if tables is None else render(inputs, tables))
     return 0
 
 

@@ -73,7 +73,7 @@ def goals(docs: dict[str, dict]) -> list[str]:
     """One line per goal of the issues: the number, the goal, met or not."""
     out = []
 
-    def line(what: str, value: float | None, goal: str, met: bool | None) -> None:
+    def line(what: str, value: float | str | None, goal: str, met: bool | None) -> None:
         verdict = "not measured" if met is None else ("met" if met else "NOT met")
         out.append(f"- {what}: {c.fmt(value)} (goal {goal}): **{verdict}**")
 
@@ -123,6 +123,10 @@ def goals(docs: dict[str, dict]) -> list[str]:
         g = r["goal"]
         line(f"sparse {r['rows'][0]:,} rows: ps-sparse / DDP-sparse samples/s", g["speedup"],
              f">= {g['need_speedup']}x or DDP does not fit", g["met"])  # fmt: skip
+        if p := r.get("plan"):  # docs/cost-model.md, Sparse tables
+            line(f"sparse {r['rows'][0]:,} rows: psar plan's pick (measured fastest: "
+                 f"{p['measured_fastest']})", p["pick_among_measured"], "the measured fastest",
+                 p["pick_right"])  # fmt: skip
     return out
 
 
