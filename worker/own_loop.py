@@ -243,10 +243,7 @@ class OwnLoop:
                 # The others wait on this step (a sync round would never close): the
                 # backend tells them (ps: the shards stop the job with this line, so
                 # every rank raises it within a pull rather than wait out a timeout).
-                self._finished = True
-                for hook in self._hooks:
-                    hook.remove()
-                self.backend.finish(failed=True, why=why)
+                self._end(failed=True, why=why)
                 why += "; the job was stopped, and every rank was told why"
             raise RuntimeError(why)
         self._backward_seen = self._agreed = False
@@ -257,18 +254,15 @@ class OwnLoop:
         """Save and restore `obj` with the run (save_state; prepare(resume_from=)): an LR
         scheduler or anything with state_dict() and load_state_dict() (or a
         torch.Generator). Register the same objects in the same order in the resumed
-        run: each is restored here, as it is registered (then each group's learning
-        rate: a warm-up scheduler built on run.optimizer has just set it to its first
-        value), and once the last saved one is, this rank's random generators. Returns
-        `obj`."""
+        run: each is restored here, as it is registered, and once the last saved one is,
+        each group's learning rate (a warm-up scheduler built on run.optimizer has just
+        set it to its first value) and this rank's random generators. Returns `obj`."""
         own_state.check_registrable(obj)
         if self._saved is not None and not self._restored:
             # Not restored yet: fewer registered than saved, so this is saved one `at`.
             own_state.load_object(obj, self._saved["objects"][len(self._registered)])
             self._registered.append(obj)
-            for group, lr in zip(self.optimizer.param_groups, self._saved["lrs"], strict=True):
-                group["lr"] = lr
-            self._restore_when_all_registered()
+            self._restore_when_all_registered()  # the lrs and generators after the last
             return obj
         self._registered.append(obj)
         return obj
@@ -330,11 +324,15 @@ class OwnLoop:
     def finish(self) -> None:
         """Leave the job (ps: the shards stop waiting for this worker; allreduce: the
         process group ends). Call it once, after the last step; `with prepare(...)` does."""
+        self._end()
+
+    def _end(self, *, failed: bool = False, why: str = "") -> None:
+        """Once: drop the backward hooks and end the backend (finish's arguments)."""
         if not self._finished:
             self._finished = True
             for hook in self._hooks:
                 hook.remove()
-            self.backend.finish()
+            self.backend.finish(failed=failed, why=why)
 
     def __enter__(self) -> OwnLoop:
         return self

@@ -28,11 +28,11 @@ from __future__ import annotations
 
 import os
 import re
-import threading
 from pathlib import Path
 from typing import Any
 
 from bench.lib import common as c
+from bench.lib.periodic import Periodic
 from psar.worker.plan import build_parser, inputs_from_args
 from psar.worker.plan_model import plan
 from psar.worker.supervisor import descendants
@@ -75,34 +75,23 @@ def role(argv: list[str]) -> str | None:
     return {"train": "worker", "server": "shard"}.get(argv[i + 1] if i + 1 < len(argv) else "")
 
 
-class PeakSampler:
+class PeakSampler(Periodic):
     """Every `every` s, the VmHWM of each psar rank and shard below this process: peaks
     by role, one value per process (VmHWM only grows, so sampling misses no peak but the
     last `every` s of a process's life)."""
 
     def __init__(self, every: float = 0.05) -> None:
-        self.every = every
+        super().__init__(every)
         self.peaks: dict[int, tuple[str, int]] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def __enter__(self) -> PeakSampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.every):
-            for pid in descendants([os.getpid()]):
-                try:
-                    argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
-                except OSError:
-                    continue
-                if (r := role(argv)) and (kib := _status_kib(pid, "VmHWM")):
-                    self.peaks[pid] = (r, max(kib * 1024, self.peaks.get(pid, (r, 0))[1]))
+    def sample(self) -> None:
+        for pid in descendants([os.getpid()]):
+            try:
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+            except OSError:
+                continue
+            if (r := role(argv)) and (kib := _status_kib(pid, "VmHWM")):
+                self.peaks[pid] = (r, max(kib * 1024, self.peaks.get(pid, (r, 0))[1]))
 
     def by_role(self) -> dict[str, list[int]]:
         out: dict[str, list[int]] = {}

@@ -4,13 +4,13 @@ while the job runs, interpolated at the window's ends (bench/lib/sparse_hosts.py
 
 from __future__ import annotations
 
-import threading
 import time
 from pathlib import Path
 
 import numpy as np
 
 from bench.lib import common as c
+from bench.lib.periodic import Periodic
 
 
 def nic_bytes(net_dev: str, ifname: str = "eth0") -> int | None:
@@ -23,33 +23,20 @@ def nic_bytes(net_dev: str, ifname: str = "eth0") -> int | None:
     return None
 
 
-class NicSampler:
+class NicSampler(Periodic):
     """Every `every` s, the rx + tx bytes of each host's NIC, read from /proc/PID/net/dev
     of a process inside that host (a file read: no `ip` spawned on the shared cores), so
     the bytes of the window every worker trains in can be cut out: set-up traffic (DDP's
     broadcast of the whole table from rank 0) does not count as per-step bytes."""
 
+    edges = True  # a sample after the workers' exit: the window's end is bracketed
+
     def __init__(self, pids: dict[str, int], every: float = 0.25) -> None:
-        self.pids, self.every = pids, every
+        super().__init__(every)
+        self.pids = pids
         self.samples: list[tuple[float, dict[str, int]]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def __enter__(self) -> NicSampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self._sample()  # after the workers' exit: the window's end is bracketed
-
-    def _run(self) -> None:
-        self._sample()
-        while not self._stop.wait(self.every):
-            self._sample()
-
-    def _sample(self) -> None:
+    def sample(self) -> None:
         got = {}
         for name, pid in self.pids.items():
             try:

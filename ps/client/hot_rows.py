@@ -111,9 +111,9 @@ class HotRowCache:
         # Ties by id (stable sort of the ids first): every worker with the same batch
         # keeps the same rows, and a rerun the same.
         top = torch.sort(named, descending=True, stable=True).indices[:k]
-        keep = torch.sort(ids[top])
-        self.ids = keep.values.clone()
-        self.rows = rows[top][keep.indices].clone()
+        keep = torch.sort(ids[top])  # new tensors: values and indices
+        self.ids = keep.values
+        self.rows = rows[top[keep.indices]]  # one gather, a copy of its own
         self.versions = list(versions)
         self.filled_at = step
 

@@ -156,20 +156,21 @@ class SparseSide:
         """The rows of the batch's unique ids (served from the hot-row cache where it
         may, pulled otherwise): (rows, versions, bytes pulled, unique ids, inverse)."""
         spec, cache = self.specs[name], self.caches.get(name)
+
+        def pull(these: torch.Tensor) -> tuple[torch.Tensor, list[int], int]:
+            return sparse_client.pull_rows(
+                self.b.client, name, these, spec.dim, self.b.precision.weights, w.dtype
+            )
+
         if cache is None or not cache.serves:
             uniq, inv = torch.unique(ids, return_inverse=True)
             if cache is not None:  # exact (staleness 0): looked up, never a hit
                 cache.counts.lookups += uniq.numel()
-            rows, versions, nbytes = sparse_client.pull_rows(
-                self.b.client, name, uniq, spec.dim, self.b.precision.weights, w.dtype
-            )
-            return rows, versions, nbytes, uniq, inv
+            return (*pull(uniq), uniq, inv)
         uniq, inv, named = torch.unique(ids, return_inverse=True, return_counts=True)
         hit, cached = cache.lookup(uniq, self.steps)
         if cached is None:  # nothing fresh in the cache: pull all, refill it from them
-            rows, versions, nbytes = sparse_client.pull_rows(
-                self.b.client, name, uniq, spec.dim, self.b.precision.weights, w.dtype
-            )
+            rows, versions, nbytes = pull(uniq)
             cache.offer(self.steps, uniq, rows, named, versions)
             return rows, versions, nbytes, uniq, inv
         rows = torch.empty(uniq.numel(), spec.dim, dtype=w.dtype)
@@ -177,9 +178,7 @@ class SparseSide:
         miss = ~hit
         versions, nbytes = list(cache.versions), 0
         if bool(miss.any()):
-            pulled, fresh, nbytes = sparse_client.pull_rows(
-                self.b.client, name, uniq[miss], spec.dim, self.b.precision.weights, w.dtype
-            )
+            pulled, fresh, nbytes = pull(uniq[miss])
             rows[miss] = pulled
             # The step's gradient was computed at the cached rows' (older) versions too:
             # the shards measure its staleness from the oldest.
@@ -215,11 +214,16 @@ class SparseSide:
         for n, flat, fut in futures:
             self.prefetched[n] = (flat, fut.result())
 
-    def take_cache_counts(self) -> CacheCounts:
-        """What the hot-row caches served since the last call (a step's share)."""
+    def _cache_total(self) -> CacheCounts:
+        """What every table's hot-row cache served so far, together."""
         total = CacheCounts()
         for cache in self.caches.values():
             total.add(cache.counts)
+        return total
+
+    def take_cache_counts(self) -> CacheCounts:
+        """What the hot-row caches served since the last call (a step's share)."""
+        total = self._cache_total()
         delta = CacheCounts(
             total.lookups - self._cache_taken.lookups,
             total.hits - self._cache_taken.hits,
@@ -301,9 +305,7 @@ class SparseSide:
         and bytes_saved, and their totals."""
         if not self.caches:
             return {}
-        total = CacheCounts()
-        for c in self.caches.values():
-            total.add(c.counts)
+        total = self._cache_total()
         ps = self.b.cfg.ps
         return {
             "hot_row_cache": {
