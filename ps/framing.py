@@ -43,6 +43,9 @@ SOCKET_BUFFER_BYTES = 4 << 20
 FIRST_GROWTH_BYTES = 64 << 10
 """A Scratch that must grow starts from at most this many bytes, then doubles as bytes
 arrive (a payload's claimed length is never allocated up front)."""
+PAYLOAD_KINDS = ("piece", "rows_pull", "rows", "rows_push")
+"""The frames that may carry a payload: tensor pieces, and the sparse rows calls' ids,
+rows and row gradients (proto DataRowsPull, DataRows, DataRowsPush)."""
 DISCARD_CHUNK_BYTES = 1 << 20
 """Payload bytes that are read only to be dropped go through at most this much buffer."""
 KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_COUNT = 60, 15, 4
@@ -332,10 +335,11 @@ def read_header(
                 reason="malformed",
             )
         )
-    if plen and kind != "piece":
+    if plen and kind not in PAYLOAD_KINDS:
         raise FramingError(
             InvalidArgument(
-                f"a {kind} frame carries a payload of {plen} bytes; only piece frames do",
+                f"a {kind} frame carries a payload of {plen} bytes; only "
+                f"{', '.join(PAYLOAD_KINDS)} frames do",
                 reason="malformed",
             )
         )

@@ -4,18 +4,29 @@ Row r lives on shard r % S. `pull_rows` sends each shard only the ids it holds
 (deduplicated by the caller) and reassembles the rows in the caller's order;
 `push_rows` sends each shard its ids and row gradients (in the wire dtype); `push_tables`
 does it for every table of a step at once, one unary PushTables call per shard.
+
+Where the worker talks to a shard's data plane (--data-plane auto/tcp, the shard serves
+one), both calls go there, one frame each way, the bytes in a shared-memory segment on
+the same host (ps/client/tcp_rows.py, ps/server/doors/dataplane_rows.py): over gRPC a
+shard spent half of its CPU in the asyncio server moving row bytes (issue #46). A call
+too large for one frame, and every call under --data-plane grpc, goes over gRPC.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
+import grpc
 import torch
 
 from psar.ps import serde, wire
 from psar.ps._gen.psar.v1 import ps_pb2 as pb
+from psar.ps.client import tcp_rows
 from psar.ps.client.psclient import PSClient
+from psar.ps.client.tcp_transport import DataPlaneClient
+from psar.ps.client.transport import TransportError
 from psar.ps.sparse_spec import TableSpec
 
 
@@ -59,8 +70,40 @@ def pull_rows(
     out = torch.empty(ids.numel(), dim, dtype=out_dtype)
     got = [0] * client.num_shards
 
+    item = wire.DTYPE_ITEMSIZE[dtype]
+
     def one(i: int) -> int:
         pos = parts[i]
+        want = pos.numel() * dim * item
+        dp = _rows_door(client, i, want)
+        if dp is not None:  # the shard's data plane (module docstring)
+            mine = ids[pos].contiguous()
+            req = pb.PullRowsRequest(
+                worker=client.worker, table=table, dtype=serde.dtype_to_pb(dtype)
+            )
+
+            def take(version: int, data: memoryview) -> int:
+                if len(data) != want:
+                    raise TransportError(
+                        grpc.StatusCode.INTERNAL,
+                        f"rows pull of table {table!r}: the shard sent {len(data)} bytes "
+                        f"for {pos.numel()} rows of {dim} ({want} bytes)",
+                    )
+                if want:
+                    out[pos] = wire.decode(data, dtype).reshape(-1, dim).to(out_dtype)
+                got[i] = want
+                return version
+
+            ids_view = wire.as_bytes_view(mine) if mine.numel() else memoryview(b"")
+            return client._retrying(
+                i,
+                lambda _r: client.doors.via(
+                    i,
+                    lambda t: tcp_rows.pull_rows(
+                        t, req, ids_view, take, timeout_s=client.cfg.pull_timeout_s
+                    ),
+                ),
+            )
         req = pb.PullRowsRequest(
             worker=client.worker,
             table=table,
@@ -130,9 +173,28 @@ def push_tables(
 
     def one(i: int) -> list[pb.PushRowsReply]:
         mine = [pp[i] for pp in parts]
+        total = sum(len(ids) + len(data) for _, ids, data in mine)
+        dp = _rows_door(client, i, total)
+        if dp is not None:  # the shard's data plane (module docstring)
+            req = pb.PushTablesRequest(pushes=[pb.RowsPushWhole(header=h) for h, _, _ in mine])
+            counts = [(len(ids), len(data)) for _, ids, data in mine]
+            blob = _joined([b for _, ids, data in mine for b in (ids, data)])
+            r = client._retrying(
+                i,
+                lambda _r: client.doors.via(
+                    i,
+                    lambda t: tcp_rows.push_tables(
+                        t, req, counts, blob, timeout_s=client.cfg.timeout_s
+                    ),
+                ),
+            )
+            return list(r.replies)
         if sum(len(ids) + len(data) for _, ids, data in mine) <= client.cfg.max_message_bytes // 2:
             req = pb.PushTablesRequest(
-                pushes=[pb.RowsPushWhole(header=h, ids=ids, data=data) for h, ids, data in mine]
+                pushes=[
+                    pb.RowsPushWhole(header=h, ids=bytes(ids), data=bytes(data))
+                    for h, ids, data in mine
+                ]
             )
             r = client._retrying(
                 i, lambda _r: client._stubs[i].PushTables(req, timeout=client.cfg.timeout_s)
@@ -159,12 +221,13 @@ def _shard_parts(client: PSClient, p: RowsPush) -> list[tuple[pb.PushRowsHeader,
     """Push `p` split by shard: (header, id bytes, gradient bytes in p.dtype) per shard."""
     out = []
     for i, pos in enumerate(split_by_shard(p.ids, client.num_shards)):
-        if p.overflow:
-            ids, data = b"", b""
-        else:
-            ids = _ids_bytes(p.ids[pos])
-            g = p.grads[pos].to(p.dtype).reshape(-1).contiguous()
-            data = bytes(wire.as_bytes_view(g)) if g.numel() else b""
+        ids: Any = b""
+        data: Any = b""
+        if not p.overflow and pos.numel():
+            # Views of the gathered tensors (kept alive by them): the gRPC path copies
+            # them into its message, the data plane into one frame or segment.
+            ids = wire.as_bytes_view(p.ids[pos].to(torch.int64).contiguous())
+            data = wire.as_bytes_view(p.grads[pos].to(p.dtype).reshape(-1).contiguous())
         head = pb.PushRowsHeader(
             worker=client.worker,
             clock=p.clock,
@@ -179,12 +242,25 @@ def _shard_parts(client: PSClient, p: RowsPush) -> list[tuple[pb.PushRowsHeader,
     return out
 
 
-def _chunks(
-    head: pb.PushRowsHeader, ids: bytes, data: bytes, step: int
-) -> Iterator[pb.PushRowsChunk]:
+def _chunks(head: pb.PushRowsHeader, ids: Any, data: Any, step: int) -> Iterator[pb.PushRowsChunk]:
     """A PushRows stream: the header, then ids and gradient bytes in pieces of `step`."""
     yield pb.PushRowsChunk(header=head)
     for s in range(0, len(ids), step):
-        yield pb.PushRowsChunk(ids=ids[s : s + step])
+        yield pb.PushRowsChunk(ids=bytes(ids[s : s + step]))
     for s in range(0, len(data), step):
-        yield pb.PushRowsChunk(data=data[s : s + step])
+        yield pb.PushRowsChunk(data=bytes(data[s : s + step]))
+
+
+def _rows_door(client: PSClient, shard: int, nbytes: int) -> DataPlaneClient | None:
+    """The shard's data plane where the worker uses one and `nbytes` fit one frame of it
+    (or its shared-memory segment), else None (gRPC)."""
+    t = client.doors.transport(shard)
+    return t if isinstance(t, DataPlaneClient) and tcp_rows.fits(t, nbytes) else None
+
+
+def _joined(views: Sequence[Any]) -> memoryview:
+    """Byte views as one buffer (one copy, or none for a single one)."""
+    views = [v for v in views if len(v)]
+    if len(views) == 1:
+        return memoryview(views[0])
+    return memoryview(b"".join(views))

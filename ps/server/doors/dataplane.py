@@ -299,6 +299,7 @@ def start_dataplane(
 
 
 STAT_KEYS = ("accepted", "sealed", "shm", "shm_refused", "buffered_bytes", "peak_buffered_bytes", "pushes", "pulls",
-             "superseded", "idle_closed", "deadline_closed", "refused_peer_cap")  # fmt: skip
+             "row_pulls", "row_pushes", "superseded", "idle_closed", "deadline_closed",
+             "refused_peer_cap")  # fmt: skip
 
 __all__ = ["DataPlaneServer", "server_ssl_context", "start_dataplane"]

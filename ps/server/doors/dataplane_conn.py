@@ -17,6 +17,7 @@ from psar.ps import framing as fr
 from psar.ps import sealed, serde, shm
 from psar.ps._gen.psar.v1 import ps_pb2 as pb
 from psar.ps.errors import InvalidArgument, PSError, bound_details
+from psar.ps.server.doors import dataplane_rows
 from psar.ps.server.doors.calls import PushCall, start_pull, start_pull_early
 from psar.ps.server.metrics.recorder import ShardRecorder
 from psar.ps.server.shard import ShardState
@@ -94,11 +95,15 @@ class _Connection:
                     self._push(frame.push_header)
                 elif kind == "pull_request":
                     self._pull(frame.pull_request)
+                elif kind == "rows_pull":
+                    dataplane_rows.serve_pull(self, frame.rows_pull, plen)
+                elif kind == "rows_push":
+                    dataplane_rows.serve_push(self, frame.rows_push, plen)
                 else:
                     raise fr.FramingError(
                         InvalidArgument(
-                            f"unexpected {kind} frame: a call starts with push_header or "
-                            "pull_request",
+                            f"unexpected {kind} frame: a call starts with push_header, "
+                            "pull_request, rows_pull or rows_push",
                             reason="malformed",
                         )
                     )

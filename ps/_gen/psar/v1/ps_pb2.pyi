@@ -862,8 +862,38 @@ class DataStatus(_message.Message):
     shm: bool
     def __init__(self, code: _Optional[int] = ..., details: _Optional[str] = ..., seal_share: _Optional[bytes] = ..., shm: _Optional[bool] = ...) -> None: ...
 
+class DataRowsPull(_message.Message):
+    __slots__ = ("request",)
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    request: PullRowsRequest
+    def __init__(self, request: _Optional[_Union[PullRowsRequest, _Mapping]] = ...) -> None: ...
+
+class DataRows(_message.Message):
+    __slots__ = ("version", "shm_at", "shm_bytes")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    SHM_AT_FIELD_NUMBER: _ClassVar[int]
+    SHM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    shm_at: int
+    shm_bytes: int
+    def __init__(self, version: _Optional[int] = ..., shm_at: _Optional[int] = ..., shm_bytes: _Optional[int] = ...) -> None: ...
+
+class DataRowsPush(_message.Message):
+    __slots__ = ("request", "ids_bytes", "data_bytes", "shm_at", "shm_bytes")
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    IDS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DATA_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHM_AT_FIELD_NUMBER: _ClassVar[int]
+    SHM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    request: PushTablesRequest
+    ids_bytes: _containers.RepeatedScalarFieldContainer[int]
+    data_bytes: _containers.RepeatedScalarFieldContainer[int]
+    shm_at: int
+    shm_bytes: int
+    def __init__(self, request: _Optional[_Union[PushTablesRequest, _Mapping]] = ..., ids_bytes: _Optional[_Iterable[int]] = ..., data_bytes: _Optional[_Iterable[int]] = ..., shm_at: _Optional[int] = ..., shm_bytes: _Optional[int] = ...) -> None: ...
+
 class DataFrame(_message.Message):
-    __slots__ = ("hello", "push_header", "piece", "verdict", "end", "pull_request", "pull_header", "push_reply", "status")
+    __slots__ = ("hello", "push_header", "piece", "verdict", "end", "pull_request", "pull_header", "push_reply", "status", "rows_pull", "rows", "rows_push", "rows_pushed")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     PUSH_HEADER_FIELD_NUMBER: _ClassVar[int]
     PIECE_FIELD_NUMBER: _ClassVar[int]
@@ -873,6 +903,10 @@ class DataFrame(_message.Message):
     PULL_HEADER_FIELD_NUMBER: _ClassVar[int]
     PUSH_REPLY_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
+    ROWS_PULL_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    ROWS_PUSH_FIELD_NUMBER: _ClassVar[int]
+    ROWS_PUSHED_FIELD_NUMBER: _ClassVar[int]
     hello: DataHello
     push_header: PushHeader
     piece: DataPiece
@@ -882,4 +916,8 @@ class DataFrame(_message.Message):
     pull_header: PullHeader
     push_reply: PushReply
     status: DataStatus
-    def __init__(self, hello: _Optional[_Union[DataHello, _Mapping]] = ..., push_header: _Optional[_Union[PushHeader, _Mapping]] = ..., piece: _Optional[_Union[DataPiece, _Mapping]] = ..., verdict: _Optional[_Union[PushVerdict, _Mapping]] = ..., end: _Optional[_Union[DataEnd, _Mapping]] = ..., pull_request: _Optional[_Union[DataPullRequest, _Mapping]] = ..., pull_header: _Optional[_Union[PullHeader, _Mapping]] = ..., push_reply: _Optional[_Union[PushReply, _Mapping]] = ..., status: _Optional[_Union[DataStatus, _Mapping]] = ...) -> None: ...
+    rows_pull: DataRowsPull
+    rows: DataRows
+    rows_push: DataRowsPush
+    rows_pushed: PushTablesReply
+    def __init__(self, hello: _Optional[_Union[DataHello, _Mapping]] = ..., push_header: _Optional[_Union[PushHeader, _Mapping]] = ..., piece: _Optional[_Union[DataPiece, _Mapping]] = ..., verdict: _Optional[_Union[PushVerdict, _Mapping]] = ..., end: _Optional[_Union[DataEnd, _Mapping]] = ..., pull_request: _Optional[_Union[DataPullRequest, _Mapping]] = ..., pull_header: _Optional[_Union[PullHeader, _Mapping]] = ..., push_reply: _Optional[_Union[PushReply, _Mapping]] = ..., status: _Optional[_Union[DataStatus, _Mapping]] = ..., rows_pull: _Optional[_Union[DataRowsPull, _Mapping]] = ..., rows: _Optional[_Union[DataRows, _Mapping]] = ..., rows_push: _Optional[_Union[DataRowsPush, _Mapping]] = ..., rows_pushed: _Optional[_Union[PushTablesReply, _Mapping]] = ...) -> None: ...

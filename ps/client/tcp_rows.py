@@ -1,0 +1,112 @@
+"""Sparse rows over one shard's data plane (the worker's end of
+ps/server/doors/dataplane_rows.py): a PullRows or a PushTables in one frame each way.
+
+The ids of a pull go in the frame's payload (small); its rows come back in the
+connection's shared-memory segment where the shard attached one (same host), else in
+the reply's payload. A push's ids and gradients go in the segment where they fit, else
+in the payload. Errors are the data plane's (DataPlaneError: code() and details() like
+gRPC's), so PSClient's retries treat both doors alike.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+from psar.ps import framing as fr
+from psar.ps._gen.psar.v1 import ps_pb2 as pb
+from psar.ps.client.tcp_transport import SC, DataPlaneClient, DataPlaneError
+
+T = TypeVar("T")
+
+
+def fits(dp: DataPlaneClient, nbytes: int) -> bool:
+    """Can one frame carry `nbytes` of rows to or from this shard (its segment, or a
+    payload within the frame size the worker was given)?"""
+    return nbytes <= max(dp.max_frame_bytes, dp.shm_bytes)
+
+
+def pull_rows(
+    dp: DataPlaneClient,
+    req: pb.PullRowsRequest,
+    ids: memoryview,
+    take: Callable[[int, memoryview], T],
+    *,
+    timeout_s: float,
+) -> T:
+    """Ask for the rows of `ids` (int64 bytes; `req.ids` empty) and hand them to
+    take(version, bytes) (the bytes are valid only during the call: copy them out)."""
+    deadline = time.monotonic() + timeout_s
+    conn = dp._acquire(deadline)
+    reusable = False
+    try:
+        dp._send(conn, pb.DataFrame(rows_pull=pb.DataRowsPull(request=req)), ids, deadline)
+        frame, plen = dp._io(conn, deadline, "rows pull", dp._read_header, conn)
+        kind = frame.WhichOneof("kind")
+        if kind != "rows":
+            reusable = kind == "status" and not plen
+            dp._unexpected(frame, "rows")
+        rows = frame.rows
+        if rows.shm_bytes:
+            segment = conn.segment
+            try:
+                if segment is None or plen:
+                    raise ValueError("a payload too" if plen else "no segment on this connection")
+                data = segment.get(rows.shm_at, rows.shm_bytes)
+            except ValueError as e:
+                raise DataPlaneError(
+                    SC.INTERNAL, f"data plane of {dp.address}: bad shared-memory rows: {e}"
+                ) from None
+            try:
+                out = take(rows.version, data)
+            finally:
+                data.release()
+                segment.consumed(rows.shm_at, rows.shm_bytes)
+        else:
+            data = dp._io(
+                conn, deadline, "rows pull", fr.recv_payload, conn.sock, plen, conn.scratch
+            )
+            try:
+                out = take(rows.version, data)
+            finally:
+                data.release()
+        reusable = True
+        return out
+    finally:
+        dp._release(conn, reusable)
+
+
+def push_tables(
+    dp: DataPlaneClient,
+    req: pb.PushTablesRequest,
+    counts: Sequence[tuple[int, int]],
+    blob: memoryview,
+    *,
+    timeout_s: float,
+) -> pb.PushTablesReply:
+    """Every table's row push of a step in one frame: `req` holds the headers (ids and
+    data empty), `blob` each push's id bytes then gradient bytes, in order, `counts`
+    their (id bytes, gradient bytes) per push."""
+    deadline = time.monotonic() + timeout_s
+    conn = dp._acquire(deadline)
+    reusable = False
+    try:
+        head = pb.DataRowsPush(
+            request=req, ids_bytes=[i for i, _ in counts], data_bytes=[d for _, d in counts]
+        )
+        payload: Any = blob if len(blob) else None
+        segment = conn.segment
+        if segment is not None and len(blob):
+            segment.begin()  # this call's sender: its bytes are numbered from 0
+            at = segment.put(blob)
+            if at is not None:
+                head.shm_at, head.shm_bytes, payload = at, len(blob), None
+        dp._send(conn, pb.DataFrame(rows_push=head), payload, deadline)
+        frame = dp._recv_frame(conn, deadline, "rows push")
+        reusable = True
+        if frame.WhichOneof("kind") != "rows_pushed":
+            dp._unexpected(frame, "rows_pushed")
+        return frame.rows_pushed
+    finally:
+        dp._release(conn, reusable)

@@ -1,0 +1,138 @@
+"""Sparse rows on the shard's data plane: PullRows and PushTables in one frame each way.
+
+A recommendation step moves every touched row of every table twice (pulled, then its
+gradient pushed); over gRPC the shard spent half of its CPU in the asyncio server moving
+those bytes (issue #46). Here the same calls travel as data-plane frames
+(proto DataRowsPull, DataRows, DataRowsPush), their bytes in the frame's payload or, on
+the same host, in the connection's shared-memory segment (ps/shm.py), and are served by
+the same code as the gRPC calls (ps/server/doors/row_calls.py): the same checks, the same
+refusals with the same words, every table untouched by a refused push.
+
+A frame's payload is read whole before the call is decided, so a refusal is one status
+frame and the connection stays usable. Where the bytes are (payload, or segment) is
+checked like every other field: a frame naming segment bytes and carrying a payload, a
+segment on a connection without one, a place outside the ring, byte counts that do not
+add up to what arrived are INVALID_ARGUMENT before any table is read or written.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from psar.ps import framing as fr
+from psar.ps import wire
+from psar.ps._gen.psar.v1 import ps_pb2 as pb
+from psar.ps.errors import InvalidArgument, PSError, ResourceExhausted
+from psar.ps.server.doors import row_calls
+
+
+def serve_pull(conn: Any, ask: pb.DataRowsPull, plen: int) -> None:
+    """A DataRowsPull on `conn` (ps/server/doors/dataplane_conn.py's _Connection): the
+    ids are its payload; answered with a DataRows frame, or a status."""
+    t0 = time.monotonic()
+    conn.server._count("row_pulls")
+    try:
+        ids = fr.recv_payload(conn.sock, plen, conn.scratch, conn.clock.deadline) if plen else b""
+        try:
+            if ask.request.ids:
+                raise InvalidArgument(
+                    "a data-plane rows_pull carries its ids as the frame's payload; leave "
+                    "request.ids empty",
+                    reason="malformed",
+                )
+            version, rows = row_calls.pull_rows(row_calls.tables_of(conn.state), ask.request, ids)
+        finally:
+            if plen:
+                ids.release()
+        view = wire.as_bytes_view(rows) if rows.numel() else memoryview(b"")
+        reply = pb.DataRows(version=version)
+        segment = conn.segment
+        if segment is not None and len(view):
+            segment.begin()  # this call's sender: its bytes are numbered from 0
+            at = segment.put(view)
+            if at is not None:
+                reply.shm_at, reply.shm_bytes = at, len(view)
+                view = memoryview(b"")
+        if len(view) > conn.server.max_payload_bytes:
+            raise ResourceExhausted(
+                f"rows_pull: {len(view)} bytes of rows is more than one frame of this shard "
+                f"holds ({conn.server.max_payload_bytes}, --max-message-bytes); pull fewer "
+                "rows per call"
+            )
+        conn._send(pb.DataFrame(rows=reply), view if len(view) else None)
+        conn.metrics.bytes_sent(reply.shm_bytes or len(view))
+    except PSError as e:
+        conn._status(e.code, e.args[0])
+    finally:
+        conn.metrics.rpc_observed("PullRows", time.monotonic() - t0)
+
+
+def serve_push(conn: Any, push: pb.DataRowsPush, plen: int) -> None:
+    """A DataRowsPush on `conn`: every table's row push of one worker's step, its bytes
+    in the payload or the segment; answered with a PushTablesReply frame, or a status."""
+    t0 = time.monotonic()
+    conn.server._count("row_pushes")
+    segment, at, n = conn.segment, push.shm_at, push.shm_bytes
+    blob: Any = None
+    try:
+        if n:
+            if plen:
+                fr.discard_payload(conn.sock, plen, conn.scratch, conn.clock.deadline)
+            if segment is None or plen:
+                raise InvalidArgument(
+                    "a rows_push names shared-memory bytes but "
+                    + ("also carries a payload" if plen else "this connection has no segment")
+                    + ": send its bytes in the frame",
+                    reason="malformed",
+                )
+            try:
+                blob = segment.get(at, n)
+            except ValueError as e:
+                raise InvalidArgument(
+                    f"rows_push: {e}: send its bytes in the frame", reason="malformed"
+                ) from None
+        elif plen:
+            blob = fr.recv_payload(conn.sock, plen, conn.scratch, conn.clock.deadline)
+        else:
+            blob = memoryview(b"")
+        reply = row_calls.push_tables(row_calls.tables_of(conn.state), _parts(push, blob))
+        conn.metrics.bytes_received(len(blob))
+        conn._send(pb.DataFrame(rows_pushed=reply))
+    except PSError as e:
+        conn._status(e.code, e.args[0])
+    finally:
+        if n and blob is not None:
+            segment.consumed(at, n)  # read (or refused): the worker may reuse it
+        elif plen and blob is not None:
+            blob.release()
+        conn.metrics.rpc_observed("PushRows", time.monotonic() - t0)
+
+
+def _parts(push: pb.DataRowsPush, blob: memoryview) -> list[tuple[pb.PushRowsHeader, Any, Any]]:
+    """(header, id bytes, gradient bytes) of each table's push, cut from `blob` by the
+    frame's counts (which must add up to it)."""
+    k = len(push.request.pushes)
+    if len(push.ids_bytes) != k or len(push.data_bytes) != k:
+        raise InvalidArgument(
+            f"rows_push: {k} pushes but {len(push.ids_bytes)} ids_bytes and "
+            f"{len(push.data_bytes)} data_bytes counts; give one of each per push",
+            reason="malformed",
+        )
+    if any(p.ids or p.data for p in push.request.pushes):
+        raise InvalidArgument(
+            "a data-plane rows_push carries its ids and gradients after the frame; leave "
+            "each push's ids and data empty",
+            reason="malformed",
+        )
+    total = sum(push.ids_bytes) + sum(push.data_bytes)
+    if total != len(blob):
+        raise InvalidArgument(
+            f"rows_push: the counts add up to {total} bytes, {len(blob)} arrived",
+            reason="malformed",
+        )
+    out, at = [], 0
+    for p, ni, nd in zip(push.request.pushes, push.ids_bytes, push.data_bytes, strict=True):
+        out.append((p.header, blob[at : at + ni], blob[at + ni : at + ni + nd]))
+        at += ni + nd
+    return out
