@@ -50,10 +50,36 @@ def create_tables(client: PSClient, specs_per_shard: Sequence[Sequence[TableSpec
     return client._each(one)
 
 
-def split_by_shard(ids: torch.Tensor, num_shards: int) -> list[torch.Tensor]:
-    """Positions in `ids` of each shard's rows."""
+def split_by_shard(ids: torch.Tensor, num_shards: int) -> list[torch.Tensor | slice]:
+    """Positions in `ids` of each shard's rows: a slice each where `ids` are grouped by
+    shard already (group_by_shard's order: no gather, no scatter), else index tensors."""
     owner = ids % num_shards
+    if ids.numel() < 2 or bool((owner[1:] >= owner[:-1]).all()):
+        ends = torch.bincount(owner, minlength=num_shards).cumsum(0).tolist()
+        return [slice(a, b) for a, b in zip([0, *ends[:-1]], ends, strict=True)]
     return [torch.nonzero(owner == i).reshape(-1) for i in range(num_shards)]
+
+
+def _count(pos: torch.Tensor | slice) -> int:
+    return pos.stop - pos.start if isinstance(pos, slice) else pos.numel()
+
+
+def _index(pos: torch.Tensor | slice) -> torch.Tensor:
+    return torch.arange(pos.start, pos.stop) if isinstance(pos, slice) else pos
+
+
+def group_by_shard(
+    uniq: torch.Tensor, inv: torch.Tensor, num_shards: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sorted unique ids (and the inverse of torch.unique) reordered shard by shard, each
+    shard's still sorted: its rows are then one slice of the pulled rows and of the
+    pushed gradients (split_by_shard)."""
+    if num_shards == 1 or uniq.numel() < 2:
+        return uniq, inv
+    order = torch.argsort(uniq % num_shards, stable=True)
+    where = torch.empty_like(order)
+    where[order] = torch.arange(order.numel())
+    return uniq[order], where[inv]
 
 
 def pull_rows(
@@ -74,7 +100,7 @@ def pull_rows(
 
     def one(i: int) -> int:
         pos = parts[i]
-        want = pos.numel() * dim * item
+        want = _count(pos) * dim * item
         dp = _rows_door(client, i, want)
         if dp is not None:  # the shard's data plane (module docstring)
             mine = ids[pos].contiguous()
@@ -87,7 +113,7 @@ def pull_rows(
                     raise TransportError(
                         grpc.StatusCode.INTERNAL,
                         f"rows pull of table {table!r}: the shard sent {len(data)} bytes "
-                        f"for {pos.numel()} rows of {dim} ({want} bytes)",
+                        f"for {_count(pos)} rows of {dim} ({want} bytes)",
                     )
                 if want:
                     out[pos] = wire.decode(data, dtype).reshape(-1, dim).to(out_dtype)
@@ -104,6 +130,7 @@ def pull_rows(
                     ),
                 ),
             )
+        pos = _index(pos)  # a stream's pieces land at pos[offset:]
         req = pb.PullRowsRequest(
             worker=client.worker,
             table=table,
@@ -223,7 +250,8 @@ def _shard_parts(client: PSClient, p: RowsPush) -> list[tuple[pb.PushRowsHeader,
     for i, pos in enumerate(split_by_shard(p.ids, client.num_shards)):
         ids: Any = b""
         data: Any = b""
-        if not p.overflow and pos.numel():
+        n = _count(pos)
+        if not p.overflow and n:
             # Views of the gathered tensors (kept alive by them): the gRPC path copies
             # them into its message, the data plane into one frame or segment.
             ids = wire.as_bytes_view(p.ids[pos].to(torch.int64).contiguous())
@@ -236,7 +264,7 @@ def _shard_parts(client: PSClient, p: RowsPush) -> list[tuple[pb.PushRowsHeader,
             dtype=serde.dtype_to_pb(p.dtype),
             loss_scale=p.loss_scale,
             overflow=p.overflow,
-            num_ids=0 if p.overflow else pos.numel(),
+            num_ids=0 if p.overflow else n,
         )
         out.append((head, ids, data))
     return out

@@ -126,6 +126,9 @@ class SparseSide:
         for name, mod in self.mods.items():
             self.state[name] = {"ids": None, "acc": [], "versions": [0] * n}
             mod.register_forward_pre_hook(self._hook(name))
+            # The module's weight is now the batch's rows only: a dense gradient of them
+            # costs less than a sparse one coalesced and made dense (_stash), same sums.
+            mod.sparse = False
 
     def _hook(self, name: str) -> Any:
         def hook(mod: nn.Module, args: tuple) -> tuple:
@@ -166,6 +169,9 @@ class SparseSide:
             uniq, inv = torch.unique(ids, return_inverse=True)
             if cache is not None:  # exact (staleness 0): looked up, never a hit
                 cache.counts.lookups += uniq.numel()
+            # Shard by shard: each shard's rows are one slice of the cache, pulled into
+            # and pushed from without a gather or a scatter.
+            uniq, inv = sparse_client.group_by_shard(uniq, inv, self.b.client.num_shards)
             return (*pull(uniq), uniq, inv)
         uniq, inv, named = torch.unique(ids, return_inverse=True, return_counts=True)
         hit, cached = cache.lookup(uniq, self.steps)

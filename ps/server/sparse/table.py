@@ -126,14 +126,16 @@ class SparseTable:
         """One optimizer step on rows `idx` (unique local indices) with fp32 `grads`."""
         s = self.spec
         if idx.numel():
+            # index_add_ with an alpha takes a per-row path three times slower than
+            # without one (torch 2.13 CPU): the step is scaled first.
             if s.optimizer == "sgd":
-                self.weight.index_add_(0, idx, grads, alpha=-s.lr)
+                self.weight.index_add_(0, idx, grads * -s.lr)
             elif s.optimizer == "adagrad":
                 assert self.acc is not None
                 acc = self.acc.index_select(0, idx) + (grads * grads).mean(dim=1)
                 self.acc.index_copy_(0, idx, acc)
                 step = grads / (acc.sqrt() + s.eps).unsqueeze(1)
-                self.weight.index_add_(0, idx, step, alpha=-s.lr)
+                self.weight.index_add_(0, idx, step.mul_(-s.lr))
             else:
                 self._lazy_adam(idx, grads)
         self.version += 1
@@ -152,7 +154,7 @@ class SparseTable:
         bc2 = (1 - torch.pow(torch.tensor(s.beta2, dtype=torch.float64), tf)).float()
         # torch.optim.SparseAdam's form, with per-row bias corrections.
         step = m / v.sqrt().add_(s.eps) * (bc2.sqrt() / bc1).unsqueeze(1)
-        self.weight.index_add_(0, idx, step, alpha=-s.lr)
+        self.weight.index_add_(0, idx, step.mul_(-s.lr))
 
 
 def dense_reference_step(
