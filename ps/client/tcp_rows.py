@@ -53,6 +53,8 @@ def pull_rows(
             try:
                 if segment is None or plen:
                     raise ValueError("a payload too" if plen else "no segment on this connection")
+                if rows.shm_at + rows.shm_bytes >= 1 << 64:  # stored as a u64 once read
+                    raise ValueError(f"shm_at {rows.shm_at} ends past the 64-bit position")
                 data = segment.get(rows.shm_at, rows.shm_bytes)
             except ValueError as e:
                 raise DataPlaneError(
