@@ -9,7 +9,8 @@ Where the worker talks to a shard's data plane (--data-plane auto/tcp, the shard
 one), both calls go there, one frame each way, the bytes in a shared-memory segment on
 the same host (ps/client/tcp_rows.py, ps/server/doors/dataplane_rows.py): over gRPC a
 shard spent half of its CPU in the asyncio server moving row bytes (issue #46). A call
-too large for one frame, and every call under --data-plane grpc, goes over gRPC.
+too large for one frame (a payload of ClientConfig.data_frame_bytes, or the segment where
+the shard attached one), and every call under --data-plane grpc, goes over gRPC.
 """
 
 from __future__ import annotations
@@ -95,15 +96,23 @@ def pull_rows(
                 return version
 
             ids_view = wire.as_bytes_view(mine) if mine.numel() else memoryview(b"")
-            return client._retrying(
-                i,
-                lambda _r: client.doors.via(
+            try:
+                return client._retrying(
                     i,
-                    lambda t: tcp_rows.pull_rows(
-                        t, req, ids_view, take, timeout_s=client.cfg.pull_timeout_s
+                    lambda _r: client.doors.via(
+                        i,
+                        lambda t: tcp_rows.pull_rows(
+                            t,
+                            req,
+                            ids_view,
+                            take,
+                            rows_bytes=want,
+                            timeout_s=client.cfg.pull_timeout_s,
+                        ),
                     ),
-                ),
-            )
+                )
+            except tcp_rows.NoRoom:
+                pass  # more than a frame, and no segment on this connection: gRPC
         req = pb.PullRowsRequest(
             worker=client.worker,
             table=table,
@@ -179,16 +188,19 @@ def push_tables(
             req = pb.PushTablesRequest(pushes=[pb.RowsPushWhole(header=h) for h, _, _ in mine])
             counts = [(len(ids), len(data)) for _, ids, data in mine]
             blob = _joined([b for _, ids, data in mine for b in (ids, data)])
-            r = client._retrying(
-                i,
-                lambda _r: client.doors.via(
+            try:
+                r = client._retrying(
                     i,
-                    lambda t: tcp_rows.push_tables(
-                        t, req, counts, blob, timeout_s=client.cfg.timeout_s
+                    lambda _r: client.doors.via(
+                        i,
+                        lambda t: tcp_rows.push_tables(
+                            t, req, counts, blob, timeout_s=client.cfg.timeout_s
+                        ),
                     ),
-                ),
-            )
-            return list(r.replies)
+                )
+                return list(r.replies)
+            except tcp_rows.NoRoom:
+                pass  # more than a frame, and no segment on this connection: gRPC
         if sum(len(ids) + len(data) for _, ids, data in mine) <= client.cfg.max_message_bytes // 2:
             req = pb.PushTablesRequest(
                 pushes=[

@@ -21,10 +21,26 @@ from psar.ps.client.tcp_transport import SC, DataPlaneClient, DataPlaneError
 T = TypeVar("T")
 
 
+class NoRoom(Exception):
+    """The connection a call got cannot carry its bytes: more than a frame of them, and
+    no segment of the shard's with room for them (the shard is on another host, or
+    started with --no-data-shm, and did not attach). Raised before anything is sent;
+    the caller goes over gRPC, which streams them."""
+
+
 def fits(dp: DataPlaneClient, nbytes: int) -> bool:
-    """Can one frame carry `nbytes` of rows to or from this shard (its segment, or a
-    payload within the frame size the worker was given)?"""
+    """Might one frame carry `nbytes` of rows to or from this shard (its segment, or a
+    payload within the frame size the worker was given)? A connection whose shard did
+    not attach the segment carries only a frame's worth (NoRoom past that)."""
     return nbytes <= max(dp.max_frame_bytes, dp.shm_bytes)
+
+
+def _room(dp: DataPlaneClient, conn: Any, nbytes: int) -> bool:
+    """Does `conn` carry `nbytes` in one frame: a payload within the frame size, or its
+    segment (a call's bytes start at the ring's start, so all of the ring is free)?"""
+    if nbytes <= dp.max_frame_bytes:
+        return True
+    return conn.segment is not None and nbytes <= conn.segment.ring
 
 
 def pull_rows(
@@ -33,14 +49,19 @@ def pull_rows(
     ids: memoryview,
     take: Callable[[int, memoryview], T],
     *,
+    rows_bytes: int,
     timeout_s: float,
 ) -> T:
-    """Ask for the rows of `ids` (int64 bytes; `req.ids` empty) and hand them to
-    take(version, bytes) (the bytes are valid only during the call: copy them out)."""
+    """Ask for the rows of `ids` (int64 bytes; `req.ids` empty), `rows_bytes` of them,
+    and hand them to take(version, bytes) (the bytes are valid only during the call: copy
+    them out). NoRoom where the connection cannot carry them."""
     deadline = time.monotonic() + timeout_s
     conn = dp._acquire(deadline)
     reusable = False
     try:
+        if not _room(dp, conn, rows_bytes):
+            reusable = True  # nothing sent
+            raise NoRoom(f"{rows_bytes} bytes of rows from {dp.address}")
         dp._send(conn, pb.DataFrame(rows_pull=pb.DataRowsPull(request=req)), ids, deadline)
         frame, plen = dp._io(conn, deadline, "rows pull", dp._read_header, conn)
         kind = frame.WhichOneof("kind")
@@ -89,11 +110,15 @@ def push_tables(
 ) -> pb.PushTablesReply:
     """Every table's row push of a step in one frame: `req` holds the headers (ids and
     data empty), `blob` each push's id bytes then gradient bytes, in order, `counts`
-    their (id bytes, gradient bytes) per push."""
+    their (id bytes, gradient bytes) per push. NoRoom where the connection cannot carry
+    them."""
     deadline = time.monotonic() + timeout_s
     conn = dp._acquire(deadline)
     reusable = False
     try:
+        if not _room(dp, conn, len(blob)):
+            reusable = True  # nothing sent
+            raise NoRoom(f"{len(blob)} bytes of rows to {dp.address}")
         head = pb.DataRowsPush(
             request=req, ids_bytes=[i for i, _ in counts], data_bytes=[d for _, d in counts]
         )
