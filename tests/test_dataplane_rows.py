@@ -192,6 +192,8 @@ def _run(mode: str, dtype: torch.dtype, door: str) -> dict[str, Any]:
             for name, ids in PULLS.items():
                 pull(name, ids)
         pull("big", torch.arange(4096))  # every row: too large for a frame
+        pull("b", torch.arange(1, 50, 2))  # nothing asked of shard 0 (its version still)
+        pull("a", torch.empty(0, dtype=torch.int64))
         rec["stats"] = [dp.stats() for dp, _ in shards]
         rec["digests"] = [tables_digest(st) for _, st in shards]
     return rec
@@ -238,7 +240,7 @@ def test_every_door_leaves_the_same_tables_and_returns_the_same_rows(
         got[door] = _run(mode, dtype, door)
         _check_paths(door, got[door], puts)
     ref = got["grpc"]
-    assert all(v > 0 for _, _, vs, _ in ref["pulls"][-4:] for v in vs)  # every table moved
+    assert all(v > 0 for _, _, vs, _ in ref["pulls"][-6:] for v in vs)  # every table moved
     assert any(r[0] and r[3] for *_, rs, _ in ref["pushes"] for r in rs) == (mode == "async")
     for door in ("socket", "shm"):
         assert got[door]["digests"] == ref["digests"], door  # bit for bit, both shards
@@ -564,3 +566,40 @@ def test_the_worker_refuses_rows_of_the_wrong_size(
             assert dp is not None and dp._idle == [] and not dp._busy
         finally:
             c.close()
+
+
+def test_a_shard_restarted_without_a_data_plane_gets_rows_over_grpc() -> None:
+    """A worker that used a shard's data plane, the shard then restarted on its address
+    with --data-port -1: the retry asks GetJob, learns there is no data plane, and the
+    rows go over gRPC (they used to reach the data-plane code with the gRPC transport:
+    AttributeError)."""
+    spec = TableSpec(name="t", rows=64, dim=DIM, lr=0.5)
+
+    def shard(bind: str, **cfg: Any) -> tuple[Any, int, ShardState]:
+        srv, port, st = start_server(ServerConfig(bind=bind, threads=4, **cfg))
+        job = make_job("async", num_workers=1)
+        st.init(job, init_values(job))
+        st.sparse.create([spec])
+        return srv, port, st
+
+    srv, port, _ = shard("127.0.0.1:0")
+    c = PSClient([f"127.0.0.1:{port}"], worker=0, cfg=ClientConfig(reconnect_timeout_s=30))
+    try:
+        c.get_jobs(wait=False)
+        pull_rows(c, "t", torch.arange(8), DIM, torch.float32)
+        assert srv.psar_dataplane.stats()["row_pulls"] == 1  # the data plane, at first
+        stop_server(srv)
+        srv, _, st = shard(f"127.0.0.1:{port}", data_port=-1)
+        assert srv.psar_dataplane is None
+        ids, grads = torch.arange(0, 64, 3), torch.ones(22, DIM)
+        [(replies, _)] = push_tables(c, [RowsPush("t", 1, ids, grads, torch.float32, [0])])
+        assert [r.applied for r in replies] == [True]
+        rows, versions, _ = pull_rows(c, "t", torch.arange(64).flip(0), DIM, torch.float32)
+        assert versions == [1]
+        assert torch.equal(rows, st.sparse.tables["t"].weight.flip(0))
+        ref = SparseTable(spec)
+        ref.apply(ids, grads)
+        assert torch.equal(st.sparse.tables["t"].weight, ref.weight)
+    finally:
+        c.close()
+        stop_server(srv)

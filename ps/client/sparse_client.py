@@ -111,8 +111,8 @@ def pull_rows(
                         ),
                     ),
                 )
-            except tcp_rows.NoRoom:
-                pass  # more than a frame, and no segment on this connection: gRPC
+            except tcp_rows.UseGrpc:
+                pass  # too large for this connection, or no data plane now: gRPC below
         req = pb.PullRowsRequest(
             worker=client.worker,
             table=table,
@@ -199,8 +199,8 @@ def push_tables(
                     ),
                 )
                 return list(r.replies)
-            except tcp_rows.NoRoom:
-                pass  # more than a frame, and no segment on this connection: gRPC
+            except tcp_rows.UseGrpc:
+                pass  # too large for this connection, or no data plane now: gRPC below
         if sum(len(ids) + len(data) for _, ids, data in mine) <= client.cfg.max_message_bytes // 2:
             req = pb.PushTablesRequest(
                 pushes=[

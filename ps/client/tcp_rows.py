@@ -17,21 +17,23 @@ from typing import Any, TypeVar
 from psar.ps import framing as fr
 from psar.ps._gen.psar.v1 import ps_pb2 as pb
 from psar.ps.client.tcp_transport import SC, DataPlaneClient, DataPlaneError
+from psar.ps.client.transport import Transport
 
 T = TypeVar("T")
 
 
-class NoRoom(Exception):
-    """The connection a call got cannot carry its bytes: more than a frame of them, and
-    no segment of the shard's with room for them (the shard is on another host, or
-    started with --no-data-shm, and did not attach). Raised before anything is sent;
-    the caller goes over gRPC, which streams them."""
+class UseGrpc(Exception):
+    """This call cannot go on the shard's data plane, and nothing of it was sent: the
+    connection it got cannot carry its bytes (more than a frame of them, and no segment
+    with room for them: the shard is on another host, or started with --no-data-shm),
+    or the shard no longer serves a data plane (it restarted with --data-port -1, and
+    the retry's GetJob said so). The caller goes over gRPC, which streams them."""
 
 
 def fits(dp: DataPlaneClient, nbytes: int) -> bool:
     """Might one frame carry `nbytes` of rows to or from this shard (its segment, or a
     payload within the frame size the worker was given)? A connection whose shard did
-    not attach the segment carries only a frame's worth (NoRoom past that)."""
+    not attach the segment carries only a frame's worth (UseGrpc past that)."""
     return nbytes <= max(dp.max_frame_bytes, dp.shm_bytes)
 
 
@@ -44,7 +46,7 @@ def _room(dp: DataPlaneClient, conn: Any, nbytes: int) -> bool:
 
 
 def pull_rows(
-    dp: DataPlaneClient,
+    dp: Transport,
     req: pb.PullRowsRequest,
     ids: memoryview,
     take: Callable[[int, memoryview], T],
@@ -54,14 +56,17 @@ def pull_rows(
 ) -> T:
     """Ask for the rows of `ids` (int64 bytes; `req.ids` empty), `rows_bytes` of them,
     and hand them to take(version, bytes) (the bytes are valid only during the call: copy
-    them out). NoRoom where the connection cannot carry them."""
+    them out). UseGrpc where they cannot go this way (`dp` may be the shard's gRPC
+    transport, on a retry after the shard's data plane went away)."""
+    if not isinstance(dp, DataPlaneClient):
+        raise UseGrpc("the shard serves no data plane now")
     deadline = time.monotonic() + timeout_s
     conn = dp._acquire(deadline)
     reusable = False
     try:
         if not _room(dp, conn, rows_bytes):
             reusable = True  # nothing sent
-            raise NoRoom(f"{rows_bytes} bytes of rows from {dp.address}")
+            raise UseGrpc(f"{rows_bytes} bytes of rows from {dp.address}")
         dp._send(conn, pb.DataFrame(rows_pull=pb.DataRowsPull(request=req)), ids, deadline)
         frame, plen = dp._io(conn, deadline, "rows pull", dp._read_header, conn)
         kind = frame.WhichOneof("kind")
@@ -101,7 +106,7 @@ def pull_rows(
 
 
 def push_tables(
-    dp: DataPlaneClient,
+    dp: Transport,
     req: pb.PushTablesRequest,
     counts: Sequence[tuple[int, int]],
     blob: memoryview,
@@ -110,15 +115,17 @@ def push_tables(
 ) -> pb.PushTablesReply:
     """Every table's row push of a step in one frame: `req` holds the headers (ids and
     data empty), `blob` each push's id bytes then gradient bytes, in order, `counts`
-    their (id bytes, gradient bytes) per push. NoRoom where the connection cannot carry
-    them."""
+    their (id bytes, gradient bytes) per push. UseGrpc where they cannot go this way
+    (as in pull_rows)."""
+    if not isinstance(dp, DataPlaneClient):
+        raise UseGrpc("the shard serves no data plane now")
     deadline = time.monotonic() + timeout_s
     conn = dp._acquire(deadline)
     reusable = False
     try:
         if not _room(dp, conn, len(blob)):
             reusable = True  # nothing sent
-            raise NoRoom(f"{len(blob)} bytes of rows to {dp.address}")
+            raise UseGrpc(f"{len(blob)} bytes of rows to {dp.address}")
         head = pb.DataRowsPush(
             request=req, ids_bytes=[i for i, _ in counts], data_bytes=[d for _, d in counts]
         )
