@@ -568,28 +568,31 @@ def test_the_worker_refuses_rows_of_the_wrong_size(
             c.close()
 
 
+ONE = TableSpec(name="t", rows=64, dim=DIM, lr=0.5)  # the table of a job's only shard
+
+
+def _only_shard(bind: str, **cfg: Any) -> tuple[Any, int, ShardState]:
+    """A real shard, the only one of an async 1-worker job, holding table ONE."""
+    srv, port, st = start_server(ServerConfig(bind=bind, threads=4, **cfg))
+    job = make_job("async", num_workers=1)
+    st.init(job, init_values(job))
+    st.sparse.create([ONE])
+    return srv, port, st
+
+
 def test_a_shard_restarted_without_a_data_plane_gets_rows_over_grpc() -> None:
     """A worker that used a shard's data plane, the shard then restarted on its address
     with --data-port -1: the retry asks GetJob, learns there is no data plane, and the
     rows go over gRPC (they used to reach the data-plane code with the gRPC transport:
     AttributeError)."""
-    spec = TableSpec(name="t", rows=64, dim=DIM, lr=0.5)
-
-    def shard(bind: str, **cfg: Any) -> tuple[Any, int, ShardState]:
-        srv, port, st = start_server(ServerConfig(bind=bind, threads=4, **cfg))
-        job = make_job("async", num_workers=1)
-        st.init(job, init_values(job))
-        st.sparse.create([spec])
-        return srv, port, st
-
-    srv, port, _ = shard("127.0.0.1:0")
+    srv, port, _ = _only_shard("127.0.0.1:0")
     c = PSClient([f"127.0.0.1:{port}"], worker=0, cfg=ClientConfig(reconnect_timeout_s=30))
     try:
         c.get_jobs(wait=False)
         pull_rows(c, "t", torch.arange(8), DIM, torch.float32)
         assert srv.psar_dataplane.stats()["row_pulls"] == 1  # the data plane, at first
         stop_server(srv)
-        srv, _, st = shard(f"127.0.0.1:{port}", data_port=-1)
+        srv, _, st = _only_shard(f"127.0.0.1:{port}", data_port=-1)
         assert srv.psar_dataplane is None
         ids, grads = torch.arange(0, 64, 3), torch.ones(22, DIM)
         [(replies, _)] = push_tables(c, [RowsPush("t", 1, ids, grads, torch.float32, [0])])
@@ -597,9 +600,41 @@ def test_a_shard_restarted_without_a_data_plane_gets_rows_over_grpc() -> None:
         rows, versions, _ = pull_rows(c, "t", torch.arange(64).flip(0), DIM, torch.float32)
         assert versions == [1]
         assert torch.equal(rows, st.sparse.tables["t"].weight.flip(0))
-        ref = SparseTable(spec)
+        ref = SparseTable(ONE)
         ref.apply(ids, grads)
         assert torch.equal(st.sparse.tables["t"].weight, ref.weight)
     finally:
         c.close()
         stop_server(srv)
+
+
+def test_rows_wait_for_a_restarting_shard_whose_data_port_went_stale() -> None:
+    """A rows call failed against a shard that went away (its data port is now stale);
+    the next one, made while the shard is still down, waits for it like any call
+    (UNAVAILABLE retried, GetJob asked inside the retries) and gets the rows through the
+    restarted shard's new data plane. It used to fail at once with the raw gRPC error of
+    a GetJob asked outside the retries."""
+    srv, port, _ = _only_shard("127.0.0.1:0")
+    c = PSClient([f"127.0.0.1:{port}"], worker=0, cfg=ClientConfig(reconnect_timeout_s=0.2))
+    back: list[tuple[Any, int, ShardState]] = []
+    restart = threading.Timer(0.3, lambda: back.append(_only_shard(f"127.0.0.1:{port}")))
+    try:
+        c.get_jobs(wait=False)
+        pull_rows(c, "t", torch.arange(8), DIM, torch.float32)
+        stop_server(srv)
+        with pytest.raises(PSClientError) as e:  # no shard for longer than it waits
+            pull_rows(c, "t", torch.arange(8), DIM, torch.float32)
+        assert e.value.code == SC.UNAVAILABLE
+        c.cfg.reconnect_timeout_s = 30.0
+        restart.start()
+        rows, versions, _ = pull_rows(c, "t", torch.arange(8), DIM, torch.float32)
+        restart.join()
+        new, _, st = back[0]
+        assert versions == [0] and torch.equal(rows, st.sparse.tables["t"].weight[:8])
+        assert new.psar_dataplane.stats()["row_pulls"] == 1  # its new data plane
+    finally:
+        restart.cancel()
+        restart.join()
+        c.close()
+        for s in (srv, *(b[0] for b in back)):
+            stop_server(s)

@@ -26,7 +26,6 @@ from psar.ps import serde, wire
 from psar.ps._gen.psar.v1 import ps_pb2 as pb
 from psar.ps.client import tcp_rows
 from psar.ps.client.psclient import PSClient
-from psar.ps.client.tcp_transport import DataPlaneClient
 from psar.ps.client.transport import TransportError
 from psar.ps.sparse_spec import TableSpec
 
@@ -76,8 +75,7 @@ def pull_rows(
     def one(i: int) -> int:
         pos = parts[i]
         want = pos.numel() * dim * item
-        dp = _rows_door(client, i, want)
-        if dp is not None:  # the shard's data plane (module docstring)
+        if _rows_door(client, i, want):  # the shard's data plane (module docstring)
             mine = ids[pos].contiguous()
             req = pb.PullRowsRequest(
                 worker=client.worker, table=table, dtype=serde.dtype_to_pb(dtype)
@@ -183,8 +181,7 @@ def push_tables(
     def one(i: int) -> list[pb.PushRowsReply]:
         mine = [pp[i] for pp in parts]
         total = sum(len(ids) + len(data) for _, ids, data in mine)
-        dp = _rows_door(client, i, total)
-        if dp is not None:  # the shard's data plane (module docstring)
+        if _rows_door(client, i, total):  # the shard's data plane (module docstring)
             req = pb.PushTablesRequest(pushes=[pb.RowsPushWhole(header=h) for h, _, _ in mine])
             counts = [(len(ids), len(data)) for _, ids, data in mine]
             blob = _joined([b for _, ids, data in mine for b in (ids, data)])
@@ -263,11 +260,17 @@ def _chunks(head: pb.PushRowsHeader, ids: Any, data: Any, step: int) -> Iterator
         yield pb.PushRowsChunk(data=bytes(data[s : s + step]))
 
 
-def _rows_door(client: PSClient, shard: int, nbytes: int) -> DataPlaneClient | None:
-    """The shard's data plane where the worker uses one and `nbytes` fit one frame of it
-    (or its shared-memory segment), else None (gRPC)."""
-    t = client.doors.transport(shard)
-    return t if isinstance(t, DataPlaneClient) and tcp_rows.fits(t, nbytes) else None
+def _rows_door(client: PSClient, shard: int, nbytes: int) -> bool:
+    """Try the shard's data plane first? Where the worker uses one and `nbytes` might fit
+    one frame of it, or where its data port is stale (a connection failed): GetJob asks
+    again inside the call's retries (ps/client/dataplane_calls.py), never here, outside
+    them. tcp_rows says UseGrpc where the call cannot go that way after all."""
+    if client.cfg.data_plane == "grpc":
+        return False
+    if client._data_stale[shard]:
+        return True
+    dp = client._data[shard]
+    return dp is not None and tcp_rows.fits(dp, nbytes)
 
 
 def _joined(views: Sequence[Any]) -> memoryview:

@@ -26,8 +26,9 @@ class UseGrpc(Exception):
     """This call cannot go on the shard's data plane, and nothing of it was sent: the
     connection it got cannot carry its bytes (more than a frame of them, and no segment
     with room for them: the shard is on another host, or started with --no-data-shm),
-    or the shard no longer serves a data plane (it restarted with --data-port -1, and
-    the retry's GetJob said so). The caller goes over gRPC, which streams them."""
+    or more than `fits` any frame of the shard's data plane, or the shard no longer
+    serves a data plane (it restarted with --data-port -1, and the retry's GetJob said
+    so). The caller goes over gRPC, which streams them."""
 
 
 def fits(dp: DataPlaneClient, nbytes: int) -> bool:
@@ -58,8 +59,8 @@ def pull_rows(
     and hand them to take(version, bytes) (the bytes are valid only during the call: copy
     them out). UseGrpc where they cannot go this way (`dp` may be the shard's gRPC
     transport, on a retry after the shard's data plane went away)."""
-    if not isinstance(dp, DataPlaneClient):
-        raise UseGrpc("the shard serves no data plane now")
+    if not isinstance(dp, DataPlaneClient) or not fits(dp, rows_bytes):
+        raise UseGrpc(f"{rows_bytes} bytes of rows, on no data plane or too many for it")
     deadline = time.monotonic() + timeout_s
     conn = dp._acquire(deadline)
     reusable = False
@@ -117,8 +118,8 @@ def push_tables(
     data empty), `blob` each push's id bytes then gradient bytes, in order, `counts`
     their (id bytes, gradient bytes) per push. UseGrpc where they cannot go this way
     (as in pull_rows)."""
-    if not isinstance(dp, DataPlaneClient):
-        raise UseGrpc("the shard serves no data plane now")
+    if not isinstance(dp, DataPlaneClient) or not fits(dp, len(blob)):
+        raise UseGrpc(f"{len(blob)} bytes of rows, on no data plane or too many for it")
     deadline = time.monotonic() + timeout_s
     conn = dp._acquire(deadline)
     reusable = False
