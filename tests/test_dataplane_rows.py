@@ -252,21 +252,22 @@ def test_every_door_leaves_the_same_tables_and_returns_the_same_rows(
 
 # ---- hostile frames, raw over a socket ---------------------------------------------------
 
-MAX = 64 << 10  # the lone shard's --max-message-bytes
+MAX = 32 << 10  # the lone shard's --max-message-bytes
 TIMEOUT = 10.0
 
 
 @pytest.fixture(scope="module")
 def lone() -> Iterator[tuple[Any, ShardState]]:
     """One real shard (shard 0 of 2: it holds the even rows) of an async 2-worker job with
-    tables "a" (adagrad) and "b" (lazy_adam); pushes apply on arrival, so a push that
-    slipped through would change a table. Every test leaves it as it found it."""
+    tables "a" (adagrad), "b" (lazy_adam) and "big" (sgd: 64 KiB of rows, more than one
+    frame); pushes apply on arrival, so a push that slipped through would change a table.
+    Every test but the last leaves it as it found it."""
     cfg = ServerConfig(bind="127.0.0.1:0", threads=4, max_message_bytes=MAX, message_bytes=16 << 10)
     srv, _, st = start_server(cfg)
     try:
         job = make_job("async", num_workers=WORKERS, shard_index=0, num_shards=SHARDS)
         st.init(job, init_values(job))
-        st.sparse.create([_spec("a", 0), _spec("b", 0)])
+        st.sparse.create([_spec("a", 0), _spec("b", 0), _spec("big", 0)])
         yield srv.psar_dataplane, st
     finally:
         stop_server(srv)
@@ -365,7 +366,7 @@ BAD = {
     "worker-out-of-range": _bad(_push([_part("b", worker=9)]), "worker 9 not in [0, 2)"),
     "non-finite-loss-scale": _bad(_push([GOOD, _part("b", loss_scale=float("nan"))]), "loss_scale must be a finite number >= 0"),
     "unknown-dtype": _bad(_push([GOOD, _part("b", dtype=99)]), "unknown dtype enum 99"),
-    "push-over-max-message-bytes": _bad((_push([GOOD])[0], b""), "payload of 65537 bytes is larger than max_message_bytes 65536", code=SC.RESOURCE_EXHAUSTED, closes=True, claim=MAX + 1),
+    "push-over-max-message-bytes": _bad((_push([GOOD])[0], b""), f"payload of {MAX + 1} bytes is larger than max_message_bytes {MAX}", code=SC.RESOURCE_EXHAUSTED, closes=True, claim=MAX + 1),
     # pulls
     "pull-ragged-ids": _bad(_pull(_ids(2)[:4] + _ids(4)), "12 bytes is not a whole number of int64"),
     "pull-ids-inside-the-request": _bad(_pull(_ids(2), ids=_ids(2)), "leave request.ids empty"),
@@ -375,7 +376,8 @@ BAD = {
     "pull-unknown-table": _bad(_pull(_ids(2), table="nope"), "no sparse table 'nope' on this shard", code=SC.NOT_FOUND),
     "pull-worker-out-of-range": _bad(_pull(_ids(2), worker=2), "worker 2 not in [0, 2)"),
     "pull-unknown-dtype": _bad(_pull(_ids(2), dtype=99), "unknown dtype enum 99"),
-    "pull-over-max-message-bytes": _bad((_pull(b"")[0], b""), "larger than max_message_bytes 65536", code=SC.RESOURCE_EXHAUSTED, closes=True, claim=MAX + 8),
+    "pull-over-max-message-bytes": _bad((_pull(b"")[0], b""), f"larger than max_message_bytes {MAX}", code=SC.RESOURCE_EXHAUSTED, closes=True, claim=MAX + 8),
+    "pull-rows-over-max-message-bytes": _bad(_pull(_ids(*range(0, 2200, 2)), table="big"), f"35200 bytes of rows is more than one frame of this shard holds ({MAX}", code=SC.RESOURCE_EXHAUSTED),
     # the shard's own reply kinds
     "a-rows-frame": _bad((pb.DataFrame(rows=pb.DataRows(version=1)), b""), "unexpected rows frame", closes=True),
     "a-rows-frame-with-rows": _bad((pb.DataFrame(rows=pb.DataRows(version=1)), b"\0" * 32), "unexpected rows frame", closes=True),
