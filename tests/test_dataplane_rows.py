@@ -146,11 +146,12 @@ PULLS = {  # table: ids (unsorted: the rows come back in their order)
 }
 
 
-def _run(mode: str, dtype: torch.dtype, door: str) -> dict[str, Any]:
+def _run(mode: str, dtype: torch.dtype, door: str, puts: list[Any]) -> dict[str, Any]:
     """Three clocks of both workers' row pushes, each worker pulling after its push and
     worker 0 once the clock's rounds closed: small calls (the ring), mid-sized ones (a
     frame), huge ones (gRPC); also a loss scale and an overflowed table. What came back,
-    the shards' tables and counters, and each call's bytes per shard."""
+    the shards' tables and counters, the segments' puts (`puts`, from _spy_puts), and each
+    call's bytes per shard; then the refusals of three bad calls."""
     item = 4 if dtype == torch.float32 else 2
     rec: dict[str, Any] = {"pushes": [], "pulls": [], "calls": []}
     with _cluster(mode, DOORS[door]) as (clients, shards):
@@ -196,12 +197,28 @@ def _run(mode: str, dtype: torch.dtype, door: str) -> dict[str, Any]:
         pull("a", torch.empty(0, dtype=torch.int64))
         rec["stats"] = [dp.stats() for dp, _ in shards]
         rec["digests"] = [tables_digest(st) for _, st in shards]
+        rec["puts"] = list(puts)
+        bad = [  # a row out of range; a gradient not finite
+            RowsPush("a", 9, torch.tensor([4000]), torch.ones(1, DIM), dtype, [0, 0]),
+            RowsPush("b", 9, torch.tensor([2]), torch.full((1, DIM), float("inf")), dtype, [0, 0]),
+        ]
+        unknown = lambda: pull_rows(clients[0], "nope", torch.arange(4), DIM, dtype)  # noqa: E731
+        rec["refused"] = [_refusal(unknown)]
+        rec["refused"] += [_refusal(lambda p=p: push_tables(clients[1], [p])) for p in bad]
     return rec
 
 
-def _check_paths(door: str, rec: dict[str, Any], puts: list[tuple[str, int, bool]]) -> None:
+def _refusal(call: Callable[[], object]) -> tuple[Any, str]:
+    """The code and words of the PSClientError `call` raises."""
+    with pytest.raises(PSClientError) as e:
+        call()
+    return e.value.code, e.value.details
+
+
+def _check_paths(door: str, rec: dict[str, Any]) -> None:
     """The shards' counters and the segments' puts show each call where _path puts it."""
     calls = [(kind, i, n, _path(door, n)) for kind, i, n in rec["calls"]]
+    puts = rec["puts"]
     for i, stats in enumerate(rec["stats"]):
         for kind, key in (("push", "row_pushes"), ("pull", "row_pulls")):
             want = sum(1 for k, s, _, p in calls if (k, s) == (kind, i) and p != "grpc")
@@ -237,12 +254,14 @@ def test_every_door_leaves_the_same_tables_and_returns_the_same_rows(
     got = {}
     for door in DOORS:
         puts.clear()
-        got[door] = _run(mode, dtype, door)
-        _check_paths(door, got[door], puts)
+        got[door] = _run(mode, dtype, door, puts)
+        _check_paths(door, got[door])
     ref = got["grpc"]
     assert all(v > 0 for _, _, vs, _ in ref["pulls"][-6:] for v in vs)  # every table moved
     assert any(r[0] and r[3] for *_, rs, _ in ref["pushes"] for r in rs) == (mode == "async")
+    assert [code for code, _ in ref["refused"]] == [SC.NOT_FOUND] + [SC.INVALID_ARGUMENT] * 2
     for door in ("socket", "shm"):
+        assert got[door]["refused"] == ref["refused"], door  # the same codes and words
         assert got[door]["digests"] == ref["digests"], door  # bit for bit, both shards
         assert got[door]["pushes"] == ref["pushes"], door  # replies and bytes sent
         for a, b in zip(got[door]["pulls"], ref["pulls"], strict=True):
