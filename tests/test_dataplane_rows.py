@@ -11,7 +11,9 @@ real shards, real sockets, real memfds.
 - Hostile frames sent raw to the data plane are refused with the status and the words of
   the gRPC door, every table untouched; where the frame was read whole, the same
   connection still answers a rows pull.
-- A worker refuses a shard's rows reply of the wrong size (a fake shard on a real socket).
+- A worker refuses a shard's rows reply of the wrong size or place (a fake shard on a
+  real socket); it goes over gRPC to a shard restarted without a data plane, and waits
+  for a restarting shard whose data port went stale like for any call.
 """
 
 from __future__ import annotations
@@ -280,7 +282,7 @@ def lone() -> Iterator[tuple[Any, ShardState]]:
     """One real shard (shard 0 of 2: it holds the even rows) of an async 2-worker job with
     tables "a" (adagrad), "b" (lazy_adam) and "big" (sgd: 64 KiB of rows, more than one
     frame); pushes apply on arrival, so a push that slipped through would change a table.
-    Every test but the last leaves it as it found it."""
+    Every test but test_the_good_push_alone_is_applied leaves it as it found it."""
     cfg = ServerConfig(bind="127.0.0.1:0", threads=4, max_message_bytes=MAX, message_bytes=16 << 10)
     srv, _, st = start_server(cfg)
     try:
@@ -456,8 +458,8 @@ def test_a_hostile_rows_frame_is_refused_and_changes_no_table(
 
 
 def test_the_good_push_alone_is_applied(lone: tuple[Any, ShardState]) -> None:
-    """The push every bad call above carries is not refused by itself (it runs last: it
-    changes table "a")."""
+    """The push every bad call above carries is not refused by itself (the only test
+    that changes the shard: table "a")."""
     dp, st = lone
     sock, _ = _hello(dp.port, "", b"")
     with sock:
