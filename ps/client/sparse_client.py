@@ -9,7 +9,8 @@ Where the worker talks to a shard's data plane (--data-plane auto/tcp, the shard
 one), both calls go there, one frame each way, the bytes in a shared-memory segment on
 the same host (ps/client/tcp_rows.py, ps/server/doors/dataplane_rows.py): over gRPC a
 shard spent half of its CPU in the asyncio server moving row bytes (issue #46). A call
-too large for one frame, and every call under --data-plane grpc, goes over gRPC.
+too large for one frame (a payload of ClientConfig.data_frame_bytes, or the segment where
+the shard attached one), and every call under --data-plane grpc, goes over gRPC.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from psar.ps import serde, wire
 from psar.ps._gen.psar.v1 import ps_pb2 as pb
 from psar.ps.client import tcp_rows
 from psar.ps.client.psclient import PSClient
-from psar.ps.client.tcp_transport import DataPlaneClient
 from psar.ps.client.transport import TransportError
 from psar.ps.sparse_spec import TableSpec
 
@@ -101,8 +101,7 @@ def pull_rows(
     def one(i: int) -> int:
         pos = parts[i]
         want = _count(pos) * dim * item
-        dp = _rows_door(client, i, want)
-        if dp is not None:  # the shard's data plane (module docstring)
+        if _rows_door(client, i, want):  # the shard's data plane (module docstring)
             mine = ids[pos].contiguous()
             req = pb.PullRowsRequest(
                 worker=client.worker, table=table, dtype=serde.dtype_to_pb(dtype)
@@ -121,15 +120,23 @@ def pull_rows(
                 return version
 
             ids_view = wire.as_bytes_view(mine) if mine.numel() else memoryview(b"")
-            return client._retrying(
-                i,
-                lambda _r: client.doors.via(
+            try:
+                return client._retrying(
                     i,
-                    lambda t: tcp_rows.pull_rows(
-                        t, req, ids_view, take, timeout_s=client.cfg.pull_timeout_s
+                    lambda _r: client.doors.via(
+                        i,
+                        lambda t: tcp_rows.pull_rows(
+                            t,
+                            req,
+                            ids_view,
+                            take,
+                            rows_bytes=want,
+                            timeout_s=client.cfg.pull_timeout_s,
+                        ),
                     ),
-                ),
-            )
+                )
+            except tcp_rows.UseGrpc:
+                pass  # too large for this connection, or no data plane now: gRPC below
         pos = _index(pos)  # a stream's pieces land at pos[offset:]
         req = pb.PullRowsRequest(
             worker=client.worker,
@@ -201,21 +208,23 @@ def push_tables(
     def one(i: int) -> list[pb.PushRowsReply]:
         mine = [pp[i] for pp in parts]
         total = sum(len(ids) + len(data) for _, ids, data in mine)
-        dp = _rows_door(client, i, total)
-        if dp is not None:  # the shard's data plane (module docstring)
+        if _rows_door(client, i, total):  # the shard's data plane (module docstring)
             req = pb.PushTablesRequest(pushes=[pb.RowsPushWhole(header=h) for h, _, _ in mine])
             counts = [(len(ids), len(data)) for _, ids, data in mine]
             blob = _joined([b for _, ids, data in mine for b in (ids, data)])
-            r = client._retrying(
-                i,
-                lambda _r: client.doors.via(
+            try:
+                r = client._retrying(
                     i,
-                    lambda t: tcp_rows.push_tables(
-                        t, req, counts, blob, timeout_s=client.cfg.timeout_s
+                    lambda _r: client.doors.via(
+                        i,
+                        lambda t: tcp_rows.push_tables(
+                            t, req, counts, blob, timeout_s=client.cfg.timeout_s
+                        ),
                     ),
-                ),
-            )
-            return list(r.replies)
+                )
+                return list(r.replies)
+            except tcp_rows.UseGrpc:
+                pass  # too large for this connection, or no data plane now: gRPC below
         if sum(len(ids) + len(data) for _, ids, data in mine) <= client.cfg.max_message_bytes // 2:
             req = pb.PushTablesRequest(
                 pushes=[
@@ -279,11 +288,17 @@ def _chunks(head: pb.PushRowsHeader, ids: Any, data: Any, step: int) -> Iterator
         yield pb.PushRowsChunk(data=bytes(data[s : s + step]))
 
 
-def _rows_door(client: PSClient, shard: int, nbytes: int) -> DataPlaneClient | None:
-    """The shard's data plane where the worker uses one and `nbytes` fit one frame of it
-    (or its shared-memory segment), else None (gRPC)."""
-    t = client.doors.transport(shard)
-    return t if isinstance(t, DataPlaneClient) and tcp_rows.fits(t, nbytes) else None
+def _rows_door(client: PSClient, shard: int, nbytes: int) -> bool:
+    """Try the shard's data plane first? Where the worker uses one and `nbytes` might fit
+    one frame of it, or where its data port is stale (a connection failed): GetJob asks
+    again inside the call's retries (ps/client/dataplane_calls.py), never here, outside
+    them. tcp_rows says UseGrpc where the call cannot go that way after all."""
+    if client.cfg.data_plane == "grpc":
+        return False
+    if client._data_stale[shard]:
+        return True
+    dp = client._data[shard]
+    return dp is not None and tcp_rows.fits(dp, nbytes)
 
 
 def _joined(views: Sequence[Any]) -> memoryview:

@@ -17,30 +17,57 @@ from typing import Any, TypeVar
 from psar.ps import framing as fr
 from psar.ps._gen.psar.v1 import ps_pb2 as pb
 from psar.ps.client.tcp_transport import SC, DataPlaneClient, DataPlaneError
+from psar.ps.client.transport import Transport
 
 T = TypeVar("T")
 
 
+class UseGrpc(Exception):
+    """This call cannot go on the shard's data plane, and nothing of it was sent: the
+    connection it got cannot carry its bytes (more than a frame of them, and no segment
+    with room for them: the shard is on another host, or started with --no-data-shm),
+    or more than `fits` any frame of the shard's data plane, or the shard no longer
+    serves a data plane (it restarted with --data-port -1, and the retry's GetJob said
+    so). The caller goes over gRPC, which streams them."""
+
+
 def fits(dp: DataPlaneClient, nbytes: int) -> bool:
-    """Can one frame carry `nbytes` of rows to or from this shard (its segment, or a
-    payload within the frame size the worker was given)?"""
+    """Might one frame carry `nbytes` of rows to or from this shard (its segment, or a
+    payload within the frame size the worker was given)? A connection whose shard did
+    not attach the segment carries only a frame's worth (UseGrpc past that)."""
     return nbytes <= max(dp.max_frame_bytes, dp.shm_bytes)
 
 
+def _room(dp: DataPlaneClient, conn: Any, nbytes: int) -> bool:
+    """Does `conn` carry `nbytes` in one frame: a payload within the frame size, or its
+    segment (a call's bytes start at the ring's start, so all of the ring is free)?"""
+    if nbytes <= dp.max_frame_bytes:
+        return True
+    return conn.segment is not None and nbytes <= conn.segment.ring
+
+
 def pull_rows(
-    dp: DataPlaneClient,
+    dp: Transport,
     req: pb.PullRowsRequest,
     ids: memoryview,
     take: Callable[[int, memoryview], T],
     *,
+    rows_bytes: int,
     timeout_s: float,
 ) -> T:
-    """Ask for the rows of `ids` (int64 bytes; `req.ids` empty) and hand them to
-    take(version, bytes) (the bytes are valid only during the call: copy them out)."""
+    """Ask for the rows of `ids` (int64 bytes; `req.ids` empty), `rows_bytes` of them,
+    and hand them to take(version, bytes) (the bytes are valid only during the call: copy
+    them out). UseGrpc where they cannot go this way (`dp` may be the shard's gRPC
+    transport, on a retry after the shard's data plane went away)."""
+    if not isinstance(dp, DataPlaneClient) or not fits(dp, rows_bytes):
+        raise UseGrpc(f"{rows_bytes} bytes of rows, on no data plane or too many for it")
     deadline = time.monotonic() + timeout_s
     conn = dp._acquire(deadline)
     reusable = False
     try:
+        if not _room(dp, conn, rows_bytes):
+            reusable = True  # nothing sent
+            raise UseGrpc(f"{rows_bytes} bytes of rows from {dp.address}")
         dp._send(conn, pb.DataFrame(rows_pull=pb.DataRowsPull(request=req)), ids, deadline)
         frame, plen = dp._io(conn, deadline, "rows pull", dp._read_header, conn)
         kind = frame.WhichOneof("kind")
@@ -53,6 +80,8 @@ def pull_rows(
             try:
                 if segment is None or plen:
                     raise ValueError("a payload too" if plen else "no segment on this connection")
+                if rows.shm_at + rows.shm_bytes >= 1 << 64:  # stored as a u64 once read
+                    raise ValueError(f"shm_at {rows.shm_at} ends past the 64-bit position")
                 data = segment.get(rows.shm_at, rows.shm_bytes)
             except ValueError as e:
                 raise DataPlaneError(
@@ -78,7 +107,7 @@ def pull_rows(
 
 
 def push_tables(
-    dp: DataPlaneClient,
+    dp: Transport,
     req: pb.PushTablesRequest,
     counts: Sequence[tuple[int, int]],
     blob: memoryview,
@@ -87,11 +116,17 @@ def push_tables(
 ) -> pb.PushTablesReply:
     """Every table's row push of a step in one frame: `req` holds the headers (ids and
     data empty), `blob` each push's id bytes then gradient bytes, in order, `counts`
-    their (id bytes, gradient bytes) per push."""
+    their (id bytes, gradient bytes) per push. UseGrpc where they cannot go this way
+    (as in pull_rows)."""
+    if not isinstance(dp, DataPlaneClient) or not fits(dp, len(blob)):
+        raise UseGrpc(f"{len(blob)} bytes of rows, on no data plane or too many for it")
     deadline = time.monotonic() + timeout_s
     conn = dp._acquire(deadline)
     reusable = False
     try:
+        if not _room(dp, conn, len(blob)):
+            reusable = True  # nothing sent
+            raise UseGrpc(f"{len(blob)} bytes of rows to {dp.address}")
         head = pb.DataRowsPush(
             request=req, ids_bytes=[i for i, _ in counts], data_bytes=[d for _, d in counts]
         )

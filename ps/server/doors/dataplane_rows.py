@@ -86,6 +86,12 @@ def serve_push(conn: Any, push: pb.DataRowsPush, plen: int) -> None:
                     + ": send its bytes in the frame",
                     reason="malformed",
                 )
+            if at + n >= 1 << 64:  # its end is stored as a u64 (shm.CONSUMED)
+                raise InvalidArgument(
+                    f"rows_push shm_at {at} + shm_bytes {n} is past the 64-bit stream "
+                    "position a segment counts in: a call's bytes are numbered from 0",
+                    reason="malformed",
+                )
             try:
                 blob = segment.get(at, n)
             except ValueError as e:
