@@ -188,16 +188,27 @@ class Segment:
         or None when the receiver has not yet read the room it needs (send it in the
         socket)."""
         n = len(data)
+        got = self.reserve(n)
+        if got is None:
+            return None
+        at, dst = got
+        pos = HEADER + at % self.ring
+        copy(dst, data, self.view[pos : pos + n])
+        return at
+
+    def reserve(self, n: int) -> tuple[int, torch.Tensor] | None:
+        """Room for `n` bytes after the call's earlier pieces, for the caller to fill
+        (a gather straight into the segment: no buffer between): (its number, `shm_at`;
+        those bytes as a uint8 tensor, 64-byte aligned), or None as `put`."""
         head = self.head
         if (head % self.ring) + n > self.ring:  # never across the end: start at the ring's
             head += self.ring - head % self.ring
         if head + n - _U64.unpack_from(self.view, CONSUMED)[0] > self.ring:
             return None
         pos = HEADER + head % self.ring
-        copy(self.bytes[pos : pos + n], data, self.view[pos : pos + n])
         self.head = -(-(head + n) // ALIGN) * ALIGN
         self.placed += n
-        return head
+        return head, self.bytes[pos : pos + n]
 
     def copy_out(self, at: int, n: int, dst: memoryview) -> None:
         """Piece `at` (`n` bytes) into `dst` (bytes, writable), then read past it;

@@ -120,17 +120,18 @@ def _path(door: str, nbytes: int) -> str:
 
 
 def _spy_puts(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int, bool]]:
-    """Every Segment.put (the real one runs): (whose segment: "worker" or "shard", bytes,
-    placed or not)."""
+    """Every room taken in a segment (Segment.reserve: a put's, or a pull's rows
+    gathered straight into it; the real one runs): (whose segment: "worker" or "shard",
+    bytes, placed or not)."""
     seen: list[tuple[str, int, bool]] = []
-    real = Segment.put
+    real = Segment.reserve
 
-    def put(self: Segment, data: memoryview) -> int | None:
-        at = real(self, data)
-        seen.append(("worker" if self.path else "shard", len(data), at is not None))
-        return at
+    def reserve(self: Segment, n: int) -> tuple[int, torch.Tensor] | None:
+        got = real(self, n)
+        seen.append(("worker" if self.path else "shard", n, got is not None))
+        return got
 
-    monkeypatch.setattr(Segment, "put", put)
+    monkeypatch.setattr(Segment, "reserve", reserve)
     return seen
 
 

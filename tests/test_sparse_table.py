@@ -203,3 +203,30 @@ def test_rows_of_another_shard_are_refused() -> None:
     assert tables.create([spec("sgd", shard=0, shards=2)]) is True  # identical retry
     with pytest.raises(Exception, match="different spec"):
         tables.create([spec("adagrad", shard=0, shards=2)])
+
+
+@pytest.mark.parametrize("opt", ["sgd", "adagrad", "lazy_adam"])
+def test_a_rounds_mean_is_one_step_with_the_mean_gradient(opt: str) -> None:
+    """apply_mean (a sync round's close) == apply() of the mean of the workers' row
+    gradients, rows named by one worker, by both, or by none; the version moves once."""
+    g = torch.Generator().manual_seed(3)
+    parts = [
+        (torch.tensor([1, 4, 9, 30]), torch.randn(4, DIM, generator=g)),
+        (torch.tensor([4, 7, 30]), torch.randn(3, DIM, generator=g)),
+        (torch.tensor([], dtype=torch.int64), torch.empty(0, DIM)),
+    ]
+    a, b = SparseTable(spec(opt)), SparseTable(spec(opt))
+    for _ in range(2):
+        a.apply_mean(parts)
+        uniq = torch.tensor([1, 4, 7, 9, 30])
+        mean = torch.zeros(5, DIM)
+        for ids, grads in parts:
+            mean.index_add_(0, torch.searchsorted(uniq, ids), grads)
+        b.apply(uniq, mean / 3)
+    torch.testing.assert_close(a.weight, b.weight, rtol=1e-6, atol=1e-7)
+    assert a.version == b.version == 2
+    for k in SparseTable.STATE[opt]:
+        torch.testing.assert_close(getattr(a, k), getattr(b, k))
+    untouched = torch.ones(a.weight.shape[0], dtype=torch.bool)
+    untouched[[1, 4, 7, 9, 30]] = False
+    assert torch.equal(a.weight[untouched], SparseTable(spec(opt)).weight[untouched])

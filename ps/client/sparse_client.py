@@ -211,14 +211,14 @@ def push_tables(
         if _rows_door(client, i, total):  # the shard's data plane (module docstring)
             req = pb.PushTablesRequest(pushes=[pb.RowsPushWhole(header=h) for h, _, _ in mine])
             counts = [(len(ids), len(data)) for _, ids, data in mine]
-            blob = _joined([b for _, ids, data in mine for b in (ids, data)])
+            pieces = [b for _, ids, data in mine for b in (ids, data)]
             try:
                 r = client._retrying(
                     i,
                     lambda _r: client.doors.via(
                         i,
                         lambda t: tcp_rows.push_tables(
-                            t, req, counts, blob, timeout_s=client.cfg.timeout_s
+                            t, req, counts, pieces, timeout_s=client.cfg.timeout_s
                         ),
                     ),
                 )
@@ -299,11 +299,3 @@ def _rows_door(client: PSClient, shard: int, nbytes: int) -> bool:
         return True
     dp = client._data[shard]
     return dp is not None and tcp_rows.fits(dp, nbytes)
-
-
-def _joined(views: Sequence[Any]) -> memoryview:
-    """Byte views as one buffer (one copy, or none for a single one)."""
-    views = [v for v in views if len(v)]
-    if len(views) == 1:
-        return memoryview(views[0])
-    return memoryview(b"".join(views))

@@ -14,7 +14,10 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+import torch
+
 from psar.ps import framing as fr
+from psar.ps import wire
 from psar.ps._gen.psar.v1 import ps_pb2 as pb
 from psar.ps.client.tcp_transport import SC, DataPlaneClient, DataPlaneError
 from psar.ps.client.transport import Transport
@@ -110,34 +113,47 @@ def push_tables(
     dp: Transport,
     req: pb.PushTablesRequest,
     counts: Sequence[tuple[int, int]],
-    blob: memoryview,
+    pieces: Sequence[Any],
     *,
     timeout_s: float,
 ) -> pb.PushTablesReply:
     """Every table's row push of a step in one frame: `req` holds the headers (ids and
-    data empty), `blob` each push's id bytes then gradient bytes, in order, `counts`
-    their (id bytes, gradient bytes) per push. UseGrpc where they cannot go this way
-    (as in pull_rows)."""
-    if not isinstance(dp, DataPlaneClient) or not fits(dp, len(blob)):
-        raise UseGrpc(f"{len(blob)} bytes of rows, on no data plane or too many for it")
+    data empty), `pieces` each push's id bytes then gradient bytes (byte views), in order,
+    `counts` their (id bytes, gradient bytes) per push. The pieces are copied once, into
+    the segment side by side, or sent from where they are as the frame's payload. UseGrpc
+    where they cannot go this way (as in pull_rows)."""
+    views = [memoryview(p).cast("B") for p in pieces if len(p)]
+    total = sum(len(v) for v in views)
+    if not isinstance(dp, DataPlaneClient) or not fits(dp, total):
+        raise UseGrpc(f"{total} bytes of rows, on no data plane or too many for it")
     deadline = time.monotonic() + timeout_s
     conn = dp._acquire(deadline)
     reusable = False
     try:
-        if not _room(dp, conn, len(blob)):
+        if not _room(dp, conn, total):
             reusable = True  # nothing sent
-            raise UseGrpc(f"{len(blob)} bytes of rows to {dp.address}")
+            raise UseGrpc(f"{total} bytes of rows to {dp.address}")
         head = pb.DataRowsPush(
             request=req, ids_bytes=[i for i, _ in counts], data_bytes=[d for _, d in counts]
         )
-        payload: Any = blob if len(blob) else None
         segment = conn.segment
-        if segment is not None and len(blob):
+        got = None
+        if segment is not None and total:
             segment.begin()  # this call's sender: its bytes are numbered from 0
-            at = segment.put(blob)
-            if at is not None:
-                head.shm_at, head.shm_bytes, payload = at, len(blob), None
-        dp._send(conn, pb.DataFrame(rows_push=head), payload, deadline)
+            got = segment.reserve(total)
+        if got is not None:
+            at, dst = got
+            pos = 0
+            for v in views:  # through torch: the GIL is released while it copies
+                dst[pos : pos + len(v)].copy_(wire.decode(v, torch.uint8))
+                pos += len(v)
+            head.shm_at, head.shm_bytes = at, total
+        frame = pb.DataFrame(rows_push=head)  # a copy of head: made once it is complete
+        if got is not None:
+            dp._send(conn, frame, None, deadline)
+        else:
+            send = fr.send_buffers
+            dp._io(conn, deadline, "send", send, conn.sock, [fr.encode(frame, total), *views])
         frame = dp._recv_frame(conn, deadline, "rows push")
         reusable = True
         if frame.WhichOneof("kind") != "rows_pushed":

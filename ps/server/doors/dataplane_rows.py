@@ -20,6 +20,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import torch
+
 from psar.ps import framing as fr
 from psar.ps import wire
 from psar.ps._gen.psar.v1 import ps_pb2 as pb
@@ -41,19 +43,39 @@ def serve_pull(conn: Any, ask: pb.DataRowsPull, plen: int) -> None:
                     "request.ids empty",
                     reason="malformed",
                 )
-            version, rows = row_calls.pull_rows(row_calls.tables_of(conn.state), ask.request, ids)
+            segment = conn.segment
+            placed: list[int] = []
+            tried: list[bool] = []
+
+            def into_segment(n: int, dim: int) -> torch.Tensor | None:
+                """The rows' room in the segment (fp32): gathered straight into it."""
+                if segment is None or not n * dim:
+                    return None
+                segment.begin()  # this call's sender: its bytes are numbered from 0
+                got = segment.reserve(n * dim * 4)
+                tried.append(True)
+                if got is None:
+                    return None  # no room: the rows go in the frame
+                placed.append(got[0])
+                return got[1].view(torch.float32).view(n, dim)
+
+            sparse = row_calls.tables_of(conn.state)
+            version, rows = row_calls.pull_rows(sparse, ask.request, ids, into_segment)
         finally:
             if plen:
                 ids.release()
-        view = wire.as_bytes_view(rows) if rows.numel() else memoryview(b"")
         reply = pb.DataRows(version=version)
-        segment = conn.segment
-        if segment is not None and len(view):
-            segment.begin()  # this call's sender: its bytes are numbered from 0
-            at = segment.put(view)
-            if at is not None:
-                reply.shm_at, reply.shm_bytes = at, len(view)
-                view = memoryview(b"")
+        if placed:
+            reply.shm_at, reply.shm_bytes = placed[0], rows.numel() * 4
+            view = memoryview(b"")
+        else:
+            view = wire.as_bytes_view(rows) if rows.numel() else memoryview(b"")
+            if segment is not None and len(view) and not tried:
+                segment.begin()
+                at = segment.put(view)
+                if at is not None:
+                    reply.shm_at, reply.shm_bytes = at, len(view)
+                    view = memoryview(b"")
         if len(view) > conn.server.max_payload_bytes:
             raise ResourceExhausted(
                 f"rows_pull: {len(view)} bytes of rows is more than one frame of this shard "

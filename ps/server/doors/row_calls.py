@@ -11,7 +11,7 @@ push_many); a refusal is a PSError the door turns into its status.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -44,11 +44,18 @@ def tables_of(state: Any) -> SparseTables:
     return sparse
 
 
-def pull_rows(sparse: SparseTables, req: pb.PullRowsRequest, ids: Any) -> tuple[int, torch.Tensor]:
+def pull_rows(
+    sparse: SparseTables,
+    req: pb.PullRowsRequest,
+    ids: Any,
+    out: Callable[[int, int], torch.Tensor | None] | None = None,
+) -> tuple[int, torch.Tensor]:
     """(the table's version here, the rows of `ids` (bytes) as one flat tensor of the
-    request's dtype, in the ids' order)."""
+    request's dtype, in the ids' order). `out(rows, dim)` (fp32 requests only) may give
+    the tensor to gather them into (SparseTables.pull)."""
     dtype = serde.dtype_from_pb(req.dtype)
-    version, rows = sparse.pull(req.worker, req.table, decode_ids(ids))
+    into = out if dtype == torch.float32 else None
+    version, rows = sparse.pull(req.worker, req.table, decode_ids(ids), into)
     return version, (rows.to(dtype) if dtype != torch.float32 else rows).reshape(-1)
 
 

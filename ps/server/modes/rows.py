@@ -5,9 +5,9 @@ table follows the dense rule of its shard and never compares mode names itself; 
 sees only the tables' open rounds, clocks and counters (`TableRounds`):
 
 - `RowRounds` (sync): a table's round for clock c closes when every live worker has
-  pushed its rows for c (an empty push counts). The row gradients are summed per row in
-  fp32 in worker-rank order and divided by the number of workers that pushed, exactly as
-  the dense round does, then applied once. A round in which any worker overflowed is
+  pushed its rows for c (an empty push counts). The round's mean gradient (the workers'
+  row gradients, fp32, in worker-rank order, divided by the number that pushed) is
+  applied once (SparseTable.apply_mean). A round in which any worker overflowed is
   skipped (the table's version still moves on, as the dense round count does).
 - `RowsOnArrival` (async, ssp): each push is applied on arrival (SSP's bound is enforced
   by the dense pull). Staleness = table version at apply - version the rows were pulled at.
@@ -114,10 +114,6 @@ class RowRounds(RowPolicy):
             t.version += 1
             return
         order = [rnd[w] for w in sorted(rnd)]
-        ids = torch.cat([q.ids for q in order])
-        grads = torch.cat([q.grads for q in order])
-        uniq, inv = torch.unique(ids, return_inverse=True)
-        summed = torch.zeros(uniq.numel(), t.spec.dim).index_add_(0, inv, grads)
-        summed.div_(len(order))
-        t.apply(uniq // t.spec.num_shards, summed)
+        s = t.spec.num_shards
+        t.apply_mean([(q.ids // s, q.grads) for q in order])
         tables.staleness[name][0] += 1

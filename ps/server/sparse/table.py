@@ -119,8 +119,11 @@ class SparseTable:
             )
         return ids // s.num_shards
 
-    def gather(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.weight.index_select(0, idx)
+    def gather(self, idx: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows `idx` (fp32), into `out` (len(idx) x dim fp32) where given."""
+        if out is None:
+            return self.weight.index_select(0, idx)
+        return torch.index_select(self.weight, 0, idx, out=out)
 
     def apply(self, idx: torch.Tensor, grads: torch.Tensor) -> None:
         """One optimizer step on rows `idx` (unique local indices) with fp32 `grads`."""
@@ -139,6 +142,28 @@ class SparseTable:
             else:
                 self._lazy_adam(idx, grads)
         self.version += 1
+
+    def apply_mean(self, parts: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """One optimizer step with the mean of several workers' row gradients (each part:
+        unique local indices, fp32 grads), summed in the parts' order. SGD adds each
+        part scaled by lr / len(parts) straight into the rows (no summed copy: a sync
+        round of a large table is a few index_adds); the others sum per row first."""
+        s = self.spec
+        n = len(parts)
+        if s.optimizer == "sgd":
+            for idx, grads in parts:
+                if idx.numel():
+                    self.weight.index_add_(0, idx, grads * (-s.lr / n))
+            self.version += 1
+            return
+        idx = torch.cat([i for i, _ in parts])
+        uniq, inv = torch.unique(idx, return_inverse=True)
+        summed = torch.zeros(uniq.numel(), s.dim)
+        at = 0
+        for i, grads in parts:
+            summed.index_add_(0, inv[at : at + i.numel()], grads)
+            at += i.numel()
+        self.apply(uniq, summed.div_(n))
 
     def _lazy_adam(self, idx: torch.Tensor, g: torch.Tensor) -> None:
         s = self.spec

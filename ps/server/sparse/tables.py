@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import Counter
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -118,15 +119,23 @@ class SparseTables:
 
     # ---- pull -----------------------------------------------------------------------
 
-    def pull(self, worker: int, name: str, ids: torch.Tensor) -> tuple[int, torch.Tensor]:
-        """(table version, fp32 rows) for these global ids."""
+    def pull(
+        self,
+        worker: int,
+        name: str,
+        ids: torch.Tensor,
+        out: Callable[[int, int], torch.Tensor | None] | None = None,
+    ) -> tuple[int, torch.Tensor]:
+        """(table version, fp32 rows) for these global ids; `out(rows, dim)`, asked once
+        the ids are checked, may give the fp32 tensor to gather them into."""
         _, _, n, _ = self._policy()
         if not 0 <= worker < n:
             raise InvalidArgument(f"worker {worker} not in [0, {n})", reason="bad_worker")
         with self._lock:
             t = self.table(name)
             idx = t.local_index(ids, what="PullRows")
-            return t.version, t.gather(idx)
+            into = out(idx.numel(), t.spec.dim) if out is not None else None
+            return t.version, t.gather(idx, into)
 
     # ---- push -----------------------------------------------------------------------
 
