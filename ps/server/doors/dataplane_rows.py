@@ -43,39 +43,14 @@ def serve_pull(conn: Any, ask: pb.DataRowsPull, plen: int) -> None:
                     "request.ids empty",
                     reason="malformed",
                 )
-            segment = conn.segment
-            placed: list[int] = []
-            tried: list[bool] = []
-
-            def into_segment(n: int, dim: int) -> torch.Tensor | None:
-                """The rows' room in the segment (fp32): gathered straight into it."""
-                if segment is None or not n * dim:
-                    return None
-                segment.begin()  # this call's sender: its bytes are numbered from 0
-                got = segment.reserve(n * dim * 4)
-                tried.append(True)
-                if got is None:
-                    return None  # no room: the rows go in the frame
-                placed.append(got[0])
-                return got[1].view(torch.float32).view(n, dim)
-
+            room = _Room(conn.segment)
             sparse = row_calls.tables_of(conn.state)
-            version, rows = row_calls.pull_rows(sparse, ask.request, ids, into_segment)
+            version, rows = row_calls.pull_rows(sparse, ask.request, ids, room.into)
         finally:
             if plen:
                 ids.release()
         reply = pb.DataRows(version=version)
-        if placed:
-            reply.shm_at, reply.shm_bytes = placed[0], rows.numel() * 4
-            view = memoryview(b"")
-        else:
-            view = wire.as_bytes_view(rows) if rows.numel() else memoryview(b"")
-            if segment is not None and len(view) and not tried:
-                segment.begin()
-                at = segment.put(view)
-                if at is not None:
-                    reply.shm_at, reply.shm_bytes = at, len(view)
-                    view = memoryview(b"")
+        view = room.place(rows, reply)
         if len(view) > conn.server.max_payload_bytes:
             raise ResourceExhausted(
                 f"rows_pull: {len(view)} bytes of rows is more than one frame of this shard "
@@ -88,6 +63,44 @@ def serve_pull(conn: Any, ask: pb.DataRowsPull, plen: int) -> None:
         conn._status(e.code, e.args[0])
     finally:
         conn.metrics.rpc_observed("PullRows", time.monotonic() - t0)
+
+
+class _Room:
+    """A pull's rows in the connection's segment (ps/shm.py): gathered straight into it
+    (fp32, `into`), else copied in after (`place`: fp16/bf16 rows), else, with no
+    segment or no room, left for the frame's payload."""
+
+    def __init__(self, segment: Any) -> None:
+        self.segment = segment
+        self.at: int | None = None
+        self.tried = False
+
+    def into(self, n: int, dim: int) -> torch.Tensor | None:
+        """SparseTables.pull's `out`: the room of n fp32 rows of `dim`, or None."""
+        if self.segment is None or not n * dim:
+            return None
+        self.segment.begin()  # this call's sender: its bytes are numbered from 0
+        self.tried = True
+        got = self.segment.reserve(n * dim * 4)
+        if got is None:
+            return None  # no room: the rows go in the frame
+        self.at = got[0]
+        return got[1].view(torch.float32).view(n, dim)
+
+    def place(self, rows: torch.Tensor, reply: pb.DataRows) -> memoryview:
+        """Say in `reply` where the rows lie; the bytes left for the payload (none when
+        they are in the segment)."""
+        if self.at is not None:
+            reply.shm_at, reply.shm_bytes = self.at, rows.numel() * 4
+            return memoryview(b"")
+        view = wire.as_bytes_view(rows) if rows.numel() else memoryview(b"")
+        if self.segment is not None and len(view) and not self.tried:
+            self.segment.begin()
+            at = self.segment.put(view)
+            if at is not None:
+                reply.shm_at, reply.shm_bytes = at, len(view)
+                return memoryview(b"")
+        return view
 
 
 def serve_push(conn: Any, push: pb.DataRowsPush, plen: int) -> None:
