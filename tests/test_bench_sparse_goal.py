@@ -57,6 +57,20 @@ def test_repeats_keep_the_median_run_and_judge_the_goal_on_it() -> None:
     assert sparse.repeated(runs[:1]) is runs[0] and "repeats" not in runs[0]
 
 
+def test_repeats_of_hybrid_alone_keep_hybrids_median_run() -> None:
+    """--ways hybrid,allreduce_sparse: no PS-sparse ratio (NaN), so the median is hybrid's."""
+
+    def run(hyb: float) -> dict:
+        return {"rows": [10_000_000, 100_000], "ddp_sparse_fits": {"oom": False},
+                "ps_vs_allreduce_sparse": {"speedup": float("nan")},
+                "hybrid": {"samples_per_sec": hyb}, "allreduce_sparse": {"samples_per_sec": 100.0},
+                "hybrid_vs_allreduce_sparse": {"speedup": hyb / 100.0}}  # fmt: skip
+
+    out = sparse.repeated([run(91.0), run(100.0), run(94.0)])  # not the first run
+    assert out["hybrid"]["samples_per_sec"] == 94.0
+    assert out["goal_hybrid"]["speedup"] == 0.94 and not out["goal_hybrid"]["met"]
+
+
 def test_cpu_lists_parse_as_taskset_would() -> None:
     from bench.lib.common import parse_cpus
 

@@ -82,3 +82,26 @@ def test_recsys_loss_falls_towards_its_floor() -> None:
     with torch.no_grad():
         val = float(w.loss_fn(w.model(xv), yv))
     assert floor < 0.45 and val < floor + 0.05 < 0.69  # from ~0.69 to near the floor
+
+
+@pytest.mark.slow
+def test_rows_pulled_in_fp16_move_half_the_row_bytes_and_train_alike(tmp_path) -> None:  # noqa: ANN001
+    """--sparse-pull-dtype fp16: every pulled row costs dim x 2 bytes (+ its 8-byte id)
+    where fp32 costs dim x 4, the same rows are pulled, and the losses stay within fp16's
+    rounding of the rows (an fp32 model, fp32 masters on the shards)."""
+    args = [*COMMON, "--mode", "sync", "--sparse-wire-dtype", "fp32"]
+    reps = {}
+    for dtype in ("fp32", "fp16"):
+        with shards(2) as addrs:
+            out = tmp_path / dtype
+            out.mkdir()
+            reps[dtype] = run_ps_workers(addrs, 2, out, [*args, "--sparse-pull-dtype", dtype])
+    dim = 8
+    for w in range(2):
+        full, half = reps["fp32"][w]["sparse_bytes_pulled"], reps["fp16"][w]["sparse_bytes_pulled"]
+        rows = full // (dim * 4 + 8)
+        assert rows > 0 and full == rows * (dim * 4 + 8)
+        assert half == rows * (dim * 2 + 8)
+    a, b = np.asarray(reps["fp32"][0]["losses"]), np.asarray(reps["fp16"][0]["losses"])
+    assert np.max(np.abs(a - b) / np.abs(a)) <= 1e-2
+    assert not np.array_equal(a, b)  # the rows were rounded: fp16 did travel

@@ -139,6 +139,11 @@ class PSConfig(ConnectionConfig):
     """eps of the sparse adagrad / lazy_adam update."""
     sparse_wire_dtype: str = "fp16"
     """dtype of sparse row gradients on the wire: fp16 | bf16 | fp32."""
+    sparse_pull_dtype: str = "auto"
+    """dtype the rows of sparse tables are pulled in: auto | fp16 | bf16 | fp32. auto: the
+    worker's weights dtype (--worker-weights). fp16 halves the bytes of a pull from fp32
+    where the links between workers and shards are what limits a step; the rows are
+    rounded to it, then used in the model's own dtype (the shards keep fp32 masters)."""
     sparse_min_rows: int = 0
     """A loop of your own (prepare()) under --arch ps or hybrid: also put every
     nn.Embedding / nn.EmbeddingBag with sparse=True and at least this many rows on the
@@ -214,6 +219,10 @@ class PSConfig(ConnectionConfig):
             )
         if self.sparse_wire_dtype not in ("fp16", "bf16", "fp32"):
             raise ValueError("--sparse-wire-dtype: accepted: fp16, bf16, fp32")
+        if self.sparse_pull_dtype not in ("auto", "fp16", "bf16", "fp32"):
+            raise ValueError(
+                f"--sparse-pull-dtype: accepted: auto, fp16, bf16, fp32; got {self.sparse_pull_dtype!r}"
+            )
         if self.sparse_min_rows < 0:
             raise ValueError(
                 f"--sparse-min-rows must be >= 0 (0: only marked tables), got {self.sparse_min_rows}"
@@ -342,7 +351,7 @@ class TrainConfig:
                "--bucket-mib", "--pull-overlap", "--early-pull", "--overlap-trial",
                "--overlap-host-busy",
                "--data-plane", "--data-shm-mib", "--sparse-optimizer", "--sparse-lr", "--sparse-eps",
-               "--sparse-wire-dtype", "--sparse-min-rows", "--hot-row-cache",
+               "--sparse-wire-dtype", "--sparse-pull-dtype", "--sparse-min-rows", "--hot-row-cache",
                "--hot-row-staleness"),
         "precision": ("--precision", "--wire-dtype", "--worker-weights", "--loss-scale-enabled",
                       "--loss-scale-init-scale", "--loss-scale-growth-factor",

@@ -142,6 +142,13 @@ def train_args(table_rows: list[int], dim: int, bag: int, batch: int, steps: int
             "--torch-threads", "1"]  # fmt: skip
 
 
+def row_flags(dtype: str) -> list[str]:
+    """psar's flags for the rows of ps and hybrid (`--row-dtype`): gradients pushed and
+    rows pulled in `dtype`. fp32 (the default) moves DDP-sparse's bytes, so the two
+    compare at one precision; fp16 halves them (the shards keep fp32 masters)."""
+    return ["--sparse-wire-dtype", dtype, "--sparse-pull-dtype", dtype]
+
+
 def _rank_env(r: int, world: int, master: Any, port: int) -> dict[str, str]:
     """torchrun's variables for rank r alone on its host (gloo on the host's NIC)."""
     return {"RANK": str(r), "LOCAL_RANK": "0", "WORLD_SIZE": str(world),
@@ -150,7 +157,7 @@ def _rank_env(r: int, world: int, master: Any, port: int) -> dict[str, str]:
 
 
 def run_way(way: str, d: Path, lan: Any, common: list[str], world: int, shards: int,
-            timeout: float) -> dict[str, Any]:  # fmt: skip
+            timeout: float, row_dtype: str = "fp32") -> dict[str, Any]:  # fmt: skip
     """One way on the LAN: its rate over the window every worker trains, bytes on the
     NICs per step, peak memory per process, the final loss."""
     workers = [lan[f"w{r}"] for r in range(world)]
@@ -176,7 +183,7 @@ def run_way(way: str, d: Path, lan: Any, common: list[str], world: int, shards: 
                 env = c.child_env(_rank_env(r, world, workers[0], port))
             argv += ["--wire-dtype", "fp32", "--report", str(report), "--run-dir", str(run_dir)]
             if way != "allreduce_sparse":
-                argv += ["--sparse-wire-dtype", "fp32"]  # rows in fp32, as DDP-sparse's
+                argv += row_flags(row_dtype)
             sup.start(f"worker{r}", c.on(h, argv), env=env)
         # A process that sleeps in each host for the job's length: the NICs' counters stay
         # readable through /proc/PID/net/dev after a worker has exited.
@@ -253,13 +260,15 @@ def ratios(out: dict[str, Any], runs: dict[str, list[dict[str, Any]]] | None = N
     got = out.get("hybrid_vs_allreduce_sparse", {}).get("speedup")
     out["goal_hosts"] = {"need_speedup": 1.3, "speedup": got,
                          "met": got is not None and got >= 1.3,
+                         "row_dtype": out.get("row_dtype", "fp32"),
                          "why": f"hybrid / DDP-sparse samples/s, {out['workers']} hosts at "
                                 f"{out['link_mbit']:g} Mbit/s"}  # fmt: skip
 
 
 def bench_hosts(rows: int, *, steps: int, batch: int, bag: int, workers: int, shards: int,
                 mbit: float, timeout: float, ways: tuple[str, ...], out_dir: Path,
-                options: tuple[str, ...] = (), repeats: int = 1) -> dict[str, Any]:  # fmt: skip
+                options: tuple[str, ...] = (), repeats: int = 1,
+                row_dtype: str = "fp32") -> dict[str, Any]:  # fmt: skip
     """One table size over emulated hosts: every way in `ways` (of HOST_WAYS) in turn on
     the same shaped LAN, `repeats` times alternating; skips (with the reason) where
     namespaces cannot be made."""
@@ -269,7 +278,7 @@ def bench_hosts(rows: int, *, steps: int, batch: int, bag: int, workers: int, sh
     out: dict[str, Any] = {"rows": table_rows, "dim": dim, "bag": bag, "batch_per_worker": batch,
                            "workers": workers, "shards": shards, "shard_hosts": shards,
                            "hosts": workers + shards, "link_mbit": mbit, "steps": steps,
-                           "options": list(options)}  # fmt: skip
+                           "options": list(options), "row_dtype": row_dtype}  # fmt: skip
     netns, reason = unavailable(0.0)
     if reason:
         return {**out, "skipped": reason}
@@ -290,7 +299,7 @@ def bench_hosts(rows: int, *, steps: int, batch: int, bag: int, workers: int, sh
                       f"Mbit/s [{i + 1}/{repeats}]")  # fmt: skip
                 try:
                     runs[way].append(run_way(way, out_dir / f"{rows}-{i}", lan, common, workers,
-                                             shards, timeout))  # fmt: skip
+                                             shards, timeout, row_dtype))  # fmt: skip
                 except c.ProcessError as e:  # one failed way costs its row, not the others
                     runs[way].append({"error": str(e)[-3000:]})
     out.update({way: median_run(got) for way, got in runs.items()})
@@ -335,7 +344,7 @@ def main_hosts(a: Any) -> int:
             bench_hosts(n, steps=steps, batch=batch, bag=a.bag, workers=a.hosts,
                            shards=a.shards, mbit=a.link_mbit, timeout=a.timeout, ways=ways,
                            out_dir=Path(tmp), options=tuple(a.workload_option),
-                           repeats=a.repeats)
+                           repeats=a.repeats, row_dtype=a.row_dtype)
             for n in sizes
         ]  # fmt: skip
     doc = {"benchmark": "sparse", "mode": "hosts", "quick": a.quick,

@@ -66,6 +66,12 @@ class SparseSide:
         ps = backend.cfg.ps
         opt = backend.cfg.optimizer
         self.wire = wire.dtype_from_name(ps.sparse_wire_dtype)
+        self.pull_dtype = (
+            backend.precision.weights
+            if ps.sparse_pull_dtype == "auto"
+            else wire.dtype_from_name(ps.sparse_pull_dtype)
+        )
+        """dtype rows are pulled in (--sparse-pull-dtype), then used in the model's."""
         s = len(backend.addresses)
         self.specs = {
             name: TableSpec(
@@ -92,7 +98,7 @@ class SparseSide:
         self.bytes_pushed = 0
         self.steps = 0
         """Steps pushed so far: the clock the hot-row caches count their bound in."""
-        wire_weights = backend.precision.weights.itemsize
+        wire_weights = self.pull_dtype.itemsize
         self.caches = {
             name: HotRowCache(ps.hot_row_cache, ps.hot_row_staleness, sp.dim * wire_weights + 8)
             for name, sp in self.specs.items()
@@ -162,7 +168,7 @@ class SparseSide:
 
         def pull(these: torch.Tensor) -> tuple[torch.Tensor, list[int], int]:
             return sparse_client.pull_rows(
-                self.b.client, name, these, spec.dim, self.b.precision.weights, w.dtype
+                self.b.client, name, these, spec.dim, self.pull_dtype, w.dtype
             )
 
         if cache is None or not cache.serves:
