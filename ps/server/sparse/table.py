@@ -143,24 +143,27 @@ class SparseTable:
                 self._lazy_adam(idx, grads)
         self.version += 1
 
-    def apply_mean(self, parts: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def apply_mean(self, parts: list[tuple[torch.Tensor, torch.Tensor, bool]]) -> None:
         """One optimizer step with the mean of several workers' row gradients (each part:
-        unique local indices, fp32 grads), summed in the parts' order. SGD adds each
-        part scaled by lr / len(parts) straight into the rows (no summed copy: a sync
-        round of a large table is a few index_adds); the others sum per row first."""
+        unique local indices, fp32 grads, whether the grads are the caller's to change),
+        summed in the parts' order. SGD adds each part scaled by lr / len(parts) straight
+        into the rows (no summed copy: a sync round of a large table is a few
+        index_adds; a part the caller owns is scaled in place); the others sum per row
+        first."""
         s = self.spec
         n = len(parts)
         if s.optimizer == "sgd":
-            for idx, grads in parts:
+            for idx, grads, own in parts:
                 if idx.numel():
-                    self.weight.index_add_(0, idx, grads * (-s.lr / n))
+                    step = grads.mul_(-s.lr / n) if own else grads * (-s.lr / n)
+                    self.weight.index_add_(0, idx, step)
             self.version += 1
             return
-        idx = torch.cat([i for i, _ in parts])
+        idx = torch.cat([i for i, _, _ in parts])
         uniq, inv = torch.unique(idx, return_inverse=True)
         summed = torch.zeros(uniq.numel(), s.dim)
         at = 0
-        for i, grads in parts:
+        for i, grads, _ in parts:
             summed.index_add_(0, inv[at : at + i.numel()], grads)
             at += i.numel()
         self.apply(uniq, summed.div_(n))
