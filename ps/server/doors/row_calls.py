@@ -89,10 +89,8 @@ def row_push(
         raise InvalidArgument(f"PushRows table {quote(h.table)}: ragged gradient bytes")
     grads = wire.decode(data_b, dtype).float() if len(data_b) else torch.empty(0)
     scaled = h.loss_scale not in (0.0, 1.0)
-    # .float() (fp16/bf16) and the division below make the shard's own copy already.
-    own = dtype != torch.float32 or scaled
-    if not owned and not own and grads.numel():
-        grads, own = grads.clone(), True
+    if not owned and dtype == torch.float32 and not scaled and grads.numel():
+        grads = grads.clone()  # .float() and the division below copy already
     n = ids.numel()
     if n and grads.numel() % n == 0:
         grads = grads.reshape(n, -1)
@@ -102,7 +100,7 @@ def row_push(
         grads = grads.reshape(0, sparse.table(h.table).spec.dim)
     if scaled:
         grads = grads / h.loss_scale
-    return RowPush(h.worker, h.clock, h.base_version, h.overflow, ids, grads, own)
+    return RowPush(h.worker, h.clock, h.base_version, h.overflow, ids, grads)
 
 
 def push_tables(

@@ -39,9 +39,6 @@ class RowPush:
     ids: torch.Tensor
     grads: torch.Tensor
     """fp32 (n, dim), loss scale already divided out."""
-    own: bool = False
-    """`grads` is the shard's own copy (not a view of received bytes): the update may
-    scale it in place (SparseTable.apply_mean)."""
 
 
 class TableRounds(Protocol):
@@ -118,5 +115,5 @@ class RowRounds(RowPolicy):
             return
         order = [rnd[w] for w in sorted(rnd)]
         s = t.spec.num_shards
-        t.apply_mean([(q.ids // s, q.grads, q.own) for q in order])
+        t.apply_mean([(q.ids // s, q.grads) for q in order])
         tables.staleness[name][0] += 1
