@@ -72,6 +72,11 @@ counted on the NICs over the window every worker trains in
 sparse allgather measured, set-up traffic (DDP's broadcast of the table) left out.
 
     python bench/sparse.py --rows 1000000 --hosts 4 --link-mbit 1000 --steps 60
+
+`--row-dtype fp16` moves ps's and hybrid's rows in fp16 both ways (`--sparse-wire-dtype
+fp16 --sparse-pull-dtype fp16`; the shards keep fp32 masters), half the row bytes of
+DDP-sparse's fp32 allgather; the default fp32 compares the two at one precision. The
+goals' JSON says which (`row_dtype`).
 """
 
 from __future__ import annotations
