@@ -159,3 +159,26 @@ def test_a_connection_that_never_completes_the_handshake_is_closed(certs: Path) 
         while dp.stats()["connections"] and time.monotonic() < end:
             time.sleep(0.02)
         assert dp.stats()["connections"] == 0 and dp.stats()["accepted"] == 1
+
+
+@pytest.mark.parametrize("sealed", [False, True], ids=["tls-records", "sealed-records"])
+def test_sparse_rows_travel_the_tls_data_plane(certs: Path, tmp_path: Path, sealed: bool) -> None:  # noqa: F811
+    """A recsys job's row pulls and pushes take the TLS data plane too (no shared memory
+    under TLS: the bytes are the frames' payloads), in TLS records or, where the shard
+    opts in, sealed records; the job trains and the counters saw every row call."""
+    with tls_shard(certs, data_sealed_records=sealed) as (port, dp, state):
+        common = ["--workload", "recsys", "--workload-option", "rows=3000,500",
+                  "--workload-option", "dim=8", "--workload-option", "samples=2048",
+                  "--workload-option", "val_samples=0", "--eval-batches", "0",
+                  "--steps", str(STEPS), "--batch-size", "32", "--mode", "sync",
+                  "--seed", "1", "--precision", "fp32", "--data-plane", "tcp",
+                  "--tls-ca", str(certs / "ca.pem")]  # fmt: skip
+        reports = run_ps_workers([f"127.0.0.1:{port}"], 2, tmp_path, common)
+        st = dp.stats()
+        tables = state.sparse.stats()
+    for r in reports:
+        assert len(r["losses"]) == STEPS and r["sparse_bytes_pulled"] > 0
+    # Every step of both workers: a pull per table and one push of both tables.
+    assert st["row_pulls"] >= 2 * 2 * STEPS and st["row_pushes"] >= 2 * STEPS, st
+    assert st["shm"] == 0 and (st["sealed"] > 0) == sealed, st
+    assert all(t["version"] == STEPS for t in tables.values()), tables
