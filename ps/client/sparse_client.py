@@ -96,47 +96,14 @@ def pull_rows(
     out = torch.empty(ids.numel(), dim, dtype=out_dtype)
     got = [0] * client.num_shards
 
-    item = wire.DTYPE_ITEMSIZE[dtype]
-
     def one(i: int) -> int:
         pos = parts[i]
-        want = _count(pos) * dim * item
-        if _rows_door(client, i, want):  # the shard's data plane (module docstring)
-            mine = ids[pos].contiguous()
-            req = pb.PullRowsRequest(
-                worker=client.worker, table=table, dtype=serde.dtype_to_pb(dtype)
-            )
-
-            def take(version: int, data: memoryview) -> int:
-                if len(data) != want:
-                    raise TransportError(
-                        grpc.StatusCode.INTERNAL,
-                        f"rows pull of table {table!r}: the shard sent {len(data)} bytes "
-                        f"for {_count(pos)} rows of {dim} ({want} bytes)",
-                    )
-                if want:
-                    out[pos] = wire.decode(data, dtype).reshape(-1, dim).to(out_dtype)
-                got[i] = want
+        if _rows_door(client, i, _count(pos) * dim * wire.DTYPE_ITEMSIZE[dtype]):
+            done = _pull_on_data_plane(client, i, table, ids, pos, dim, dtype, out)
+            if done is not None:
+                version, got[i] = done
                 return version
-
-            ids_view = wire.as_bytes_view(mine) if mine.numel() else memoryview(b"")
-            try:
-                return client._retrying(
-                    i,
-                    lambda _r: client.doors.via(
-                        i,
-                        lambda t: tcp_rows.pull_rows(
-                            t,
-                            req,
-                            ids_view,
-                            take,
-                            rows_bytes=want,
-                            timeout_s=client.cfg.pull_timeout_s,
-                        ),
-                    ),
-                )
-            except tcp_rows.UseGrpc:
-                pass  # too large for this connection, or no data plane now: gRPC below
+            # else: too large for this connection, or no data plane now: gRPC below
         pos = _index(pos)  # a stream's pieces land at pos[offset:]
         req = pb.PullRowsRequest(
             worker=client.worker,
@@ -159,6 +126,45 @@ def pull_rows(
 
     versions = client._each(one)
     return out, versions, sum(got) + 8 * ids.numel()
+
+
+def _pull_on_data_plane(
+    client: PSClient,
+    i: int,
+    table: str,
+    ids: torch.Tensor,
+    pos: torch.Tensor | slice,
+    dim: int,
+    dtype: torch.dtype,
+    out: torch.Tensor,
+) -> tuple[int, int] | None:
+    """Shard i's rows of `ids[pos]` over its data plane, into out[pos]: (the table's
+    version there, bytes received), or None where the call must go over gRPC."""
+    want = _count(pos) * dim * wire.DTYPE_ITEMSIZE[dtype]
+    mine = ids[pos].contiguous()
+    req = pb.PullRowsRequest(worker=client.worker, table=table, dtype=serde.dtype_to_pb(dtype))
+
+    def take(version: int, data: memoryview) -> int:
+        if len(data) != want:
+            raise TransportError(
+                grpc.StatusCode.INTERNAL,
+                f"rows pull of table {table!r}: the shard sent {len(data)} bytes "
+                f"for {_count(pos)} rows of {dim} ({want} bytes)",
+            )
+        if want:
+            out[pos] = wire.decode(data, dtype).reshape(-1, dim).to(out.dtype)
+        return version
+
+    ids_view = wire.as_bytes_view(mine) if mine.numel() else memoryview(b"")
+    timeout = client.cfg.pull_timeout_s
+
+    def call(t: Any) -> int:
+        return tcp_rows.pull_rows(t, req, ids_view, take, rows_bytes=want, timeout_s=timeout)
+
+    try:
+        return client._retrying(i, lambda _r: client.doors.via(i, call)), want
+    except tcp_rows.UseGrpc:
+        return None
 
 
 @dataclass
@@ -209,23 +215,11 @@ def push_tables(
         mine = [pp[i] for pp in parts]
         total = sum(len(ids) + len(data) for _, ids, data in mine)
         if _rows_door(client, i, total):  # the shard's data plane (module docstring)
-            req = pb.PushTablesRequest(pushes=[pb.RowsPushWhole(header=h) for h, _, _ in mine])
-            counts = [(len(ids), len(data)) for _, ids, data in mine]
-            pieces = [b for _, ids, data in mine for b in (ids, data)]
-            try:
-                r = client._retrying(
-                    i,
-                    lambda _r: client.doors.via(
-                        i,
-                        lambda t: tcp_rows.push_tables(
-                            t, req, counts, pieces, timeout_s=client.cfg.timeout_s
-                        ),
-                    ),
-                )
-                return list(r.replies)
-            except tcp_rows.UseGrpc:
-                pass  # too large for this connection, or no data plane now: gRPC below
-        if sum(len(ids) + len(data) for _, ids, data in mine) <= client.cfg.max_message_bytes // 2:
+            done = _push_on_data_plane(client, i, mine)
+            if done is not None:
+                return done
+            # else: too large for this connection, or no data plane now: gRPC below
+        if total <= client.cfg.max_message_bytes // 2:
             req = pb.PushTablesRequest(
                 pushes=[
                     pb.RowsPushWhole(header=h, ids=bytes(ids), data=bytes(data))
@@ -251,6 +245,25 @@ def push_tables(
         ([replies[i][t] for i in range(n)], sum(len(ids) + len(data) for _, ids, data in pp))
         for t, pp in enumerate(parts)
     ]
+
+
+def _push_on_data_plane(
+    client: PSClient, i: int, mine: list[tuple[pb.PushRowsHeader, Any, Any]]
+) -> list[pb.PushRowsReply] | None:
+    """Shard i's part of every table's push (header, id bytes, gradient bytes) over its
+    data plane in one frame: the replies, or None where it must go over gRPC."""
+    req = pb.PushTablesRequest(pushes=[pb.RowsPushWhole(header=h) for h, _, _ in mine])
+    counts = [(len(ids), len(data)) for _, ids, data in mine]
+    pieces = [b for _, ids, data in mine for b in (ids, data)]
+    timeout = client.cfg.timeout_s
+
+    def call(t: Any) -> pb.PushTablesReply:
+        return tcp_rows.push_tables(t, req, counts, pieces, timeout_s=timeout)
+
+    try:
+        return list(client._retrying(i, lambda _r: client.doors.via(i, call)).replies)
+    except tcp_rows.UseGrpc:
+        return None
 
 
 def _shard_parts(client: PSClient, p: RowsPush) -> list[tuple[pb.PushRowsHeader, bytes, bytes]]:
