@@ -161,7 +161,11 @@ def test_a_connection_that_never_completes_the_handshake_is_closed(certs: Path) 
         assert dp.stats()["connections"] == 0 and dp.stats()["accepted"] == 1
 
 
-@pytest.mark.parametrize("sealed", [False, True], ids=["tls-records", "sealed-records"])
+@pytest.mark.parametrize(
+    "sealed",
+    [False, pytest.param(True, marks=pytest.mark.slow)],  # the default run's 5 minutes
+    ids=["tls-records", "sealed-records"],
+)
 def test_sparse_rows_travel_the_tls_data_plane(certs: Path, tmp_path: Path, sealed: bool) -> None:  # noqa: F811
     """A recsys job's row pulls and pushes take the TLS data plane too (no shared memory
     under TLS: the bytes are the frames' payloads), in TLS records or, where the shard
