@@ -101,8 +101,12 @@ def test_ddp_holds_the_table_on_every_rank_and_the_shards_hold_one_copy(monkeypa
         assert ps["total_bytes"] == table
     adam = sh.predict("hybrid", rows, dim, world=2, shards=2, row_state=2.0, base=0)
     assert adam["total_bytes"] == 3 * table  # lazy_adam: m and v per element
+    # TorchRec row-wise (it runs on the hosts too): each rank its share of every table.
+    tr = sh.predict("torchrec", rows, dim, world=2, shards=2, base=0)
+    assert tr["worker_bytes"] == table // 2 + extra and tr["shard_bytes"] == 0
+    assert tr["total_bytes"] == table + 2 * extra
     with pytest.raises(ValueError, match="unknown way"):
-        sh.predict("torchrec", rows, dim, world=2, shards=2)
+        sh.predict("allreduce_torchrec", rows, dim, world=2, shards=2)
 
 
 def test_every_worker_is_charged_for_generating_its_data() -> None:
@@ -147,6 +151,15 @@ def test_hosts_ratios_use_nic_bytes_and_judge_the_hosts_goal() -> None:
                                                  "speedups": [1.3]}  # fmt: skip
     assert out["ps_vs_allreduce_sparse"]["bytes_ratio"] is None
     assert out["goal_hosts"]["met"] and out["goal_hosts"]["need_speedup"] == 1.3
+    assert "hybrid_vs_torchrec" not in out and not out["goal_hosts_torchrec"]["met"]
+    # With TorchRec run too: its goal (hybrid >= 1.0x TorchRec) from the paired repeats.
+    out["torchrec"] = {"samples_per_sec": 140.0}
+    runs = {w: [out[w]] for w in sh.HOST_WAYS}
+    runs["hybrid"].append({"samples_per_sec": 150.0})
+    runs["torchrec"].append({"samples_per_sec": 100.0})
+    sh.ratios(out, runs)
+    assert out["hybrid_vs_torchrec"]["speedups"] == [130.0 / 140.0, 1.5]
+    assert out["goal_hosts_torchrec"]["need_speedup"] == 1.0
 
 
 @pytest.mark.slow  # three jobs of real processes in namespaces: about a minute on 2 cores
@@ -172,7 +185,13 @@ def test_hosts_mode_runs_every_way_across_namespaces(tmp_path: Path) -> None:
     r = json.loads(out.read_text())["results"][0]
     assert (r["workers"], r["shard_hosts"], r["link_mbit"]) == (2, 1, 1000.0)
     assert r["link"]["gbps"] > 0
-    for way in sh.HOST_WAYS:
+    tr = r["torchrec"]  # where its venv loads (bench/baselines/torchrec_venv.sh), else a skip
+    if "skipped" in tr:
+        assert "torchrec" in tr["skipped"].lower(), tr
+    else:
+        assert "error" not in tr, tr.get("error")
+        assert tr["samples_per_sec"] > 0 and tr["nic_bytes_per_step_per_worker"] > 0
+    for way in ("ps_sparse", "hybrid", "allreduce_sparse"):
         row = r[way]
         assert "error" not in row, row.get("error")
         assert row["samples_per_sec"] > 0

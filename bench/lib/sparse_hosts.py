@@ -12,8 +12,9 @@
 - **Emulated hosts** (`bench_hosts`, `--hosts N --link-mbit M`): N workers, each in a
   network namespace of its own, and one host per shard, on a bridge whose every port tc
   shapes both ways to M Mbit/s (tests/netns.py, bench/lib/netem.py: the links grid's
-  hosts). ps_sparse, hybrid and allreduce_sparse run on the same model and data; DDP's
-  and hybrid's gloo ranks are started one per host with MASTER_ADDR on w0 (as the links
+  hosts). ps_sparse, hybrid, allreduce_sparse and torchrec (where its venv loads:
+  bench/lib/torchrec_way.py) run on the same model and data; DDP's, hybrid's and
+  TorchRec's gloo ranks are started one per host with MASTER_ADDR on w0 (as the links
   grid starts DDP). Bytes per step are counted on the NICs (`nic_*`: tx + rx of eth0 over
   the job, divided by the steps), so DDP-sparse's sparse allgather is measured, not
   estimated, and every way pays its TCP/IP and RPC overhead alike.
@@ -33,7 +34,7 @@ from bench.lib import nic
 from bench.lib.memory import PeakSampler
 
 #: The ways the hosts mode runs (allreduce_dense would allreduce the whole table).
-HOST_WAYS = ("ps_sparse", "hybrid", "allreduce_sparse")
+HOST_WAYS = ("ps_sparse", "hybrid", "allreduce_sparse", "torchrec")
 #: Resident bytes of a psar process before any table or batch: torch, gRPC, gloo, the
 #: data set of a short run (measured 0.3-0.45 GB per rank on this machine; rounded up).
 PROCESS_BASE = 500 << 20
@@ -72,6 +73,9 @@ def predict(way: str, table_rows: list[int], dim: int, world: int, shards: int,
     elif way in ("ps_sparse", "hybrid"):
         worker = base + data
         shard, n_shards = base + int(table * (1 + row_state) / shards), shards
+    elif way == "torchrec":  # row-wise: each rank its share of every table
+        worker = base + data + DDP_EXTRA + table // world
+        shard, n_shards = 0, 0
     else:
         raise ValueError(f"unknown way {way!r}")
     return {"worker_bytes": worker, "shard_bytes": shard,
@@ -156,8 +160,18 @@ def _rank_env(r: int, world: int, master: Any, port: int) -> dict[str, str]:
             "GLOO_SOCKET_IFNAME": master.ifname}  # fmt: skip
 
 
+def _torchrec_argv(python: str, inputs: Path, run_dir: Path, report: Path) -> list[str]:
+    """One TorchRec rank, started alone on its host (the runner reads torchrun's
+    variables from the environment: _rank_env)."""
+    from bench.lib import torchrec_way
+
+    return [python, str(torchrec_way.RUNNER), "--inputs", str(inputs), "--run-dir",
+            str(run_dir), "--report", str(report)]  # fmt: skip
+
+
 def run_way(way: str, d: Path, lan: Any, common: list[str], world: int, shards: int,
-            timeout: float, row_dtype: str = "fp32") -> dict[str, Any]:  # fmt: skip
+            timeout: float, row_dtype: str = "fp32",
+            torchrec: tuple[str, Path] | None = None) -> dict[str, Any]:  # fmt: skip
     """One way on the LAN: its rate over the window every worker trains, bytes on the
     NICs per step, peak memory per process, the final loss."""
     workers = [lan[f"w{r}"] for r in range(world)]
@@ -165,10 +179,16 @@ def run_way(way: str, d: Path, lan: Any, common: list[str], world: int, shards: 
     report = run_dir / "report-{rank}.json"
     with c.supervisor(d / f"{way}-logs") as sup, sampler() as mem:
         addrs: list[str] = []
-        if way != "allreduce_sparse":
+        if way not in ("allreduce_sparse", "torchrec"):
             addrs = c.start_shards(sup, shards, hosts=[lan[f"s{i}"] for i in range(shards)])
         port = c.free_port()
         for r, h in enumerate(workers):
+            if way == "torchrec":
+                assert torchrec is not None  # bench_hosts gives (python, inputs)
+                env = c.child_env(_rank_env(r, world, workers[0], port))
+                argv = _torchrec_argv(*torchrec, run_dir, run_dir / "report-0.json")
+                sup.start(f"worker{r}", c.on(h, argv), env=env)
+                continue
             if way == "ps_sparse":
                 argv = [*c.PSAR, *common, "--arch", "ps", "--mode", "sync",
                         "--servers", ",".join(addrs), "--rank", str(r),
@@ -216,6 +236,9 @@ def run_way(way: str, d: Path, lan: Any, common: list[str], world: int, shards: 
         "worker_model_bytes": rep.get("worker_param_bytes"),
         "final_loss": rep.get("final_train_loss"),
         **peak_fields(mem.by_role()),
+        # TorchRec's ranks are no psar processes for the sampler: their own peaks.
+        **({"peak_rss_bytes_per_rank": [x["peak_rss_bytes"] for x in rep.get("ranks", [])]}
+           if way == "torchrec" else {}),
     }  # fmt: skip
 
 
@@ -257,7 +280,18 @@ def ratios(out: dict[str, Any], runs: dict[str, list[dict[str, Any]]] | None = N
                 "speedup": c.median(each),
                 "speedups": each,
             }
+    tr, hyb = out.get("torchrec", {}), out.get("hybrid", {})
+    if "samples_per_sec" in tr and "samples_per_sec" in hyb:
+        each = [a["samples_per_sec"] / b["samples_per_sec"]
+                for a, b in zip(runs.get("hybrid", []), runs.get("torchrec", []))  # noqa: B905
+                if "samples_per_sec" in a and "samples_per_sec" in b]  # fmt: skip
+        out["hybrid_vs_torchrec"] = {"speedup": c.median(each), "speedups": each}
     got = out.get("hybrid_vs_allreduce_sparse", {}).get("speedup")
+    vs_tr = out.get("hybrid_vs_torchrec", {}).get("speedup")
+    out["goal_hosts_torchrec"] = {"need_speedup": 1.0, "speedup": vs_tr,
+                                  "met": vs_tr is not None and vs_tr >= 1.0,
+                                  "row_dtype": out.get("row_dtype", "fp32"),
+                                  "why": "hybrid / TorchRec samples/s"}  # fmt: skip
     out["goal_hosts"] = {"need_speedup": 1.3, "speedup": got,
                          "met": got is not None and got >= 1.3,
                          "row_dtype": out.get("row_dtype", "fp32"),
@@ -268,7 +302,7 @@ def ratios(out: dict[str, Any], runs: dict[str, list[dict[str, Any]]] | None = N
 def bench_hosts(rows: int, *, steps: int, batch: int, bag: int, workers: int, shards: int,
                 mbit: float, timeout: float, ways: tuple[str, ...], out_dir: Path,
                 options: tuple[str, ...] = (), repeats: int = 1,
-                row_dtype: str = "fp32") -> dict[str, Any]:  # fmt: skip
+                row_dtype: str = "fp32", torchrec_python: str = "") -> dict[str, Any]:  # fmt: skip
     """One table size over emulated hosts: every way in `ways` (of HOST_WAYS) in turn on
     the same shaped LAN, `repeats` times alternating; skips (with the reason) where
     namespaces cannot be made."""
@@ -288,7 +322,21 @@ def bench_hosts(rows: int, *, steps: int, batch: int, bag: int, workers: int, sh
         with c.supervisor(out_dir / "probe") as sup:
             out["link"] = probe_link(sup, lan["w0"], lan["s0"], 16 << 20)
         runs: dict[str, list[dict[str, Any]]] = {}
+        torchrec = None
         for way in ways:
+            if way == "torchrec":
+                from bench.lib import torchrec_way
+
+                if why := torchrec_way.unusable(torchrec_python):
+                    out[way] = {"skipped": why}
+                    continue
+                inputs = out_dir / f"{rows}-torchrec-inputs"
+                opts = [
+                    a for i, a in enumerate(common) if i and common[i - 1] == "--workload-option"
+                ]
+                torchrec_way.write_inputs(inputs, [x for o in opts for x in ("--workload-option", o)],
+                                          batch, steps, workers, lr=0.05)  # fmt: skip
+                torchrec = (torchrec_python, inputs)
             if skip := guard(way, table_rows, dim, workers, shards):
                 out[way] = skip
             else:
@@ -299,7 +347,7 @@ def bench_hosts(rows: int, *, steps: int, batch: int, bag: int, workers: int, sh
                       f"Mbit/s [{i + 1}/{repeats}]")  # fmt: skip
                 try:
                     runs[way].append(run_way(way, out_dir / f"{rows}-{i}", lan, common, workers,
-                                             shards, timeout, row_dtype))  # fmt: skip
+                                             shards, timeout, row_dtype, torchrec))  # fmt: skip
                 except c.ProcessError as e:  # one failed way costs its row, not the others
                     runs[way].append({"error": str(e)[-3000:]})
     out.update({way: median_run(got) for way, got in runs.items()})
@@ -344,7 +392,8 @@ def main_hosts(a: Any) -> int:
             bench_hosts(n, steps=steps, batch=batch, bag=a.bag, workers=a.hosts,
                            shards=a.shards, mbit=a.link_mbit, timeout=a.timeout, ways=ways,
                            out_dir=Path(tmp), options=tuple(a.workload_option),
-                           repeats=a.repeats, row_dtype=a.row_dtype)
+                           repeats=a.repeats, row_dtype=a.row_dtype,
+                           torchrec_python=a.torchrec_python)
             for n in sizes
         ]  # fmt: skip
     doc = {"benchmark": "sparse", "mode": "hosts", "quick": a.quick,
