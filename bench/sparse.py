@@ -65,8 +65,9 @@ DDP-sparse (2 x 12.8 GB) is never started on a 24 GB machine.
 
 `--hosts N --link-mbit M`: N workers, each on an emulated host of its own, and one host
 per shard (`--shards`), every NIC shaped both ways to M Mbit/s (network namespaces, as
-the links grid's; needs root, `ip`, `tc`); ps_sparse, hybrid and allreduce_sparse (gloo
-ranks one per host, MASTER_ADDR on w0) on the same model and data. Bytes per step are
+the links grid's; needs root, `ip`, `tc`); ps_sparse, hybrid, allreduce_sparse and
+torchrec (gloo ranks one per host, MASTER_ADDR on w0; torchrec where its venv loads) on
+the same model and data (`hybrid_vs_torchrec`, `goal_hosts_torchrec`). Bytes per step are
 counted on the NICs over the window every worker trains in
 (`nic_bytes_per_step_per_worker`, `nic_bytes_per_step_per_shard_host`): DDP-sparse's
 sparse allgather measured, set-up traffic (DDP's broadcast of the table) left out.
