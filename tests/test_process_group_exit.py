@@ -92,8 +92,16 @@ def test_the_plain_ddp_baseline_leaves_cleanly_while_gloo_threads_lag(tmp_path: 
 
 @pytest.mark.slow
 def test_a_plain_destroy_aborts_there_so_the_tests_above_can_fail(tmp_path: Path) -> None:
-    """The control: the same ranks leaving with a plain destroy die at exit. If a torch
-    release stops this, the drain in end_process_group may no longer be needed."""
-    p = _script(tmp_path, "destroy")
-    assert p.returncode != 0, p.stdout[-3000:]
+    """The control: the same ranks leaving with a plain destroy die at exit. It is a race
+    (gloo's threads against the interpreter's exit), lost in about 2 of 3 runs here, so
+    the control runs up to 5 times and needs one abort. If a torch release stops this in
+    all 5, the drain in end_process_group may no longer be needed."""
+    runs = []
+    for attempt in range(5):
+        (tmp_path / str(attempt)).mkdir()
+        p = _script(tmp_path / str(attempt), "destroy")
+        runs.append(p)
+        if p.returncode != 0:
+            break
+    assert p.returncode != 0, [r.stdout[-600:] for r in runs]
     assert "terminate called without an active exception" in p.stdout
