@@ -10,8 +10,10 @@ gRPC's), so PSClient's retries treat both doors alike.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
@@ -49,6 +51,34 @@ def _room(dp: DataPlaneClient, conn: Any, nbytes: int) -> bool:
     return conn.segment is not None and nbytes <= conn.segment.ring
 
 
+@dataclass
+class _Call:
+    """One rows call on a pooled connection: back to the pool at its end only where
+    `reusable` (its reply, or a refusal, read whole)."""
+
+    dp: DataPlaneClient
+    conn: Any
+    deadline: float
+    reusable: bool = False
+
+
+@contextlib.contextmanager
+def _call(dp: Transport, nbytes: int, timeout_s: float, what: str) -> Iterator[_Call]:
+    """A connection of the shard's data plane that carries `nbytes` of rows in one frame;
+    UseGrpc (nothing sent) where `dp` is no data plane or none of its connections can."""
+    if not isinstance(dp, DataPlaneClient) or not fits(dp, nbytes):
+        raise UseGrpc(f"{nbytes} bytes of rows, on no data plane or too many for it")
+    deadline = time.monotonic() + timeout_s
+    call = _Call(dp, dp._acquire(deadline), deadline)
+    try:
+        if not _room(dp, call.conn, nbytes):
+            call.reusable = True  # nothing sent
+            raise UseGrpc(f"{nbytes} bytes of rows {what} {dp.address}")
+        yield call
+    finally:
+        dp._release(call.conn, call.reusable)
+
+
 def pull_rows(
     dp: Transport,
     req: pb.PullRowsRequest,
@@ -62,20 +92,13 @@ def pull_rows(
     and hand them to take(version, bytes) (the bytes are valid only during the call: copy
     them out). UseGrpc where they cannot go this way (`dp` may be the shard's gRPC
     transport, on a retry after the shard's data plane went away)."""
-    if not isinstance(dp, DataPlaneClient) or not fits(dp, rows_bytes):
-        raise UseGrpc(f"{rows_bytes} bytes of rows, on no data plane or too many for it")
-    deadline = time.monotonic() + timeout_s
-    conn = dp._acquire(deadline)
-    reusable = False
-    try:
-        if not _room(dp, conn, rows_bytes):
-            reusable = True  # nothing sent
-            raise UseGrpc(f"{rows_bytes} bytes of rows from {dp.address}")
+    with _call(dp, rows_bytes, timeout_s, "from") as c:
+        dp, conn, deadline = c.dp, c.conn, c.deadline
         dp._send(conn, pb.DataFrame(rows_pull=pb.DataRowsPull(request=req)), ids, deadline)
         frame, plen = dp._io(conn, deadline, "rows pull", dp._read_header, conn)
         kind = frame.WhichOneof("kind")
         if kind != "rows":
-            reusable = kind == "status" and not plen
+            c.reusable = kind == "status" and not plen
             dp._unexpected(frame, "rows")
         rows = frame.rows
         if rows.shm_bytes:
@@ -103,10 +126,8 @@ def pull_rows(
                 out = take(rows.version, data)
             finally:
                 data.release()
-        reusable = True
+        c.reusable = True
         return out
-    finally:
-        dp._release(conn, reusable)
 
 
 def push_tables(
@@ -124,15 +145,8 @@ def push_tables(
     where they cannot go this way (as in pull_rows)."""
     views = [memoryview(p).cast("B") for p in pieces if len(p)]
     total = sum(len(v) for v in views)
-    if not isinstance(dp, DataPlaneClient) or not fits(dp, total):
-        raise UseGrpc(f"{total} bytes of rows, on no data plane or too many for it")
-    deadline = time.monotonic() + timeout_s
-    conn = dp._acquire(deadline)
-    reusable = False
-    try:
-        if not _room(dp, conn, total):
-            reusable = True  # nothing sent
-            raise UseGrpc(f"{total} bytes of rows to {dp.address}")
+    with _call(dp, total, timeout_s, "to") as c:
+        dp, conn, deadline = c.dp, c.conn, c.deadline
         head = pb.DataRowsPush(
             request=req, ids_bytes=[i for i, _ in counts], data_bytes=[d for _, d in counts]
         )
@@ -155,9 +169,5 @@ def push_tables(
             send = fr.send_buffers
             dp._io(conn, deadline, "send", send, conn.sock, [fr.encode(frame, total), *views])
         frame = dp._recv_frame(conn, deadline, "rows push")
-        reusable = True
-        if frame.WhichOneof("kind") != "rows_pushed":
-            dp._unexpected(frame, "rows_pushed")
-        return frame.rows_pushed
-    finally:
-        dp._release(conn, reusable)
+        c.reusable = True
+        return dp._expect(frame, "rows_pushed")

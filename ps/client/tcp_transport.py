@@ -155,9 +155,7 @@ class DataPlaneClient(Transport):
                 raise
             frame = self._recv_frame(conn, deadline, "push")
             reusable = True
-            if frame.WhichOneof("kind") != "push_reply":
-                self._unexpected(frame, "push_reply")
-            return frame.push_reply
+            return self._expect(frame, "push_reply")
         finally:
             self._release(conn, reusable)
 
@@ -390,6 +388,13 @@ class DataPlaneClient(Transport):
             return
         if frame.WhichOneof("kind") == "status" and frame.status.code != 0:
             self._unexpected(frame, "")
+
+    def _expect(self, frame: pb.DataFrame, kind: str) -> Any:
+        """The reply `frame` carries when it is of `kind`; else its status (a refusal)
+        or a frame it should not be, raised."""
+        if frame.WhichOneof("kind") != kind:
+            self._unexpected(frame, kind)
+        return getattr(frame, kind)
 
     def _unexpected(self, frame: pb.DataFrame, wanted: str) -> NoReturn:
         if frame.WhichOneof("kind") == "status":
