@@ -332,26 +332,10 @@ class _Connection:
     def _shm_piece(self, call: PushCall, piece: pb.DataPiece, plen: int) -> None:
         """A pushed piece whose bytes lie in the connection's segment: copied out of it
         straight into the staging buffer (fp32), checked like any piece first."""
-        if plen:
-            self._discard(plen)
-        if self.segment is None or plen:
-            raise InvalidArgument(
-                "a piece names shared-memory bytes but "
-                + ("also carries a payload" if plen else "this connection has no segment")
-                + ": send its bytes in the frame",
-                reason="malformed",
-            )
         segment, at = self.segment, piece.shm_at
-        if at + piece.shm_bytes >= 1 << 64:  # its end is stored as a u64 (shm.CONSUMED)
-            raise InvalidArgument(
-                f"piece shm_at {at} + shm_bytes {piece.shm_bytes} is past the 64-bit stream "
-                "position a segment counts in: give the offset its earlier pieces reached",
-                reason="malformed",
-            )
-        try:
-            data = segment.get(at, piece.shm_bytes)
-        except ValueError as e:
-            raise InvalidArgument(f"{e}: send its bytes in the frame", reason="malformed") from None
+        data = self.segment_bytes(
+            "piece", at, piece.shm_bytes, plen, "give the offset its earlier pieces reached"
+        )
 
         def read_into(view: memoryview) -> None:
             segment.copy_out(at, len(data), view)
@@ -360,6 +344,33 @@ class _Connection:
             call.piece(piece.key, piece.offset, len(data), read_into, lambda _n: data)
         finally:
             segment.consumed(at, len(data))  # read (or refused): the worker may reuse it
+
+    def segment_bytes(self, what: str, at: int, n: int, plen: int, where: str) -> memoryview:
+        """The `n` bytes a `what` frame names at `at` in this connection's segment (its
+        payload, if any, read and dropped first); InvalidArgument where they cannot be
+        (no segment, a payload too, an end past the 64-bit position the segment counts
+        in: `where` says what to give instead, outside the ring)."""
+        if plen:
+            self._discard(plen)
+        if self.segment is None or plen:
+            raise InvalidArgument(
+                f"a {what} names shared-memory bytes but "
+                + ("also carries a payload" if plen else "this connection has no segment")
+                + ": send its bytes in the frame",
+                reason="malformed",
+            )
+        if at + n >= 1 << 64:  # its end is stored as a u64 (shm.CONSUMED)
+            raise InvalidArgument(
+                f"{what} shm_at {at} + shm_bytes {n} is past the 64-bit stream position a "
+                f"segment counts in: {where}",
+                reason="malformed",
+            )
+        try:
+            return self.segment.get(at, n)
+        except ValueError as e:
+            raise InvalidArgument(
+                f"{what}: {e}: send its bytes in the frame", reason="malformed"
+            ) from None
 
     def _send_piece(self, key: str, offset: int, data: Any) -> None:
         """A pulled piece: into the worker's segment where it fits (the frame then says

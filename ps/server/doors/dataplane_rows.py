@@ -112,27 +112,9 @@ def serve_push(conn: Any, push: pb.DataRowsPush, plen: int) -> None:
     blob: Any = None
     try:
         if n:
-            if plen:
-                fr.discard_payload(conn.sock, plen, conn.scratch, conn.clock.deadline)
-            if segment is None or plen:
-                raise InvalidArgument(
-                    "a rows_push names shared-memory bytes but "
-                    + ("also carries a payload" if plen else "this connection has no segment")
-                    + ": send its bytes in the frame",
-                    reason="malformed",
-                )
-            if at + n >= 1 << 64:  # its end is stored as a u64 (shm.CONSUMED)
-                raise InvalidArgument(
-                    f"rows_push shm_at {at} + shm_bytes {n} is past the 64-bit stream "
-                    "position a segment counts in: a call's bytes are numbered from 0",
-                    reason="malformed",
-                )
-            try:
-                blob = segment.get(at, n)
-            except ValueError as e:
-                raise InvalidArgument(
-                    f"rows_push: {e}: send its bytes in the frame", reason="malformed"
-                ) from None
+            blob = conn.segment_bytes(
+                "rows_push", at, n, plen, "a call's bytes are numbered from 0"
+            )
         elif plen:
             blob = fr.recv_payload(conn.sock, plen, conn.scratch, conn.clock.deadline)
         else:
