@@ -71,8 +71,11 @@ the same model and data (`hybrid_vs_torchrec`, `goal_hosts_torchrec`). Bytes per
 counted on the NICs over the window every worker trains in
 (`nic_bytes_per_step_per_worker`, `nic_bytes_per_step_per_shard_host`): DDP-sparse's
 sparse allgather measured, set-up traffic (DDP's broadcast of the table) left out.
+`--shard-placement worker-hosts` runs shard i on worker i's host instead (no shard
+hosts: the hosts and NICs DDP's ranks have; its bytes are in the workers' NIC figure).
 
     python bench/sparse.py --rows 1000000 --hosts 4 --link-mbit 1000 --steps 60
+    python bench/sparse.py --rows 1000000 --hosts 4 --shards 4 --shard-placement worker-hosts
 
 `--row-dtype fp16` moves ps's and hybrid's rows in fp16 both ways (`--sparse-wire-dtype
 fp16 --sparse-pull-dtype fp16`; the shards keep fp32 masters), half the row bytes of
@@ -500,6 +503,10 @@ def main(argv: list[str] | None = None) -> int:
                     "shard, links shaped to --link-mbit (network namespaces, as the links "
                     "grid's; needs root, ip, tc): ps_sparse, hybrid, allreduce_sparse; "
                     "0: all on this host, 2 workers")  # fmt: skip
+    ap.add_argument("--shard-placement", choices=sh.PLACEMENTS, default="own-hosts",
+                    help="--hosts: the shards each on a host of their own (own-hosts), or on "
+                    "the workers' hosts, shard i beside worker i %% N (worker-hosts: the "
+                    "hosts and NICs DDP's ranks have; use --shards N for one per host)")  # fmt: skip
     ap.add_argument("--link-mbit", type=float, default=1000.0,
                     help="--hosts: every host's NIC, both ways, Mbit/s (tc tbf)")  # fmt: skip
     ap.add_argument("--plan", action=argparse.BooleanOptionalAction, default=None,

@@ -29,6 +29,15 @@ def test_one_host_per_worker_and_per_shard() -> None:
         sh.host_names(4, 0)
 
 
+def test_shards_on_the_workers_hosts_add_no_host() -> None:
+    assert sh.host_names(4, 4, "worker-hosts") == ["w0", "w1", "w2", "w3"]
+    # Shard i beside worker i % N: more shards than hosts wrap round.
+    assert sh.shard_host_names(2, 3, "worker-hosts") == ["w0", "w1", "w0"]
+    assert sh.shard_host_names(2, 3) == ["s0", "s1", "s2"]
+    with pytest.raises(ValueError, match="--shard-placement: accepted: own-hosts, worker-hosts"):
+        sh.host_names(2, 2, "racks")
+
+
 def test_net_dev_bytes_add_receive_and_transmit() -> None:
     text = (
         "Inter-|   Receive                            |  Transmit\n"
@@ -224,3 +233,27 @@ def test_repeats_pair_the_ways_of_one_repeat_and_keep_the_median() -> None:
     assert out["goal_hosts"]["met"]
     failed = sh.median_run([{"error": "boom"}])
     assert failed == {"error": "boom"} and sh.median_run([]) == {}
+
+
+@pytest.mark.slow  # two jobs of real processes in namespaces: ~15 s on 2 cores
+def test_shards_on_the_workers_hosts_serve_rows_across_the_links(tmp_path: Path) -> None:
+    from tests import netns
+
+    if reason := netns.unavailable_reason():
+        pytest.skip(reason)
+    out = tmp_path / "hosts.json"
+    argv = [sys.executable, "bench/sparse.py", "--hosts", "2", "--shards", "2", "--rows", "10000",
+            "--batch", "128", "--steps", "12", "--link-mbit", "1000", "--timeout", "240",
+            "--shard-placement", "worker-hosts", "--ways", "hybrid,allreduce_sparse",
+            "--out", str(out)]  # fmt: skip
+    p = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads(out.read_text())["results"][0]
+    assert (r["hosts"], r["shard_hosts"], r["shard_placement"]) == (2, 0, "worker-hosts")
+    hyb = r["hybrid"]
+    assert "error" not in hyb, hyb.get("error")
+    assert len(hyb["peak_bytes_per_shard"]) == 2 and hyb["nic_bytes_per_step_per_shard_host"] is None
+    # Half of each worker's rows are on the other host's shard: they cross the NICs.
+    assert hyb["nic_bytes_per_step_per_worker"] > 0.4 * hyb["bytes_per_step"]
+    assert r["hybrid_vs_allreduce_sparse"]["speedup"] > 0

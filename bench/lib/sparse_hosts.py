@@ -50,11 +50,29 @@ DDP_EXTRA = 512 << 20
 MARGIN = 2 << 30
 
 
-def host_names(workers: int, shards: int) -> list[str]:
-    """The emulated hosts: w0..w{n-1} for the workers, s0..s{k-1}, one per shard."""
+#: Where the hosts mode puts the shards (`--shard-placement`): a host of their own each
+#: (more hosts and NICs than DDP's ranks have), or on the workers' hosts, shard i beside
+#: worker i % N (ps-lite's and MXNet's way: servers on the trainers' machines, as TorchRec
+#: keeps its shards in the trainers' memory; the same hosts and NICs as DDP's).
+PLACEMENTS = ("own-hosts", "worker-hosts")
+
+
+def host_names(workers: int, shards: int, placement: str = "own-hosts") -> list[str]:
+    """The emulated hosts: w0..w{n-1} for the workers, and s0..s{k-1}, one per shard,
+    unless the shards share the workers' hosts."""
     if workers < 1 or shards < 1:
         raise ValueError(f"--hosts needs workers >= 1 and shards >= 1, got {workers}, {shards}")
-    return [*(f"w{r}" for r in range(workers)), *(f"s{i}" for i in range(shards))]
+    if placement not in PLACEMENTS:
+        raise ValueError(f"--shard-placement: accepted: {', '.join(PLACEMENTS)}; got {placement!r}")
+    own = [f"s{i}" for i in range(shards)] if placement == "own-hosts" else []
+    return [*(f"w{r}" for r in range(workers)), *own]
+
+
+def shard_host_names(workers: int, shards: int, placement: str = "own-hosts") -> list[str]:
+    """The host each shard runs on, shard by shard."""
+    if placement == "worker-hosts":
+        return [f"w{i % workers}" for i in range(shards)]
+    return [f"s{i}" for i in range(shards)]
 
 
 def predict(way: str, table_rows: list[int], dim: int, world: int, shards: int,
@@ -171,7 +189,8 @@ def _torchrec_argv(python: str, inputs: Path, run_dir: Path, report: Path) -> li
 
 def run_way(way: str, d: Path, lan: Any, common: list[str], world: int, shards: int,
             timeout: float, row_dtype: str = "fp32",
-            torchrec: tuple[str, Path] | None = None) -> dict[str, Any]:  # fmt: skip
+            torchrec: tuple[str, Path] | None = None,
+            placement: str = "own-hosts") -> dict[str, Any]:  # fmt: skip
     """One way on the LAN: its rate over the window every worker trains, bytes on the
     NICs per step, peak memory per process, the final loss."""
     workers = [lan[f"w{r}"] for r in range(world)]
@@ -180,7 +199,8 @@ def run_way(way: str, d: Path, lan: Any, common: list[str], world: int, shards: 
     with c.supervisor(d / f"{way}-logs") as sup, sampler() as mem:
         addrs: list[str] = []
         if way not in ("allreduce_sparse", "torchrec"):
-            addrs = c.start_shards(sup, shards, hosts=[lan[f"s{i}"] for i in range(shards)])
+            on_hosts = shard_host_names(world, shards, placement)
+            addrs = c.start_shards(sup, shards, hosts=[lan[n] for n in on_hosts])
         port = c.free_port()
         for r, h in enumerate(workers):
             if way == "torchrec":
@@ -207,7 +227,8 @@ def run_way(way: str, d: Path, lan: Any, common: list[str], world: int, shards: 
             sup.start(f"worker{r}", c.on(h, argv), env=env)
         # A process that sleeps in each host for the job's length: the NICs' counters stay
         # readable through /proc/PID/net/dev after a worker has exited.
-        hosts = [f"w{r}" for r in range(world)] + [f"s{i}" for i in range(len(addrs))]
+        shard_hosts = [n for n in host_names(world, shards, placement) if n.startswith("s")]
+        hosts = [f"w{r}" for r in range(world)] + (shard_hosts if addrs else [])
         for n in hosts:
             sup.start(f"nic-{n}", c.on(lan[n], ["sleep", str(int(timeout) + 60)]), persistent=True)
         pids = {n: sup.children[f"nic-{n}"].pid for n in hosts}
@@ -231,7 +252,9 @@ def run_way(way: str, d: Path, lan: Any, common: list[str], world: int, shards: 
         "samples_per_sec": rate, "window_s": window, "steps": steps,
         "report_samples_per_sec": rep.get("global_samples_per_sec"),
         "nic_bytes_per_step_per_worker": mean([moved[f"w{r}"] for r in range(world)]),
-        "nic_bytes_per_step_per_shard_host": mean([moved[f"s{i}"] for i in range(len(addrs))]),
+        # Shards on the workers' hosts: their bytes are in the workers' NICs' figure.
+        "nic_bytes_per_step_per_shard_host": mean([moved[n] for n in shard_hosts]) if addrs
+        and shard_hosts else None,
         "bytes_per_step": _app_bytes(way, rep, steps),
         "worker_model_bytes": rep.get("worker_param_bytes"),
         "final_loss": rep.get("final_train_loss"),
@@ -302,25 +325,28 @@ def ratios(out: dict[str, Any], runs: dict[str, list[dict[str, Any]]] | None = N
 def bench_hosts(rows: int, *, steps: int, batch: int, bag: int, workers: int, shards: int,
                 mbit: float, timeout: float, ways: tuple[str, ...], out_dir: Path,
                 options: tuple[str, ...] = (), repeats: int = 1,
-                row_dtype: str = "fp32", torchrec_python: str = "") -> dict[str, Any]:  # fmt: skip
+                row_dtype: str = "fp32", torchrec_python: str = "",
+                placement: str = "own-hosts") -> dict[str, Any]:  # fmt: skip
     """One table size over emulated hosts: every way in `ways` (of HOST_WAYS) in turn on
     the same shaped LAN, `repeats` times alternating; skips (with the reason) where
     namespaces cannot be made."""
     from bench.lib.netem import probe_link, shape_all, unavailable
 
     table_rows, dim = [rows, 100_000 if rows >= 1_000_000 else 10_000], 64
+    names = host_names(workers, shards, placement)
     out: dict[str, Any] = {"rows": table_rows, "dim": dim, "bag": bag, "batch_per_worker": batch,
-                           "workers": workers, "shards": shards, "shard_hosts": shards,
-                           "hosts": workers + shards, "link_mbit": mbit, "steps": steps,
+                           "workers": workers, "shards": shards,
+                           "shard_hosts": len(names) - workers, "shard_placement": placement,
+                           "hosts": len(names), "link_mbit": mbit, "steps": steps,
                            "options": list(options), "row_dtype": row_dtype}  # fmt: skip
     netns, reason = unavailable(0.0)
     if reason:
         return {**out, "skipped": reason}
     common = train_args(table_rows, dim, bag, batch, steps, workers, options)
-    with netns.lan(host_names(workers, shards)) as lan:  # deleted on exit, failure too
+    with netns.lan(names) as lan:  # deleted on exit, failure too
         shape_all(netns, lan, mbit, 0.0)
         with c.supervisor(out_dir / "probe") as sup:
-            out["link"] = probe_link(sup, lan["w0"], lan["s0"], 16 << 20)
+            out["link"] = probe_link(sup, lan["w0"], lan[names[-1]], 16 << 20)
         runs: dict[str, list[dict[str, Any]]] = {}
         torchrec = None
         for way in ways:
@@ -347,7 +373,8 @@ def bench_hosts(rows: int, *, steps: int, batch: int, bag: int, workers: int, sh
                       f"Mbit/s [{i + 1}/{repeats}]")  # fmt: skip
                 try:
                     runs[way].append(run_way(way, out_dir / f"{rows}-{i}", lan, common, workers,
-                                             shards, timeout, row_dtype, torchrec))  # fmt: skip
+                                             shards, timeout, row_dtype, torchrec,
+                                             placement))  # fmt: skip
                 except c.ProcessError as e:  # one failed way costs its row, not the others
                     runs[way].append({"error": str(e)[-3000:]})
     out.update({way: median_run(got) for way, got in runs.items()})
@@ -376,7 +403,8 @@ def table(results: list[dict[str, Any]]) -> str:
                          gb(w.get("peak_shard_bytes"))])  # fmt: skip
     r0 = results[0] if results else {}
     return ("## Sparse tables over emulated hosts\n\n" + c.md_table(head, rows)
-            + f"\n\n{r0.get('workers')} worker hosts, {r0.get('shard_hosts')} shard hosts, "
+            + f"\n\n{r0.get('workers')} worker hosts, {r0.get('shard_hosts')} shard hosts "
+            f"(shards on {r0.get('shard_placement', 'own-hosts')}), "
             f"{r0.get('link_mbit')} Mbit/s links; rates over the window every worker trains in.")  # fmt: skip
 
 
@@ -393,7 +421,8 @@ def main_hosts(a: Any) -> int:
                            shards=a.shards, mbit=a.link_mbit, timeout=a.timeout, ways=ways,
                            out_dir=Path(tmp), options=tuple(a.workload_option),
                            repeats=a.repeats, row_dtype=a.row_dtype,
-                           torchrec_python=a.torchrec_python)
+                           torchrec_python=a.torchrec_python,
+                           placement=a.shard_placement)
             for n in sizes
         ]  # fmt: skip
     doc = {"benchmark": "sparse", "mode": "hosts", "quick": a.quick,
