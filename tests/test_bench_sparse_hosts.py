@@ -253,7 +253,9 @@ def test_shards_on_the_workers_hosts_serve_rows_across_the_links(tmp_path: Path)
     assert (r["hosts"], r["shard_hosts"], r["shard_placement"]) == (2, 0, "worker-hosts")
     hyb = r["hybrid"]
     assert "error" not in hyb, hyb.get("error")
-    assert len(hyb["peak_bytes_per_shard"]) == 2 and hyb["nic_bytes_per_step_per_shard_host"] is None
+    assert (
+        len(hyb["peak_bytes_per_shard"]) == 2 and hyb["nic_bytes_per_step_per_shard_host"] is None
+    )
     # Half of each worker's rows are on the other host's shard: they cross the NICs.
     assert hyb["nic_bytes_per_step_per_worker"] > 0.4 * hyb["bytes_per_step"]
     assert r["hybrid_vs_allreduce_sparse"]["speedup"] > 0
