@@ -208,7 +208,10 @@ def test_rows_of_another_shard_are_refused() -> None:
 @pytest.mark.parametrize("opt", ["sgd", "adagrad", "lazy_adam"])
 def test_a_rounds_mean_is_one_step_with_the_mean_gradient(opt: str) -> None:
     """apply_mean (a sync round's close) == apply() of the mean of the workers' row
-    gradients, rows named by one worker, by both, or by none; the version moves once."""
+    gradients, rows named by one worker, by both, or by none; the version moves once.
+    SGD steps each worker's rows at lr / 3 in rank order: bit for bit that, and equal to
+    the mean's step but for the last bits of rows two workers name; the others bit for
+    bit the mean's step."""
     g = torch.Generator().manual_seed(3)
     parts = [
         (torch.tensor([1, 4, 9, 30]), torch.randn(4, DIM, generator=g)),
@@ -216,14 +219,20 @@ def test_a_rounds_mean_is_one_step_with_the_mean_gradient(opt: str) -> None:
         (torch.tensor([], dtype=torch.int64), torch.empty(0, DIM)),
     ]
     a, b = SparseTable(spec(opt)), SparseTable(spec(opt))
+    seq = SparseTable(spec(opt))
     for _ in range(2):
         a.apply_mean(parts)
         uniq = torch.tensor([1, 4, 7, 9, 30])
         mean = torch.zeros(5, DIM)
         for ids, grads in parts:
             mean.index_add_(0, torch.searchsorted(uniq, ids), grads)
+            seq.weight.index_add_(0, ids, grads, alpha=-seq.spec.lr / 3)
         b.apply(uniq, mean / 3)
-    assert torch.equal(a.weight, b.weight)  # bit for bit
+    if opt == "sgd":
+        assert torch.equal(a.weight, seq.weight)  # bit for bit: rank order, lr / 3 each
+        torch.testing.assert_close(a.weight, b.weight, rtol=1e-6, atol=1e-7)
+    else:
+        assert torch.equal(a.weight, b.weight)  # bit for bit
     assert a.version == b.version == 2
     for k in SparseTable.STATE[opt]:
         torch.testing.assert_close(getattr(a, k), getattr(b, k))

