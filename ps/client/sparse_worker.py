@@ -36,6 +36,7 @@ from torch import nn
 from psar.ps import wire
 from psar.ps.client import sparse_client
 from psar.ps.client.hot_rows import CacheCounts, HotRowCache
+from psar.ps.client.row_bags import install as install_row_bag
 from psar.ps.sparse_spec import TableSpec
 from psar.trainkit.device_io import to_device, to_host
 from psar.trainkit.finite import all_finite
@@ -135,6 +136,7 @@ class SparseSide:
             # The module's weight is now the batch's rows only: a dense gradient of them
             # costs less than a sparse one coalesced and made dense (_stash), same sums.
             mod.sparse = False
+            install_row_bag(mod)
 
     def _hook(self, name: str) -> Any:
         def hook(mod: nn.Module, args: tuple) -> tuple:
