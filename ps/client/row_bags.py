@@ -24,20 +24,25 @@ from torch import nn
 __all__ = ["install"]
 
 
+_MEAN = "mean"
+_POOLINGS = ("sum", _MEAN)
+"""The poolings whose gradient is a bag's gradient (over its size for mean) per id."""
+
+
 class _BagOfRows(torch.autograd.Function):
-    """embedding_bag(ids, weight, mode) forward as PyTorch's; backward by index_add_."""
+    """embedding_bag(ids, weight, pooling) forward as PyTorch's; backward by index_add_."""
 
     @staticmethod
-    def forward(ctx: Any, weight: torch.Tensor, ids: torch.Tensor, mode: str) -> torch.Tensor:
+    def forward(ctx: Any, weight: torch.Tensor, ids: torch.Tensor, pooling: str) -> torch.Tensor:
         ctx.save_for_backward(ids)
-        ctx.rows, ctx.mode, ctx.dtype = weight.shape[0], mode, weight.dtype
-        return F.embedding_bag(ids, weight, mode=mode)
+        ctx.rows, ctx.mean, ctx.dtype = weight.shape[0], pooling == _MEAN, weight.dtype
+        return F.embedding_bag(ids, weight, mode=pooling)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:
         (ids,) = ctx.saved_tensors
         bags, size = ids.shape
-        if ctx.mode == "mean":
+        if ctx.mean:
             grad = grad / size
         # Every id of a bag gets its bag's gradient: (bags, size, dim) viewed flat.
         per_id = grad.to(ctx.dtype).unsqueeze(1).expand(bags, size, grad.shape[1])
@@ -46,13 +51,13 @@ class _BagOfRows(torch.autograd.Function):
 
 
 def _fast(mod: nn.EmbeddingBag, ids: torch.Tensor, offsets: Any, per_sample_weights: Any) -> bool:
-    w = mod.weight
+    w, pooling = mod.weight, mod.mode  # a bag's pooling (not a consistency mode)
     return (
         offsets is None
         and per_sample_weights is None
         and ids.dim() == 2
         and ids.shape[1] > 0
-        and mod.mode in ("sum", "mean")
+        and pooling in _POOLINGS
         and not mod.scale_grad_by_freq
         and w.device.type == "cpu"
         and ids.device.type == "cpu"
