@@ -43,9 +43,10 @@ SOCKET_BUFFER_BYTES = 4 << 20
 FIRST_GROWTH_BYTES = 64 << 10
 """A Scratch that must grow starts from at most this many bytes, then doubles as bytes
 arrive (a payload's claimed length is never allocated up front)."""
-PAYLOAD_KINDS = ("piece", "rows_pull", "rows", "rows_push")
+PAYLOAD_KINDS = ("piece", "rows_pull", "rows", "tables_pull", "tables_rows", "rows_push")
 """The frames that may carry a payload: tensor pieces, and the sparse rows calls' ids,
-rows and row gradients (proto DataRowsPull, DataRows, DataRowsPush)."""
+rows and row gradients (proto DataRowsPull, DataRows, DataTablesPull, DataTablesRows,
+DataRowsPush)."""
 DISCARD_CHUNK_BYTES = 1 << 20
 """Payload bytes that are read only to be dropped go through at most this much buffer."""
 KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_COUNT = 60, 15, 4

@@ -514,10 +514,10 @@ Answer = Callable[[socket.socket, bytes], None]
 
 
 @contextlib.contextmanager
-def _fake_shard(answer: Answer, *, shm_ok: bool = False) -> Iterator[int]:
+def _fake_shard(answer: Answer, *, shm_ok: bool = False, kind: str = "rows_pull") -> Iterator[int]:
     """A data-plane port that greets one connection (saying it attached the segment where
-    `shm_ok`, which it did not) and answers its first rows pull with answer(sock, ids);
-    yields the port. Its own failures are raised here."""
+    `shm_ok`, which it did not) and answers its first call (a frame of `kind`) with
+    answer(sock, ids); yields the port. Its own failures are raised here."""
     listener = socket.create_server(("127.0.0.1", 0))
     errors: list[BaseException] = []
 
@@ -530,7 +530,7 @@ def _fake_shard(answer: Answer, *, shm_ok: bool = False) -> Iterator[int]:
                 assert hello.WhichOneof("kind") == "hello", hello
                 conn.sendall(fr.encode(pb.DataFrame(status=pb.DataStatus(code=0, shm=shm_ok))))
                 ask, plen = fr.read_header(conn, max_payload_bytes=1 << 20, scratch=fr.Scratch())
-                assert ask.WhichOneof("kind") == "rows_pull", ask
+                assert ask.WhichOneof("kind") == kind, ask
                 answer(conn, bytes(fr.recv_payload(conn, plen, fr.Scratch())))
                 try:  # the worker drops the connection (a reset: our payload unread)
                     assert conn.recv(1) == b""

@@ -1,7 +1,8 @@
 """Client calls for sparse tables, on top of a PSClient's channels (one thread per shard).
 
 Row r lives on shard r % S. `pull_rows` sends each shard only the ids it holds
-(deduplicated by the caller) and reassembles the rows in the caller's order;
+(deduplicated by the caller) and reassembles the rows in the caller's order (`pull_tables`
+for every table of a step at once);
 `push_rows` sends each shard its ids and row gradients (in the wire dtype); `push_tables`
 does it for every table of a step at once, one unary PushTables call per shard.
 
@@ -82,6 +83,17 @@ def group_by_shard(
     return uniq[order], where[inv]
 
 
+@dataclass
+class RowsPull:
+    """One table's rows to pull: unique `ids` (grouped by shard, or not), each of `dim`
+    values, handed back as `out_dtype`."""
+
+    table: str
+    ids: torch.Tensor
+    dim: int
+    out_dtype: torch.dtype = torch.float32
+
+
 def pull_rows(
     client: PSClient,
     table: str,
@@ -92,79 +104,135 @@ def pull_rows(
 ) -> tuple[torch.Tensor, list[int], int]:
     """Rows for unique `ids` as (len(ids), dim) `out_dtype`; also the table's version on
     every shard and the bytes received."""
-    parts = split_by_shard(ids, client.num_shards)
-    out = torch.empty(ids.numel(), dim, dtype=out_dtype)
-    got = [0] * client.num_shards
+    return pull_tables(client, [RowsPull(table, ids, dim, out_dtype)], dtype)[0]
 
-    def one(i: int) -> int:
-        pos = parts[i]
-        if _rows_door(client, i, _count(pos) * dim * wire.DTYPE_ITEMSIZE[dtype]):
-            done = _pull_on_data_plane(client, i, table, ids, pos, dim, dtype, out)
+
+def pull_tables(
+    client: PSClient, pulls: Sequence[RowsPull], dtype: torch.dtype
+) -> list[tuple[torch.Tensor, list[int], int]]:
+    """`pull_rows` for several tables at once, pulled in `dtype`: each shard's data plane
+    gets every table's ids in one frame and sends every table's rows in one (one round
+    trip a step, and a frame read and sent by the shard per step rather than per table);
+    over gRPC, one PullRows stream per table. All shards are asked together. Per table:
+    (rows, versions, bytes received), as pull_rows."""
+    if not pulls:
+        return []
+    n = client.num_shards
+    parts = [split_by_shard(p.ids, n) for p in pulls]
+    outs = [torch.empty(p.ids.numel(), p.dim, dtype=p.out_dtype) for p in pulls]
+    got = [[0] * n for _ in pulls]
+    size = wire.DTYPE_ITEMSIZE[dtype]
+
+    def one(i: int) -> list[int]:
+        mine = [pp[i] for pp in parts]
+        wants = [_count(pos) * p.dim * size for p, pos in zip(pulls, mine, strict=True)]
+        if _rows_door(client, i, sum(wants)):
+            done = _pull_on_data_plane(client, i, pulls, mine, dtype, outs)
             if done is not None:
-                version, got[i] = done
-                return version
+                for t, want in enumerate(wants):
+                    got[t][i] = want
+                return done
             # else: too large for this connection, or no data plane now: gRPC below
-        pos = _index(pos)  # a stream's pieces land at pos[offset:]
-        req = pb.PullRowsRequest(
-            worker=client.worker,
-            table=table,
-            ids=_ids_bytes(ids[pos]),
-            dtype=serde.dtype_to_pb(dtype),
-        )
-
-        def call(_r: bool) -> int:
-            version = 0
-            for msg in client._stubs[i].PullRows(req, timeout=client.cfg.pull_timeout_s):
-                version = msg.version
-                if msg.data:
-                    rows = wire.decode(msg.data, dtype).reshape(-1, dim)
-                    out[pos[msg.offset : msg.offset + rows.shape[0]]] = rows.to(out_dtype)
-                    got[i] += len(msg.data)
-            return version
-
-        return client._retrying(i, call)
+        return [
+            _pull_grpc(client, i, p, pos, dtype, out, got[t])
+            for t, (p, pos, out) in enumerate(zip(pulls, mine, outs, strict=True))
+        ]
 
     versions = client._each(one)
-    return out, versions, sum(got) + 8 * ids.numel()
+    return [
+        (outs[t], [versions[i][t] for i in range(n)], sum(got[t]) + 8 * p.ids.numel())
+        for t, p in enumerate(pulls)
+    ]
+
+
+def _pull_grpc(
+    client: PSClient,
+    i: int,
+    p: RowsPull,
+    pos: torch.Tensor | slice,
+    dtype: torch.dtype,
+    out: torch.Tensor,
+    got: list[int],
+) -> int:
+    """Shard i's rows of `p.ids[pos]` over a PullRows stream, into out[pos]: the table's
+    version there (bytes received added to got[i])."""
+    pos = _index(pos)  # a stream's pieces land at pos[offset:]
+    req = pb.PullRowsRequest(
+        worker=client.worker,
+        table=p.table,
+        ids=_ids_bytes(p.ids[pos]),
+        dtype=serde.dtype_to_pb(dtype),
+    )
+
+    def call(_r: bool) -> int:
+        version = 0
+        for msg in client._stubs[i].PullRows(req, timeout=client.cfg.pull_timeout_s):
+            version = msg.version
+            if msg.data:
+                rows = wire.decode(msg.data, dtype).reshape(-1, p.dim)
+                out[pos[msg.offset : msg.offset + rows.shape[0]]] = rows.to(out.dtype)
+                got[i] += len(msg.data)
+        return version
+
+    return client._retrying(i, call)
 
 
 def _pull_on_data_plane(
     client: PSClient,
     i: int,
-    table: str,
-    ids: torch.Tensor,
-    pos: torch.Tensor | slice,
-    dim: int,
+    pulls: Sequence[RowsPull],
+    mine: Sequence[torch.Tensor | slice],
     dtype: torch.dtype,
-    out: torch.Tensor,
-) -> tuple[int, int] | None:
-    """Shard i's rows of `ids[pos]` over its data plane, into out[pos]: (the table's
-    version there, bytes received), or None where the call must go over gRPC."""
-    want = _count(pos) * dim * wire.DTYPE_ITEMSIZE[dtype]
-    mine = ids[pos].contiguous()
-    req = pb.PullRowsRequest(worker=client.worker, table=table, dtype=serde.dtype_to_pb(dtype))
+    outs: Sequence[torch.Tensor],
+) -> list[int] | None:
+    """Shard i's rows of every table (`p.ids[pos]` of each) over its data plane, into
+    its out[pos]: the tables' versions there, or None where the call must go over gRPC.
+    One table goes as a DataRowsPull, several as one DataTablesPull."""
+    reqs, ids, takes = [], [], []
+    for p, pos, out in zip(pulls, mine, outs, strict=True):
+        want = _count(pos) * p.dim * wire.DTYPE_ITEMSIZE[dtype]
+        reqs.append(
+            pb.PullRowsRequest(worker=client.worker, table=p.table, dtype=serde.dtype_to_pb(dtype))
+        )
+        these = p.ids[pos].contiguous()
+        ids.append(wire.as_bytes_view(these) if these.numel() else memoryview(b""))
+        takes.append((want, _taker(p, pos, want, dtype, out)))
+    timeout = client.cfg.pull_timeout_s
+    if len(pulls) == 1:
+        want, take = takes[0]
+
+        def call(t: Any) -> list[int]:
+            got = tcp_rows.pull_rows(t, reqs[0], ids[0], take, rows_bytes=want, timeout_s=timeout)
+            return [got]
+    else:
+        many = pb.DataTablesPull(requests=reqs, ids_bytes=[len(v) for v in ids])
+
+        def call(t: Any) -> list[int]:
+            return tcp_rows.pull_tables(t, many, ids, takes, timeout_s=timeout)
+
+    try:
+        return client._retrying(i, lambda _r: client.doors.via(i, call))
+    except tcp_rows.UseGrpc:
+        return None
+
+
+def _taker(
+    p: RowsPull, pos: torch.Tensor | slice, want: int, dtype: torch.dtype, out: torch.Tensor
+) -> Any:
+    """take(version, bytes) for one table's rows from one shard: checked, into out[pos]."""
 
     def take(version: int, data: memoryview) -> int:
         if len(data) != want:
             raise TransportError(
                 grpc.StatusCode.INTERNAL,
-                f"rows pull of table {table!r}: the shard sent {len(data)} bytes "
-                f"for {_count(pos)} rows of {dim} ({want} bytes)",
+                f"rows pull of table {p.table!r}: the shard sent {len(data)} bytes "
+                f"for {_count(pos)} rows of {p.dim} ({want} bytes)",
             )
         if want:
-            out[pos] = wire.decode(data, dtype).reshape(-1, dim).to(out.dtype)
+            out[pos] = wire.decode(data, dtype).reshape(-1, p.dim).to(out.dtype)
         return version
 
-    ids_view = wire.as_bytes_view(mine) if mine.numel() else memoryview(b"")
-    timeout = client.cfg.pull_timeout_s
-
-    def call(t: Any) -> int:
-        return tcp_rows.pull_rows(t, req, ids_view, take, rows_bytes=want, timeout_s=timeout)
-
-    try:
-        return client._retrying(i, lambda _r: client.doors.via(i, call)), want
-    except tcp_rows.UseGrpc:
-        return None
+    return take
 
 
 @dataclass

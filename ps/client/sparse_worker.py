@@ -12,8 +12,8 @@ module's weight is an empty (0, dim) tensor. Each forward, a pre-hook
 
 A model that can say each table's ids of a batch before its forward (a method
 ``psar_table_ids(x) -> {table module name: ids}``, as the built-in ``recsys`` models do)
-gets every table's rows pulled at once, concurrently, when its forward starts (``watch``):
-one round trip a step instead of one per table. Same rows, same bits.
+gets every table's rows pulled at once when its forward starts (``watch``): one frame
+each way per shard and step instead of one per table. Same rows, same bits.
 
 With ``--hot-row-cache N --hot-row-staleness S`` a table's most named rows are kept on
 the worker and served for up to S steps (ps/client/hot_rows.py); only the others are
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -108,7 +107,6 @@ class SparseSide:
         self._cache_taken = CacheCounts()
         self.prefetched: dict[str, tuple[torch.Tensor, Any]] = {}
         """weight name -> (the batch's flat ids, _rows' result) pulled by prefetch()."""
-        self._pool: ThreadPoolExecutor | None = None
         if self.caches and ps.hot_row_staleness == 0:
             log.info(
                 "--hot-row-cache at --hot-row-staleness 0 is exact and serves no row (every "
@@ -166,13 +164,27 @@ class SparseSide:
     ) -> tuple[torch.Tensor, list[int], int, torch.Tensor, torch.Tensor]:
         """The rows of the batch's unique ids (served from the hot-row cache where it
         may, pulled otherwise): (rows, versions, bytes pulled, unique ids, inverse)."""
+        return self._rows_of({name: (ids, w)})[name]
+
+    def _rows_of(
+        self, jobs: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    ) -> dict[str, tuple[torch.Tensor, list[int], int, torch.Tensor, torch.Tensor]]:
+        """_rows for several tables (name -> (ids, weight)), their pulls in one call
+        (sparse_client.pull_tables: one frame each way per shard)."""
+        plans = {name: self._plan(name, ids, w) for name, (ids, w) in jobs.items()}
+        asked = [n for n, (want, _) in plans.items() if want is not None]
+        pulls = [
+            sparse_client.RowsPull(n, plans[n][0], self.specs[n].dim, jobs[n][1].dtype)
+            for n in asked
+        ]
+        got = sparse_client.pull_tables(self.b.client, pulls, self.pull_dtype)
+        pulled = dict(zip(asked, got, strict=True))
+        return {name: finish(pulled.get(name)) for name, (_, finish) in plans.items()}
+
+    def _plan(self, name: str, ids: torch.Tensor, w: torch.Tensor) -> tuple[Any, Any]:
+        """(the ids to pull, or None; finish(what pull_rows gave for them, or None) ->
+        _rows' result): the hot-row cache's part of _rows around the pull."""
         spec, cache = self.specs[name], self.caches.get(name)
-
-        def pull(these: torch.Tensor) -> tuple[torch.Tensor, list[int], int]:
-            return sparse_client.pull_rows(
-                self.b.client, name, these, spec.dim, self.pull_dtype, w.dtype
-            )
-
         if cache is None or not cache.serves:
             uniq, inv = torch.unique(ids, return_inverse=True)
             if cache is not None:  # exact (staleness 0): looked up, never a hit
@@ -180,24 +192,32 @@ class SparseSide:
             # Shard by shard: each shard's rows are one slice of the cache, pulled into
             # and pushed from without a gather or a scatter.
             uniq, inv = sparse_client.group_by_shard(uniq, inv, self.b.client.num_shards)
-            return (*pull(uniq), uniq, inv)
+            return uniq, lambda got: (*got, uniq, inv)
         uniq, inv, named = torch.unique(ids, return_inverse=True, return_counts=True)
         hit, cached = cache.lookup(uniq, self.steps)
         if cached is None:  # nothing fresh in the cache: pull all, refill it from them
-            rows, versions, nbytes = pull(uniq)
-            cache.offer(self.steps, uniq, rows, named, versions)
-            return rows, versions, nbytes, uniq, inv
+
+            def refill(got: Any) -> Any:
+                rows, versions, nbytes = got
+                cache.offer(self.steps, uniq, rows, named, versions)
+                return rows, versions, nbytes, uniq, inv
+
+            return uniq, refill
         rows = torch.empty(uniq.numel(), spec.dim, dtype=w.dtype)
         rows[hit] = cached.to(w.dtype)
         miss = ~hit
-        versions, nbytes = list(cache.versions), 0
-        if bool(miss.any()):
-            pulled, fresh, nbytes = pull(uniq[miss])
+
+        def fill(got: Any) -> Any:
+            if got is None:
+                return rows, list(cache.versions), 0, uniq, inv
+            pulled, fresh, nbytes = got
             rows[miss] = pulled
             # The step's gradient was computed at the cached rows' (older) versions too:
             # the shards measure its staleness from the oldest.
             versions = [min(a, b) for a, b in zip(fresh, cache.versions, strict=True)]
-        return rows, versions, nbytes, uniq, inv
+            return rows, versions, nbytes, uniq, inv
+
+        return (uniq[miss] if bool(miss.any()) else None), fill
 
     def watch(self, model: nn.Module) -> None:
         """Pull every table's rows at once when `model`'s forward starts, where it says
@@ -205,28 +225,21 @@ class SparseSide:
         the whole model, whose module names are the tables' (hybrid gives the PS part a
         view of the tables only)."""
         if len(self.mods) > 1 and callable(getattr(model, "psar_table_ids", None)):
-            self._pool = ThreadPoolExecutor(len(self.mods) - 1, thread_name_prefix="psar-rows")
             model.register_forward_pre_hook(lambda m, args: self.prefetch(m.psar_table_ids(*args)))
 
     def prefetch(self, ids_by_module: dict[str, torch.Tensor]) -> None:
-        """Pull the rows of every table named (module name -> this batch's ids), one
-        table here and the others on threads, for the tables' hooks to take."""
-        jobs = []
+        """Pull the rows of every table named (module name -> this batch's ids) in one
+        call, for the tables' hooks to take."""
+        jobs = {}
         for module, ids in ids_by_module.items():
             name = f"{module}.weight" if module else "weight"
             if name in self.mods:
-                jobs.append((name, to_host(ids).reshape(-1)))
+                jobs[name] = (to_host(ids).reshape(-1), self.mods[name].weight)
         self.prefetched.clear()
-        if not jobs or self._pool is None:
+        if not jobs:
             return
-        w = {n: self.mods[n].weight for n, _ in jobs}
-        futures: list[tuple[str, torch.Tensor, Future]] = [
-            (n, flat, self._pool.submit(self._rows, n, flat, w[n])) for n, flat in jobs[1:]
-        ]
-        first, flat = jobs[0]
-        self.prefetched[first] = (flat, self._rows(first, flat, w[first]))
-        for n, flat, fut in futures:
-            self.prefetched[n] = (flat, fut.result())
+        for name, got in self._rows_of(jobs).items():
+            self.prefetched[name] = (jobs[name][0], got)
 
     def _cache_total(self) -> CacheCounts:
         """What every table's hot-row cache served so far, together."""

@@ -1,5 +1,6 @@
 """Sparse rows over one shard's data plane (the worker's end of
-ps/server/doors/dataplane_rows.py): a PullRows or a PushTables in one frame each way.
+ps/server/doors/dataplane_rows.py): a PullRows (one table, or several: pull_tables) or a
+PushTables in one frame each way.
 
 The ids of a pull go in the frame's payload (small); its rows come back in the
 connection's shared-memory segment where the shard attached one (same host), else in
@@ -102,22 +103,7 @@ def pull_rows(
             dp._unexpected(frame, "rows")
         rows = frame.rows
         if rows.shm_bytes:
-            segment = conn.segment
-            try:
-                if segment is None or plen:
-                    raise ValueError("a payload too" if plen else "no segment on this connection")
-                if rows.shm_at + rows.shm_bytes >= 1 << 64:  # stored as a u64 once read
-                    raise ValueError(f"shm_at {rows.shm_at} ends past the 64-bit position")
-                data = segment.get(rows.shm_at, rows.shm_bytes)
-            except ValueError as e:
-                raise DataPlaneError(
-                    SC.INTERNAL, f"data plane of {dp.address}: bad shared-memory rows: {e}"
-                ) from None
-            try:
-                out = take(rows.version, data)
-            finally:
-                data.release()
-                segment.consumed(rows.shm_at, rows.shm_bytes)
+            out = _take_shm(dp, conn, rows, plen, take)
         else:
             data = dp._io(
                 conn, deadline, "rows pull", fr.recv_payload, conn.sock, plen, conn.scratch
@@ -126,6 +112,75 @@ def pull_rows(
                 out = take(rows.version, data)
             finally:
                 data.release()
+        c.reusable = True
+        return out
+
+
+def _take_shm(dp: DataPlaneClient, conn: Any, rows: Any, plen: int, take: Callable) -> Any:
+    """take(version, bytes) of rows a DataRows says lie in the connection's segment."""
+    segment = conn.segment
+    try:
+        if segment is None or plen:
+            raise ValueError("a payload too" if plen else "no segment on this connection")
+        if rows.shm_at + rows.shm_bytes >= 1 << 64:  # stored as a u64 once read
+            raise ValueError(f"shm_at {rows.shm_at} ends past the 64-bit position")
+        data = segment.get(rows.shm_at, rows.shm_bytes)
+    except ValueError as e:
+        raise DataPlaneError(
+            SC.INTERNAL, f"data plane of {dp.address}: bad shared-memory rows: {e}"
+        ) from None
+    try:
+        return take(rows.version, data)
+    finally:
+        data.release()
+        segment.consumed(rows.shm_at, rows.shm_bytes)
+
+
+def pull_tables(
+    dp: Transport,
+    req: pb.DataTablesPull,
+    ids: Sequence[memoryview],
+    takes: Sequence[tuple[int, Callable[[int, memoryview], T]]],
+    *,
+    timeout_s: float,
+) -> list[T]:
+    """Several tables' rows in one frame each way: `req` holds each table's request
+    (its ids empty) and `ids_bytes`, `ids` each table's id bytes, `takes` each table's
+    (bytes of rows expected, take(version, bytes)) as in pull_rows. UseGrpc as there."""
+    total = sum(n for n, _ in takes)
+    with _call(dp, total, timeout_s, "from") as c:
+        dp, conn, deadline = c.dp, c.conn, c.deadline
+        views = [v for v in ids if len(v)]
+        head = fr.encode(pb.DataFrame(tables_pull=req), sum(len(v) for v in views))
+        dp._io(conn, deadline, "send", fr.send_buffers, conn.sock, [head, *views])
+        frame, plen = dp._io(conn, deadline, "rows pull", dp._read_header, conn)
+        kind = frame.WhichOneof("kind")
+        if kind != "tables_rows":
+            c.reusable = kind == "status" and not plen
+            dp._unexpected(frame, "tables_rows")
+        parts = frame.tables_rows.tables
+        inline = sum(n for p, (n, _) in zip(parts, takes, strict=False) if not p.shm_bytes)
+        if len(parts) != len(takes) or plen != inline:
+            raise DataPlaneError(
+                SC.INTERNAL,
+                f"data plane of {dp.address}: {len(parts)} tables' rows and {plen} bytes "
+                f"of payload for {len(takes)} tables asked ({inline} bytes expected there)",
+            )
+        payload = (
+            dp._io(conn, deadline, "rows pull", fr.recv_payload, conn.sock, plen, conn.scratch)
+            if plen
+            else memoryview(b"")
+        )
+        try:
+            out, at = [], 0
+            for rows, (n, take) in zip(parts, takes, strict=True):
+                if rows.shm_bytes:
+                    out.append(_take_shm(dp, conn, rows, 0, take))
+                else:
+                    out.append(take(rows.version, payload[at : at + n]))
+                    at += n
+        finally:
+            payload.release()
         c.reusable = True
         return out
 

@@ -97,13 +97,15 @@ class _Connection:
                     self._pull(frame.pull_request)
                 elif kind == "rows_pull":
                     dataplane_rows.serve_pull(self, frame.rows_pull, plen)
+                elif kind == "tables_pull":
+                    dataplane_rows.serve_tables_pull(self, frame.tables_pull, plen)
                 elif kind == "rows_push":
                     dataplane_rows.serve_push(self, frame.rows_push, plen)
                 else:
                     raise fr.FramingError(
                         InvalidArgument(
                             f"unexpected {kind} frame: a call starts with push_header, "
-                            "pull_request, rows_pull or rows_push",
+                            "pull_request, rows_pull, tables_pull or rows_push",
                             reason="malformed",
                         )
                     )

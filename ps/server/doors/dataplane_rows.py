@@ -1,12 +1,16 @@
-"""Sparse rows on the shard's data plane: PullRows and PushTables in one frame each way.
+"""Sparse rows on the shard's data plane: PullRows (one table, or several at once) and
+PushTables in one frame each way.
 
 A recommendation step moves every touched row of every table twice (pulled, then its
 gradient pushed); over gRPC the shard spent half of its CPU in the asyncio server moving
-those bytes (issue #46). Here the same calls travel as data-plane frames
-(proto DataRowsPull, DataRows, DataRowsPush), their bytes in the frame's payload or, on
-the same host, in the connection's shared-memory segment (ps/shm.py), and are served by
-the same code as the gRPC calls (ps/server/doors/row_calls.py): the same checks, the same
-refusals with the same words, every table untouched by a refused push.
+those bytes (issue #46). Here the same calls travel as data-plane frames (proto
+DataRowsPull, DataRows, DataTablesPull, DataTablesRows, DataRowsPush), their bytes in the
+frame's payload or, on the same host, in the connection's shared-memory segment
+(ps/shm.py), and are served by the same code as the gRPC calls (ps/server/doors/
+row_calls.py): the same checks, the same refusals with the same words, every table
+untouched by a refused push. A frame per table costs the shard a socket read and a
+send each, with the Python around them: a model whose forward names every table's ids up
+front pulls them all in one DataTablesPull.
 
 A frame's payload is read whole before the call is decided, so a refusal is one status
 frame and the connection stays usable. Where the bytes are (payload, or segment) is
@@ -65,21 +69,90 @@ def serve_pull(conn: Any, ask: pb.DataRowsPull, plen: int) -> None:
         conn.metrics.rpc_observed("PullRows", time.monotonic() - t0)
 
 
+def serve_tables_pull(conn: Any, ask: pb.DataTablesPull, plen: int) -> None:
+    """A DataTablesPull on `conn`: several tables' PullRows, their ids the payload side by
+    side; answered with one DataTablesRows frame, or the first refusal's status."""
+    t0 = time.monotonic()
+    conn.server._count("row_pulls")
+    try:
+        ids = fr.recv_payload(conn.sock, plen, conn.scratch, conn.clock.deadline) if plen else b""
+        try:
+            _check_tables_pull(ask, plen)
+            room = _Room(conn.segment)
+            sparse = row_calls.tables_of(conn.state)
+            reply, views, at = pb.DataTablesRows(), [], 0
+            for req, n in zip(ask.requests, ask.ids_bytes, strict=True):
+                version, rows = row_calls.pull_rows(sparse, req, ids[at : at + n], room.into)
+                at += n
+                views.append(room.place(rows, reply.tables.add(version=version)))
+        finally:
+            if plen:
+                ids.release()
+        total = sum(len(v) for v in views)
+        if total > conn.server.max_payload_bytes:
+            raise ResourceExhausted(
+                f"tables_pull: {total} bytes of rows is more than one frame of this shard "
+                f"holds ({conn.server.max_payload_bytes}, --max-message-bytes); pull fewer "
+                "rows per call"
+            )
+        frame = pb.DataFrame(tables_rows=reply)
+        if total:
+            conn.sock.settimeout(conn.server.frame_s)
+            fr.send_buffers(conn.sock, [fr.encode(frame, total), *views])
+        else:
+            conn._send(frame)
+        conn.metrics.bytes_sent(sum(t.shm_bytes for t in reply.tables) + total)
+    except PSError as e:
+        conn._status(e.code, e.args[0])
+    finally:
+        conn.metrics.rpc_observed("PullRows", time.monotonic() - t0)
+
+
+def _check_tables_pull(ask: pb.DataTablesPull, plen: int) -> None:
+    """One id byte count per request, adding up to the payload; no ids in a request."""
+    k = len(ask.requests)
+    if len(ask.ids_bytes) != k:
+        raise InvalidArgument(
+            f"tables_pull: {k} requests but {len(ask.ids_bytes)} ids_bytes counts; give "
+            "one per request",
+            reason="malformed",
+        )
+    if any(r.ids for r in ask.requests):
+        raise InvalidArgument(
+            "a data-plane tables_pull carries its ids as the frame's payload; leave each "
+            "request's ids empty",
+            reason="malformed",
+        )
+    total = sum(ask.ids_bytes)
+    if total != plen:
+        raise InvalidArgument(
+            f"tables_pull: the ids_bytes counts add up to {total} bytes, {plen} arrived",
+            reason="malformed",
+        )
+
+
 class _Room:
     """A pull's rows in the connection's segment (ps/shm.py): gathered straight into it
     (fp32, `into`), else copied in after (`place`: fp16/bf16 rows), else, with no
-    segment or no room, left for the frame's payload."""
+    segment or no room, left for the frame's payload. One room serves every table of a
+    call, each table's rows after the previous table's."""
 
     def __init__(self, segment: Any) -> None:
         self.segment = segment
+        self.begun = False
         self.at: int | None = None
         self.tried = False
+
+    def _begin(self) -> None:
+        if not self.begun:  # this call's sender: its bytes are numbered from 0
+            self.segment.begin()
+            self.begun = True
 
     def into(self, n: int, dim: int) -> torch.Tensor | None:
         """SparseTables.pull's `out`: the room of n fp32 rows of `dim`, or None."""
         if self.segment is None or not n * dim:
             return None
-        self.segment.begin()  # this call's sender: its bytes are numbered from 0
+        self._begin()
         self.tried = True
         got = self.segment.reserve(n * dim * 4)
         if got is None:
@@ -89,13 +162,15 @@ class _Room:
 
     def place(self, rows: torch.Tensor, reply: pb.DataRows) -> memoryview:
         """Say in `reply` where the rows lie; the bytes left for the payload (none when
-        they are in the segment)."""
-        if self.at is not None:
-            reply.shm_at, reply.shm_bytes = self.at, rows.numel() * 4
+        they are in the segment). The next table's rows then go after them."""
+        at, tried = self.at, self.tried
+        self.at, self.tried = None, False
+        if at is not None:
+            reply.shm_at, reply.shm_bytes = at, rows.numel() * 4
             return memoryview(b"")
         view = wire.as_bytes_view(rows) if rows.numel() else memoryview(b"")
-        if self.segment is not None and len(view) and not self.tried:
-            self.segment.begin()
+        if self.segment is not None and len(view) and not tried:
+            self._begin()
             at = self.segment.put(view)
             if at is not None:
                 reply.shm_at, reply.shm_bytes = at, len(view)

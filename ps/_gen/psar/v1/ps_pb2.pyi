@@ -892,8 +892,22 @@ class DataRowsPush(_message.Message):
     shm_bytes: int
     def __init__(self, request: _Optional[_Union[PushTablesRequest, _Mapping]] = ..., ids_bytes: _Optional[_Iterable[int]] = ..., data_bytes: _Optional[_Iterable[int]] = ..., shm_at: _Optional[int] = ..., shm_bytes: _Optional[int] = ...) -> None: ...
 
+class DataTablesPull(_message.Message):
+    __slots__ = ("requests", "ids_bytes")
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    IDS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    requests: _containers.RepeatedCompositeFieldContainer[PullRowsRequest]
+    ids_bytes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, requests: _Optional[_Iterable[_Union[PullRowsRequest, _Mapping]]] = ..., ids_bytes: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class DataTablesRows(_message.Message):
+    __slots__ = ("tables",)
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    tables: _containers.RepeatedCompositeFieldContainer[DataRows]
+    def __init__(self, tables: _Optional[_Iterable[_Union[DataRows, _Mapping]]] = ...) -> None: ...
+
 class DataFrame(_message.Message):
-    __slots__ = ("hello", "push_header", "piece", "verdict", "end", "pull_request", "pull_header", "push_reply", "status", "rows_pull", "rows", "rows_push", "rows_pushed")
+    __slots__ = ("hello", "push_header", "piece", "verdict", "end", "pull_request", "pull_header", "push_reply", "status", "rows_pull", "rows", "rows_push", "rows_pushed", "tables_pull", "tables_rows")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     PUSH_HEADER_FIELD_NUMBER: _ClassVar[int]
     PIECE_FIELD_NUMBER: _ClassVar[int]
@@ -907,6 +921,8 @@ class DataFrame(_message.Message):
     ROWS_FIELD_NUMBER: _ClassVar[int]
     ROWS_PUSH_FIELD_NUMBER: _ClassVar[int]
     ROWS_PUSHED_FIELD_NUMBER: _ClassVar[int]
+    TABLES_PULL_FIELD_NUMBER: _ClassVar[int]
+    TABLES_ROWS_FIELD_NUMBER: _ClassVar[int]
     hello: DataHello
     push_header: PushHeader
     piece: DataPiece
@@ -920,4 +936,6 @@ class DataFrame(_message.Message):
     rows: DataRows
     rows_push: DataRowsPush
     rows_pushed: PushTablesReply
-    def __init__(self, hello: _Optional[_Union[DataHello, _Mapping]] = ..., push_header: _Optional[_Union[PushHeader, _Mapping]] = ..., piece: _Optional[_Union[DataPiece, _Mapping]] = ..., verdict: _Optional[_Union[PushVerdict, _Mapping]] = ..., end: _Optional[_Union[DataEnd, _Mapping]] = ..., pull_request: _Optional[_Union[DataPullRequest, _Mapping]] = ..., pull_header: _Optional[_Union[PullHeader, _Mapping]] = ..., push_reply: _Optional[_Union[PushReply, _Mapping]] = ..., status: _Optional[_Union[DataStatus, _Mapping]] = ..., rows_pull: _Optional[_Union[DataRowsPull, _Mapping]] = ..., rows: _Optional[_Union[DataRows, _Mapping]] = ..., rows_push: _Optional[_Union[DataRowsPush, _Mapping]] = ..., rows_pushed: _Optional[_Union[PushTablesReply, _Mapping]] = ...) -> None: ...
+    tables_pull: DataTablesPull
+    tables_rows: DataTablesRows
+    def __init__(self, hello: _Optional[_Union[DataHello, _Mapping]] = ..., push_header: _Optional[_Union[PushHeader, _Mapping]] = ..., piece: _Optional[_Union[DataPiece, _Mapping]] = ..., verdict: _Optional[_Union[PushVerdict, _Mapping]] = ..., end: _Optional[_Union[DataEnd, _Mapping]] = ..., pull_request: _Optional[_Union[DataPullRequest, _Mapping]] = ..., pull_header: _Optional[_Union[PullHeader, _Mapping]] = ..., push_reply: _Optional[_Union[PushReply, _Mapping]] = ..., status: _Optional[_Union[DataStatus, _Mapping]] = ..., rows_pull: _Optional[_Union[DataRowsPull, _Mapping]] = ..., rows: _Optional[_Union[DataRows, _Mapping]] = ..., rows_push: _Optional[_Union[DataRowsPush, _Mapping]] = ..., rows_pushed: _Optional[_Union[PushTablesReply, _Mapping]] = ..., tables_pull: _Optional[_Union[DataTablesPull, _Mapping]] = ..., tables_rows: _Optional[_Union[DataTablesRows, _Mapping]] = ...) -> None: ...
