@@ -49,6 +49,7 @@ def _given_back(threshold: int) -> float:
 
 
 @pytest.mark.skipif(not GLIBC, reason="mallopt's mmap threshold is glibc's")
+@pytest.mark.slow  # the default run's 5 minutes; a shard setting it at start stays in it
 def test_a_fixed_threshold_gives_freed_big_buffers_back_and_glibcs_own_keeps_them() -> None:
     kept_by_default = _given_back(0)
     fixed = _given_back(1 << 20)

@@ -155,6 +155,7 @@ def test_grow_kill_stop_grow_trains_every_batch_once(tmp_path: Path, mode: str) 
     assert report["stopped"] and report["rank"] == 2
 
 
+@pytest.mark.slow  # the default run's 5 minutes
 def test_join_a_fixed_job_says_what_to_do(tmp_path: Path) -> None:
     with shard_set(1, tmp_path) as (shard,):
         job = Job([shard.address], tmp_path, ["--steps", "200", "--emulate-compute-ms", "20"])

@@ -32,6 +32,7 @@ def test_workers_that_disagree_about_the_size_all_stop_with_one_line(tmp_path: P
     assert not (tmp_path / "report-0.json").exists()  # rank 0 did not train alone
 
 
+@pytest.mark.slow  # the default run's 5 minutes; the disagreeing sizes test stays in it
 def test_a_job_trained_by_fewer_workers_than_its_size_says_so(tmp_path: Path) -> None:
     # Rank 1 never starts: its first term (--join-grace-s) runs out and rank 0 trains alone.
     with shard_set(1, tmp_path, "--lease-s", "1", "--join-grace-s", "1") as (shard,):

@@ -105,6 +105,7 @@ def test_ps_end_to_end(tmp_path: Path) -> None:
     assert_all_gone(s.pids)
 
 
+@pytest.mark.slow  # tests/test_early_pull.py keeps rank 0's decision in the default run
 def test_early_pull_workers_get_shards_that_apply_per_chunk(tmp_path: Path) -> None:
     s = spec(tmp_path, "--report", f"{tmp_path}/report-{{rank}}.json", "--early-pull",
              arch="ps", servers=1, workers=2, mode="sync")  # fmt: skip

@@ -52,6 +52,7 @@ def _psar(*args: str, env: dict[str, str] | None = None) -> subprocess.Completed
                           text=True, env={**ENV, **(env or {})}, timeout=180)  # fmt: skip
 
 
+@pytest.mark.slow  # the default run's 5 minutes
 def test_dry_run_checks_the_output_paths(tmp_path: Path) -> None:
     r = _psar("train", "--arch", "allreduce", "--dry-run", "--save", "/proc/psar-w.pt")
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
