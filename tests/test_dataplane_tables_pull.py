@@ -225,3 +225,23 @@ def test_the_worker_refuses_tables_rows_that_do_not_match(
             assert dp is not None and dp._idle == [] and not dp._busy
         finally:
             c.close()
+
+
+def test_tables_that_fill_the_ring_only_unaligned_go_over_grpc() -> None:
+    """A segment's pieces start 64-byte aligned, so two tables whose rows fill the ring
+    exactly, one of an odd number of rows first, do not fit in it together: the call
+    (larger than a frame) goes over gRPC, never as a payload larger than the shard
+    takes (RESOURCE_EXHAUSTED)."""
+    small = {"max_message_bytes": 32 << 10, "message_bytes": 8 << 10}
+    row = DIM * 4
+    ring = row + 1100 * row  # "a": 1 row (64 bytes once aligned), "big": 1,100 rows
+    cfg = ClientConfig(data_shm_mib=ring / (1 << 20), data_frame_bytes=16 << 10, **small)
+    with _cluster("async", cfg, **small) as (clients, shards):
+        c = clients[0]
+        pulls = [RowsPull("a", torch.tensor([2]), DIM), RowsPull("big", torch.arange(0, 2200, 2), DIM)]  # fmt: skip
+        got = pull_tables(c, pulls, torch.float32)  # every row on shard 0
+        assert shards[0][0].stats()["row_pulls"] == 0  # gRPC
+        for p, (rows, versions, nbytes) in zip(pulls, got, strict=True):
+            ref = pull_rows(c, p.table, p.ids, DIM, torch.float32)  # each alone: the ring
+            assert torch.equal(rows, ref[0]) and (versions, nbytes) == ref[1:], p.table
+        assert shards[0][0].stats()["row_pulls"] == 2

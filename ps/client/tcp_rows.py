@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 import torch
 
 from psar.ps import framing as fr
-from psar.ps import wire
+from psar.ps import shm, wire
 from psar.ps._gen.psar.v1 import ps_pb2 as pb
 from psar.ps.client.tcp_transport import SC, DataPlaneClient, DataPlaneError
 from psar.ps.client.transport import Transport
@@ -147,7 +147,10 @@ def pull_tables(
     """Several tables' rows in one frame each way: `req` holds each table's request
     (its ids empty) and `ids_bytes`, `ids` each table's id bytes, `takes` each table's
     (bytes of rows expected, take(version, bytes)) as in pull_rows. UseGrpc as there."""
-    total = sum(n for n, _ in takes)
+    # The shard places each table's rows at a 64-byte boundary after the previous
+    # table's: all of them fit a segment only where their aligned sizes do (else the
+    # last would come as a payload, perhaps larger than the shard sends).
+    total = sum(-(-n // shm.ALIGN) * shm.ALIGN for n, _ in takes)
     with _call(dp, total, timeout_s, "from") as c:
         dp, conn, deadline = c.dp, c.conn, c.deadline
         views = [v for v in ids if len(v)]
