@@ -194,12 +194,14 @@ def encode(frame: pb.DataFrame, payload_len: int = 0) -> bytes:
 
 
 def send(sock: socket.socket, frame: pb.DataFrame, payload: Any = None) -> None:
-    """Send one frame; `payload` (any bytes-like, e.g. a tensor's memoryview) unchanged."""
-    if payload is None or len(payload) == 0:
+    """Send one frame; `payload` (any bytes-like, e.g. a tensor's memoryview, or a list of
+    them, sent side by side) unchanged."""
+    parts = payload if isinstance(payload, list) else [] if payload is None else [payload]
+    views = [memoryview(p).cast("B") for p in parts if len(p)]
+    if not views:
         sock.sendall(encode(frame))
         return
-    view = memoryview(payload).cast("B")
-    send_buffers(sock, [encode(frame, len(view)), view])
+    send_buffers(sock, [encode(frame, sum(len(v) for v in views)), *views])
 
 
 def send_buffers(sock: socket.socket, buffers: Sequence[Any]) -> None:

@@ -127,7 +127,7 @@ def pull_tables(
         mine = [pp[i] for pp in parts]
         wants = [_count(pos) * p.dim * size for p, pos in zip(pulls, mine, strict=True)]
         if _rows_door(client, i, sum(wants)):
-            done = _pull_on_data_plane(client, i, pulls, mine, dtype, outs)
+            done = _pull_on_data_plane(client, i, pulls, mine, wants, dtype, outs)
             if done is not None:
                 for t, want in enumerate(wants):
                     got[t][i] = want
@@ -182,15 +182,15 @@ def _pull_on_data_plane(
     i: int,
     pulls: Sequence[RowsPull],
     mine: Sequence[torch.Tensor | slice],
+    wants: Sequence[int],
     dtype: torch.dtype,
     outs: Sequence[torch.Tensor],
 ) -> list[int] | None:
-    """Shard i's rows of every table (`p.ids[pos]` of each) over its data plane, into
-    its out[pos]: the tables' versions there, or None where the call must go over gRPC.
-    One table goes as a DataRowsPull, several as one DataTablesPull."""
+    """Shard i's rows of every table (`p.ids[pos]` of each, `want` bytes of rows) over
+    its data plane, into its out[pos]: the tables' versions there, or None where the call
+    must go over gRPC. One table goes as a DataRowsPull, several as one DataTablesPull."""
     reqs, ids, takes = [], [], []
-    for p, pos, out in zip(pulls, mine, outs, strict=True):
-        want = _count(pos) * p.dim * wire.DTYPE_ITEMSIZE[dtype]
+    for p, pos, want, out in zip(pulls, mine, wants, outs, strict=True):
         reqs.append(
             pb.PullRowsRequest(worker=client.worker, table=p.table, dtype=serde.dtype_to_pb(dtype))
         )

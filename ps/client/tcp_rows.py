@@ -139,7 +139,7 @@ def _take_shm(dp: DataPlaneClient, conn: Any, rows: Any, plen: int, take: Callab
 def pull_tables(
     dp: Transport,
     req: pb.DataTablesPull,
-    ids: Sequence[memoryview],
+    ids: list[memoryview],
     takes: Sequence[tuple[int, Callable[[int, memoryview], T]]],
     *,
     timeout_s: float,
@@ -153,9 +153,7 @@ def pull_tables(
     total = sum(-(-n // shm.ALIGN) * shm.ALIGN for n, _ in takes)
     with _call(dp, total, timeout_s, "from") as c:
         dp, conn, deadline = c.dp, c.conn, c.deadline
-        views = [v for v in ids if len(v)]
-        head = fr.encode(pb.DataFrame(tables_pull=req), sum(len(v) for v in views))
-        dp._io(conn, deadline, "send", fr.send_buffers, conn.sock, [head, *views])
+        dp._io(conn, deadline, "send", fr.send, conn.sock, pb.DataFrame(tables_pull=req), ids)
         frame, plen = dp._io(conn, deadline, "rows pull", dp._read_header, conn)
         kind = frame.WhichOneof("kind")
         if kind != "tables_rows":

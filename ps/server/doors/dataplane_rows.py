@@ -55,14 +55,7 @@ def serve_pull(conn: Any, ask: pb.DataRowsPull, plen: int) -> None:
                 ids.release()
         reply = pb.DataRows(version=version)
         view = room.place(rows, reply)
-        if len(view) > conn.server.max_payload_bytes:
-            raise ResourceExhausted(
-                f"rows_pull: {len(view)} bytes of rows is more than one frame of this shard "
-                f"holds ({conn.server.max_payload_bytes}, --max-message-bytes); pull fewer "
-                "rows per call"
-            )
-        conn._send(pb.DataFrame(rows=reply), view if len(view) else None)
-        conn.metrics.bytes_sent(reply.shm_bytes or len(view))
+        _answer(conn, "rows_pull", pb.DataFrame(rows=reply), [view], reply.shm_bytes)
     except PSError as e:
         conn._status(e.code, e.args[0])
     finally:
@@ -88,24 +81,28 @@ def serve_tables_pull(conn: Any, ask: pb.DataTablesPull, plen: int) -> None:
         finally:
             if plen:
                 ids.release()
-        total = sum(len(v) for v in views)
-        if total > conn.server.max_payload_bytes:
-            raise ResourceExhausted(
-                f"tables_pull: {total} bytes of rows is more than one frame of this shard "
-                f"holds ({conn.server.max_payload_bytes}, --max-message-bytes); pull fewer "
-                "rows per call"
-            )
-        frame = pb.DataFrame(tables_rows=reply)
-        if total:
-            conn.sock.settimeout(conn.server.frame_s)
-            fr.send_buffers(conn.sock, [fr.encode(frame, total), *views])
-        else:
-            conn._send(frame)
-        conn.metrics.bytes_sent(sum(t.shm_bytes for t in reply.tables) + total)
+        in_segment = sum(t.shm_bytes for t in reply.tables)
+        _answer(conn, "tables_pull", pb.DataFrame(tables_rows=reply), views, in_segment)
     except PSError as e:
         conn._status(e.code, e.args[0])
     finally:
         conn.metrics.rpc_observed("PullRows", time.monotonic() - t0)
+
+
+def _answer(
+    conn: Any, what: str, frame: pb.DataFrame, views: list[memoryview], in_segment: int
+) -> None:
+    """Send a pull's reply, the rows not in the segment (`views`) as its payload: more
+    than one frame of this shard holds is RESOURCE_EXHAUSTED instead (nothing sent)."""
+    total = sum(len(v) for v in views)
+    if total > conn.server.max_payload_bytes:
+        raise ResourceExhausted(
+            f"{what}: {total} bytes of rows is more than one frame of this shard holds "
+            f"({conn.server.max_payload_bytes}, --max-message-bytes); pull fewer rows per "
+            "call"
+        )
+    conn._send(frame, views)
+    conn.metrics.bytes_sent(in_segment + total)
 
 
 def _check_tables_pull(ask: pb.DataTablesPull, plen: int) -> None:
