@@ -577,13 +577,23 @@ def test_the_worker_refuses_rows_of_the_wrong_size(
     """sparse_client.pull_rows over a (fake) shard's data plane: rows that are not the
     bytes asked for, or not where the frame says, are INTERNAL naming what is wrong, the
     output untouched by them, the connection dropped."""
+    pull = lambda c: pull_rows(c, "t", torch.tensor([5, 0, 9]), DIM, torch.float32)  # noqa: E731
+    refused_by_fake_shard(answer, shm_ok, words, pull)
+
+
+def refused_by_fake_shard(
+    answer: Answer, shm_ok: bool, words: str, pull: Callable[[PSClient], object],
+    kind: str = "rows_pull",
+) -> None:  # fmt: skip
+    """pull(client) against a fake shard answering its `kind` call with `answer` fails
+    with INTERNAL naming `words`, and the worker drops that connection."""
     cfg = ClientConfig(data_shm_mib=4096 / (1 << 20) if shm_ok else 0)
-    with _fake_shard(answer, shm_ok=shm_ok) as port:
+    with _fake_shard(answer, shm_ok=shm_ok, kind=kind) as port:
         c = PSClient([f"127.0.0.1:{free_port()}"], worker=0, cfg=cfg)  # gRPC: never called
         try:
             c.doors.use_data_port(0, port)
             with pytest.raises(PSClientError) as e:
-                pull_rows(c, "t", torch.tensor([5, 0, 9]), DIM, torch.float32)
+                pull(c)
             assert e.value.code == SC.INTERNAL, e.value
             assert words in str(e.value), e.value
             dp = c._data[0]

@@ -23,11 +23,9 @@ from psar.ps import shm
 from psar.ps._gen.psar.v1 import ps_pb2 as pb
 from psar.ps.client.client_config import ClientConfig
 from psar.ps.client.errors import PSClientError
-from psar.ps.client.psclient import PSClient
 from psar.ps.client.sparse_client import RowsPull, pull_rows, pull_tables
 from psar.ps.server.shard import ShardState
 from psar.ps.shm import Segment
-from tests.ps_fixtures import free_port
 from tests.test_dataplane import read_frame
 from tests.test_dataplane_rows import (
     DIM,
@@ -37,10 +35,10 @@ from tests.test_dataplane_rows import (
     SHARDS,
     _answers_a_pull,
     _cluster,
-    _fake_shard,
     _ids,
     _spy_puts,
     lone,  # noqa: F401 - the fixture
+    refused_by_fake_shard,
     tables_digest,
 )
 from tests.test_dataplane_shm import _hello
@@ -212,19 +210,9 @@ REPLIES = {
 def test_the_worker_refuses_tables_rows_that_do_not_match(
     answer: Any, shm_ok: bool, words: str
 ) -> None:
-    cfg = ClientConfig(data_shm_mib=4096 / (1 << 20) if shm_ok else 0)
-    with _fake_shard(answer, shm_ok=shm_ok, kind="tables_pull") as port:
-        c = PSClient([f"127.0.0.1:{free_port()}"], worker=0, cfg=cfg)  # gRPC: never called
-        try:
-            c.doors.use_data_port(0, port)
-            with pytest.raises(PSClientError) as e:
-                pull_tables(c, [RowsPull("t", torch.tensor([5, 0]), DIM), RowsPull("u", torch.tensor([9]), DIM)], torch.float32)  # fmt: skip
-            assert e.value.code == SC.INTERNAL, e.value
-            assert words in str(e.value), e.value
-            dp = c._data[0]
-            assert dp is not None and dp._idle == [] and not dp._busy
-        finally:
-            c.close()
+    pulls = [RowsPull("t", torch.tensor([5, 0]), DIM), RowsPull("u", torch.tensor([9]), DIM)]
+    pull = lambda c: pull_tables(c, pulls, torch.float32)  # noqa: E731
+    refused_by_fake_shard(answer, shm_ok, words, pull, kind="tables_pull")
 
 
 def test_tables_that_fill_the_ring_only_unaligned_go_over_grpc() -> None:
