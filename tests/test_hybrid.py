@@ -10,6 +10,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -97,6 +98,23 @@ def test_launch_gives_hybrid_workers_the_shards_and_no_rank_flags() -> None:
     launch.validate(launch.parse(["--arch", "hybrid", "--", "python", "x.py"]))
 
 
+@pytest.mark.parametrize(
+    ("rounds", "staleness", "bound", "waits"),
+    [(True, "none", 0, True), (False, "versions", 0, False), (False, "bounded", 0, True),
+     (False, "bounded", 1, False), (False, "bounded", 3, False)],
+)  # fmt: skip
+def test_a_hybrid_step_waits_for_every_ranks_rows_where_the_tables_mode_needs_it(
+    rounds: bool, staleness: str, bound: int, waits: bool
+) -> None:
+    """Sync rounds and SSP at a bound of 0 read each clock's rows only after every rank's;
+    async and SSP >= 1 need no join (the dense allreduce keeps the ranks within a clock)."""
+    from psar.ps.client.backend_tables import TablesOnly
+
+    b = SimpleNamespace(traits=SimpleNamespace(rounds=rounds, staleness=staleness))
+    b.job_staleness = bound
+    assert TablesOnly(b).reads_wait is waits
+
+
 # ---- real processes ---------------------------------------------------------------------
 
 
@@ -131,6 +149,8 @@ def test_hybrid_sync_matches_ddp_sparse_fp32(tmp_path: Path, accum: int) -> None
     assert hyb["bytes_sent"] == hyb["bytes_pushed"] + hyb["bytes_allreduced"]
     for t in hyb["sparse_tables"].values():  # sync: every row push applied fresh
         assert t["staleness_histogram"] == {"0": 2 * STEPS}  # one push per shard per step
+    # No dense round: the shards saw rows only (the round slots were pulled once, at setup).
+    assert [(s["rounds"], s["updates_applied"]) for s in hyb["shards"]] == [(0, 0), (0, 0)]
 
 
 @pytest.mark.slow  # real processes for 4-30 s: the slow suite
@@ -179,9 +199,9 @@ def test_psar_launch_runs_a_hybrid_job(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_an_overflow_skips_the_step_on_every_rank_and_on_the_shards(tmp_path: Path) -> None:
     """fp16: rank 0's non-finite gradient at step 3 makes its row push an overflow, so the
-    shards skip the round and back the loss scale off for both ranks; rank 1, whose own
-    gradient was finite, skips its dense step too (the shards' verdict, and the allreduced
-    mean holds rank 0's inf): the ranks stay in step."""
+    shards skip the table round; the ranks' join carries the verdict, so rank 1, whose own
+    gradient was finite, skips its dense step too and both back their loss scale off
+    alike (worker/hybrid.py): the ranks stay in step."""
     args = [*COMMON[:-4], "--precision", "fp16", "--steps", "6", "--inject-overflow-step",
             "3", "--run-dir", str(tmp_path / "run")]  # fmt: skip
     with shards(2) as addrs:

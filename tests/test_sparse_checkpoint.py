@@ -243,3 +243,20 @@ def test_a_round_whose_rows_died_with_a_shard_closes_when_its_worker_moves_on() 
     assert st.sparse.tables["t.sgd"].version == 1 and list(st.sparse.pending) == [("t.sgd", 3)]
     row_push(st, "t.sgd", 1, 3, seed=6)
     assert st.sparse.tables["t.sgd"].version == 2 and not st.sparse.pending
+
+
+def test_tables_count_their_own_rounds_where_no_dense_round_is_pushed() -> None:
+    """--arch hybrid: the shards see row pushes and no dense round (worker/hybrid.py), so a
+    sync table's rounds close on its own count, and a clock beyond it is still one sent
+    before a restore (dropped, its clock not taken)."""
+    st = shard("sync")
+    for clock in (1, 2, 3):
+        for w in (0, 1):
+            row_push(st, "t.sgd", w, clock, seed=4)
+    t = st.sparse.tables["t.sgd"]
+    assert st.rounds == 0 and t.version == 3 and not st.sparse.pending
+    assert st.sparse.closed == {"t.sgd": 3}
+    row_push(st, "t.sgd", 0, 5, seed=4)  # round 4 never closed: from before a restore
+    assert st.sparse.clocks[("t.sgd", 0)] == 3 and not st.sparse.pending
+    row_push(st, "t.sgd", 0, 4, seed=4)
+    assert list(st.sparse.pending) == [("t.sgd", 4)]

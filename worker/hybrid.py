@@ -16,24 +16,30 @@ Each step, after backward:
 
 1. the dense gradients (unscaled, divided by the world size, in --wire-dtype) are
    allreduced *asynchronously*;
-2. meanwhile the PS part pushes every table's touched rows (ps/client/sparse_worker.py)
-   and closes the step's round with the shards (below);
-3. the allreduce is waited for and the dense optimizer steps on the mean gradient.
+2. meanwhile the PS part pushes every table's touched rows (ps/client/sparse_worker.py;
+   one call per shard) for the worker's next clock;
+3. where the tables' mode needs it (sync rounds, SSP at a bound of 0), a one-number
+   allreduce joins the ranks once every rank's row push was answered: the next step's
+   row pulls then see the table round closed, and the number is the job's overflow
+   verdict (ps/client/backend_tables.py);
+4. the dense allreduce is waited for and the dense optimizer steps on the mean gradient.
 
-The round. The shards count a job's steps by its dense pushes and pulls: sync row rounds
-close in clock order, a sync pull waits for its round (so the next step's row pull sees
-the closed table round), and SSP's bound is enforced by the dense pull. A hybrid job
-keeps that machinery as it is by giving the view one single-element parameter per shard
-("round slots", `psar_round_<i>`): they get no gradient, so each push names them absent
-(DDP's zeros), and each step's push and pull move four bytes per shard. The tables may
-therefore run --mode sync (equal to DDP-sparse per step in fp32), async or ssp, while the
-dense part is always synchronous.
+No dense round. The shards hold only the tables and see no dense push or pull during
+training: a sync table round closes when every worker's rows of its clock are in, as
+under --arch ps, and the collectives above give the workers what a dense round would
+(reads after the round, one verdict). The view still holds one single-element parameter
+per shard ("round slots", `psar_round_<i>`), so that every shard holds a slot of the job
+it registers; it is pulled once, at setup. The tables may run --mode sync (equal to
+DDP-sparse per step in fp32), async or ssp, while the dense part is always synchronous:
+async and SSP need no join, since the dense allreduce keeps the ranks within a clock.
 
-Overflow (fp16): every worker scales its loss by the PS part's loss scale. A worker whose
-dense gradient is non-finite marks its row push as an overflow, so a sync table round is
-skipped exactly when some worker's dense or row gradient overflowed; the dense step is
-skipped when the shards skipped the round (sync: the same verdict on every worker) or the
-allreduced mean is non-finite (the same sum on every worker).
+Overflow (fp16): every worker scales its loss by the PS part's loss scale and keeps it
+itself. A worker whose dense gradient is non-finite marks its row push as an overflow, so
+a sync table round is skipped exactly when some worker's dense or row gradient
+overflowed; the join tells every rank so, and each skips its dense step and backs its
+scale off alike. Without a join (async, SSP), the dense step is skipped when the
+allreduced mean is non-finite (the same sum on every worker) and each worker's scale
+follows its own gradients, as under --arch ps.
 """
 
 from __future__ import annotations
@@ -153,7 +159,6 @@ class HybridBackend(OnContext):
         """The tables' side: row pulls in forward, row pushes and the round in step()."""
         self.bytes_allreduced = 0
         self.steps_done = 0
-        self._dense_finite = True
 
     # ---- setup ----------------------------------------------------------------------
 
@@ -174,11 +179,6 @@ class HybridBackend(OnContext):
         view = tables_view(model, len(self.cfg.ps.server_list()))
         self.ps.setup(view)  # releases the tables: the worker never holds one
         self.ps.sparse.watch(model)  # the whole model says the tables' ids (not the view)
-        buckets = self.ps.overlap.buckets
-        decide = buckets.decide
-        # A non-finite dense gradient makes this worker's row push an overflow: the
-        # shards then skip the round, as the dense step is skipped (module docstring).
-        buckets.decide = lambda finite: decide(finite and self._dense_finite)
         model.to(self.device)
         self.model = model
         names = self.ps.sparse.names
@@ -225,7 +225,7 @@ class HybridBackend(OnContext):
         scale = self.ps.loss_scale
         grads = [(p.grad if p.grad is not None else torch.zeros_like(p)) for p in self.params]
         flat = torch.cat([g.reshape(-1) for g in grads]) if grads else torch.zeros(0)
-        self._dense_finite = all_finite([flat])
+        dense_finite = all_finite([flat])
         # Divided first (as DDP's hooks do), so the sum cannot overflow where the mean
         # would not; the loss scale out too, since async workers may hold different ones.
         wire = flat.div_(scale * self.world_size).to(self.wire)
@@ -234,14 +234,28 @@ class HybridBackend(OnContext):
             work = dist.all_reduce(wire, async_op=True)
         self.bytes_allreduced += self._step_bytes
         t1 = time.perf_counter()
-        out = self.ps.step()  # rows pushed, the round closed, while the allreduce runs
+        tables = self.ps.tables
+        out = tables.step(dense_finite)  # rows pushed while the allreduce runs
         t2 = time.perf_counter()
+        overflow = out.skipped  # this worker's, rows or dense
+        joint = tables.reads_wait  # the mode waits for every rank's rows: one verdict
+        if joint and self.world_size > 1:
+            # Every rank's rows of this clock are on the shards once this ends (each
+            # joins after its push was answered), so the next row pulls see the table
+            # round closed; and every rank learns whether any overflowed, the shards'
+            # verdict on the round (ps/client/backend_tables.py).
+            verdict = torch.tensor([1.0 if overflow else 0.0])
+            dist.all_reduce(verdict)
+            overflow = bool(verdict.item())
+        t3 = time.perf_counter()
         if work is not None:
             work.wait()
-        t3 = time.perf_counter()
+        t4 = time.perf_counter()
         mean = wire.float() if wire.dtype != torch.float32 else wire
         finite = all_finite([mean])
-        skipped = (out.skipped and self.ps.traits.shard_owns_loss_scale) or not finite
+        skipped = (overflow and joint) or not finite
+        # The verdict moves the scale: the same on every rank where it is the job's.
+        scale = tables.settle(overflow)
         if not skipped:
             offset = 0
             for p in self.params:
@@ -253,11 +267,12 @@ class HybridBackend(OnContext):
                 self.scheduler.step()
         self.steps_done += 1
         phases = dict(out.phases)
-        phases["allreduce"] = t3 - t2
-        phases["optimizer"] = (t1 - t0) + (time.perf_counter() - t3)
+        phases["wait"] = t3 - t2
+        phases["allreduce"] = t4 - t3
+        phases["optimizer"] = (t1 - t0) + (time.perf_counter() - t4)
         return StepOutcome(
             skipped=skipped or out.skipped,
-            loss_scale=self.ps.loss_scale,
+            loss_scale=scale,
             staleness=out.staleness,
             phases=phases,
             cache_lookups=out.cache_lookups,
@@ -268,7 +283,7 @@ class HybridBackend(OnContext):
     # ---- the rest -------------------------------------------------------------------
 
     def report(self, *, final: bool = False) -> dict[str, Any]:
-        """The PS part's figures (rows and round slots pushed and pulled, the shards'),
+        """The PS part's figures (rows pushed and pulled, the shards'),
         plus the dense allreduce: bytes_sent/received count both (the ring's share as
         DDP's report counts it)."""
         from psar.allreduce.backend import ring_bytes

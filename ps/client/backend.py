@@ -37,6 +37,7 @@ from psar.ps.client.backend_local import LocalRounds
 from psar.ps.client.backend_overlap import Overlap
 from psar.ps.client.backend_own import OwnLoopPart, OwnOptimizer
 from psar.ps.client.backend_resync import _MAX_RESYNCS, Resync
+from psar.ps.client.backend_tables import TablesOnly
 from psar.ps.client.int_buffers import IntBuffers
 from psar.ps.client.locality import resolve_early_pull
 from psar.ps.client.psclient import ClientConfig, NeedsResync, PSClient
@@ -117,6 +118,10 @@ class PSBackend(OnContext):
         """--mode local: the inner steps and the outer rounds."""
         self.own = OwnLoopPart(self)
         """A loop of the user's own: its optimizer on the shards, each step's options."""
+        self.tables = TablesOnly(self)
+        """Steps of the tables alone, for a job whose dense part is not the shards'."""
+        self.job_staleness = 0
+        """The job's SSP bound (from GetJob, in setup)."""
         self.overlap: Overlap
         """Push during backward, pull during forward (setup() makes it)."""
 
@@ -229,6 +234,7 @@ class PSBackend(OnContext):
                     "older psar?); run the same psar version on workers and shards"
                 )
             self.traits = have.traits
+            self.job_staleness = have.staleness
             # Rank 0 decided the job's early pulls: every worker takes them from it.
             want = dataclasses.replace(
                 want, early_pull=have.early_pull, chunk_rounds=have.chunk_rounds

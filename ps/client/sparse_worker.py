@@ -98,6 +98,8 @@ class SparseSide:
         self.bytes_pushed = 0
         self.steps = 0
         """Steps pushed so far: the clock the hot-row caches count their bound in."""
+        self.pushed_staleness = 0
+        """The largest staleness the shards measured for the last push's applied rows."""
         wire_weights = self.pull_dtype.itemsize
         self.caches = {
             name: HotRowCache(ps.hot_row_cache, ps.hot_row_staleness, sp.dim * wire_weights + 8)
@@ -302,6 +304,7 @@ class SparseSide:
         ]
         # All tables at once (PushTables): one round trip per step, not one per table.
         done = sparse_client.push_tables(self.b.client, pushes)
+        self.pushed_staleness = 0
         for name, (replies, nbytes) in zip(grads, done, strict=True):
             st = self.state[name]
             self.bytes_pushed += nbytes
@@ -309,6 +312,7 @@ class SparseSide:
             for r in replies:
                 if r.applied and not r.already_applied:
                     self.staleness[name][int(r.staleness)] += 1
+                    self.pushed_staleness = max(self.pushed_staleness, int(r.staleness))
             st["acc"], st["ids"] = [], None
         self.steps += 1
         return finite

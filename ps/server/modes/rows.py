@@ -49,6 +49,8 @@ class TableRounds(Protocol):
     """(table, clock) -> the pushes of a round still open, by worker."""
     clocks: dict[tuple[str, int], int]
     """(table, worker) -> the newest clock pushed."""
+    closed: dict[str, int]
+    """table -> the clock of its newest closed round (sync)."""
     skipped: Counter[str]
     staleness: dict[str, Counter[int]]
 
@@ -64,7 +66,9 @@ class RowPolicy(ABC):
 
     def from_before_restore(self, clock: int, rounds: int) -> bool:
         """Is a push of `clock` one sent before this shard was restored or rolled back
-        (at dense round `rounds`), to be dropped? Only rounds can tell."""
+        (at round `rounds`: the dense rounds, or the table's own where they are further,
+        as in a hybrid job, whose shards see no dense round), to be dropped? Only rounds
+        can tell."""
         return False
 
 
@@ -104,12 +108,14 @@ class RowRounds(RowPolicy):
         return True, 0
 
     def from_before_restore(self, clock: int, rounds: int) -> bool:
-        # A worker pushes the rows of clock c after its pull of round c - 1 returned, so
-        # a later clock was sent to this shard before a restore or rollback took it back.
+        # A worker pushes the rows of clock c after its pull of round c - 1 returned (a
+        # hybrid worker: after every worker's rows of c - 1 were in, worker/hybrid.py),
+        # so a later clock was sent to this shard before a restore or rollback took it back.
         return clock > rounds + 1
 
     def _close(self, tables: TableRounds, t: SparseTable, name: str, clock: int) -> None:
         rnd = tables.pending.pop((name, clock))
+        tables.closed[name] = clock
         if any(q.overflow for q in rnd.values()):
             tables.skipped[name] += 1
             t.version += 1

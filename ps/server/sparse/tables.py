@@ -5,7 +5,8 @@ and update policy, but keeps its own lock, versions and clocks per table. What a
 validated push does is the policy's decision: its `rows` (ps/server/modes/rows.py)
 holds sync pushes for a round, or applies async/ssp ones on arrival. Workers push rows
 before their dense gradient of the same clock, so by the time a dense sync pull returns,
-the table's round of that clock has closed too.
+the table's round of that clock has closed too (a hybrid job pushes no dense round: its
+workers join among themselves once their rows are in, worker/hybrid.py).
 
 Every push is validated completely (ids, widths, finiteness) before anything changes.
 """
@@ -52,6 +53,8 @@ class SparseTables:
         self.tables: dict[str, SparseTable] = {}
         self.specs: list[TableSpec] | None = None
         self.clocks: dict[tuple[str, int], int] = {}
+        self.closed: dict[str, int] = {}
+        """table -> the clock of its newest closed sync round (RowRounds)."""
         self.pending: dict[tuple[str, int], dict[int, RowPush]] = {}
         self.staleness: dict[str, Counter[int]] = {}
         self.skipped: Counter[str] = Counter()
@@ -180,7 +183,8 @@ class SparseTables:
         self, name: str, t: SparseTable, p: RowPush, rows: RowPolicy, live: set[int], rounds: int
     ) -> tuple[bool, bool, int, int]:
         """One checked push, under the lock."""
-        if rows.from_before_restore(p.clock, rounds):
+        # The table's own rounds count too: a hybrid job pushes no dense rounds.
+        if rows.from_before_restore(p.clock, max(rounds, self.closed.get(name, 0))):
             # Sent before this shard was restored or rolled back, by a worker that has
             # not re-registered yet: its dense push of that clock is refused
             # (`restored`), so these rows are dropped without recording the clock.
@@ -268,6 +272,7 @@ class SparseTables:
         tables were checkpointed; a later CreateTables warns that they start afresh."""
         with self._lock:
             self.pending.clear()
+            self.closed.clear()  # the rounds are the restored dense ones again
             self.untabled_restore = "" if snap is not None else where
             if snap is None:
                 return  # the tables (if any) stay as they are: the checkpoint cannot say
