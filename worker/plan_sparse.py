@@ -41,18 +41,29 @@ SPARSE_OPTIMIZERS = ("sgd", "adagrad", "lazy_adam")
 #: sum, SparseAdam's two moments); a shard keeps adagrad's one accumulator per row instead.
 _DDP_STATE = {"sgd": 0, "adagrad": 1, "lazy_adam": 2}
 
-#: CPU seconds per row beyond moving its bytes and beyond W (`--worker-cpu-ms`: one
-#: DDP-sparse rank's CPU per step in a ring of one, which dedups, coalesces and applies its
-#: own u rows), on this project's 2-core AMD EPYC VM, quiet, 2026-12-06, recsys 1M + 100k
-#: rows, batch 4096, 2 workers, 2 shards (bench/experiments/sparse_cpu.py: W 13.27 ms, two
-#: DDP-sparse ranks 51.75, the ps job 108.1; docs/cost-model.md "Sparse tables"): a DDP
-#: rank's per row of the union it applies beyond its own ((25.9 - W - its gloo bytes) /
-#: 9,188 rows), and the PS job's 2.84 us per touched row, split between a shard's (per row
-#: a worker pulls and pushes: gather, checks, scatter, optimizer) and a worker's as the
-#: processes' CPU windows split (shards 50.0 ms, workers 53.1).
-DEFAULT_ROW_CPU_PS_WORKER = 0.9e-6
-DEFAULT_ROW_CPU_PS_SHARD = 1.9e-6
-DEFAULT_ROW_CPU_DDP = 1.1e-6
+#: Seconds of the cores per row beyond moving its bytes and beyond W (`--worker-cpu-ms`:
+#: one DDP-sparse rank's CPU per step in a ring of one, which dedups, coalesces and applies
+#: its own u rows), on this project's 2-core AMD EPYC VM, 2026-12-07, recsys 1M + 100k rows,
+#: batch 4096, 2 workers, 2 shards, derived from the *measured steps* (wall) of
+#: `python bench/sparse.py --rows 1000000 --steps 200 --dense-max-rows 0 --ways
+#: hybrid,allreduce_sparse,torchrec --repeats 3 --no-plan` (medians: hybrid 260,678
+#: samples/s, 31.4 ms a step; DDP-sparse 225,882, 36.3 ms) and W = 17.23 ms
+#: (bench/experiments/sparse_cpu.py), so they hold the time the cores wait on the row path
+#: too (gloo's sparse allreduce leaves DDP's ranks idle ~40% of its wall; CPU time alone
+#: gave 0.01 us a DDP row and 0.25 us a PS row): a DDP rank's per row of the union it
+#: applies beyond its own ((36.3 - W - its gloo bytes 2.3 ms) / 9,188 rows), and the PS
+#: path's ((31.4 - W) x 2 cores - its row bytes 11.8 ms) / 24,532 rows = 0.68 us, split
+#: between a shard's and a worker's as their CPU windows split (2 : 1). Docs:
+#: docs/cost-model.md "Sparse tables".
+DEFAULT_ROW_CPU_PS_WORKER = 0.22e-6
+DEFAULT_ROW_CPU_PS_SHARD = 0.46e-6
+DEFAULT_ROW_CPU_DDP = 1.8e-6
+#: The cores' seconds of one worker's dense round with one shard under --arch ps (its push
+#: and its pull, both ends, the frames and the round's wait), which a hybrid step no longer
+#: has: hybrid with and without its per-step round-slot round trips, alternated 3 times at
+#: 10M rows (bench/sparse.py --ways hybrid): 267.6k -> 304.2k samples/s, 3.7 ms a step
+#: for 2 workers x 2 shards on 2 cores (docs/results.md, 2026-12-07).
+DEFAULT_ROUND_CPU_PS = 1.85e-3
 
 
 @dataclass(frozen=True)
@@ -75,6 +86,8 @@ class SparseInputs:
     row_cpu_ps_worker: float = DEFAULT_ROW_CPU_PS_WORKER
     row_cpu_ps_shard: float = DEFAULT_ROW_CPU_PS_SHARD
     row_cpu_ddp: float = DEFAULT_ROW_CPU_DDP
+    round_cpu_ps: float = DEFAULT_ROUND_CPU_PS
+    """Seconds of the cores per worker per shard per step for --arch ps's dense round."""
 
     def __post_init__(self) -> None:
         if not self.table_rows or min(self.table_rows) < 1:
@@ -262,6 +275,21 @@ def _row_path(inp: PlanInputs, sp: SparseInputs, u: float) -> _RowPath:
     return _RowPath(r, pull, push_w, push_s, cpu, n * row_bytes / s)
 
 
+def _round_cpu(inp: PlanInputs, sp: SparseInputs) -> float:
+    """--arch ps's dense rounds on the cores: each worker's with each shard, half at each
+    end (hybrid has none: its ranks join by a collective)."""
+    n, s, k = inp.workers, inp.servers, inp.hosts_of_shards
+    per_host = ceil_div(s, k) if k else ceil_div(s, n)
+    worker, shard = s * sp.round_cpu_ps / 2, n * per_host * sp.round_cpu_ps / 2
+    if inp.cpu_shared:
+        cpu = n * s * sp.round_cpu_ps
+    elif k == 0:  # a worker host runs its worker and its shards
+        cpu = worker + shard
+    else:
+        cpu = max(worker, shard)
+    return _cpu(0.0, 1.0, cpu, inp)
+
+
 def plan_sparse(inp: PlanInputs, sp: SparseInputs) -> dict[str, SparseArch]:
     """The four designs' predictions, by name."""
     n = inp.workers
@@ -311,20 +339,23 @@ def plan_sparse(inp: PlanInputs, sp: SparseInputs) -> dict[str, SparseArch]:
     # forward: the three phases one after the other.
     ps = plan_ps(inp)
     assert ps.memory_per_shard is not None
+    round_cpu = _round_cpu(inp, sp)
     ps_mem = replace(ps.memory_per_worker, buffers=ps.memory_per_worker.buffers + cache)
     out["ps"] = SparseArch(
         "ps", ps.bytes_sent_per_worker_per_step + r.pull_request + r.push,
         ps.bytes_received_per_worker_per_step + r.pull_reply,
         _add(_add(rp.pull, _slower(rp.push_worker, rp.push_shard)), Comm(0.0, ps.link_seconds_per_step)),
-        ps.cpu_seconds + rp.cpu_seconds, ps_mem, _plus(ps.memory_per_shard, tables),
+        ps.cpu_seconds + rp.cpu_seconds + round_cpu, ps_mem, _plus(ps.memory_per_shard, tables),
         fits=_fits(ps_mem, sp),
         bytes_per_shard_per_step=2 * (ps.bytes_received_per_shard_per_step or 0.0) + rp.bytes_per_shard,
         **base)  # fmt: skip
 
-    # hybrid: the ring's bytes leave the worker's NIC with the row push, at the same time.
+    # hybrid: the ring's bytes leave the worker's NIC with the row push, at the same time;
+    # then the ranks join (a one-number allreduce: sync rounds, worker/hybrid.py).
     both = Comm(max(rp.push_worker.latency_seconds, ring.latency_seconds),
                 (r.push + ring_moved) / beta)  # fmt: skip
     push = _slower(both, rp.push_shard, ring) if n > 1 else _slower(rp.push_worker, rp.push_shard)
+    push = _add(push, Comm(2 * (n - 1) * alpha, 0.0))
     h_mem = replace(dense_mem, buffers=dense_mem.buffers + cache)
     out["hybrid"] = SparseArch(
         "hybrid", ring_moved + r.pull_request + r.push, ring_moved + r.pull_reply,

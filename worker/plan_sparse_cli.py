@@ -9,6 +9,7 @@ import argparse
 from collections.abc import Callable
 
 from psar.worker.plan_sparse import (
+    DEFAULT_ROUND_CPU_PS,
     DEFAULT_ROW_CPU_DDP,
     DEFAULT_ROW_CPU_PS_SHARD,
     DEFAULT_ROW_CPU_PS_WORKER,
@@ -122,6 +123,7 @@ def add_sparse_flags(p: argparse.ArgumentParser) -> None:
         ("--row-cpu-ps-worker-us", DEFAULT_ROW_CPU_PS_WORKER, "a PS or hybrid worker's per touched row"),
         ("--row-cpu-ps-shard-us", DEFAULT_ROW_CPU_PS_SHARD, "a shard's per row a worker pulls and pushes"),
         ("--row-cpu-ddp-us", DEFAULT_ROW_CPU_DDP, "a DDP-sparse rank's per row of the union it applies beyond its own"),
+        ("--round-cpu-ps-us", DEFAULT_ROUND_CPU_PS, "--arch ps's dense round, per worker per shard per step (hybrid has none)"),
     ):  # fmt: skip
         g.add_argument(flag, type=_number(flag, 0.0, 1e6), default=default * 1e6, metavar="US",
                        help=f"with --cpu-cores: CPU us {who}, beyond its bytes and --worker-cpu-ms "
@@ -145,6 +147,7 @@ def sparse_inputs(args: argparse.Namespace) -> SparseInputs | None:
         sparse_wire_dtype=args.sparse_wire_dtype, sparse_optimizer=args.sparse_optimizer,
         row_cpu_ps_worker=args.row_cpu_ps_worker_us / 1e6,
         row_cpu_ps_shard=args.row_cpu_ps_shard_us / 1e6, row_cpu_ddp=args.row_cpu_ddp_us / 1e6,
+        round_cpu_ps=args.round_cpu_ps_us / 1e6,
     )  # fmt: skip
 
 
@@ -217,6 +220,7 @@ def to_dict(inp: PlanInputs, sp: SparseInputs) -> dict[str, object]:
             "worker_mem_bytes": sp.worker_mem_bytes, "sparse_wire_dtype": sp.sparse_wire_dtype,
             "sparse_optimizer": sp.sparse_optimizer, "row_cpu_ps_worker_seconds": sp.row_cpu_ps_worker,
             "row_cpu_ps_shard_seconds": sp.row_cpu_ps_shard, "row_cpu_ddp_seconds": sp.row_cpu_ddp,
+            "round_cpu_ps_seconds": sp.round_cpu_ps,
         },
     }  # fmt: skip
 
