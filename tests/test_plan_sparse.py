@@ -163,7 +163,7 @@ def _cell(rows: int, **kw: object) -> tuple[str | None, dict]:
 @pytest.mark.parametrize("rows", [1_000_000, 10_000_000])
 def test_the_measured_cells_pick_hybrid(rows: int) -> None:
     """On one host's 2 cores hybrid was the fastest at 1M and 10M rows since its steps lost
-    their dense round (2026-12-07: 1.07x and 1.09x DDP-sparse, medians of alternated
+    their dense round (2026-12-07: 1.07x and 1.14x DDP-sparse, medians of alternated
     repeats, docs/results.md), DDP-sparse next; ps, which still has its round, behind
     hybrid. The plan's ratio stays in the range the repeats spanned (0.97-1.27x)."""
     winner, archs = _cell(rows)
