@@ -15,7 +15,7 @@ itself, through the collective its dense part runs anyway:
   shard; the same collective carries each worker's overflow, so every worker learns the
   shards' verdict and skips its dense step with them.
 - *The loss scale.* Every worker keeps one (`settle`), moved by that verdict: the same
-  on every worker where the verdict is shared; its own elsewhere (async, SSP), as under
+  on every worker where the verdict is shared; its own elsewhere (async, SSP >= 1), as under
   --arch ps. Row pushes carry it, so the shards divide out whichever scale was used.
 
 Async and SSP at a bound of 1 or more need no wait: the dense collective already keeps
