@@ -56,7 +56,6 @@ class TablesOnly:
         rows_finite = b.sparse.push(b.clock + 1, finite, b.loss_scale)
         b.clock += 1
         b.pushed = b.clock
-        b.overlap.buckets.begin_step()
         cache = b.sparse.take_cache_counts()
         return StepOutcome(
             skipped=not rows_finite,
