@@ -255,17 +255,21 @@ class _RowPath:
     bytes_per_shard: float  # in and out
 
 
-def _row_path(inp: PlanInputs, sp: SparseInputs, u: float) -> _RowPath:
+def _row_path(inp: PlanInputs, sp: SparseInputs, u: float, round_cpu: float = 0.0) -> _RowPath:
+    """`round_cpu`: the cores' seconds of a dense round per worker per shard, half at each
+    end (--arch ps's; hybrid has none: its ranks join by a collective)."""
     n, s, k = inp.workers, inp.servers, inp.hosts_of_shards
     r = _rows(inp, sp, u)
     pull = _slower(*_row_phase(max(r.pull_request, r.pull_reply), inp, len(sp.table_rows)))
     push_w, push_s = _row_phase(r.push, inp, 1)
     row_bytes = r.pull_request + r.pull_reply + r.push  # one worker's, one end
     per_host = ceil_div(s, k) if k else ceil_div(s, n)  # shards on the busiest shard host
-    worker = (row_bytes, u * sp.row_cpu_ps_worker)
-    shard = (row_bytes * n * per_host / s, n * u * per_host / s * sp.row_cpu_ps_shard)
+    worker = (row_bytes, u * sp.row_cpu_ps_worker + s * round_cpu / 2)
+    shard = (row_bytes * n * per_host / s,
+             n * per_host * (u / s * sp.row_cpu_ps_shard + round_cpu / 2))  # fmt: skip
     if inp.cpu_shared:  # every worker's and every shard's share on the same cores
-        nbytes, rows_cpu = 2 * n * row_bytes, n * u * (sp.row_cpu_ps_worker + sp.row_cpu_ps_shard)
+        nbytes = 2 * n * row_bytes
+        rows_cpu = n * u * (sp.row_cpu_ps_worker + sp.row_cpu_ps_shard) + n * s * round_cpu
     elif k == 0:  # a worker host runs its worker and its shards
         nbytes, rows_cpu = worker[0] + shard[0], worker[1] + shard[1]
     else:  # the busier of a worker host and the busiest shard host
@@ -273,21 +277,6 @@ def _row_path(inp: PlanInputs, sp: SparseInputs, u: float) -> _RowPath:
         nbytes, rows_cpu = max(worker, shard, key=lambda x: x[0] / rate + x[1])
     cpu = _cpu(nbytes, inp.ps_cpu_bytes_per_second, rows_cpu, inp)
     return _RowPath(r, pull, push_w, push_s, cpu, n * row_bytes / s)
-
-
-def _round_cpu(inp: PlanInputs, sp: SparseInputs) -> float:
-    """--arch ps's dense rounds on the cores: each worker's with each shard, half at each
-    end (hybrid has none: its ranks join by a collective)."""
-    n, s, k = inp.workers, inp.servers, inp.hosts_of_shards
-    per_host = ceil_div(s, k) if k else ceil_div(s, n)
-    worker, shard = s * sp.round_cpu_ps / 2, n * per_host * sp.round_cpu_ps / 2
-    if inp.cpu_shared:
-        cpu = n * s * sp.round_cpu_ps
-    elif k == 0:  # a worker host runs its worker and its shards
-        cpu = worker + shard
-    else:
-        cpu = max(worker, shard)
-    return _cpu(0.0, 1.0, cpu, inp)
 
 
 def plan_sparse(inp: PlanInputs, sp: SparseInputs) -> dict[str, SparseArch]:
@@ -339,13 +328,13 @@ def plan_sparse(inp: PlanInputs, sp: SparseInputs) -> dict[str, SparseArch]:
     # forward: the three phases one after the other.
     ps = plan_ps(inp)
     assert ps.memory_per_shard is not None
-    round_cpu = _round_cpu(inp, sp)
+    ps_rows = _row_path(inp, sp, u, sp.round_cpu_ps)  # the same rows, and the dense rounds
     ps_mem = replace(ps.memory_per_worker, buffers=ps.memory_per_worker.buffers + cache)
     out["ps"] = SparseArch(
         "ps", ps.bytes_sent_per_worker_per_step + r.pull_request + r.push,
         ps.bytes_received_per_worker_per_step + r.pull_reply,
         _add(_add(rp.pull, _slower(rp.push_worker, rp.push_shard)), Comm(0.0, ps.link_seconds_per_step)),
-        ps.cpu_seconds + rp.cpu_seconds + round_cpu, ps_mem, _plus(ps.memory_per_shard, tables),
+        ps.cpu_seconds + ps_rows.cpu_seconds, ps_mem, _plus(ps.memory_per_shard, tables),
         fits=_fits(ps_mem, sp),
         bytes_per_shard_per_step=2 * (ps.bytes_received_per_shard_per_step or 0.0) + rp.bytes_per_shard,
         **base)  # fmt: skip
