@@ -35,6 +35,7 @@ from torch import nn
 from psar.ps import wire
 from psar.ps.client import sparse_client
 from psar.ps.client.hot_rows import CacheCounts, HotRowCache
+from psar.ps.client.row_bags import BAG_ROWS, BatchRows, batch_rows
 from psar.ps.client.row_bags import install as install_row_bag
 from psar.ps.sparse_spec import TableSpec
 from psar.trainkit.device_io import to_device, to_host
@@ -107,6 +108,8 @@ class SparseSide:
             if ps.hot_row_cache
         }
         self._cache_taken = CacheCounts()
+        self.bag_rows: dict[str, BatchRows] = {}
+        """weight name -> the last pull's BatchRows (row_bags.py: its table's backward)."""
         self.prefetched: dict[str, tuple[torch.Tensor, Any]] = {}
         """weight name -> (the batch's flat ids, _rows' result) pulled by prefetch()."""
         if self.caches and ps.hot_row_staleness == 0:
@@ -157,7 +160,11 @@ class SparseSide:
             mod.weight = nn.Parameter(to_device(rows, w.device), requires_grad=w.requires_grad)
             st["ids"] = uniq
             self.max_cached_rows[name] = max(self.max_cached_rows[name], uniq.numel())
-            return (to_device(inv.reshape(ids.shape), ids.device), *rest)
+            remapped = to_device(inv.reshape(ids.shape), ids.device)
+            told = self.bag_rows.pop(name, None)
+            if told is not None and told.inv is inv:  # where the batch names each row
+                setattr(mod, BAG_ROWS, (remapped, told.by_row, told.starts))
+            return (remapped, *rest)
 
         return hook
 
@@ -188,12 +195,18 @@ class SparseSide:
         _rows' result): the hot-row cache's part of _rows around the pull."""
         spec, cache = self.specs[name], self.caches.get(name)
         if cache is None or not cache.serves:
-            uniq, inv = torch.unique(ids, return_inverse=True)
-            if cache is not None:  # exact (staleness 0): looked up, never a hit
-                cache.counts.lookups += uniq.numel()
             # Shard by shard: each shard's rows are one slice of the cache, pulled into
             # and pushed from without a gather or a scatter.
-            uniq, inv = sparse_client.group_by_shard(uniq, inv, self.b.client.num_shards)
+            shards = self.b.client.num_shards
+            told = batch_rows(ids, spec.rows, shards)
+            if told is None:  # ids out of range: the shards' error names them
+                uniq, inv = torch.unique(ids, return_inverse=True)
+                uniq, inv = sparse_client.group_by_shard(uniq, inv, shards)
+            else:
+                uniq, inv = told.uniq, told.inv
+                self.bag_rows[name] = told
+            if cache is not None:  # exact (staleness 0): looked up, never a hit
+                cache.counts.lookups += uniq.numel()
             return uniq, lambda got: (*got, uniq, inv)
         uniq, inv, named = torch.unique(ids, return_inverse=True, return_counts=True)
         hit, cached = cache.lookup(uniq, self.steps)
