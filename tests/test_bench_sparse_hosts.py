@@ -235,7 +235,7 @@ def test_repeats_pair_the_ways_of_one_repeat_and_keep_the_median() -> None:
     assert failed == {"error": "boom"} and sh.median_run([]) == {}
 
 
-@pytest.mark.slow  # two jobs of real processes in namespaces: ~15 s on 2 cores
+@pytest.mark.slow  # two jobs of real processes in namespaces: ~20 s on 2 cores
 def test_shards_on_the_workers_hosts_serve_rows_across_the_links(tmp_path: Path) -> None:
     from tests import netns
 
@@ -243,7 +243,7 @@ def test_shards_on_the_workers_hosts_serve_rows_across_the_links(tmp_path: Path)
         pytest.skip(reason)
     out = tmp_path / "hosts.json"
     argv = [sys.executable, "bench/sparse.py", "--hosts", "2", "--shards", "2", "--rows", "10000",
-            "--batch", "128", "--steps", "12", "--link-mbit", "1000", "--timeout", "240",
+            "--batch", "128", "--steps", "60", "--link-mbit", "1000", "--timeout", "240",
             "--shard-placement", "worker-hosts", "--ways", "hybrid,allreduce_sparse",
             "--out", str(out)]  # fmt: skip
     p = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=600,
@@ -256,6 +256,10 @@ def test_shards_on_the_workers_hosts_serve_rows_across_the_links(tmp_path: Path)
     assert (
         len(hyb["peak_bytes_per_shard"]) == 2 and hyb["nic_bytes_per_step_per_shard_host"] is None
     )
-    # Half of each worker's rows are on the other host's shard: they cross the NICs.
-    assert hyb["nic_bytes_per_step_per_worker"] > 0.4 * hyb["bytes_per_step"]
+    # Half of each worker's rows are on the other host's shard, and its host's shard serves
+    # the other worker's half: a host's NIC carries about its worker's own row bytes
+    # (0.93-0.98x measured). The NIC is sampled every 0.25 s, so the window must span a
+    # few samples: at 12 steps (~0.1 s) the ratio read 0.30-0.47, diluted by idle time.
+    assert 0.6 * hyb["bytes_per_step"] < hyb["nic_bytes_per_step_per_worker"]
+    assert hyb["nic_bytes_per_step_per_worker"] < 1.5 * hyb["bytes_per_step"]
     assert r["hybrid_vs_allreduce_sparse"]["speedup"] > 0
