@@ -153,3 +153,20 @@ def test_what_a_call_was_told_about_other_ids_is_dropped() -> None:
     ref, _ = _pair("sum")
     ref(ids).sum().backward()
     torch.testing.assert_close(fast.weight.grad, ref.weight.grad)
+
+
+def test_the_row_backward_experiment_checks_both_ways_alike(capsys) -> None:
+    """bench/experiments/row_backward.py times the two ways only after checking their
+    rows and gradients equal; a small run of it end to end."""
+    from bench.experiments import row_backward
+
+    t = row_backward.one_table(5000, 64, 4, 8, 2, iters=1, repeats=1)
+    assert set(t) == {"unique_rows_ms", "unique_backward_ms", "sort_rows_ms", "sort_backward_ms"}
+    assert all(v > 0 for v in t.values())
+    threads = torch.get_num_threads()
+    try:
+        row_backward.main(["--rows", "3000,70", "--batch", "32", "--iters", "1", "--repeats", "1"])
+    finally:
+        torch.set_num_threads(threads)  # main times one thread: the rest of the run keeps its own
+    lines = capsys.readouterr().out.splitlines()
+    assert [ln.split()[0] for ln in lines[1:]] == ["3,000", "70"] and lines[1].endswith("x")

@@ -12,8 +12,10 @@ Faster still where the worker says, with the ids, where the batch names each row
 (:func:`batch_rows`, which finds the batch's unique rows by one sort that gives that
 order too): a row's gradient is then the sum of its bags' gradients, which is an
 ``embedding_bag`` over the bags' gradients (one segment per row) — no (bags x size x dim)
-copy of the gradient to scatter from, a tenth of the time of the index_add_ above, and
-the same bits (a row's terms added in the batch's order either way).
+copy of the gradient to scatter from, and the same bits (a row's terms added in the
+batch's order either way). bench/experiments/row_backward.py times both ways per table
+(4096 bags of 4, dim 64, one thread): rows found 1.33 -> 1.02 ms, gradient added 2.58 ->
+0.95 ms at 10M rows.
 
 Only the common case takes this path: a CPU weight, 2-D ids (bags of equal size), no
 offsets or per-sample weights, mode ``sum`` or ``mean``, no ``scale_grad_by_freq``.

@@ -6,7 +6,9 @@ ps/sparse_table.init_rows, so shards build their rows themselves). Such a table 
 left out of the dense slot plan, and the worker does not keep it: after setup the
 module's weight is an empty (0, dim) tensor. Each forward, a pre-hook
 
-1. deduplicates the batch's ids (``torch.unique``),
+1. deduplicates the batch's ids (row_bags.batch_rows: one sort that also says where
+   the batch names each row, for the table's backward; ``torch.unique`` where the
+   hot-row cache serves rows or an id lies outside the table),
 2. pulls only those rows from the shards holding them (row r on shard r % S),
 3. installs them as the module's weight (a row cache) and remaps the ids to it.
 
