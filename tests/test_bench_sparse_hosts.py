@@ -60,6 +60,14 @@ def test_bytes_between_interpolates_and_needs_samples_around_the_window() -> Non
     assert nic.bytes_between(series[:1], 0.0, 0.0) is None
 
 
+def test_the_sampler_counts_its_samples_inside_a_window() -> None:
+    sampler = nic.NicSampler({})
+    sampler.samples = [(t, {}) for t in (0.0, 0.25, 0.5, 0.75, 1.0)]
+    assert sampler.samples_within(0.1, 0.9) == 3
+    assert sampler.samples_within(0.3, 0.4) == 0  # a window between two samples
+    assert sampler.samples_within(0.0, 1.0) == 5
+
+
 def test_the_window_is_the_one_steady_rate_measures() -> None:
     # Two ranks, 10 steps each (warm-up 2): rank 1 starts 0.5 s later and ends later.
     runs = [c.Series(r, [float(i) for i in range(10)], [100.0 * (i + 1) for i in range(10)],
@@ -206,6 +214,9 @@ def test_hosts_mode_runs_every_way_across_namespaces(tmp_path: Path) -> None:
         assert row["samples_per_sec"] > 0
         assert len(row["peak_bytes_per_worker"]) == 2 and row["peak_worker_bytes"] > 100 << 20
         assert row["nic_bytes_per_step_per_worker"] > 0  # rows cross the emulated links
+        # 12 steps: a window of about one NIC sample, which the bench says (and reads low).
+        short = row["nic_samples_in_window"] < sh.MIN_NIC_SAMPLES
+        assert short == (f"warning: {way}'s training window" in err), (row, err[-2000:])
     assert len(r["ps_sparse"]["peak_bytes_per_shard"]) == 1
     assert r["hybrid"]["nic_bytes_per_step_per_shard_host"] > 0
     assert r["allreduce_sparse"]["peak_bytes_per_shard"] == []
@@ -260,6 +271,7 @@ def test_shards_on_the_workers_hosts_serve_rows_across_the_links(tmp_path: Path)
     # the other worker's half: a host's NIC carries about its worker's own row bytes
     # (0.93-0.98x measured). The NIC is sampled every 0.25 s, so the window must span a
     # few samples: at 12 steps (~0.1 s) the ratio read 0.30-0.47, diluted by idle time.
+    assert hyb["nic_samples_in_window"] >= sh.MIN_NIC_SAMPLES, p.stderr[-2000:]
     assert 0.6 * hyb["bytes_per_step"] < hyb["nic_bytes_per_step_per_worker"]
     assert hyb["nic_bytes_per_step_per_worker"] < 1.5 * hyb["bytes_per_step"]
     assert r["hybrid_vs_allreduce_sparse"]["speedup"] > 0

@@ -47,6 +47,11 @@ class NicSampler(Periodic):
                 got[name] = n
         self.samples.append((time.time(), got))
 
+    def samples_within(self, t0: float, t1: float) -> int:
+        """How many samples fall inside [t0, t1]: under ~3, a window's bytes are mostly
+        interpolated from idle time around it (a run of few steps reads low)."""
+        return sum(t0 <= t <= t1 for t, _ in self.samples)
+
     def between(self, name: str, t0: float, t1: float) -> float | None:
         """Bytes host `name` moved from wall time t0 to t1 (interpolated samples)."""
         return bytes_between([(t, s[name]) for t, s in self.samples if name in s], t0, t1)

@@ -23,6 +23,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -55,6 +56,9 @@ MARGIN = 2 << 30
 #: worker i % N (ps-lite's and MXNet's way: servers on the trainers' machines, as TorchRec
 #: keeps its shards in the trainers' memory; the same hosts and NICs as DDP's).
 PLACEMENTS = ("own-hosts", "worker-hosts")
+#: NIC samples a way's training window must span for its NIC bytes to be read as its
+#: own (fewer: interpolated across the idle time around it, the figure reads low).
+MIN_NIC_SAMPLES = 3
 
 
 def host_names(workers: int, shards: int, placement: str = "own-hosts") -> list[str]:
@@ -241,6 +245,11 @@ def run_way(way: str, d: Path, lan: Any, common: list[str], world: int, shards: 
     # Steps one worker took in the window (all take the same share in a sync job).
     per_worker_steps = rate * window / (world * int(common[common.index("--batch-size") + 1]))
     moved = {n: counters.between(n, t0, t1) for n in pids}
+    inside = counters.samples_within(t0, t1)
+    if inside < MIN_NIC_SAMPLES:
+        print(f"warning: {way}'s training window ({t1 - t0:.2f} s) spans {inside} NIC "
+              f"sample(s) of {counters.every} s: its NIC bytes read low; give it more --steps",
+              file=sys.stderr)  # fmt: skip
 
     def mean(xs: list[float | None]) -> float | None:
         if not xs or None in xs or not per_worker_steps > 0:  # no window (NaN rate): no figure
@@ -252,6 +261,7 @@ def run_way(way: str, d: Path, lan: Any, common: list[str], world: int, shards: 
         "samples_per_sec": rate, "window_s": window, "steps": steps,
         "report_samples_per_sec": rep.get("global_samples_per_sec"),
         "nic_bytes_per_step_per_worker": mean([moved[f"w{r}"] for r in range(world)]),
+        "nic_samples_in_window": inside,
         # Shards on the workers' hosts: their bytes are in the workers' NICs' figure.
         "nic_bytes_per_step_per_shard_host": mean([moved[n] for n in shard_hosts]) if addrs
         and shard_hosts else None,
