@@ -71,7 +71,7 @@ the same model and data (`hybrid_vs_torchrec`, `goal_hosts_torchrec`). Bytes per
 counted on the NICs over the window every worker trains in
 (`nic_bytes_per_step_per_worker`, `nic_bytes_per_step_per_shard_host`): DDP-sparse's
 sparse allgather measured, set-up traffic (DDP's broadcast of the table) left out. The
-NICs are sampled every 0.25 s and the window's ends interpolated: a window spanning fewer
+NICs are sampled every 0.05 s and the window's ends interpolated: a window spanning fewer
 than 3 samples (`nic_samples_in_window`; a run of few steps) reads low, and the bench
 warns on stderr.
 `--shard-placement worker-hosts` runs shard i on worker i's host instead (no shard

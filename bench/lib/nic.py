@@ -23,6 +23,13 @@ def nic_bytes(net_dev: str, ifname: str = "eth0") -> int | None:
     return None
 
 
+# A sample is a /proc file read per host (~20 us each, no process spawned), so sampling
+# often costs next to nothing, and it must be often: a window's ends are interpolated
+# between samples, and a run of a few tenths of a second (60 steps on 2 cores: 0.48 s in
+# CI) spanned only 2 samples at 0.25 s, its bytes diluted by the idle time around it.
+NIC_EVERY_S = 0.05
+
+
 class NicSampler(Periodic):
     """Every `every` s, the rx + tx bytes of each host's NIC, read from /proc/PID/net/dev
     of a process inside that host (a file read: no `ip` spawned on the shared cores), so
@@ -31,7 +38,7 @@ class NicSampler(Periodic):
 
     edges = True  # a sample after the workers' exit: the window's end is bracketed
 
-    def __init__(self, pids: dict[str, int], every: float = 0.25) -> None:
+    def __init__(self, pids: dict[str, int], every: float = NIC_EVERY_S) -> None:
         super().__init__(every)
         self.pids = pids
         self.samples: list[tuple[float, dict[str, int]]] = []
